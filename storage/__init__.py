@@ -1,1 +1,51 @@
-"""storage package."""
+"""Storage: documents in, tensors and chats on disk.
+
+* :mod:`storage.documents` turns a PDF / text / Markdown file into a :class:`Document`.
+* :mod:`storage.blobs` writes tensors atomically as safetensors and reads them back verified.
+* :mod:`storage.store` indexes everything in SQLite (:class:`Store`).
+* :mod:`storage.errors` holds the store's named exceptions.
+"""
+
+from .blobs import BlobInfo, read_tensors, write_tensors
+from .documents import (
+    CorruptDocumentError,
+    Document,
+    DocumentError,
+    EmptyDocumentError,
+    EncryptedPDFError,
+    NoTextError,
+    UnsupportedTypeError,
+    document_kind,
+    load_document,
+    load_document_bytes,
+)
+from .errors import (
+    AmbiguousIdError,
+    DamagedArtifactError,
+    MissingArtifactError,
+    NotFoundError,
+    StorageError,
+)
+from .store import Store
+
+__all__ = [
+    "AmbiguousIdError",
+    "BlobInfo",
+    "CorruptDocumentError",
+    "DamagedArtifactError",
+    "Document",
+    "DocumentError",
+    "EmptyDocumentError",
+    "EncryptedPDFError",
+    "MissingArtifactError",
+    "NoTextError",
+    "NotFoundError",
+    "StorageError",
+    "Store",
+    "UnsupportedTypeError",
+    "document_kind",
+    "load_document",
+    "load_document_bytes",
+    "read_tensors",
+    "write_tensors",
+]

@@ -1,0 +1,131 @@
+"""The attention function registered with transformers: fixed context (sparse or dense) + new tokens, merged.
+
+Registered under ATTN_NAME through `AttentionInterface` (with a mask function that builds nothing: positions are
+enough to mask here). The per-call state arrives as the `squeeze_step` keyword, which transformers forwards
+from the model's forward call to every attention layer.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from engine.config import IndexSettings
+from engine.fixed_cache import FixedContextCache, FixedContextLayer
+from engine.policies.base import Policy
+from engine.policies.full import FullPolicy
+from engine.stats import TurnRecorder
+from kernels.dispatch import Backend
+
+ATTN_NAME = "squeeze"
+DENSE = FullPolicy()
+
+
+@dataclass
+class QueryCapture:
+    """Keeps the queries of positions >= `start` at global layers (the calibration queries of an ingest)."""
+
+    start: int
+    queries: dict[int, list[torch.Tensor]]  # layer -> chunks of [Hq, n, D]
+
+    def take(self, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
+        keep = q_pos >= self.start
+        if bool(keep.any()):
+            self.queries.setdefault(layer_idx, []).append(q[:, keep].detach().clone())
+
+
+@dataclass
+class StepContext:
+    """Everything one forward call over new tokens needs; passed to the model as `squeeze_step=`."""
+
+    cache: FixedContextCache
+    policy: Policy
+    thresholds: tuple[float, ...]
+    settings: IndexSettings
+    backend: Backend
+    recorder: TurnRecorder | None = None
+    capture: QueryCapture | None = None
+
+
+def _new_token_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """[Lq, Lk] bool: causal, and within the sliding window (k > q - window) when there is one."""
+    mask = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= k_pos[None, :] > q_pos[:, None] - window
+    return mask
+
+
+def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
+    """Attention of q over the layer's fixed context. Returns (out [Hq, Lq, D], lse [Hq, Lq]) float32."""
+    kf, vf = layer.fixed_keys, layer.fixed_values
+    if layer.sliding_window is not None:  # the last window of the document, dense, masked by distance
+        k_pos = torch.arange(layer.fixed_len - kf.shape[1], layer.fixed_len, device=q.device)
+        return step.backend.attention_with_lse(q, kf, vf, scale, _new_token_mask(q_pos, k_pos, layer.sliding_window))
+    recorder = step.recorder
+    timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
+    policy = step.policy if layer.index else DENSE  # a layer without an index attends densely
+    with timed("lookup"):
+        lookup = policy.lookup(q, layer.index, step.thresholds, scale, step.settings, step.backend)
+    if recorder is not None:
+        recorder.record(layer.layer_idx, lookup, layer.index.get("counts"))
+    with timed("attention"):
+        if lookup.selection is None:
+            return step.backend.attention_with_lse(q, kf, vf, scale)
+        return step.backend.sparse_attention(q, kf, vf, lookup.selection, scale)
+
+
+def squeeze_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    squeeze_step: StepContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query: [1, Hq, Lq, D]; key, value: [1, Hkv, Lnew, D] (the turn's new tokens so far, this step's last).
+
+    Returns (out [1, Lq, Hq, D] in the query's dtype, None).
+    """
+    if squeeze_step is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTN_NAME!r} needs a squeeze_step=StepContext(...) keyword in the model call; "
+            "use engine.session.Session to run the model"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"the fixed-context engine runs batch 1, got batch {query.shape[0]}")
+    if softcap is not None or getattr(module, "attn_logit_softcapping", None):
+        raise NotImplementedError("attention logit soft-capping (e.g. Gemma 2) is not supported by the engine")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer: FixedContextLayer = squeeze_step.cache.layers[module.layer_idx]
+    q, k_new, v_new = query[0], key[0], value[0]  # [Hq, Lq, D], [Hkv, Lnew, D]
+    lq, lnew = q.shape[1], k_new.shape[1]
+    q_pos = torch.arange(layer.fixed_len + lnew - lq, layer.fixed_len + lnew, device=q.device)
+    new_pos = torch.arange(layer.fixed_len, layer.fixed_len + lnew, device=q.device)
+    parts = [squeeze_step.backend.attention_with_lse(q, k_new, v_new, scale, _new_token_mask(q_pos, new_pos, layer.sliding_window))]
+    if layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0:
+        parts.append(_fixed_part(layer, q, q_pos, scale, squeeze_step))
+    if squeeze_step.capture is not None and layer.sliding_window is None:
+        squeeze_step.capture.take(module.layer_idx, q, q_pos)
+    out, _ = squeeze_step.backend.merge_attention(parts) if len(parts) > 1 else parts[0]
+    return out.to(query.dtype).transpose(0, 1).unsqueeze(0), None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Mask function for ATTN_NAME: the attention function masks by positions, so nothing is materialised."""
+    return None
+
+
+def register() -> str:
+    """Register the attention and mask functions (idempotent). Returns the attn_implementation name."""
+    AttentionInterface.register(ATTN_NAME, squeeze_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    return ATTN_NAME

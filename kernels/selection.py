@@ -1,0 +1,62 @@
+"""The contract between a method's lookup and the sparse attention: which fixed-context keys each row attends to."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Selection:
+    """Keys of the fixed context that each row of heads attends to, in CSR form.
+
+    A row is either one query head (``rows == Hq``) or one KV head whose query heads share the
+    selection (``rows == Hkv``, the GQA-friendly form: each selected key is read once per group).
+    Row ``r`` reads KV head ``r * Hkv // rows``.
+
+    indptr:  [rows + 1] int64, non-decreasing, indptr[0] == 0
+    indices: [nnz] int64, rows of the fixed K/V (in [0, num_keys)), sorted within each row
+    num_keys: length of the fixed K/V the indices point into
+    """
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    num_keys: int
+
+    @property
+    def rows(self) -> int:
+        return self.indptr.numel() - 1
+
+    def counts(self) -> torch.Tensor:
+        """[rows] int64: selected keys per row."""
+        return self.indptr[1:] - self.indptr[:-1]
+
+    @staticmethod
+    def from_mask(mask: torch.Tensor) -> "Selection":
+        """mask: [rows, num_keys] bool -> Selection (vectorised, no loop over rows)."""
+        counts = mask.sum(dim=1)
+        indptr = torch.zeros(mask.shape[0] + 1, dtype=torch.int64, device=mask.device)
+        indptr[1:] = torch.cumsum(counts, dim=0)
+        indices = mask.nonzero(as_tuple=False)[:, 1].contiguous()  # row-major: sorted within each row
+        return Selection(indptr=indptr, indices=indices, num_keys=mask.shape[1])
+
+    def to_mask(self) -> torch.Tensor:
+        """[rows, num_keys] bool: the dense form (for tests and references)."""
+        rows = torch.repeat_interleave(torch.arange(self.rows, device=self.indptr.device), self.counts())
+        mask = torch.zeros(self.rows, self.num_keys, dtype=torch.bool, device=self.indptr.device)
+        mask[rows, self.indices] = True
+        return mask
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row key indices padded to the longest row.
+
+        Returns idx [rows, max_count] int64 (padding points at key 0) and valid [rows, max_count] bool.
+        """
+        counts = self.counts()
+        width = int(counts.max().item()) if self.rows > 0 and self.indices.numel() > 0 else 0
+        pos = torch.arange(width, device=self.indptr.device)
+        valid = pos[None, :] < counts[:, None]
+        flat = (self.indptr[:-1, None] + pos[None, :]).clamp(max=max(self.indices.numel() - 1, 0))
+        idx = self.indices[flat] if self.indices.numel() else torch.zeros_like(flat)
+        return torch.where(valid, idx, torch.zeros_like(idx)), valid

@@ -1,0 +1,113 @@
+"""Tensors on disk: safetensors files written atomically and read back verified.
+
+A blob is one ``.safetensors`` file (never pickle).  :func:`write_tensors`
+writes a temporary file in the target directory, fsyncs it, then
+``os.replace``s it into place, so a reader sees either the old file or the
+complete new one, never a torn write.  It returns the sha256 of the bytes on
+disk; :func:`read_tensors` refuses a file whose sha256 differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .errors import DamagedArtifactError, MissingArtifactError
+
+HASH_CHUNK_BYTES = 8 << 20  # read files in 8 MiB chunks while hashing
+TEMP_SUFFIX = ".tmp"  # temporary files are ".<name>.<random>.tmp" beside the target
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    """What was written: sha256 (hex) and size in bytes of the file on disk."""
+
+    sha256: str
+    nbytes: int
+
+
+def file_sha256(path: str | Path) -> str:
+    """Hex sha256 of a file, read in chunks (bounded memory for multi-GB blobs)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> BlobInfo:
+    """Atomically write ``tensors`` to ``path`` as safetensors; returns its :class:`BlobInfo`.
+
+    Tensors are detached, moved to CPU and made contiguous first; tensors that
+    share storage with an earlier one are cloned (safetensors refuses aliases).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        save_file(_prepare(tensors), tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        info = BlobInfo(sha256=file_sha256(tmp), nbytes=tmp.stat().st_size)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return info
+
+
+def read_tensors(
+    path: str | Path, expected_sha256: str, device: str | torch.device = "cpu"
+) -> dict[str, torch.Tensor]:
+    """Load a safetensors file after checking its sha256.
+
+    Raises :class:`MissingArtifactError` if the file is absent and
+    :class:`DamagedArtifactError` if its bytes are not the expected ones.
+    """
+    path = Path(path)
+    try:
+        actual = file_sha256(path)
+    except FileNotFoundError:
+        raise MissingArtifactError(path) from None
+    if actual != expected_sha256:
+        raise DamagedArtifactError(path, expected_sha256, actual)
+    return load_file(path, device=str(device))
+
+
+def _prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CPU, contiguous, and no two tensors sharing storage."""
+    out: dict[str, torch.Tensor] = {}
+    seen_storages: set[int] = set()
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name!r} is a {type(tensor).__name__}, not a torch.Tensor")
+        t = tensor.detach().to("cpu").contiguous()
+        storage = t.untyped_storage().data_ptr()
+        if t.numel() and storage in seen_storages:
+            t = t.clone()
+        seen_storages.add(storage)
+        out[name] = t
+    return out
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Persist the rename itself (POSIX); a no-op where directories cannot be opened."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

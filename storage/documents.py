@@ -1,0 +1,291 @@
+"""Turn an uploaded file (PDF, plain text, Markdown) into a :class:`Document`.
+
+A :class:`Document` is plain text plus the character offset at which each PDF
+page starts, so an answer can cite "page 3".  Loading never guesses silently:
+anything that cannot become useful text raises a named :class:`DocumentError`
+whose one-line message starts with the file name.
+
+Policies:
+
+* Kind comes from the file extension, case-insensitively: ``.pdf``, ``.txt``,
+  ``.md`` / ``.markdown``.
+* Text files: a UTF-8/16/32 byte-order mark is honoured; otherwise UTF-8 is
+  tried, then Windows-1252 (which also covers Latin-1 text).  NUL bytes (with no
+  UTF-16/32 BOM) or many control characters mean a binary file, i.e. corrupt.
+* Encrypted PDFs are refused unless they open with the empty user password
+  (an "owner password only" PDF, which every viewer opens without asking); those
+  are read normally.
+* Whitespace is normalised lightly: CRLF/CR become LF, trailing spaces on each
+  line are dropped, runs of 3+ newlines collapse to one blank line, and the
+  text is stripped.  PDF pages are normalised one by one and joined with
+  :data:`PAGE_SEPARATOR`, so ``page_starts`` indexes the final text exactly.
+"""
+
+from __future__ import annotations
+
+import bisect
+import codecs
+import hashlib
+import io
+import re
+from dataclasses import dataclass
+from pathlib import Path, PurePath
+
+from pypdf import PasswordType, PdfReader
+from pypdf.errors import DependencyError
+
+KIND_BY_SUFFIX = {".pdf": "pdf", ".txt": "txt", ".md": "md", ".markdown": "md"}
+KINDS = ("pdf", "txt", "md")
+PAGE_SEPARATOR = "\n\n"
+DOC_ID_CHARS = 16  # a document id is this many leading hex chars of its sha256
+
+_PDF_MAGIC = b"%PDF-"
+_PDF_MAGIC_WINDOW = 1024  # readers accept junk before the header within the first 1 KiB
+_MAX_CONTROL_FRACTION = 0.01  # more control characters than this: binary, not text
+_CONTROL_CHARS = re.compile(r"[\x00-\x08\x0e-\x1f\x7f]")  # C0 controls except \t \n \v \f \r
+_LOOKS_BINARY = "it looks like a binary file, not text"
+_MAX_DETAIL_CHARS = 200  # parser messages are cut to keep error messages one short line
+_BOMS = (  # UTF-32 first: its little-endian BOM starts with the UTF-16 one
+    (codecs.BOM_UTF32_LE, "utf-32"),
+    (codecs.BOM_UTF32_BE, "utf-32"),
+    (codecs.BOM_UTF16_LE, "utf-16"),
+    (codecs.BOM_UTF16_BE, "utf-16"),
+)
+_TRAILING_SPACE = re.compile(r"[ \t\f\v\u00a0]+$", re.MULTILINE)
+_BLANK_RUN = re.compile(r"\n{3,}")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class DocumentError(ValueError):
+    """A file cannot be turned into a document; the message starts with its name."""
+
+    def __init__(self, filename: str, reason: str) -> None:
+        self.filename = filename
+        self.reason = reason
+        super().__init__(f"{filename}: {reason}")
+
+
+class UnsupportedTypeError(DocumentError):
+    """The extension is not one of :data:`KIND_BY_SUFFIX`."""
+
+    def __init__(self, filename: str) -> None:
+        suffix = PurePath(filename).suffix or "(no extension)"
+        supported = ", ".join(KIND_BY_SUFFIX)
+        super().__init__(filename, f"unsupported file type {suffix}; supported types: {supported}")
+
+
+class EmptyDocumentError(DocumentError):
+    """The file has no bytes, only whitespace, or (a PDF) no pages."""
+
+    def __init__(self, filename: str, reason: str = "the file is empty") -> None:
+        super().__init__(filename, reason)
+
+
+class CorruptDocumentError(DocumentError):
+    """The bytes cannot be parsed as the kind the extension claims."""
+
+
+class EncryptedPDFError(DocumentError):
+    """The PDF needs a password to open."""
+
+    def __init__(self, filename: str, detail: str = "") -> None:
+        reason = "the PDF is encrypted with a password; remove the password and upload it again"
+        super().__init__(filename, f"{reason} ({detail})" if detail else reason)
+
+
+class NoTextError(DocumentError):
+    """The PDF has pages but none yields extractable text (e.g. a scan)."""
+
+    def __init__(self, filename: str, pages: int) -> None:
+        super().__init__(
+            filename,
+            f"none of its {pages} page(s) has extractable text (scanned images?);"
+            " run OCR on it first (e.g. ocrmypdf) and upload the result",
+        )
+
+
+# --------------------------------------------------------------------------- document
+
+
+@dataclass(frozen=True)
+class Document:
+    """Extracted text of one file.
+
+    ``page_starts[i]`` is the offset in ``text`` where page ``i + 1`` begins;
+    it is ``(0,)`` for text files.  A page with no text shares its start with
+    the next page that has some.  ``sha256`` is over the raw file bytes, so the
+    same upload always gets the same :attr:`doc_id`.
+    """
+
+    name: str
+    kind: str  # "pdf" | "txt" | "md"
+    text: str
+    page_starts: tuple[int, ...]
+    sha256: str
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "page_starts", tuple(int(s) for s in self.page_starts))
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+        starts = self.page_starts
+        if not starts or starts[0] != 0:
+            raise ValueError(f"page_starts must begin with 0, got {starts[:3]!r}")
+        if any(b < a for a, b in zip(starts, starts[1:])) or starts[-1] > len(self.text):
+            raise ValueError("page_starts must be non-decreasing offsets into text")
+        if not _SHA256_HEX.fullmatch(self.sha256):
+            raise ValueError(f"sha256 must be 64 lowercase hex chars, got {self.sha256!r}")
+
+    @property
+    def pages(self) -> int:
+        """Number of pages (1 for text files)."""
+        return len(self.page_starts)
+
+    @property
+    def doc_id(self) -> str:
+        """The store's id for this document: the first 16 hex chars of ``sha256``."""
+        return self.sha256[:DOC_ID_CHARS]
+
+    def page_of(self, char_offset: int) -> int:
+        """1-based page number of the character at ``char_offset`` (0 <= offset < len(text)).
+
+        Separators between pages count towards the page before them.
+        """
+        if not 0 <= char_offset < len(self.text):
+            raise IndexError(f"char offset {char_offset} outside text of length {len(self.text)}")
+        return bisect.bisect_right(self.page_starts, char_offset)
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def document_kind(filename: str | Path) -> str:
+    """``"pdf"``, ``"txt"`` or ``"md"`` from the extension, else :class:`UnsupportedTypeError`."""
+    name = PurePath(filename).name
+    kind = KIND_BY_SUFFIX.get(PurePath(name).suffix.lower())
+    if kind is None:
+        raise UnsupportedTypeError(name)
+    return kind
+
+
+def load_document(path: str | Path) -> Document:
+    """Load a file from disk (its type is checked before reading; OSErrors propagate)."""
+    path = Path(path)
+    document_kind(path)
+    return load_document_bytes(path.read_bytes(), path.name)
+
+
+def load_document_bytes(data: bytes, name: str) -> Document:
+    """Build a :class:`Document` from raw file bytes; ``name`` gives the kind and the label."""
+    name = PurePath(name).name
+    kind = document_kind(name)
+    if not data.strip():
+        reason = "the file holds only whitespace" if data else "the file is empty"
+        raise EmptyDocumentError(name, reason)
+    if kind == "pdf":
+        text, starts = _join_pages([_normalise(p) for p in _pdf_page_texts(data, name)])
+        if not text:
+            raise NoTextError(name, len(starts))
+    else:
+        text, starts = _normalise(_decode_text(data, name)), (0,)
+        if not text:
+            raise EmptyDocumentError(name, "the file holds only whitespace")
+    return Document(name=name, kind=kind, text=text, page_starts=starts,
+                    sha256=hashlib.sha256(data).hexdigest())
+
+
+def _normalise(text: str) -> str:
+    """Light whitespace clean-up; see the module docstring."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\x00", "")
+    text = _TRAILING_SPACE.sub("", text)
+    return _BLANK_RUN.sub("\n\n", text).strip()
+
+
+def _join_pages(pages: list[str]) -> tuple[str, tuple[int, ...]]:
+    """Join normalised page texts with :data:`PAGE_SEPARATOR`, recording where each starts.
+
+    Empty pages add no separator; they start where the next non-empty page
+    starts (or at the end of the text when none follows).
+    """
+    parts: list[str] = []
+    starts: list[int] = []
+    waiting = 0  # empty pages whose start is the next non-empty page's start
+    pos = 0
+    for page in pages:
+        if not page:
+            waiting += 1
+            continue
+        if parts:
+            parts.append(PAGE_SEPARATOR)
+            pos += len(PAGE_SEPARATOR)
+        starts.extend([pos] * (waiting + 1))
+        waiting = 0
+        parts.append(page)
+        pos += len(page)
+    starts.extend([pos] * waiting)
+    return "".join(parts), tuple(starts)
+
+
+def _one_line(exc: BaseException) -> str:
+    detail = " ".join(str(exc).split()) or type(exc).__name__
+    if len(detail) > _MAX_DETAIL_CHARS:
+        detail = detail[: _MAX_DETAIL_CHARS - 1] + "…"
+    return detail
+
+
+def _pdf_page_texts(data: bytes, name: str) -> list[str]:
+    """Extract the raw text of every page with pypdf."""
+    if _PDF_MAGIC not in data[:_PDF_MAGIC_WINDOW]:
+        raise CorruptDocumentError(name, "not a PDF file (no %PDF header)")
+    try:
+        reader = PdfReader(io.BytesIO(data))  # tries the empty password by itself
+        if reader.is_encrypted and reader.decrypt("") == PasswordType.NOT_DECRYPTED:
+            raise EncryptedPDFError(name)
+        pages = list(reader.pages)
+    except DocumentError:
+        raise
+    except DependencyError as exc:  # e.g. AES without the `cryptography` package
+        raise EncryptedPDFError(name, _one_line(exc)) from exc
+    except Exception as exc:  # pypdf raises many types on malformed input
+        raise CorruptDocumentError(name, f"pypdf cannot parse it: {_one_line(exc)}") from exc
+    if not pages:
+        raise EmptyDocumentError(name, "the PDF has no pages")
+    texts = []
+    for number, page in enumerate(pages, start=1):
+        try:
+            texts.append(page.extract_text() or "")
+        except Exception as exc:
+            raise CorruptDocumentError(
+                name, f"pypdf cannot read page {number}: {_one_line(exc)}"
+            ) from exc
+    return texts
+
+
+def _decode_text(data: bytes, name: str) -> str:
+    """Decode a text file; see the module docstring for the order of encodings."""
+    text = None
+    for bom, codec in _BOMS:
+        if data.startswith(bom):
+            try:
+                text = data.decode(codec)
+            except UnicodeDecodeError as exc:
+                reason = f"invalid {codec.upper()} text: {_one_line(exc)}"
+                raise CorruptDocumentError(name, reason) from exc
+            break
+    if text is None:
+        if b"\x00" in data:
+            raise CorruptDocumentError(name, f"contains NUL bytes; {_LOOKS_BINARY}")
+        for codec in ("utf-8-sig", "cp1252"):
+            try:
+                text = data.decode(codec)
+                break
+            except UnicodeDecodeError:
+                continue
+        else:
+            raise CorruptDocumentError(name, "is neither UTF-8 nor Windows-1252 text")
+    controls = len(_CONTROL_CHARS.findall(text))
+    if controls > _MAX_CONTROL_FRACTION * len(text):
+        raise CorruptDocumentError(name, f"contains control characters; {_LOOKS_BINARY}")
+    return text

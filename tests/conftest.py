@@ -1,0 +1,13 @@
+"""Shared fixtures: the real embedded model (loaded once per test session) and a throwaway cache directory."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.model import LoadedModel, load_model
+
+
+@pytest.fixture(scope="session")
+def real_lm(tmp_path_factory) -> LoadedModel:
+    """The embedded Gemma 3 270M on the CPU (float32), dequantized once into a session temp dir."""
+    return load_model(None, "cpu", convert_dir=tmp_path_factory.mktemp("models"))

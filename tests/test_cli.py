@@ -1,0 +1,63 @@
+"""The command line on a tiny random-weight model (`--model PATH`): JSON shapes, errors, list and delete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.cli import main
+from tiny_models import make_tiny_model
+
+DOC = "The harbour wall was rebuilt after the storm. " * 30
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    (root / "doc.txt").write_text(DOC)
+    return make_tiny_model(root, "llama_gqa"), root
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_ingest_ask_list_delete(tiny, capsys):
+    model, root = tiny
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(root / "cache"), "--quiet"]
+    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), "--json", *common)
+    assert code == 0
+    ingest = json.loads(out)
+    assert set(ingest) >= {"doc_id", "context_id", "tokens", "pages", "seconds"}
+    assert ingest["tokens"] == len(DOC.strip()) + 1 and ingest["pages"] == 1  # byte tokenizer + BOS; text stripped
+    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), "--json", *common)
+    assert json.loads(out)["cached"] is True and json.loads(out)["context_id"] == ingest["context_id"]
+    code, out, _ = run(capsys, "ask", ingest["doc_id"], "What was rebuilt?", "--method", "hsqueeze",
+                       "--sparsity", "0.8", "--max-new-tokens", "4", "--json", *common)
+    assert code == 0
+    answer = json.loads(out)
+    assert set(answer) >= {"answer", "method", "sparsity", "kv_budget", "kept_fraction", "clusters", "timings"}
+    assert answer["method"] == "hsqueeze" and answer["sparsity"] == 0.8
+    assert len(answer["kept_fraction"]) == 2 and all(len(row) == 4 for row in answer["kept_fraction"])
+    assert 0 < answer["kv_budget"] < 1
+    code, out, _ = run(capsys, "list", "--json", *common)
+    assert [d["id"] for d in json.loads(out)] == [ingest["doc_id"]]
+    code, out, _ = run(capsys, "delete", ingest["doc_id"], *common)
+    assert code == 0
+    code, out, _ = run(capsys, "list", "--json", *common)
+    assert json.loads(out) == []
+
+
+def test_errors_are_one_line(tiny, capsys, tmp_path):
+    model, root = tiny
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path), "--quiet"]
+    bad = tmp_path / "image.png"
+    bad.write_bytes(b"\x89PNG")
+    for argv in (["ingest", str(bad), *common], ["ask", "nosuchdoc", "q?", *common],
+                 ["ingest", str(tmp_path / "missing.txt"), *common]):
+        code, out, err = run(capsys, *argv)
+        assert code == 1 and out == ""
+        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err

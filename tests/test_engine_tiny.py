@@ -1,0 +1,247 @@
+"""The engine end to end on tiny random-weight models (GQA, MHA, sliding-window hybrid), on the CPU.
+
+Each model goes the real way: saved to a directory, loaded with `load_model(path)`, a document ingested
+(prefill + every method's index + calibration), then a ContextSession answers. The references are the same
+weights run by transformers' own attention ("sdpa", and "eager" as a second opinion) over the whole sequence
+in one plain forward, without any cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from tiny_models import GEMMA_SLIDING_WINDOW, byte_tokenizer, tiny_model_path  # noqa: F401 (fixture)
+
+from engine.attention import ATTN_NAME
+from engine.config import IndexSettings
+from engine.generate import greedy_tokens
+from engine.ingest import effective_settings, ingest_tokens, prefill
+from engine.model import LoadedModel, load_model
+from engine.prompt import ANSWER_RESERVE, STOP_STRINGS, DocumentTooLongError, question_ids, tokenize_document
+from engine.session import ContextSession
+from kernels.dispatch import REFERENCE
+
+# ~600 characters of varied text: digits, punctuation, capitals, one non-ASCII word (several bytes per char).
+DOCUMENT = (
+    "The lighthouse on Karvik Point was built in 1887 from granite quarried two miles inland. "
+    "Its keeper, Ingrid Solberg, logged the weather every four hours: wind, swell, visibility. "
+    "In March 1903 a storm tore the lantern room open; the lens survived, the logbook did not. "
+    "Ships' captains (mostly herring men from Bergen) paid a toll of 3 kroner per passage. "
+    "The café by the harbour sold coffee at 12 öre a cup and kept a barometer behind the till. "
+    "By 1925 the light was electrified; a diesel generator replaced the paraffin lamps. "
+    "Today the tower is a museum - open May to September, closed Mondays - with 147 steps to the top."
+)
+QUESTION = "Who kept the lighthouse logbook?"
+SETTINGS = IndexSettings(centroid_ratio=0.1, level1_ratio=0.02, dense_tail=16)
+HIGH_SPARSITY = 0.9
+NEW_TOKENS = 8
+# fp32 everywhere; the engine splits attention into parts (fixed context, new tokens) merged by log-sum-exp,
+# and the sparse paths gather keys, so only the summation order differs from transformers' attention.
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+@dataclass
+class TinyContext:
+    arch: str
+    lm: LoadedModel
+    fixed_ids: torch.Tensor  # [L] the ingested document's ids (BOS first)
+    session: ContextSession
+
+
+@pytest.fixture(scope="module")
+def ctx(tiny_model_path) -> TinyContext:  # noqa: F811 (the fixture imported above)
+    """One arch's model loaded from its directory, the document ingested, a session over it."""
+    lm = load_model(str(tiny_model_path), device="cpu")
+    fc = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context)
+    out = ingest_tokens(lm, fc.ids, SETTINGS, REFERENCE)
+    return TinyContext(tiny_model_path.name, lm, fc.ids, ContextSession(lm, out.artifacts, SETTINGS, REFERENCE))
+
+
+def plain_logits(lm: LoadedModel, ids: torch.Tensor, attn: str) -> torch.Tensor:
+    """[L, V] float32 logits of ids [L] from one plain forward (no cache) with transformers' `attn` attention."""
+    lm.model.set_attn_implementation(attn)
+    try:
+        with torch.inference_mode():
+            return lm.model(input_ids=ids[None].to(lm.device), use_cache=False).logits[0].float()
+    finally:
+        lm.model.set_attn_implementation(ATTN_NAME)
+
+
+def plain_greedy(lm: LoadedModel, ids: torch.Tensor, max_new_tokens: int) -> list[int]:
+    """Greedy tokens after ids [L], recomputing the whole sequence each step with sdpa (stops after an EOS)."""
+    eos, tokens = lm.eos_ids(), []
+    for _ in range(max_new_tokens):
+        token = int(plain_logits(lm, ids, "sdpa")[-1].argmax())
+        tokens.append(token)
+        if token in eos:
+            break
+        ids = torch.cat([ids, torch.tensor([token])])
+    return tokens
+
+
+def answer_text(tokenizer, tokens: list[int], eos: set[int]) -> str:
+    """What ContextSession makes of generated tokens: up to the first EOS, cut at a stop string, stripped."""
+    kept = []
+    for t in tokens:
+        if t in eos:
+            break
+        kept.append(t)
+    text = tokenizer.decode(kept, skip_special_tokens=True)
+    stops = [text.find(s) for s in STOP_STRINGS if s in text]
+    return (text[: min(stops)] if stops else text).strip()
+
+
+# --------------------------------------------------------------------------- the tiny models themselves
+
+
+def test_byte_tokenizer_is_one_token_per_byte():
+    tok = byte_tokenizer()
+    text = "Café 3€\n\nQuestion:"
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    assert len(enc["input_ids"]) == len(text.encode("utf-8"))
+    assert len(enc["offset_mapping"]) == len(enc["input_ids"])
+    assert tok.decode(enc["input_ids"]) == text
+    assert (tok.bos_token, tok.eos_token, len(tok)) == ("<bos>", "<eos>", 258)
+
+
+def test_loaded_model_matches_its_arch(ctx):
+    lm = ctx.lm
+    assert lm.model.config._attn_implementation == ATTN_NAME
+    assert lm.num_heads == 4 and lm.head_dim == 16
+    expected = {
+        "llama_gqa": (2, [None, None]),
+        "qwen2_mha": (4, [None, None]),
+        "gemma3_hybrid": (1, [GEMMA_SLIDING_WINDOW] * 5 + [None]),
+    }[ctx.arch]
+    assert (lm.num_kv_heads, lm.sliding_windows) == expected
+    if ctx.arch == "gemma3_hybrid":  # the document spans several windows, so the window changes the answer
+        assert ctx.fixed_ids.numel() > 2 * GEMMA_SLIDING_WINDOW
+
+
+# --------------------------------------------------------------------------- exactness against transformers
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("method", ["full", "squeeze", "hsqueeze"])
+def test_logits_match_standard_attention(ctx, method, attn):
+    """At sparsity 0 every method attends to every key, so it must reproduce the model's own attention."""
+    q_ids = question_ids(ctx.lm.tokenizer, QUESTION)
+    expected = plain_logits(ctx.lm, torch.cat([ctx.fixed_ids, q_ids]), attn)[ctx.fixed_ids.numel():]
+    got = ctx.session.logits(QUESTION, method, 0.0)
+    assert got.shape == (q_ids.numel(), len(ctx.lm.tokenizer))
+    torch.testing.assert_close(got, expected, **TOL)
+
+
+def test_generation_over_cache_equals_plain_greedy(ctx):
+    lm, session = ctx.lm, ctx.session
+    prompt = question_ids(lm.tokenizer, QUESTION)
+    expected = plain_greedy(lm, torch.cat([ctx.fixed_ids, prompt]), NEW_TOKENS)
+    got = list(greedy_tokens(lm, session._step("full", 0.0, None), prompt, NEW_TOKENS))
+    session.cache.reset_dynamic()
+    assert got == expected
+    answer = session.ask(QUESTION, "full", 0.0, max_new_tokens=NEW_TOKENS)
+    assert answer.text == answer_text(lm.tokenizer, expected, lm.eos_ids())
+
+
+def test_session_turns_leave_fixed_context_unchanged(ctx):
+    """A turn's new tokens are dropped afterwards: asking twice gives the same logits, the fixed part stays."""
+    before = [(layer.fixed_keys.clone(), layer.fixed_len) for layer in ctx.session.cache.layers]
+    first = ctx.session.logits(QUESTION, "full")
+    ctx.session.ask("What was the toll?", "squeeze", HIGH_SPARSITY, max_new_tokens=3)
+    torch.testing.assert_close(ctx.session.logits(QUESTION, "full"), first, atol=0, rtol=0)
+    for layer, (keys, length) in zip(ctx.session.cache.layers, before):
+        assert layer.fixed_len == length and layer.dynamic_length() == 0
+        assert torch.equal(layer.fixed_keys, keys)
+
+
+# --------------------------------------------------------------------------- sparse methods
+
+
+@pytest.mark.parametrize("method", ["squeeze", "hsqueeze"])
+def test_high_sparsity_runs_and_reports(ctx, method):
+    lm, session = ctx.lm, ctx.session
+    logits = session.logits(QUESTION, method, HIGH_SPARSITY)
+    assert torch.isfinite(logits).all()
+    stats = session.ask(QUESTION, method, HIGH_SPARSITY, max_new_tokens=4).stats
+    assert stats.global_layers == lm.global_layers
+    assert len(stats.kept_fraction) == len(lm.global_layers)
+    assert all(len(row) == lm.num_heads for row in stats.kept_fraction)
+    kept = torch.tensor(stats.kept_fraction)
+    assert ((kept >= 0) & (kept <= 1)).all()
+    if method == "squeeze":
+        assert float(kept.mean()) < 0.6
+    assert 0 < stats.kv_budget < 1
+
+
+# --------------------------------------------------------------------------- sliding windows
+
+
+def test_fixed_cache_keeps_only_the_window_in_sliding_layers(ctx):
+    """Sliding layers keep the document's last `window` keys; global layers keep all of them."""
+    fixed_len = ctx.fixed_ids.numel()
+    for layer, window in zip(ctx.session.cache.layers, ctx.lm.sliding_windows):
+        assert layer.fixed_len == fixed_len
+        expected = fixed_len if window is None else min(window, fixed_len)
+        assert layer.fixed_keys.shape[1] == layer.fixed_values.shape[1] == expected
+    if ctx.arch == "gemma3_hybrid":
+        assert sum(w is not None for w in ctx.lm.sliding_windows) == 5
+
+
+@pytest.mark.parametrize("tiny_model_path", ["gemma3_hybrid"], indirect=True)
+def test_sliding_window_changes_the_reference(tiny_model_path):  # noqa: F811
+    """Guard on the test itself: the document is long enough that ignoring the window changes the logits
+    far beyond TOL, so the sdpa comparison above does check the engine's sliding layers."""
+    lm = load_model(str(tiny_model_path), device="cpu")  # a private copy: its windows are widened below
+    fixed = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context).ids
+    ids = torch.cat([fixed, question_ids(lm.tokenizer, QUESTION)])
+    windowed = plain_logits(lm, ids, "sdpa")
+    lm.model.config.sliding_window = ids.numel() + 1
+    for layer in lm.model.get_decoder().layers:
+        if getattr(layer.self_attn, "sliding_window", None):
+            layer.self_attn.sliding_window = ids.numel() + 1
+    unwindowed = plain_logits(lm, ids, "sdpa")
+    assert (windowed - unwindowed).abs().max() > 100 * TOL["atol"]
+
+
+@pytest.mark.parametrize("chunk", [24, 40])  # shorter and longer than the window; neither divides the document
+def test_chunked_prefill_equals_one_chunk(ctx, chunk):
+    """The fixed K/V (sliding layers trimmed between chunks) and the captured calibration queries do not
+    depend on how the prefill is chunked."""
+    settings = effective_settings(SETTINGS, ctx.fixed_ids.numel())
+    whole, whole_q = prefill(ctx.lm, ctx.fixed_ids, settings, REFERENCE)
+    chunked, chunked_q = prefill(ctx.lm, ctx.fixed_ids, settings, REFERENCE, chunk=chunk)
+    for a, b in zip(whole.layers, chunked.layers):
+        assert a.fixed_len == b.fixed_len == ctx.fixed_ids.numel()
+        torch.testing.assert_close(b.fixed_keys, a.fixed_keys, **TOL)
+        torch.testing.assert_close(b.fixed_values, a.fixed_values, **TOL)
+    assert sorted(chunked_q.queries) == sorted(whole_q.queries) == ctx.lm.global_layers
+    for layer in ctx.lm.global_layers:
+        got, expected = torch.cat(chunked_q.queries[layer], dim=1), torch.cat(whole_q.queries[layer], dim=1)
+        assert got.shape[1] == settings.dense_tail
+        torch.testing.assert_close(got, expected, **TOL)
+
+
+# --------------------------------------------------------------------------- document length
+
+
+def test_document_too_long_is_refused_with_counts():
+    tok = byte_tokenizer()
+    tokens = 1 + len(DOCUMENT.encode("utf-8"))  # BOS + one token per byte
+    limit = 50
+    with pytest.raises(DocumentTooLongError) as err:
+        tokenize_document(tok, DOCUMENT, ANSWER_RESERVE + limit)
+    assert (err.value.tokens, err.value.limit) == (tokens, limit)
+    assert str(tokens) in str(err.value) and str(limit) in str(err.value)
+
+
+def test_document_truncated_to_the_limit():
+    tok = byte_tokenizer()
+    limit = 50
+    fc = tokenize_document(tok, DOCUMENT, ANSWER_RESERVE + limit, truncate=True)
+    assert fc.truncated
+    assert fc.ids.shape == (limit,) and fc.offsets.shape == (limit, 2)
+    whole = tokenize_document(tok, DOCUMENT, ANSWER_RESERVE + 4 * len(DOCUMENT))
+    assert not whole.truncated
+    assert torch.equal(fc.ids, whole.ids[:limit]) and torch.equal(fc.offsets, whole.offsets[:limit])

@@ -1,0 +1,268 @@
+"""engine.policies on random keys: build, calibrate through CalibrationSet, lookup; sparsity and structure checks.
+
+No model: two "layers" of random keys [Hkv, L, D] and random calibration queries stand in for a prefilled context.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from engine.config import SPARSITY_GRID, IndexSettings
+from engine.policies import POLICIES, CalibrationSet, get_policy
+from engine.policies.full import FullPolicy
+from engine.policies.hsqueeze import HierarchicalSqueezePolicy
+from engine.policies.squeeze import SqueezePolicy
+from kernels.dispatch import REFERENCE
+from kernels.reference import centroid_log_scores, reduce_scores
+
+HQ, HKV, L, D = 4, 2, 500, 32
+DENSE_TAIL = 10
+LC = L - DENSE_TAIL  # clustered keys: the context minus its dense tail, as engine/ingest.py cuts it
+NUM_LAYERS = 2
+CALIB_TOKENS = 16
+SCALE = D**-0.5
+SETTINGS = IndexSettings(centroid_ratio=0.1, level1_ratio=0.02, dense_tail=DENSE_TAIL)
+# Each (row, token, cluster) triple carries ~LC / C = 10 keys of the LC * rows * tokens * layers measured, i.e.
+# ~1e-4 of the total: the calibration's quantile is exact to that; the rest of the 0.05 allowance covers float32
+# score differences between the calibration pass (all tokens at once) and the per-token lookups, which can move
+# clusters whose score sits right at the threshold.
+SPARSITY_TOL = 0.05
+
+squeeze = SqueezePolicy()
+hsqueeze = HierarchicalSqueezePolicy()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """These tensors are tiny: intra-op threads only add synchronisation, which costs seconds on a loaded 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def settings_for(group: str) -> IndexSettings:
+    return replace(SETTINGS, group=group)
+
+
+def build_index(keys: torch.Tensor, settings: IndexSettings) -> dict[str, torch.Tensor]:
+    """keys [Hkv, L, D] -> the squeeze then hsqueeze artifacts, merged in that order as engine/ingest.py does."""
+    clustered = keys[:, :LC]
+    index: dict[str, torch.Tensor] = {}
+    index.update(squeeze.build(clustered, settings, index))
+    index.update(hsqueeze.build(clustered, settings, index))
+    return index
+
+
+@pytest.fixture(scope="module")
+def layers() -> list[CalibrationSet]:
+    sets = []
+    for layer in range(NUM_LAYERS):
+        g = torch.Generator().manual_seed(100 + layer)
+        keys = torch.randn(HKV, L, D, generator=g)
+        queries = torch.randn(HQ, CALIB_TOKENS, D, generator=g)  # [Hq, Nc, D]
+        sets.append(CalibrationSet(index=build_index(keys, SETTINGS), queries=queries))
+    return sets
+
+
+@pytest.fixture(scope="module", params=["kv", "query"])
+def calibrated(request, layers):
+    settings = settings_for(request.param)
+    return settings, {
+        "squeeze": squeeze.calibrate(layers, SCALE, settings),
+        "hsqueeze": hsqueeze.calibrate(layers, SCALE, settings),
+    }
+
+
+def lookup(policy, q, index, calibration, sparsity, settings):
+    return policy.lookup(q, index, policy.thresholds(calibration, sparsity), SCALE, settings, REFERENCE)
+
+
+def kept_fraction(policy, layers, calibration, sparsity, settings) -> float:
+    """Mean over layers, calibration tokens (one lookup each, Lq = 1) and rows of the clustered keys kept."""
+    fractions = []
+    for layer in layers:
+        for t in range(layer.queries.shape[1]):
+            result = lookup(policy, layer.queries[:, t : t + 1], layer.index, calibration, sparsity, settings)
+            counts = result.selection.counts()  # [rows] includes the dense tail, which every row keeps
+            fractions.append((counts - DENSE_TAIL).double() / LC)
+    return torch.cat(fractions).mean().item()
+
+
+# ---------------------------------------------------------------- the index
+
+
+def test_index_shapes_and_counts(layers):
+    c2 = SETTINGS.num_centroids(LC)
+    c1 = SETTINGS.num_centroids(LC, SETTINGS.level1_ratio)
+    assert (c2, c1) == (49, 10)
+    for layer in layers:
+        index = layer.index
+        assert index["labels"].shape == (HKV, LC) and index["centroids"].shape == (HKV, c2, D)
+        assert torch.equal(index["counts"].sum(dim=1), torch.full((HKV,), LC))
+        for h in range(HKV):
+            assert torch.equal(index["counts"][h], torch.bincount(index["labels"][h], minlength=c2))
+        assert index["l1_centroids"].shape == (HKV, c1, D) and index["l1_parent"].shape == (HKV, c2)
+        # level-1 counts are the keys under each level-1 cluster
+        for h in range(HKV):
+            want = torch.zeros(c1, dtype=torch.int64).index_add_(0, index["l1_parent"][h], index["counts"][h])
+            assert torch.equal(index["l1_counts"][h], want)
+
+
+# ---------------------------------------------------------------- calibration vs measured sparsity
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.7, 0.9])
+def test_squeeze_kept_fraction_matches_target(layers, calibrated, sparsity):
+    settings, calibration = calibrated
+    kept = kept_fraction(squeeze, layers, calibration["squeeze"], sparsity, settings)
+    assert abs(kept - (1 - sparsity)) <= SPARSITY_TOL, (settings.group, sparsity, kept)
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.7, 0.9])
+def test_hsqueeze_kept_fraction_matches_target(layers, calibrated, sparsity):
+    settings, calibration = calibrated
+    kept = kept_fraction(hsqueeze, layers, calibration["hsqueeze"], sparsity, settings)
+    assert abs(kept - (1 - sparsity)) <= SPARSITY_TOL, (settings.group, sparsity, kept)
+
+
+def test_calibration_is_monotone(calibrated):
+    _, calibration = calibrated
+    for t in (calibration["squeeze"]["threshold"], calibration["hsqueeze"]["threshold_l2"]):
+        assert t.shape == (len(SPARSITY_GRID),) and t[0].item() == 0.0
+    t = calibration["squeeze"]["threshold"]
+    assert (t[1:] >= t[:-1]).all()
+    t1 = calibration["hsqueeze"]["threshold_l1"]
+    assert (t1[1:] >= t1[:-1]).all()
+
+
+@pytest.mark.parametrize("name", ["squeeze", "hsqueeze"])
+def test_zero_sparsity_selects_every_key(layers, calibrated, name):
+    settings, calibration = calibrated
+    policy = get_policy(name)
+    rows = HKV if settings.group == "kv" else HQ
+    for layer in layers:
+        for q in (layer.queries[:, :1], layer.queries[:, 5:6], layer.queries):  # decode and prefill shapes
+            result = lookup(policy, q, layer.index, calibration[name], 0.0, settings)
+            assert result.selection.num_keys == L
+            assert torch.equal(result.selection.counts(), torch.full((rows,), L))
+
+
+# ---------------------------------------------------------------- hierarchical structure
+
+
+def level1_survivors(q, index, t1, rows):
+    """Independent level-1 decision: [rows, C1] bool, S1 > T1 on non-empty level-1 clusters."""
+    s1 = reduce_scores(centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], SCALE), rows)
+    counts = index["l1_counts"].repeat_interleave(rows // HKV, dim=0)
+    return (s1 > t1) & (counts > 0)
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.7, 0.9])
+def test_hsqueeze_level2_kept_only_under_surviving_level1(layers, calibrated, sparsity):
+    settings, calibration = calibrated
+    rows = HKV if settings.group == "kv" else HQ
+    t1, _ = hsqueeze.thresholds(calibration["hsqueeze"], sparsity)
+    assert t1 > 0  # the level-1 threshold prunes something at these sparsities
+    pruned_some = False
+    for layer in layers:
+        index = layer.index
+        for q in (layer.queries[:, :1], layer.queries[:, 3:4], layer.queries[:, 4:12]):
+            result = lookup(hsqueeze, q, index, calibration["hsqueeze"], sparsity, settings)
+            keep1 = level1_survivors(q, index, t1, rows)  # [rows, C1]
+            parent = index["l1_parent"].repeat_interleave(rows // HKV, dim=0)  # [rows, C2]
+            parent_kept = torch.gather(keep1, 1, parent)  # [rows, C2]
+            assert result.clusters.shape == parent_kept.shape
+            assert not (result.clusters & ~parent_kept).any()
+            pruned_some |= bool((~keep1).any())
+            # The selection is exactly the keys of the kept level-2 clusters, plus the dense tail.
+            kv = torch.arange(rows) * HKV // rows
+            key_mask = torch.gather(result.clusters, 1, index["labels"][kv])
+            assert torch.equal(result.selection.to_mask()[:, :LC], key_mask)
+            assert result.selection.to_mask()[:, LC:].all()
+    assert pruned_some
+
+
+# ---------------------------------------------------------------- Lookup metadata
+
+
+@pytest.mark.parametrize("sparsity", [0.0, 0.7])
+def test_index_elements(layers, calibrated, sparsity):
+    settings, calibration = calibrated
+    rows = HKV if settings.group == "kv" else HQ
+    c2, c1 = layers[0].index["centroids"].shape[1], layers[0].index["l1_centroids"].shape[1]
+    for layer in layers:
+        q = layer.queries[:, 2:3]
+        sq = lookup(squeeze, q, layer.index, calibration["squeeze"], sparsity, settings)
+        assert sq.index_elements.shape == (HKV,)
+        assert torch.equal(sq.index_elements.double(), torch.full((HKV,), float(c2 * (D + 1)), dtype=torch.float64))
+        # hsqueeze reads every level-1 centroid, then the level-2 centroids under a level-1 survivor of any row of
+        # the KV head (a centroid and its count: D + 1 elements each).
+        hs = lookup(hsqueeze, q, layer.index, calibration["hsqueeze"], sparsity, settings)
+        t1, _ = hsqueeze.thresholds(calibration["hsqueeze"], sparsity)
+        keep1 = level1_survivors(q, layer.index, t1, rows).reshape(HKV, rows // HKV, c1).any(dim=1)  # [Hkv, C1]
+        survivors = torch.gather(keep1, 1, layer.index["l1_parent"]).sum(dim=1)  # [Hkv]
+        want = ((c1 + survivors) * (D + 1)).double()
+        assert torch.equal(hs.index_elements.double(), want)
+        assert (hs.index_elements <= (c1 + c2) * (D + 1)).all()
+
+
+# ---------------------------------------------------------------- rows and the dense method
+
+
+@pytest.mark.parametrize("name", ["squeeze", "hsqueeze"])
+def test_group_decides_rows(layers, calibrated, name):
+    settings, calibration = calibrated
+    rows = HKV if settings.group == "kv" else HQ
+    policy = get_policy(name)
+    layer = layers[0]
+    for q in (layer.queries[:, :1], layer.queries[:, :6]):
+        result = lookup(policy, q, layer.index, calibration[name], 0.7, settings)
+        assert result.selection.rows == rows
+        assert result.clusters.shape == (rows, layer.index["centroids"].shape[1])
+
+
+def test_full_policy_is_dense(layers):
+    full = get_policy("full")
+    assert isinstance(full, FullPolicy) and not full.sparse
+    layer = layers[0]
+    assert full.build(torch.randn(HKV, LC, D), SETTINGS, {}) == {}
+    assert full.calibrate(layers, SCALE, SETTINGS) == {} and full.thresholds({}, 0.7) == ()
+    result = full.lookup(layer.queries[:, :1], layer.index, (), SCALE, SETTINGS, REFERENCE)
+    assert result.selection is None and result.clusters is None
+
+
+def test_policy_registry():
+    assert set(POLICIES) == {"full", "squeeze", "hsqueeze"}
+    with pytest.raises(ValueError):
+        get_policy("nope")
+
+
+# ---------------------------------------------------------------- IndexSettings
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"centroid_ratio": 0.0},
+        {"centroid_ratio": 1.5},
+        {"level1_ratio": 0.0},
+        {"centroid_ratio": 0.05, "level1_ratio": 0.1},  # level 1 must be coarser than level 2
+        {"dense_tail": 0},
+        {"kmeans_iters": 0},
+        {"group": "head"},
+    ],
+)
+def test_index_settings_validation(bad):
+    with pytest.raises(ValueError):
+        IndexSettings(**bad)
+
+
+def test_num_centroids_is_clamped():
+    settings = IndexSettings(centroid_ratio=0.1, level1_ratio=0.02)
+    assert settings.num_centroids(490) == 49 and settings.num_centroids(490, settings.level1_ratio) == 10
+    assert settings.num_centroids(3) == 1  # at least one
+    assert IndexSettings(centroid_ratio=1.0, level1_ratio=1.0).num_centroids(7) == 7  # at most every key

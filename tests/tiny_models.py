@@ -1,0 +1,99 @@
+"""Tiny random-weight causal LMs and a byte-level tokenizer, built in memory (nothing is downloaded).
+
+Each architecture is one the engine must serve: GQA (Llama), MHA (Qwen2) and a sliding-window hybrid
+(Gemma 3: five sliding layers, then one global). `make_tiny_model` saves weights and tokenizer into a
+directory, so the engine loads them through its real `--model PATH` route (`engine.model.load_model`).
+
+Use the session-scoped fixtures from a test module::
+
+    from tiny_models import tiny_model_path  # noqa: F401  (pytest finds the fixture by name)
+
+    def test_something(tiny_model_path): ...   # runs once per arch in ARCHS
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+BOS, EOS = "<bos>", "<eos>"
+ARCHS = ("llama_gqa", "qwen2_mha", "gemma3_hybrid")
+SEED = 0
+MAX_POSITIONS = 4096
+GEMMA_SLIDING_WINDOW = 32  # tokens; the test document is several windows long, so the window matters
+
+
+def byte_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE with no merges: one token per UTF-8 byte, plus <bos> and <eos> (ids 256 and 257).
+
+    unk and pad are <eos> (as in Qwen's own tokenizers; every byte has a token, so unk never occurs):
+    transformers 5 loads a saved qwen2 tokenizer as Qwen2Tokenizer, which would otherwise add an
+    "<|endoftext|>" token (id 258) past the model's vocabulary.
+    """
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for the bytes
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BOS, EOS])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=EOS, pad_token=EOS)
+
+
+def _config(arch: str, tokenizer: PreTrainedTokenizerFast):
+    """The random-weight config of `arch`, with the tokenizer's vocabulary and special ids."""
+    common = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        head_dim=16,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=MAX_POSITIONS,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=False,
+    )
+    if arch == "llama_gqa":
+        return LlamaForCausalLM, LlamaConfig(num_hidden_layers=2, num_key_value_heads=2, **common)
+    if arch == "qwen2_mha":
+        return Qwen2ForCausalLM, Qwen2Config(num_hidden_layers=2, num_key_value_heads=4, **common)
+    if arch == "gemma3_hybrid":
+        layer_types = ["sliding_attention"] * 5 + ["full_attention"]
+        return Gemma3ForCausalLM, Gemma3TextConfig(
+            num_hidden_layers=len(layer_types),
+            layer_types=layer_types,
+            sliding_window=GEMMA_SLIDING_WINDOW,
+            num_key_value_heads=1,
+            **common,
+        )
+    raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS)}")
+
+
+def make_tiny_model(tmp_path: Path, arch: str) -> Path:
+    """Build a seeded random-weight `arch` model and save it with `byte_tokenizer()` under tmp_path/arch."""
+    tokenizer = byte_tokenizer()
+    model_cls, config = _config(arch, tokenizer)
+    torch.manual_seed(SEED)
+    model = model_cls(config).eval()
+    path = Path(tmp_path) / arch
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session", params=ARCHS)
+def tiny_model_path(request, tmp_path_factory) -> Path:
+    """A saved tiny model directory, built once per arch for the whole test session."""
+    return make_tiny_model(tmp_path_factory.mktemp("tiny_models"), request.param)
