@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 DEFAULT_DENSE_TAIL = 100  # last context tokens: kept dense, and their queries calibrate the threshold (paper, app. C)
 PROMPT_VERSION = 1  # bump when the document/question template changes: old contexts are then not reused
+INDEX_VERSION = 2  # bump when how indexes are built changes (2: k-means++ seeding): old contexts are rebuilt
 # Calibrated sparsities: a requested sparsity maps to its threshold by interpolation between these points.
 SPARSITY_GRID = (0.0, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.97, 0.98, 0.99)
 LEVEL1_PRUNE = 0.5  # hierarchical: the level-1 threshold rules out about this fraction of the keys (paper, 6.1)
@@ -44,7 +45,7 @@ class IndexSettings:
             raise ValueError(f"group must be 'kv' or 'query', got {self.group!r}")
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "prompt_version": PROMPT_VERSION}
+        return {**asdict(self), "prompt_version": PROMPT_VERSION, "index_version": INDEX_VERSION}
 
     def num_centroids(self, clustered: int, ratio: float | None = None) -> int:
         """Centroids for `clustered` keys at `ratio` (default: centroid_ratio): at least 1, at most `clustered`."""
