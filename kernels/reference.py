@@ -151,7 +151,8 @@ def reduce_scores(log_scores: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def select_clusters(mean_scores: torch.Tensor, threshold: float) -> torch.Tensor:
-    """mean S [rows, C] -> kept clusters [rows, C] bool: S > T (T <= 0 keeps every non-empty cluster)."""
+    """mean S [rows, C] -> kept clusters [rows, C] bool: S > T (T <= 0 keeps every cluster, empty ones too;
+    the policies drop empty clusters by their counts)."""
     return mean_scores > threshold if threshold > 0 else mean_scores >= 0
 
 
