@@ -124,9 +124,9 @@ class Engine:
     def session(self, context_id: str) -> ContextSession:
         """The context on the model's device (the last one opened stays open)."""
         if self._session is None or self._session[0] != context_id:
+            self._session = None  # free the previous context before loading the next
             ctx = self.store.get_context(context_id)
             artifacts = self.store.load_artifacts(context_id)
-            self._session = None  # free the previous context first
             self._session = (context_id, ContextSession(self.lm, artifacts, settings_from_dict(ctx["settings"]), self.backend))
         return self._session[1]
 
@@ -143,7 +143,6 @@ class Engine:
 
     def delete_document(self, doc_id: str) -> str:
         doc = self.store.find_document(doc_id)
-        if self._session is not None:
-            self._session = None
+        self._session = None
         self.store.delete_document(doc["id"])
         return doc["id"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.model import LoadedModel, load_model
 
@@ -11,3 +12,13 @@ from engine.model import LoadedModel, load_model
 def real_lm(tmp_path_factory) -> LoadedModel:
     """The embedded Gemma 3 270M on the CPU (float32), dequantized once into a session temp dir."""
     return load_model(None, "cpu", convert_dir=tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """For modules of tiny tensors: intra-op threads only add synchronisation, which costs seconds on a loaded
+    2-core machine. Use with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -35,13 +35,7 @@ squeeze = SqueezePolicy()
 hsqueeze = HierarchicalSqueezePolicy()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add synchronisation, which costs seconds on a loaded 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def settings_for(group: str) -> IndexSettings:
