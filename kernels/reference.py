@@ -171,3 +171,30 @@ def clusters_to_keys(cluster_mask: torch.Tensor, labels: torch.Tensor, dense_tai
         tail = torch.ones(rows, dense_tail, dtype=torch.bool, device=labels.device)
         key_mask = torch.cat([key_mask, tail], dim=1)
     return Selection.from_mask(key_mask)
+
+
+def cluster_keep(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    threshold: float,
+    rows: int,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole centroid lookup of one step: eq. 1 (eq. 3 under `allowed`), reduced per row, against T.
+
+    q: [Hq, Lq, D]; centroids: [Hkv, C, D]; counts: [Hkv, C]; rows: Hq or Hkv (see Selection)
+    allowed: optional [rows, C] bool, the candidate clusters (hierarchical level 2): only they enter the
+             denominator, and the others are neither scored nor kept.
+    Returns keep [rows, C] bool (S > T, or every non-empty candidate when T <= 0) and score [rows, C] float32
+    (reduce_scores: max of the token mean and the last token of S averaged over the row's query heads; 0 where
+    not allowed).
+    """
+    hq = q.shape[0]
+    allowed_hq = None if allowed is None else allowed.repeat_interleave(hq // rows, dim=0)
+    score = reduce_scores(centroid_log_scores(q, centroids, counts, scale, allowed=allowed_hq), rows)
+    keep = select_clusters(score, threshold) & (counts.repeat_interleave(rows // counts.shape[0], dim=0) > 0)
+    if allowed is not None:
+        keep &= allowed
+    return keep, score

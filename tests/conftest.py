@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in the interpreter on the CPU; set before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from engine.model import LoadedModel, load_model
 
