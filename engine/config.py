@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass
 
 DEFAULT_DENSE_TAIL = 100  # last context tokens: kept dense, and their queries calibrate the threshold (paper, app. C)
 PROMPT_VERSION = 1  # bump when the document/question template changes: old contexts are then not reused
-INDEX_VERSION = 2  # bump when how indexes are built changes (2: k-means++ seeding): old contexts are rebuilt
+INDEX_VERSION = 3  # bump when how indexes are built changes (2: k-means++ seeding; 3: level-2 ids grouped by parent)
 # Calibrated sparsities: a requested sparsity maps to its threshold by interpolation between these points.
 SPARSITY_GRID = (0.0, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.97, 0.98, 0.99)
 LEVEL1_PRUNE = 0.5  # hierarchical: the level-1 threshold rules out about this fraction of the keys (paper, 6.1)

@@ -17,6 +17,7 @@ from engine.policies import get_policy
 from engine.prompt import STOP_STRINGS, question_ids
 from engine.stats import TurnRecorder, TurnStats
 from kernels.dispatch import Backend
+from kernels.layout import ClusterLayout
 
 
 @dataclass
@@ -49,13 +50,13 @@ class ContextSession:
             prefix = f"layer{i}."
             index = {k[len(prefix):]: v.to(dev) for k, v in artifacts.items()
                      if k.startswith(prefix) and k not in (prefix + "keys", prefix + "values", prefix + "calib_queries")}
-            layers.append(FixedContextLayer(
-                fixed_keys=artifacts[prefix + "keys"].to(dev, lm.dtype),
-                fixed_values=artifacts[prefix + "values"].to(dev, lm.dtype),
-                fixed_len=self.fixed_len,
-                sliding_window=window,
-                index=index,
-            ))
+            keys = artifacts[prefix + "keys"].to(dev, lm.dtype)
+            values = artifacts[prefix + "values"].to(dev, lm.dtype)
+            if "labels" in index:  # the fixed context as an inverted file: each cluster's keys contiguous
+                layout = ClusterLayout.from_labels(index["labels"], index["counts"].shape[1], keys.shape[1] - index["labels"].shape[1])
+                keys, values = layout.permute(keys), layout.permute(values)  # positions as index["key_starts"] says
+            layers.append(FixedContextLayer(fixed_keys=keys, fixed_values=values, fixed_len=self.fixed_len,
+                                            sliding_window=window, index=index))
         self.cache = FixedContextCache(layers)
 
     def thresholds(self, method: str, sparsity: float) -> tuple[float, ...]:

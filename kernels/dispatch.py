@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from kernels import reference
+from kernels import layout, reference
 
 
 @dataclass(frozen=True)
 class Backend:
-    """The kernels one engine uses, all with the signatures and semantics of `kernels.reference`."""
+    """The kernels one engine uses, all with the signatures and semantics of `kernels.reference`
+    (`expand_groups`: of `kernels.layout.expand_groups`)."""
 
     name: str
     attention_with_lse: Callable
     sparse_attention: Callable
     centroid_log_scores: Callable
     merge_attention: Callable
+    cluster_keep: Callable
+    cluster_keep_among: Callable
+    expand_groups: Callable
 
 
 REFERENCE = Backend(
@@ -27,6 +32,9 @@ REFERENCE = Backend(
     sparse_attention=reference.sparse_attention,
     centroid_log_scores=reference.centroid_log_scores,
     merge_attention=reference.merge_attention,
+    cluster_keep=reference.cluster_keep,
+    cluster_keep_among=reference.cluster_keep_among,
+    expand_groups=layout.expand_groups,
 )
 
 
@@ -35,9 +43,10 @@ def backend_for(device: torch.device | str, prefer: str | None = None) -> Backen
     device = torch.device(device)
     if prefer not in (None, "torch", "triton"):
         raise ValueError(f"unknown kernel backend {prefer!r}; choose 'torch' or 'triton'")
-    if prefer == "torch" or device.type != "cuda":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # kernels run on the CPU, slowly (tests)
+    if prefer == "torch" or (device.type != "cuda" and not (prefer == "triton" and interpreted)):
         if prefer == "triton":
-            raise ValueError("the triton backend needs CUDA tensors")
+            raise ValueError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests on the CPU)")
         return REFERENCE
     try:
         from kernels import triton_backend  # noqa: PLC0415 - optional until the Triton kernels land

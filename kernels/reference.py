@@ -198,3 +198,17 @@ def cluster_keep(
     if allowed is not None:
         keep &= allowed
     return keep, score
+
+
+def cluster_keep_among(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    threshold: float,
+    rows: int,
+    candidates: Selection,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cluster_keep` restricted to each row's candidate clusters (a Selection over cluster ids, num_keys = C):
+    the hierarchical level 2, whose denominator runs over the candidates only (eq. 3)."""
+    return cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask())

@@ -16,6 +16,7 @@ from engine.policies.full import FullPolicy
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
 from engine.policies.squeeze import SqueezePolicy
 from kernels.dispatch import REFERENCE
+from kernels.layout import ClusterLayout
 from kernels.reference import centroid_log_scores, reduce_scores
 
 HQ, HKV, L, D = 4, 2, 500, 32
@@ -75,6 +76,17 @@ def lookup(policy, q, index, calibration, sparsity, settings):
     return policy.lookup(q, index, policy.thresholds(calibration, sparsity), SCALE, settings, REFERENCE)
 
 
+def original_mask(selection, index) -> torch.Tensor:
+    """[rows, L] bool: the selection (of positions in the cluster-permuted K/V) in the keys' original order."""
+    rows = selection.rows
+    layout = ClusterLayout.from_labels(index["labels"], index["counts"].shape[1], L - LC)
+    assert torch.equal(layout.starts, index["key_starts"])
+    order = layout.order.repeat_interleave(rows // HKV, dim=0)  # [rows, L]
+    mask = torch.zeros(rows, L, dtype=torch.bool)
+    mask.scatter_(1, order, selection.to_mask())
+    return mask
+
+
 def kept_fraction(policy, layers, calibration, sparsity, settings) -> float:
     """Mean over layers, calibration tokens (one lookup each, Lq = 1) and rows of the clustered keys kept."""
     fractions = []
@@ -93,8 +105,9 @@ def test_index_shapes_and_counts(layers):
     c2 = SETTINGS.num_centroids(LC)
     c1 = SETTINGS.num_centroids(LC, SETTINGS.level1_ratio)
     assert (c2, c1) == (49, 10)
-    for layer in layers:
+    for n, layer in enumerate(layers):
         index = layer.index
+        keys = torch.randn(HKV, L, D, generator=torch.Generator().manual_seed(100 + n))  # as the fixture made them
         assert index["labels"].shape == (HKV, LC) and index["centroids"].shape == (HKV, c2, D)
         assert torch.equal(index["counts"].sum(dim=1), torch.full((HKV,), LC))
         for h in range(HKV):
@@ -104,6 +117,15 @@ def test_index_shapes_and_counts(layers):
         for h in range(HKV):
             want = torch.zeros(c1, dtype=torch.int64).index_add_(0, index["l1_parent"][h], index["counts"][h])
             assert torch.equal(index["l1_counts"][h], want)
+        # level-2 ids are grouped by level-1 parent, and the children ranges say so
+        assert (index["l1_parent"].diff(dim=1) >= 0).all()
+        for h in range(HKV):
+            children = torch.bincount(index["l1_parent"][h], minlength=c1)
+            assert torch.equal(index["l1_child_starts"][h].diff(), children)
+        # the centroids still are the means of their (renumbered) members
+        for h in range(HKV):
+            members = index["labels"][h] == 3
+            assert torch.allclose(index["centroids"][h, 3], keys[h, :LC][members].mean(dim=0), atol=1e-5)
 
 
 # ---------------------------------------------------------------- calibration vs measured sparsity
@@ -175,8 +197,9 @@ def test_hsqueeze_level2_kept_only_under_surviving_level1(layers, calibrated, sp
             # The selection is exactly the keys of the kept level-2 clusters, plus the dense tail.
             kv = torch.arange(rows) * HKV // rows
             key_mask = torch.gather(result.clusters, 1, index["labels"][kv])
-            assert torch.equal(result.selection.to_mask()[:, :LC], key_mask)
-            assert result.selection.to_mask()[:, LC:].all()
+            selected = original_mask(result.selection, index)
+            assert torch.equal(selected[:, :LC], key_mask)
+            assert selected[:, LC:].all()
     assert pruned_some
 
 
@@ -193,15 +216,16 @@ def test_index_elements(layers, calibrated, sparsity):
         sq = lookup(squeeze, q, layer.index, calibration["squeeze"], sparsity, settings)
         assert sq.index_elements.shape == (HKV,)
         assert torch.equal(sq.index_elements.double(), torch.full((HKV,), float(c2 * (D + 1)), dtype=torch.float64))
-        # hsqueeze reads every level-1 centroid, then the level-2 centroids under a level-1 survivor of any row of
-        # the KV head (a centroid and its count: D + 1 elements each).
+        # hsqueeze reads every level-1 centroid, then each row's level-2 candidates: the children of its level-1
+        # survivors (a centroid and its count: D + 1 elements each; rows of one KV head read theirs separately).
         hs = lookup(hsqueeze, q, layer.index, calibration["hsqueeze"], sparsity, settings)
         t1, _ = hsqueeze.thresholds(calibration["hsqueeze"], sparsity)
-        keep1 = level1_survivors(q, layer.index, t1, rows).reshape(HKV, rows // HKV, c1).any(dim=1)  # [Hkv, C1]
-        survivors = torch.gather(keep1, 1, layer.index["l1_parent"]).sum(dim=1)  # [Hkv]
+        keep1 = level1_survivors(q, layer.index, t1, rows)  # [rows, C1]
+        parent = layer.index["l1_parent"].repeat_interleave(rows // HKV, dim=0)  # [rows, C2]
+        survivors = torch.gather(keep1, 1, parent).sum(dim=1).reshape(HKV, rows // HKV).sum(dim=1)  # [Hkv]
         want = ((c1 + survivors) * (D + 1)).double()
         assert torch.equal(hs.index_elements.double(), want)
-        assert (hs.index_elements <= (c1 + c2) * (D + 1)).all()
+        assert (hs.index_elements <= (c1 + (rows // HKV) * c2) * (D + 1)).all()
 
 
 # ---------------------------------------------------------------- rows and the dense method

@@ -22,11 +22,13 @@ class Lookup:
     selection: keys of the fixed K/V to attend to; None means all of them (dense)
     clusters: [rows, C] bool kept clusters, or None for methods without clusters
     index_elements: [Hkv] elements of index metadata read per KV head (centroids, counts, bounds)
+    scores: [rows, C] float32 the clusters' scores (S of eq. 1, reduced over the step), or None
     """
 
     selection: Selection | None
     clusters: torch.Tensor | None
     index_elements: torch.Tensor
+    scores: torch.Tensor | None = None
 
 
 @dataclass

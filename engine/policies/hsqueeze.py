@@ -12,7 +12,8 @@ from engine.kmeans import spherical_kmeans
 from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows
 from engine.policies.squeeze import row_counts
 from kernels.dispatch import Backend
-from kernels.reference import clusters_to_keys, reduce_scores, row_scores, select_clusters
+from kernels.layout import group_starts
+from kernels.reference import row_scores, select_clusters
 
 
 def level1_prune(sparsity: float) -> float:
@@ -32,29 +33,40 @@ class HierarchicalSqueezePolicy(Policy):
     name: ClassVar[str] = "hsqueeze"
 
     def build(self, keys: torch.Tensor, settings: IndexSettings, index: LayerIndex) -> LayerIndex:
-        """Cluster the level-2 centroids (from `squeeze`) into level-1 centroids, weighted by their sizes."""
+        """Cluster the level-2 centroids (from `squeeze`) into level-1 centroids, weighted by their sizes, then
+        renumber the level-2 clusters so that each level-1 cluster's children are contiguous: the children of the
+        kept level-1 clusters are then ranges (kernels.layout). Returns the renumbered labels/centroids/counts too."""
         c2 = index["centroids"]  # [Hkv, C2, D]
         k1 = min(c2.shape[1], settings.num_centroids(keys.shape[1], settings.level1_ratio))
         result = spherical_kmeans(c2, k1, iters=settings.kmeans_iters, seed=settings.seed, weights=index["counts"])
+        order = torch.argsort(result.labels, dim=1, stable=True)  # [Hkv, C2]: new id -> old id
+        new_id = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order).contiguous())
+        counts2 = torch.gather(index["counts"], 1, order)
+        parent = torch.gather(result.labels, 1, order)  # [Hkv, C2], non-decreasing
         counts1 = torch.zeros_like(result.counts)
-        counts1.scatter_add_(1, result.labels, index["counts"])  # keys under each level-1 centroid
+        counts1.scatter_add_(1, parent, counts2)  # keys under each level-1 centroid
+        labels = torch.gather(new_id, 1, index["labels"])  # [Hkv, Lc] in the new numbering
         return {
+            "labels": labels,
+            "key_starts": group_starts(labels, c2.shape[1]),
+            "centroids": torch.gather(c2, 1, order[:, :, None].expand_as(c2)),
+            "counts": counts2,
             "l1_centroids": result.centroids.to(keys.dtype),  # [Hkv, C1, D] key-weighted means
             "l1_counts": counts1,  # [Hkv, C1]
-            "l1_parent": result.labels,  # [Hkv, C2] level-1 cluster of each level-2 cluster
+            "l1_parent": parent,  # [Hkv, C2] level-1 cluster of each level-2 cluster
+            "l1_child_starts": group_starts(parent, k1),  # [Hkv, C1 + 1] children of c: [starts[c], starts[c+1])
         }
 
-    def _scores(self, q, index, t1: float, scale, rows, backend, per_token: bool):
-        """Level-1 survivors and level-2 S over them. Returns (S2 [rows, (Lq,) C2], allowed2 same shape)."""
+    def _token_scores(self, q, index, t1: float, scale, rows, backend):
+        """Calibration view: per token, the level-1 survivors and level-2 S over them.
+        Returns (S2 [rows, Lq, C2], allowed2 [rows, Lq, C2] bool)."""
         hq = q.shape[0]
-        log1 = backend.centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale)  # [Hq, Lq, C1]
-        s1 = row_scores(log1, rows) if per_token else reduce_scores(log1, rows)  # [rows, (Lq,) C1]
-        keep1 = select_clusters(s1, t1) & (row_counts(index["l1_counts"], rows).view(rows, *([1] * (s1.dim() - 2)), -1) > 0)
-        allowed2 = _level2_allowed(keep1, index["l1_parent"])  # [rows, (Lq,) C2]
+        s1 = row_scores(backend.centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale), rows)
+        keep1 = select_clusters(s1, t1) & (row_counts(index["l1_counts"], rows)[:, None, :] > 0)
+        allowed2 = _level2_allowed(keep1, index["l1_parent"])  # [rows, Lq, C2]
         allowed_hq = allowed2.repeat_interleave(hq // rows, dim=0)
         log2 = backend.centroid_log_scores(q, index["centroids"], index["counts"], scale, allowed=allowed_hq)
-        s2 = row_scores(log2, rows) if per_token else reduce_scores(log2, rows)
-        return s2, allowed2
+        return row_scores(log2, rows), allowed2
 
     def calibrate(self, layers: list[CalibrationSet], scale: float, settings: IndexSettings) -> dict[str, torch.Tensor]:
         from kernels.dispatch import REFERENCE
@@ -76,7 +88,7 @@ class HierarchicalSqueezePolicy(Policy):
             for layer in layers:
                 hq, hkv = layer.queries.shape[0], layer.index["counts"].shape[0]
                 rows = group_rows(settings, hq, hkv)
-                s2, allowed2 = self._scores(layer.queries, layer.index, float(t1[i]), scale, rows, REFERENCE, True)
+                s2, allowed2 = self._token_scores(layer.queries, layer.index, float(t1[i]), scale, rows, REFERENCE)
                 scores.append(torch.where(allowed2, s2, torch.zeros_like(s2)).reshape(-1))
                 weights.append(row_counts(layer.index["counts"], rows)[:, None, :].expand_as(s2).reshape(-1))
             t2.append(float(weighted_thresholds(torch.cat(scores), torch.cat(weights).float(), [sparsity])[0]))
@@ -86,14 +98,19 @@ class HierarchicalSqueezePolicy(Policy):
         return (threshold_at(calibration["threshold_l1"], sparsity), threshold_at(calibration["threshold_l2"], sparsity))
 
     def lookup(self, q, index, thresholds, scale, settings, backend) -> Lookup:
+        """Level 1 over all C1 centroids; level 2 only over the kept level-1 clusters' children (eq. 3); the
+        layer's K/V are stored permuted by cluster (kernels.layout), index["key_starts"] says where."""
         hq, hkv = q.shape[0], index["counts"].shape[0]
         rows = group_rows(settings, hq, hkv)
-        s2, allowed2 = self._scores(q, index, thresholds[0], scale, rows, backend, per_token=False)
-        keep = allowed2 & select_clusters(s2, thresholds[1]) & (row_counts(index["counts"], rows) > 0)
         c1, d = index["l1_centroids"].shape[1:]
-        survivors = allowed2.reshape(hkv, rows // hkv, -1).any(dim=1).sum(dim=1).float()  # [Hkv] level-2 read
+        c2 = index["centroids"].shape[1]
+        keep1, _ = backend.cluster_keep(q, index["l1_centroids"], index["l1_counts"], scale, thresholds[0], rows)
+        candidates = backend.expand_groups(keep1, index["l1_child_starts"], c2)  # level-2 ids, per row
+        keep, score = backend.cluster_keep_among(q, index["centroids"], index["counts"], scale, thresholds[1], rows, candidates)
+        survivors = candidates.counts().reshape(hkv, rows // hkv).sum(dim=1).float()  # [Hkv] level-2 centroids read
         return Lookup(
-            selection=clusters_to_keys(keep, index["labels"], settings.dense_tail),
+            selection=backend.expand_groups(keep, index["key_starts"], index["labels"].shape[1], settings.dense_tail),
             clusters=keep,
             index_elements=(c1 + survivors) * (d + 1),
+            scores=score,
         )

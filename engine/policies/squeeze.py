@@ -11,7 +11,8 @@ from engine.config import SPARSITY_GRID, IndexSettings
 from engine.kmeans import spherical_kmeans
 from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows
 from kernels.dispatch import Backend
-from kernels.reference import clusters_to_keys, reduce_scores, row_scores, select_clusters
+from kernels.layout import group_starts
+from kernels.reference import row_scores
 
 
 def per_token_scores(q: torch.Tensor, index: LayerIndex, scale: float, rows: int, backend: Backend) -> torch.Tensor:
@@ -37,6 +38,7 @@ class SqueezePolicy(Policy):
             "labels": result.labels,  # [Hkv, Lc]
             "centroids": result.centroids.to(keys.dtype),  # [Hkv, C, D]
             "counts": result.counts,  # [Hkv, C]
+            "key_starts": group_starts(result.labels, k),  # [Hkv, C + 1] cluster ranges of the permuted keys
         }
 
     def calibrate(self, layers: list[CalibrationSet], scale: float, settings: IndexSettings) -> dict[str, torch.Tensor]:
@@ -55,14 +57,17 @@ class SqueezePolicy(Policy):
         return (threshold_at(calibration["threshold"], sparsity),)
 
     def lookup(self, q, index, thresholds, scale, settings, backend) -> Lookup:
+        """The selection is of positions in the layer's K/V stored permuted by cluster (kernels.layout.ClusterLayout);
+        index["key_starts"] says where each cluster lies."""
         hq, hkv = q.shape[0], index["counts"].shape[0]
         rows = group_rows(settings, hq, hkv)
-        log_s = backend.centroid_log_scores(q, index["centroids"], index["counts"], scale)  # [Hq, Lq, C]
-        keep = select_clusters(reduce_scores(log_s, rows), thresholds[0]) & (row_counts(index["counts"], rows) > 0)
+        keep, score = backend.cluster_keep(q, index["centroids"], index["counts"], scale, thresholds[0], rows)
         c, d = index["centroids"].shape[1:]
         read = torch.full((hkv,), float(c * (d + 1)), device=q.device)  # every centroid and its count
+        clustered = index["labels"].shape[1]
         return Lookup(
-            selection=clusters_to_keys(keep, index["labels"], settings.dense_tail),
+            selection=backend.expand_groups(keep, index["key_starts"], clustered, settings.dense_tail),
             clusters=keep,
             index_elements=read,
+            scores=score,
         )

@@ -1,0 +1,81 @@
+"""kernels.layout (the inverted-file layout, its reference expansion) and the Triton expansion against it.
+
+On the CPU the Triton kernel runs in the interpreter (conftest sets TRITON_INTERPRET=1). Results are integers:
+the comparison is exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import compact_ops
+from kernels.layout import ClusterLayout, expand_groups, group_starts
+from kernels.reference import attention_with_lse, sparse_attention
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def random_labels(hkv: int, lc: int, groups: int, seed: int) -> torch.Tensor:
+    """[Hkv, Lc] labels with uneven group sizes and some empty groups."""
+    g = torch.Generator().manual_seed(seed)
+    weights = torch.rand(groups, generator=g) ** 3  # a few big groups, many small ones
+    weights[torch.randperm(groups, generator=g)[: groups // 5]] = 0  # empty groups
+    return torch.multinomial(weights, hkv * lc, replacement=True, generator=g).reshape(hkv, lc)
+
+
+def test_group_starts_and_permutation():
+    labels = random_labels(2, 300, 23, 0)
+    layout = ClusterLayout.from_labels(labels, 23, tail=7)
+    assert torch.equal(layout.starts, group_starts(labels, 23))
+    x = torch.randn(2, 307, 4)
+    xp = layout.permute(x)
+    for h in range(2):
+        for c in range(23):
+            a, b = layout.starts[h, c], layout.starts[h, c + 1]
+            assert torch.equal(xp[h, a:b], x[h, :300][labels[h] == c])  # members, in their original order
+        assert torch.equal(xp[h, 300:], x[h, 300:])  # the dense tail stays last, unpermuted
+        assert torch.equal(torch.sort(layout.order[h]).values, torch.arange(307))
+
+
+def test_attention_does_not_depend_on_the_layout():
+    """Sparse attention over the permuted K/V with permuted positions = over the original with original ones."""
+    g = torch.Generator().manual_seed(1)
+    labels = random_labels(2, 90, 11, 1)
+    layout = ClusterLayout.from_labels(labels, 11, tail=10)
+    q, k, v = torch.randn(4, 3, 16, generator=g), torch.randn(2, 100, 16, generator=g), torch.randn(2, 100, 16, generator=g)
+    keep = torch.rand(2, 11, generator=g) > 0.5
+    sel = expand_groups(keep, layout.starts, 90, tail=10)
+    out, lse = sparse_attention(q, layout.permute(k), layout.permute(v), sel, 0.25)
+    original = torch.cat([torch.gather(keep, 1, labels), torch.ones(2, 10, dtype=torch.bool)], dim=1)  # [Hkv, L]
+    want_out, want_lse = attention_with_lse(q, k, v, 0.25, original.repeat_interleave(2, dim=0)[:, None, :])
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("hkv,rows", [(1, 1), (1, 4), (2, 2), (2, 8)])
+@pytest.mark.parametrize("tail", [0, 5, 70])
+@pytest.mark.parametrize("density", [0.0, 0.3, 1.0])
+def test_triton_expansion_matches_reference(hkv, rows, tail, density):
+    groups, lc = 45, 400
+    labels = random_labels(hkv, lc, groups, seed=hkv * 100 + rows + tail)
+    starts = group_starts(labels, groups)
+    g = torch.Generator().manual_seed(7)
+    keep = torch.rand(rows, groups, generator=g) < density
+    if rows > 1 and density > 0:
+        keep[1] = False  # an empty row (only its tail)
+    want = expand_groups(keep, starts, lc, tail)
+    got = compact_ops.expand_groups(keep, starts, lc, tail)
+    assert got.num_keys == want.num_keys == lc + tail
+    assert torch.equal(got.indptr, want.indptr)
+    n = int(want.indptr[-1])
+    assert got.indices.dtype == torch.int32 and got.indices.numel() >= n
+    assert torch.equal(got.indices[:n].long(), want.indices)
+
+
+def test_expansion_rejects_mismatched_shapes():
+    starts = group_starts(torch.zeros(2, 10, dtype=torch.int64), 4)
+    with pytest.raises(ValueError, match="groups"):
+        compact_ops.expand_groups(torch.ones(2, 5, dtype=torch.bool), starts, 10)
+    with pytest.raises(ValueError, match="multiple"):
+        compact_ops.expand_groups(torch.ones(3, 4, dtype=torch.bool), starts, 10)
