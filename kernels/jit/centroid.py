@@ -1,0 +1,208 @@
+"""Centroid lookup of Squeezed Attention (eq. 1, eq. 3 under candidates): @triton.jit kernels only.
+
+The typed wrappers, block sizes and grids live in kernels/lookup_ops.py; the semantics are those of
+kernels.reference.cluster_keep. Two kernels, one per operation, each with tl.constexpr variants:
+
+    centroid_denominator_kernel  grid (unit, query-row block, split): partial (max, sum) of N_j exp(s_j) over the
+                                 unit's centroid blocks split, split + NSPLIT, ...; with STORE_S it also keeps s.
+    centroid_score_kernel        grid (unit, centroid program): merges the partials into log D per (head, token),
+                                 S = exp(s - log D), reduces S per row (mean over heads and tokens, last token),
+                                 compares it with the threshold and writes keep / score at the centroid ids.
+
+Vocabulary (batch 1):
+    q [Hq, Lq, D], centroids [Hkv, C, D], counts [Hkv, C]; G = Hq // Hkv query heads per KV head.
+    row:      an output row of keep / score; rows is Hq or Hkv and HPR = Hq // rows query heads share a row.
+    unit:     the GH consecutive query heads u * GH ... one program works for, all on KV head u * GH // G: a KV head
+              (GH = G) for dense lookups, a row (GH = HPR) for candidate lists, since every row has its own list.
+              A unit's (or a row's) query rows are its heads' tokens stacked head-major, m = j * Lq + t, as
+              reference._grouped stacks them; partials and cached s are stored per query row h * Lq + t.
+    position: the p-th centroid a unit looks at: centroid p (dense) or cand_idx[indptr[row] + p] (USE_LIST), p < n.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _span(indptr_ptr, unit, C, USE_LIST: tl.constexpr):
+    """(first packed position, number of positions) of a unit's centroids: all C of them, or its CSR slice."""
+    if USE_LIST:
+        start = tl.load(indptr_ptr + unit)
+        n = (tl.load(indptr_ptr + unit + 1) - start).to(tl.int32)
+    else:
+        start = 0
+        n = C
+    return start, n
+
+
+@triton.jit
+def _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST: tl.constexpr):
+    """Positions [BLOCK_C] -> (centroid ids [BLOCK_C], valid [BLOCK_C]). For lists, packed positions at or past the
+    capacity CAP are never read and ids outside [0, C) count as invalid (a corrupt list cannot fault)."""
+    valid = pos < n
+    if USE_LIST:
+        valid = valid & (start + pos < CAP)
+        cid = tl.load(idx_ptr + start + pos, mask=valid, other=0).to(tl.int32)
+        valid = valid & (cid >= 0) & (cid < C)
+        cid = tl.where(valid, cid, 0)
+    else:
+        cid = pos
+    return cid, valid
+
+
+@triton.jit
+def _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc):
+    """The centroids of one block, transposed for tl.dot: [BLOCK_D, BLOCK_C] (zeros where masked)."""
+    ptrs = cent_ptr + cid[None, :] * stride_cc + offs_d[:, None]
+    return tl.load(ptrs, mask=(offs_d < D)[:, None] & c_ok[None, :], other=0.0)
+
+
+@triton.jit
+def _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt):
+    """Query rows (head, tok) [BLOCK_M] -> [BLOCK_M, BLOCK_D] (zeros where masked)."""
+    ptrs = q_ptr + head[:, None] * stride_qh + tok[:, None] * stride_qt + offs_d[None, :]
+    return tl.load(ptrs, mask=m_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+
+
+@triton.jit
+def _log_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLIT: tl.constexpr):
+    """log D = log sum_j N_j exp(s_j) per query row [BLOCK_M] from the NSPLIT partials (max, sum of exp(x - max)).
+
+    -inf where no cluster enters the denominator (then S = exp(s + inf) = inf, as in the reference)."""
+    offs = tl.arange(0, BLOCK_SPLIT)
+    mask = m_ok[:, None] & (offs < NSPLIT)[None, :]
+    ptrs = qrow[:, None] * NSPLIT + offs[None, :]
+    pmax = tl.load(part_max_ptr + ptrs, mask=mask, other=float("-inf"))  # [BLOCK_M, BLOCK_SPLIT]
+    psum = tl.load(part_sum_ptr + ptrs, mask=mask, other=0.0)
+    mx = tl.max(pmax, axis=1)
+    ref = tl.where(mx == float("-inf"), 0.0, mx)  # keeps exp() away from -inf - -inf
+    total = tl.sum(psum * tl.exp(pmax - ref[:, None]), axis=1)
+    return tl.where(total > 0, ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+
+
+@triton.jit
+def centroid_denominator_kernel(
+    q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr,  # inputs (allowed / indptr / idx: see flags)
+    part_max_ptr, part_sum_ptr, s_ptr,  # outputs: [Hq * Lq, NSPLIT] float32 each; s cache [Hq * Lq, W] float32
+    scale, Lq, C, CAP, G, GH, HPR, NSPLIT,
+    stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    HAS_ALLOWED: tl.constexpr,  # dense mask allowed [rows, C]: only allowed clusters enter the denominator
+    USE_LIST: tl.constexpr,  # the unit's positions are its row's candidate list (CSR indptr / idx)
+    STORE_S: tl.constexpr,  # keep s in s_ptr so the score pass needs no second look at the centroids (decode)
+    DOT_PRECISION: tl.constexpr,
+):
+    """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s_j + log N_j over the unit's centroid
+    blocks split, split + NSPLIT, ... (flash style). Empty clusters, masked ones and invalid positions give x = -inf."""
+    unit = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    split = tl.program_id(2)
+    h0 = unit * GH
+    cent_ptr += (h0 // G) * stride_ch
+    counts_ptr += (h0 // G) * stride_nh
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # stacked query rows of the unit
+    m_ok = offs_m < GH * Lq
+    head = h0 + offs_m // Lq
+    tok = offs_m % Lq
+    qrow = head * Lq + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt)  # [BLOCK_M, BLOCK_D]
+
+    start, n = _span(indptr_ptr, unit, C, USE_LIST)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    for blk in range(split, tl.cdiv(n, BLOCK_C), NSPLIT):
+        pos = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+        cid, c_ok = _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST)
+        ct = _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc)  # [BLOCK_D, BLOCK_C]
+        s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_C] float32
+        cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
+        ok = m_ok[:, None] & (c_ok & (cnt > 0))[None, :]
+        if HAS_ALLOWED:
+            allowed = tl.load(allowed_ptr + (head // HPR)[:, None] * stride_ar + cid[None, :], mask=ok, other=0)
+            ok = ok & (allowed != 0)
+        log_n = tl.log(tl.maximum(cnt, 1).to(tl.float32))
+        x = tl.where(ok, s + log_n[None, :], float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(x, axis=1))
+        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        l_i = l_i * tl.exp(m_i - ref) + tl.sum(tl.exp(x - ref[:, None]), axis=1)
+        m_i = m_new
+        if STORE_S:
+            tl.store(s_ptr + qrow[:, None] * stride_s + (start + pos)[None, :], s, mask=m_ok[:, None] & c_ok[None, :])
+    tl.store(part_max_ptr + qrow * NSPLIT + split, m_i, mask=m_ok)
+    tl.store(part_sum_ptr + qrow * NSPLIT + split, l_i, mask=m_ok)
+
+
+@triton.jit
+def centroid_score_kernel(
+    q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr,  # inputs, as in the denominator pass
+    part_max_ptr, part_sum_ptr, s_ptr,  # the denominator pass's outputs
+    keep_ptr, score_ptr,  # outputs [rows, C]: keep uint8 (a bool view), score float32; written at the unit's ids
+    scale, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG,
+    stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_SPLIT: tl.constexpr,  # power of two >= NSPLIT
+    HAS_ALLOWED: tl.constexpr,
+    USE_LIST: tl.constexpr,
+    LOAD_S: tl.constexpr,  # read s from the denominator pass's cache instead of recomputing q . C (decode)
+    DOT_PRECISION: tl.constexpr,
+):
+    """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
+    sums S = exp(s - log D) over them (mean over heads and tokens) and over its heads' last tokens, and writes
+    score = max(mean, last) and keep = score > threshold & count > 0 (& allowed). The max correction of the
+    softmax is folded into log D = max + log(sum), a scalar per query row, so S costs one subtraction and one exp.
+    threshold <= 0 (keep every cluster) is passed as -1, since S >= 0."""
+    unit = tl.program_id(0)
+    pid = tl.program_id(1)
+    h0 = unit * GH
+    cent_ptr += (h0 // G) * stride_ch
+    counts_ptr += (h0 // G) * stride_nh
+    row0 = h0 // HPR
+    rows_here = GH // HPR  # G rows of one query head when a dense unit (a KV head) serves rows == Hq, else 1
+    m_row = HPR * Lq  # stacked query rows of one row
+    offs_d = tl.arange(0, BLOCK_D)
+
+    start, n = _span(indptr_ptr, unit, C, USE_LIST)
+    for blk in range(pid, tl.cdiv(n, BLOCK_C), NPROG):
+        pos = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+        cid, c_ok = _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST)
+        cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
+        if not LOAD_S:
+            ct = _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc)  # [BLOCK_D, BLOCK_C], reused below
+        for rr in range(0, rows_here):
+            row = row0 + rr
+            total = tl.zeros([BLOCK_C], tl.float32)  # sum of S over the row's heads and tokens
+            last = tl.zeros([BLOCK_C], tl.float32)  # sum of S over the row's heads at the last token
+            for mb in range(0, tl.cdiv(m_row, BLOCK_M)):
+                offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+                m_ok = offs_m < m_row
+                head = row * HPR + offs_m // Lq
+                tok = offs_m % Lq
+                qrow = head * Lq + tok
+                log_d = _log_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLIT)
+                if LOAD_S:
+                    s_ptrs = s_ptr + qrow[:, None] * stride_s + (start + pos)[None, :]
+                    s = tl.load(s_ptrs, mask=m_ok[:, None] & c_ok[None, :], other=0.0)
+                else:
+                    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt)
+                    s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale
+                p = tl.where(m_ok[:, None] & c_ok[None, :], tl.exp(s - log_d[:, None]), 0.0)  # S [BLOCK_M, BLOCK_C]
+                total += tl.sum(p, axis=0)
+                last += tl.sum(tl.where((tok == Lq - 1)[:, None], p, 0.0), axis=0)
+            score = tl.maximum(total / m_row, last / HPR)
+            keep = (score > threshold) & (cnt > 0)
+            if HAS_ALLOWED:
+                allowed = tl.load(allowed_ptr + row * stride_ar + cid, mask=c_ok, other=0) != 0
+                score = tl.where(allowed, score, 0.0)
+                keep = keep & allowed
+            tl.store(score_ptr + row * stride_or + cid, score, mask=c_ok)
+            tl.store(keep_ptr + row * stride_kr + cid, keep.to(tl.uint8), mask=c_ok)

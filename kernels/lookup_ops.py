@@ -1,0 +1,273 @@
+"""Typed wrappers of the centroid-lookup kernels (kernels/jit/centroid.py): check, pick block sizes, launch.
+
+Both functions have the semantics of `kernels.reference.cluster_keep` and never synchronise with the host: grids
+depend only on shapes, the candidate lists' lengths are read on the device.
+
+    cluster_keep       every centroid of the row's KV head (optionally under a dense `allowed` mask)
+    cluster_keep_list  only the row's candidates (hierarchical level 2), from a packed CSR list; the work grows with
+                       the number of candidates, not with C
+
+Passes (see the kernels' docstrings):
+    1. denominator, grid (unit, query-row block, split): partial (max, sum) of N_j exp(s_j) per (head, token); the
+       centroids are split over `split` programs so that one decode token still fills the GPU. Decode (Lq == 1)
+       also stores s = scale * q . C in a float32 cache [Hq, W] so that pass 2 never reads the centroids again.
+    2. score, grid (unit, centroid block): log D from the partials, S = exp(s - log D) summed per row over heads and
+       tokens, max(mean, last token), compared with T; deterministic (no atomics).
+A unit is a KV head with its G query heads stacked as rows (dense), or one row of the selection (lists).
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MIN_DOT_DIM = 16  # tl.dot needs every block dimension >= 16
+PROGRAMS_PER_SM = 4  # the denominator pass splits the centroids until it has about this many programs per SM
+CPU_PROGRAMS = 4  # the same target in Triton's interpreter (programs run one after the other there)
+
+
+def _is_pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+@dataclass(frozen=True)
+class LookupConfig:
+    """Launch parameters of one lookup; every field is a knob to tune on the GPU.
+
+    block_m: query rows (heads x tokens) per tile of the dot products; padded rows are masked.
+    block_c: centroids per tile; also the work unit of the score pass (one program per block).
+    target_programs: programs the denominator pass aims for; it splits the centroid blocks of a unit over up to
+                     max_splits programs to reach it (1 split when the query-row blocks already fill the GPU).
+    """
+
+    block_m: int = 64
+    block_c: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    target_programs: int = 528
+    max_splits: int = 128
+
+    def __post_init__(self):
+        for name in ("block_m", "block_c"):
+            value = getattr(self, name)
+            if not _is_pow2(value) or value < MIN_DOT_DIM:
+                raise ValueError(f"{name} must be a power of two >= {MIN_DOT_DIM}, got {value}")
+        if not _is_pow2(self.num_warps):
+            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
+        if self.num_stages < 1 or self.target_programs < 1 or self.max_splits < 1:
+            raise ValueError("num_stages, target_programs and max_splits must be >= 1")
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SM_COUNT:  # a host-side property query, not a synchronisation
+        _SM_COUNT[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SM_COUNT[index]
+
+
+def default_config(device: torch.device, lq: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> LookupConfig:
+    """Starting points, to be tuned on the H100 (chosen from ptxas register counts for sm_90, not from timings).
+
+    Decode has at most G (<= 8) query rows per unit: the smallest row block, 64 centroids per program.
+    Prefill: 64 x 64 tiles on 8 warps (~100-200 registers per thread, no spills), 32 centroids at D = 256.
+    float32 runs its dots in IEEE mode on the FMA units: 32-wide tiles on 8 warps, or ptxas spills.
+    """
+    if device.type != "cuda":
+        return LookupConfig(block_m=32, block_c=16, num_warps=1, num_stages=1, target_programs=CPU_PROGRAMS)
+    target = PROGRAMS_PER_SM * _sm_count(device)
+    if dtype == torch.float32:
+        block_m = 16 if lq == 1 else 32
+        return LookupConfig(block_m=block_m, block_c=32, num_warps=8, num_stages=2, target_programs=target)
+    if lq == 1:
+        return LookupConfig(block_m=16, block_c=64, num_warps=4, num_stages=2, target_programs=target)
+    block_c = 32 if head_dim > 128 else 64
+    return LookupConfig(block_m=64, block_c=block_c, num_warps=8, num_stages=2, target_programs=target)
+
+
+def _check_common(q, centroids, counts, rows):
+    if q.dim() != 3 or centroids.dim() != 3:
+        raise ValueError(
+            f"q must be [Hq, Lq, D] and centroids [Hkv, C, D]; got {tuple(q.shape)}, {tuple(centroids.shape)}"
+        )
+    hq, lq, d = q.shape
+    hkv, c, dc = centroids.shape
+    if dc != d:
+        raise ValueError(f"head_dim mismatch: q has {d}, centroids {dc}")
+    if q.dtype not in FLOAT_DTYPES or centroids.dtype != q.dtype:
+        raise TypeError(f"q and centroids must share a float16/bfloat16/float32 dtype: {q.dtype}, {centroids.dtype}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    if rows not in (hq, hkv):
+        raise ValueError(f"rows must be Hq={hq} or Hkv={hkv}, got {rows}")
+    if lq == 0:
+        raise ValueError("the lookup needs at least one query token")
+    if tuple(counts.shape) != (hkv, c) or counts.dtype.is_floating_point or counts.dtype == torch.bool:
+        raise ValueError(f"counts must be an integer [Hkv, C] = [{hkv}, {c}] tensor: {counts.dtype} {counts.shape}")
+    for name, t in (("centroids", centroids), ("counts", counts)):
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+
+
+def _check_scalars(scale, threshold):
+    """Python numbers only: reading a GPU tensor's value would synchronise with the host."""
+    for name, value in (("scale", scale), ("threshold", threshold)):
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise TypeError(f"{name} must be a Python float, got {type(value).__name__}")
+
+
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """The kernels index the last dimension with stride 1."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config):
+    """Both passes. allowed: [rows, C] bool or None; indptr/idx: CSR candidates or None (dense); keep/score: the
+    [rows, C] outputs (for lists, already zeroed: only candidate entries are written)."""
+    hq, lq, d = q.shape
+    hkv, c, _ = centroids.shape
+    use_list = indptr is not None
+    g, hpr = hq // hkv, hq // rows
+    gh = hpr if use_list else g  # query heads per unit
+    units = hq // gh
+    capacity = idx.numel() if use_list else 0
+    width = min(c, capacity) if use_list else c  # the most positions one unit can have
+    if width == 0:
+        return
+    cfg = config or default_config(q.device, lq, d, q.dtype)
+
+    q, centroids, counts = _row_major(q), _row_major(centroids), _row_major(counts)
+    m_blocks = triton.cdiv(gh * lq, cfg.block_m)
+    c_blocks = triton.cdiv(width, cfg.block_c)
+    nsplit = max(1, min(c_blocks, cfg.max_splits, triton.cdiv(cfg.target_programs, units * m_blocks)))
+    cache_s = lq == 1
+    f32 = dict(dtype=torch.float32, device=q.device)
+    part_max = torch.empty(hq * lq, nsplit, **f32)
+    part_sum = torch.empty(hq * lq, nsplit, **f32)
+    s_cache = torch.empty(hq * lq, capacity if use_list else c, **f32) if cache_s else part_max  # dummy if unused
+    allowed_u8 = _row_major(allowed).view(torch.uint8) if allowed is not None else keep.view(torch.uint8)  # dummy
+    indptr = indptr if use_list else counts  # dummies: never read unless USE_LIST
+    idx = idx if use_list else counts
+
+    common = dict(
+        D=d,
+        BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(d)),
+        BLOCK_M=cfg.block_m,
+        BLOCK_C=cfg.block_c,
+        HAS_ALLOWED=allowed is not None,
+        USE_LIST=use_list,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 must not round through tf32;
+        # "tf32" is Triton's default and means nothing for 16-bit inputs
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    strides = (
+        q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
+        allowed_u8.stride(0), s_cache.stride(0),
+    )
+    inputs = (q, centroids, counts, allowed_u8, indptr, idx)
+    centroid_denominator_kernel[(units, m_blocks, nsplit)](
+        *inputs, part_max, part_sum, s_cache,
+        float(scale), lq, c, capacity, g, gh, hpr, nsplit, *strides,
+        STORE_S=cache_s, **common,
+    )
+    keep_threshold = float(threshold) if threshold > 0 else -1.0  # S >= 0, so "> -1" keeps every cluster
+    centroid_score_kernel[(units, c_blocks)](
+        *inputs, part_max, part_sum, s_cache, keep.view(torch.uint8), score,
+        float(scale), keep_threshold, lq, c, capacity, g, gh, hpr, nsplit, c_blocks,
+        *strides, keep.stride(0), score.stride(0),
+        BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)), LOAD_S=cache_s, **common,
+    )
+
+
+def cluster_keep(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    threshold: float,
+    rows: int,
+    allowed: torch.Tensor | None = None,
+    *,
+    config: LookupConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The centroid lookup of one step over every centroid: `kernels.reference.cluster_keep` on the GPU.
+
+    q: [Hq, Lq, D] float16/bfloat16/float32; centroids: [Hkv, C, D] same dtype; counts: [Hkv, C] int (0 = empty)
+    rows: Hq or Hkv; row r reads KV head r * Hkv // rows and averages S over its Hq // rows query heads
+    allowed: optional [rows, C] bool; only allowed clusters enter the denominator, are scored and kept
+    config: launch parameters (default: default_config)
+    Returns keep [rows, C] bool (score > T, or every cluster when T <= 0; and count > 0 and allowed) and
+    score [rows, C] float32: max(mean over tokens, last token) of S averaged over the row's heads, 0 where not
+    allowed; +inf where a row's denominator is empty (every allowed cluster empty), as in the reference.
+    """
+    _check_common(q, centroids, counts, rows)
+    _check_scalars(scale, threshold)
+    c = centroids.shape[1]
+    if allowed is not None:
+        if tuple(allowed.shape) != (rows, c) or allowed.dtype != torch.bool or allowed.device != q.device:
+            raise ValueError(f"allowed must be a bool [rows, C] = [{rows}, {c}] tensor on {q.device}")
+    keep = torch.empty(rows, c, dtype=torch.bool, device=q.device)
+    score = torch.empty(rows, c, dtype=torch.float32, device=q.device)
+    _launch(q, centroids, counts, scale, threshold, rows, allowed, None, None, keep, score, config)
+    return keep, score
+
+
+def cluster_keep_list(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    threshold: float,
+    rows: int,
+    cand_indptr: torch.Tensor,
+    cand_idx: torch.Tensor,
+    out_keep: torch.Tensor | None = None,
+    out_score: torch.Tensor | None = None,
+    *,
+    config: LookupConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The level-2 lookup over each row's candidate clusters only: `reference.cluster_keep(..., allowed=A)` with
+    A[r, c] = (c is among row r's candidates), at a cost that grows with the number of candidates.
+
+    cand_indptr: [rows + 1] int32/int64 on the device, CSR offsets (cand_indptr[0] == 0, non-decreasing)
+    cand_idx: [capacity] int32/int64 centroid ids, sorted and distinct within a row; entries at positions
+              >= cand_indptr[-1] are ignored, and so are ids outside [0, C)
+    out_keep / out_score: optional [rows, C] bool / float32 outputs to reuse; they are zeroed here (asynchronously)
+    Returns keep [rows, C] bool and score [rows, C] float32 as cluster_keep (0 / False off the candidates).
+    No host synchronisation: the grid depends on (Hq, Lq, C, capacity) only.
+    """
+    _check_common(q, centroids, counts, rows)
+    _check_scalars(scale, threshold)
+    c = centroids.shape[1]
+    if cand_indptr.shape != (rows + 1,) or cand_idx.dim() != 1:
+        raise ValueError(f"cand_indptr must be [rows + 1] = [{rows + 1}] and cand_idx 1-D; got "
+                         f"{tuple(cand_indptr.shape)}, {tuple(cand_idx.shape)}")
+    for name, t in (("cand_indptr", cand_indptr), ("cand_idx", cand_idx)):
+        if t.dtype not in INDEX_DTYPES or t.device != q.device:
+            raise TypeError(f"{name} must be int32/int64 on {q.device}; got {t.dtype} on {t.device}")
+    keep = _output(out_keep, "out_keep", (rows, c), torch.bool, q.device)
+    score = _output(out_score, "out_score", (rows, c), torch.float32, q.device)
+    _launch(q, centroids, counts, scale, threshold, rows, None, cand_indptr.contiguous(), cand_idx.contiguous(),
+            keep, score, config)
+    return keep, score
+
+
+def _output(out, name, shape, dtype, device) -> torch.Tensor:
+    if out is None:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if tuple(out.shape) != shape or out.dtype != dtype or out.device != device or out.stride(-1) != 1:
+        raise ValueError(f"{name} must be a {dtype} {list(shape)} tensor on {device} with unit last stride")
+    return out.zero_()
+
+
+__all__ = ["LookupConfig", "cluster_keep", "cluster_keep_list", "default_config"]

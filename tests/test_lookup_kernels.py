@@ -1,0 +1,290 @@
+"""The centroid-lookup kernels (kernels/lookup_ops.py) against kernels.reference.cluster_keep.
+
+On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the shapes are
+tiny and the blocks small (16 or 32), which puts block tails everywhere: C = 37 centroids, Lq = 7 and 33 tokens,
+1..8 query heads per row. No bfloat16 here: the interpreter's bf16 tl.dot is wrong. On a CUDA machine the same small
+tests run compiled, and the GPU tests (marker `gpu`) add bfloat16 at the shapes of a 128K context against the
+reference computed in float32.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kernels import reference
+from kernels.lookup_ops import LookupConfig, cluster_keep, cluster_keep_list
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# Tolerances on score. The kernels and the reference compute from the same (exactly upcast) inputs in float32;
+# they differ only in summation order (D-term dot products, blocked / split log-sum-exp, sums over heads and tokens),
+# i.e. a few float32 ulps of s (|s| <~ 10) amplified by exp: ~1e-6 relative. float16 inputs are upcast exactly and
+# accumulated in float32 on both sides, so the same order, with a little slack. A wrong head, mask, count or token
+# moves scores by 10% or more.
+TOL = {torch.float32: dict(rtol=1e-5, atol=1e-7), torch.float16: dict(rtol=2e-5, atol=1e-7)}
+# bfloat16 on the GPU: tensor-core accumulation order and ex2.approx (~2 ulp) in the exp.
+GPU_TOL = dict(rtol=1e-4, atol=1e-9)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the small tests run compiled on a GPU machine
+D = 16
+C = 37  # not a multiple of any block
+KEEP_FRACTION = 0.2  # the "selective" threshold keeps about this share of the allowed clusters
+
+# (Hq, Hkv, rows): GQA ratios 1, 2, 4, with rows = Hkv (shared selection) and rows = Hq (per query head)
+GROUPS = [(2, 2, 2), (4, 2, 2), (4, 2, 4), (4, 1, 1), (4, 1, 4)]
+
+
+def make_inputs(hq, hkv, lq, dtype, seed=0, c=C, d=D):
+    """q [Hq, Lq, D], centroids [Hkv, C, D] in `dtype`, counts [Hkv, C] int64 with ~20% empty clusters, scale."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(hq, lq, d, generator=g).to(dtype)
+    centroids = torch.randn(hkv, c, d, generator=g).to(dtype)
+    counts = torch.randint(1, 9, (hkv, c), generator=g)
+    counts[torch.rand(hkv, c, generator=g) < 0.2] = 0
+    scale = 2.0 / math.sqrt(d)  # a sharper softmax than 1/sqrt(D): the scores spread more
+    return q.to(DEVICE), centroids.to(DEVICE), counts.to(DEVICE), scale
+
+
+def random_allowed(rows, c, seed, empty_row=True):
+    """[rows, C] bool with uneven row densities (10% .. 90%) and, if asked and rows > 1, a row with no candidate."""
+    g = torch.Generator().manual_seed(seed)
+    density = torch.linspace(0.1, 0.9, rows)[torch.randperm(rows, generator=g)]
+    allowed = torch.rand(rows, c, generator=g) < density[:, None]
+    if empty_row and rows > 1:
+        allowed[rows // 2] = False
+    return allowed.to(DEVICE)
+
+
+def to_csr(allowed, index_dtype=torch.int64, garbage=5, c=C):
+    """Dense candidates -> (indptr [rows + 1], idx [nnz + garbage]); the tail holds ids that must be ignored."""
+    allowed = allowed.cpu()
+    indptr = torch.zeros(allowed.shape[0] + 1, dtype=index_dtype)
+    indptr[1:] = torch.cumsum(allowed.sum(dim=1), dim=0)
+    idx = allowed.nonzero()[:, 1]
+    tail = torch.tensor([0, c - 1, c + 3, -2, 1] * garbage, dtype=torch.int64)[:garbage]  # in range and out of range
+    return indptr.to(DEVICE), torch.cat([idx, tail]).to(index_dtype).to(DEVICE)
+
+
+def selective_threshold(score, allowed=None):
+    """A threshold that keeps about KEEP_FRACTION of the (allowed, finite) clusters of the reference score."""
+    valid = torch.isfinite(score) if allowed is None else allowed & torch.isfinite(score)
+    return torch.quantile(score[valid].double(), 1 - KEEP_FRACTION).item()
+
+
+def assert_matches(got, want, threshold, tol):
+    """score within `tol`; keep exactly equal except where the reference score is a tie with the threshold
+    (within the same tolerance: either side is right there)."""
+    keep, score = got
+    ref_keep, ref_score = want
+    assert keep.dtype == torch.bool and score.dtype == torch.float32 and keep.shape == ref_keep.shape
+    torch.testing.assert_close(score, ref_score, **tol)
+    tie = (ref_score - threshold).abs() <= tol["atol"] + tol["rtol"] * abs(threshold)
+    differ = keep != ref_keep
+    assert not (differ & ~tie).any(), f"keep differs at {(differ & ~tie).nonzero().tolist()}"
+
+
+def check_dense(hq, hkv, rows, lq, dtype, with_allowed, config=None, seed=0):
+    q, centroids, counts, scale = make_inputs(hq, hkv, lq, dtype, seed)
+    allowed = random_allowed(rows, C, seed + 1) if with_allowed else None
+    _, ref_score = reference.cluster_keep(q, centroids, counts, scale, 0.0, rows, allowed=allowed)
+    for threshold in (0.0, selective_threshold(ref_score, allowed)):
+        want = reference.cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=allowed)
+        got = cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=allowed, config=config)
+        assert_matches(got, want, threshold, TOL[dtype])
+        if threshold > 0:  # keeps ~KEEP_FRACTION of the allowed clusters, less the empty ones
+            kept = want[0].sum().item() / (want[0].numel() if allowed is None else allowed.sum().item())
+            assert 0.05 < kept < 0.35, f"the selective threshold keeps {kept:.0%}"
+
+
+def check_list(hq, hkv, rows, lq, dtype, index_dtype=torch.int64, config=None, seed=0, reuse_out=False):
+    q, centroids, counts, scale = make_inputs(hq, hkv, lq, dtype, seed)
+    counts = counts.to(index_dtype)  # int32 counts with int32 lists
+    allowed = random_allowed(rows, C, seed + 1)
+    indptr, idx = to_csr(allowed, index_dtype)
+    _, ref_score = reference.cluster_keep(q, centroids, counts, scale, 0.0, rows, allowed=allowed)
+    for threshold in (0.0, selective_threshold(ref_score, allowed)):
+        want = reference.cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=allowed)
+        out = {}
+        if reuse_out:  # stale values from an earlier step must not leak through
+            out = dict(out_keep=torch.ones(rows, C, dtype=torch.bool, device=DEVICE),
+                       out_score=torch.full((rows, C), 7.0, device=DEVICE))
+        got = cluster_keep_list(q, centroids, counts, scale, threshold, rows, indptr, idx, **out, config=config)
+        assert_matches(got, want, threshold, TOL[dtype])
+        if reuse_out:
+            assert got[0] is out["out_keep"] and got[1] is out["out_score"]
+
+
+# ---------------------------------------------------------------------------------------------------------------- dense
+
+
+@pytest.mark.parametrize("hq,hkv,rows", GROUPS)
+@pytest.mark.parametrize("lq", [1, 7, 33])
+def test_cluster_keep_float32(hq, hkv, rows, lq):
+    check_dense(hq, hkv, rows, lq, torch.float32, with_allowed=False)
+
+
+@pytest.mark.parametrize(
+    "hq,hkv,rows,lq,dtype",
+    [
+        (4, 2, 2, 1, torch.float32),
+        (4, 2, 4, 7, torch.float32),
+        (4, 1, 1, 33, torch.float32),
+        (2, 2, 2, 7, torch.float16),
+        (4, 1, 4, 1, torch.float16),
+    ],
+)
+def test_cluster_keep_allowed(hq, hkv, rows, lq, dtype):
+    check_dense(hq, hkv, rows, lq, dtype, with_allowed=True)
+
+
+@pytest.mark.parametrize("hq,hkv,rows,lq", [(4, 2, 2, 1), (4, 1, 4, 7), (2, 2, 2, 33)])
+def test_cluster_keep_float16(hq, hkv, rows, lq):
+    check_dense(hq, hkv, rows, lq, torch.float16, with_allowed=False)
+
+
+@pytest.mark.parametrize("lq", [1, 7])
+def test_cluster_keep_split_and_block_shapes(lq):
+    """The denominator split over several programs (partials merged in the score pass), larger row blocks, and a
+    head_dim that is not a power of two (masked up to the next one)."""
+    check_dense(8, 2, 2, lq, torch.float32, with_allowed=True, config=LookupConfig(block_m=16, block_c=16,
+                num_warps=1, num_stages=1, target_programs=64, max_splits=3))
+    q, centroids, counts, scale = make_inputs(4, 2, lq, torch.float32, d=24)
+    want = reference.cluster_keep(q, centroids, counts, scale, 0.03, 2)
+    assert_matches(cluster_keep(q, centroids, counts, scale, 0.03, 2), want, 0.03, TOL[torch.float32])
+
+
+def test_cluster_keep_empty_denominators():
+    """A KV head whose clusters are all empty has no denominator: S = +inf, nothing kept (as the reference). A row
+    whose allowed clusters are all empty gets +inf on them; a row with nothing allowed gets 0 everywhere."""
+    q, centroids, counts, scale = make_inputs(4, 2, 3, torch.float32)
+    counts[1] = 0
+    want = reference.cluster_keep(q, centroids, counts, scale, 0.05, 2)
+    got = cluster_keep(q, centroids, counts, scale, 0.05, 2)
+    assert torch.isinf(want[1][1]).all()
+    assert_matches(got, want, 0.05, TOL[torch.float32])
+    allowed = torch.ones(2, C, dtype=torch.bool, device=DEVICE)
+    allowed[0] = counts[0] == 0
+    allowed[1] = False
+    want = reference.cluster_keep(q, centroids, counts, scale, 0.0, 2, allowed=allowed)
+    got = cluster_keep(q, centroids, counts, scale, 0.0, 2, allowed=allowed)
+    assert_matches(got, want, 0.0, TOL[torch.float32])
+    assert not got[0].any() and (got[1][1] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------- list
+
+
+@pytest.mark.parametrize("hq,hkv,rows", GROUPS)
+@pytest.mark.parametrize("lq", [1, 7, 33])
+def test_cluster_keep_list_float32(hq, hkv, rows, lq):
+    check_list(hq, hkv, rows, lq, torch.float32)
+
+
+@pytest.mark.parametrize("hq,hkv,rows,lq", [(4, 2, 2, 1), (4, 1, 4, 7), (2, 2, 2, 33)])
+def test_cluster_keep_list_float16_int32_indices(hq, hkv, rows, lq):
+    check_list(hq, hkv, rows, lq, torch.float16, index_dtype=torch.int32)
+
+
+@pytest.mark.parametrize("lq", [1, 7])
+def test_cluster_keep_list_split_and_reused_outputs(lq):
+    check_list(8, 2, 8, lq, torch.float32, reuse_out=True, config=LookupConfig(block_m=16, block_c=16, num_warps=1,
+               num_stages=1, target_programs=64, max_splits=2))
+
+
+def test_cluster_keep_list_of_every_cluster_is_the_dense_lookup():
+    q, centroids, counts, scale = make_inputs(4, 2, 7, torch.float32)
+    indptr, idx = to_csr(torch.ones(2, C, dtype=torch.bool), garbage=0)
+    got = cluster_keep_list(q, centroids, counts, scale, 0.04, 2, indptr, idx)
+    assert_matches(got, cluster_keep(q, centroids, counts, scale, 0.04, 2), 0.04, TOL[torch.float32])
+
+
+def test_cluster_keep_list_without_candidates():
+    q, centroids, counts, scale = make_inputs(4, 2, 1, torch.float32)
+    indptr = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    for idx in (torch.zeros(0, dtype=torch.int64), torch.tensor([3, 4, 5])):  # no capacity / only garbage
+        keep, score = cluster_keep_list(q, centroids, counts, scale, 0.0, 2, indptr, idx.to(DEVICE))
+        assert not keep.any() and not score.any()
+
+
+def test_argument_checks():
+    q, centroids, counts, scale = make_inputs(4, 2, 1, torch.float32)
+    with pytest.raises(ValueError):
+        cluster_keep(q, centroids, counts, scale, 0.1, 3)
+    with pytest.raises(TypeError):
+        cluster_keep(q, centroids.half(), counts, scale, 0.1, 2)
+    with pytest.raises(ValueError):
+        cluster_keep(q, centroids, counts, scale, 0.1, 2, allowed=torch.ones(4, C, dtype=torch.bool, device=DEVICE))
+    index = dict(dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError):
+        cluster_keep_list(q, centroids, counts, scale, 0.1, 2, torch.zeros(2, **index), torch.zeros(1, **index))
+    with pytest.raises(TypeError):
+        cluster_keep_list(q, centroids, counts, scale, 0.1, 2, torch.zeros(3, device=DEVICE), torch.zeros(1, **index))
+    with pytest.raises(TypeError):
+        cluster_keep(q, centroids, counts, scale, torch.tensor(0.1), 2)
+    with pytest.raises(ValueError):
+        LookupConfig(block_m=8)
+
+
+# ------------------------------------------------------------------------------------------------------------------ GPU
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture
+def exact_float32_matmul():
+    """The float32 reference must not round its matmul through TF32."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def no_host_sync(fn, *args, **kwargs):
+    """Run fn with CUDA's sync debug mode set to error: any synchronising call (.item(), nonzero, ...) raises."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def gpu_inputs(lq, seed=0, hq=32, hkv=8, d=128, c=6554):
+    """bfloat16 q / centroids at a 128K context (C = 5%), counts summing to ~128K per KV head."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(hq, lq, d, device="cuda", generator=g).bfloat16()
+    centroids = torch.randn(hkv, c, d, device="cuda", generator=g).bfloat16()
+    counts = torch.randint(0, 41, (hkv, c), device="cuda", generator=g)
+    return q, centroids, counts, 1.0 / math.sqrt(d)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("lq", [1, 1024])
+@pytest.mark.parametrize("group", ["kv", "query"])
+def test_gpu_cluster_keep_bfloat16(lq, group, exact_float32_matmul):
+    q, centroids, counts, scale = gpu_inputs(lq)
+    rows = 8 if group == "kv" else 32
+    _, ref_score = reference.cluster_keep(q.float(), centroids.float(), counts, scale, 0.0, rows)
+    threshold = selective_threshold(ref_score)
+    want = reference.cluster_keep(q.float(), centroids.float(), counts, scale, threshold, rows)
+    got = no_host_sync(cluster_keep, q, centroids, counts, scale, threshold, rows)
+    assert_matches(got, want, threshold, GPU_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("lq", [1, 1024])
+@pytest.mark.parametrize("group", ["kv", "query"])
+def test_gpu_cluster_keep_list_bfloat16(lq, group, exact_float32_matmul):
+    q, centroids, counts, scale = gpu_inputs(lq, seed=1)
+    rows, c = (8 if group == "kv" else 32), centroids.shape[1]
+    allowed = random_allowed(rows, c, seed=2)
+    indptr, idx = to_csr(allowed, torch.int32, garbage=100, c=c)
+    _, ref_score = reference.cluster_keep(q.float(), centroids.float(), counts, scale, 0.0, rows, allowed=allowed)
+    threshold = selective_threshold(ref_score, allowed)
+    want = reference.cluster_keep(q.float(), centroids.float(), counts, scale, threshold, rows, allowed=allowed)
+    got = no_host_sync(cluster_keep_list, q, centroids, counts, scale, threshold, rows, indptr, idx)
+    assert_matches(got, want, threshold, GPU_TOL)
