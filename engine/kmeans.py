@@ -11,6 +11,10 @@ from dataclasses import dataclass
 import torch
 
 ASSIGN_CHUNK_ELEMENTS = 1 << 26  # points x centroids scores computed at once per head group
+# k-means++ draws its centres one after another: k passes over every point. Past this many clusters (a context
+# of ~10K tokens at 5%) the seeding would cost more than the iterations (seconds for a 128K-token layer on a GPU),
+# so the centres start as k distinct points drawn uniformly (as faiss does), from the same seeded generator.
+KMEANS_PP_MAX_CLUSTERS = 512
 
 
 @dataclass
@@ -92,6 +96,13 @@ def _kmeans_plus_plus(xn: torch.Tensor, k: int, gen: torch.Generator) -> torch.T
     return torch.stack(centres, dim=1)
 
 
+def _random_centres(xn: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
+    """k distinct points per head, uniformly at random (seeded on the CPU). xn: [H, N, D] -> [H, k, D]."""
+    h, n, _ = xn.shape
+    picks = torch.stack([torch.randperm(n, generator=gen)[:k] for _ in range(h)]).to(xn.device)  # [H, k]
+    return torch.gather(xn, 1, picks[..., None].expand(-1, -1, xn.shape[2]))
+
+
 def spherical_kmeans(
     x: torch.Tensor,
     k: int,
@@ -113,7 +124,7 @@ def spherical_kmeans(
     xn = torch.nn.functional.normalize(xf, dim=-1)
     w = torch.ones(h, n, device=x.device) if weights is None else weights.float()
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    cn = _kmeans_plus_plus(xn, k, gen)
+    cn = _kmeans_plus_plus(xn, k, gen) if k <= KMEANS_PP_MAX_CLUSTERS else _random_centres(xn, k, gen)
     labels = torch.full((h, n), -1, dtype=torch.int64, device=x.device)
     done = 0
     for done in range(1, iters + 1):

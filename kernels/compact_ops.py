@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.jit.compact import expand_groups_kernel
+from kernels.jit.compact import expand_groups_kernel, group_block_sums_kernel
 from kernels.selection import Selection
 
 BLOCK_G = 32  # groups (clusters) per program
@@ -29,18 +29,19 @@ def expand_groups(keep: torch.Tensor, starts: torch.Tensor, total: int, tail: in
     if keep.device != starts.device:
         raise ValueError(f"keep is on {keep.device} but starts on {starts.device}")
     num_keys = total + tail
-    head_starts = starts.repeat_interleave(rows // hkv, dim=0) if rows != hkv else starts  # [rows, G + 1]
-    sizes = torch.where(keep, head_starts[:, 1:] - head_starts[:, :-1], 0)  # [rows, G] int64
-    inclusive = torch.cumsum(sizes, dim=1)
-    offsets = inclusive - sizes
-    totals = (inclusive[:, -1] if groups else sizes.new_zeros(rows)) + tail
-    indptr = torch.nn.functional.pad(torch.cumsum(totals, dim=0), (1, 0))
-    out = torch.empty(max(1, rows * num_keys), dtype=torch.int32, device=keep.device)
+    dev = keep.device
+    nb = max(1, triton.cdiv(groups, BLOCK_G))
+    block_sums = torch.empty(rows, nb, dtype=torch.int64, device=dev)
+    totals = torch.zeros(rows, dtype=torch.int64, device=dev)
+    indptr = torch.zeros(rows + 1, dtype=torch.int64, device=dev) if rows == 0 else torch.empty(rows + 1, dtype=torch.int64, device=dev)
+    out = torch.empty(max(1, rows * num_keys), dtype=torch.int32, device=dev)
     if rows:
-        grid = (rows, max(1, triton.cdiv(groups, BLOCK_G)))
+        keep, starts = keep.contiguous(), starts.contiguous()
+        grid = (rows, nb)
+        group_block_sums_kernel[grid](keep, starts, block_sums, totals, groups, nb, rows // hkv, BLOCK_G=BLOCK_G)
         expand_groups_kernel[grid](
-            keep.to(torch.int8), starts.contiguous(), offsets.contiguous(), indptr, out,
-            groups, rows // hkv, tail, BLOCK_G=BLOCK_G, BLOCK_K=BLOCK_K,
+            keep, starts, block_sums, totals, indptr, out, groups, nb, rows // hkv, tail,
+            BLOCK_G=BLOCK_G, BLOCK_K=BLOCK_K, BLOCK_R=max(2, triton.next_power_of_2(rows)),
+            BLOCK_NB=max(2, triton.next_power_of_2(nb)),
         )
     return Selection(indptr=indptr, indices=out, num_keys=num_keys)
-

@@ -211,3 +211,19 @@ def test_weights_give_the_weighted_mean():
     assert_centroids_are_member_means(many, x, 8, weights)
     for head in range(3):
         assert torch.equal(many.counts[head], torch.bincount(many.labels[head], minlength=8))
+
+
+def test_many_clusters_start_from_random_points_deterministically():
+    """Past KMEANS_PP_MAX_CLUSTERS the seeding draws distinct points (k-means++ would be k passes over the data):
+    still seeded, still a valid clustering."""
+    from engine.kmeans import KMEANS_PP_MAX_CLUSTERS
+
+    k = KMEANS_PP_MAX_CLUSTERS + 88
+    x = torch.randn(2, 3000, 8, generator=torch.Generator().manual_seed(3))
+    a = spherical_kmeans(x, k, iters=3, seed=5)
+    b = spherical_kmeans(x, k, iters=3, seed=5)
+    assert torch.equal(a.labels, b.labels) and torch.equal(a.centroids, b.centroids)
+    assert torch.equal(a.counts.sum(dim=1), torch.full((2,), 3000))
+    for h in range(2):
+        assert torch.equal(a.counts[h], torch.bincount(a.labels[h], minlength=k))
+    assert not torch.equal(spherical_kmeans(x, k, iters=3, seed=6).labels, a.labels)

@@ -65,12 +65,13 @@ def test_triton_expansion_matches_reference(hkv, rows, tail, density):
     if rows > 1 and density > 0:
         keep[1] = False  # an empty row (only its tail)
     want = expand_groups(keep, starts, lc, tail)
-    got = compact_ops.expand_groups(keep, starts, lc, tail)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs compiled on a GPU, interpreted otherwise
+    got = compact_ops.expand_groups(keep.to(dev), starts.to(dev), lc, tail)
     assert got.num_keys == want.num_keys == lc + tail
-    assert torch.equal(got.indptr, want.indptr)
+    assert torch.equal(got.indptr.cpu(), want.indptr)
     n = int(want.indptr[-1])
     assert got.indices.dtype == torch.int32 and got.indices.numel() >= n
-    assert torch.equal(got.indices[:n].long(), want.indices)
+    assert torch.equal(got.indices[:n].long().cpu(), want.indices)
 
 
 def test_expansion_rejects_mismatched_shapes():
@@ -79,3 +80,16 @@ def test_expansion_rejects_mismatched_shapes():
         compact_ops.expand_groups(torch.ones(2, 5, dtype=torch.bool), starts, 10)
     with pytest.raises(ValueError, match="multiple"):
         compact_ops.expand_groups(torch.ones(3, 4, dtype=torch.bool), starts, 10)
+
+
+def test_triton_expansion_scans_many_groups():
+    """Many blocks of groups per row (compact_ops.BLOCK_G each): every block finds its place from the others' sums."""
+    groups = compact_ops.BLOCK_G * 70 + 5
+    labels = random_labels(2, 6000, groups, seed=11)
+    starts = group_starts(labels, groups)
+    keep = torch.rand(4, groups, generator=torch.Generator().manual_seed(12)) < 0.4
+    want = expand_groups(keep, starts, 6000, tail=3)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = compact_ops.expand_groups(keep.to(dev), starts.to(dev), 6000, tail=3)
+    assert torch.equal(got.indptr.cpu(), want.indptr)
+    assert torch.equal(got.indices[: int(want.indptr[-1])].long().cpu(), want.indices)

@@ -40,7 +40,7 @@ class HierarchicalSqueezePolicy(Policy):
         k1 = min(c2.shape[1], settings.num_centroids(keys.shape[1], settings.level1_ratio))
         result = spherical_kmeans(c2, k1, iters=settings.kmeans_iters, seed=settings.seed, weights=index["counts"])
         order = torch.argsort(result.labels, dim=1, stable=True)  # [Hkv, C2]: new id -> old id
-        new_id = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1]).expand_as(order).contiguous())
+        new_id = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order).contiguous())
         counts2 = torch.gather(index["counts"], 1, order)
         parent = torch.gather(result.labels, 1, order)  # [Hkv, C2], non-decreasing
         counts1 = torch.zeros_like(result.counts)

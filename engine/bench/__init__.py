@@ -1,0 +1,1 @@
+"""Benchmarks: runnable modules that print one JSON document (see `squeeze bench --help`)."""

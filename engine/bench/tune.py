@@ -1,0 +1,105 @@
+"""Kernel launch-parameter sweep on one benchmark configuration (GPU): which block sizes / warps to make default.
+
+    python -m engine.bench.tune --capture FILE [--length 131072] [--sparsity 0.9]
+
+Times each candidate config of the decode and prefill lookup and sparse attention with CUDA graphs (GPU time
+without Python launch overhead) and prints one JSON document, best first per kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+
+import torch
+
+from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, bench_graph, build_index
+from engine.config import IndexSettings
+from engine.policies.base import CalibrationSet
+from engine.policies.squeeze import SqueezePolicy
+from kernels import attention_ops, lookup_ops
+from kernels.compact_ops import expand_groups
+from kernels.layout import ClusterLayout
+
+
+def _sweep(name: str, configs, fn) -> list[dict]:
+    rows = []
+    for cfg in configs:
+        try:
+            ms = bench_graph(lambda: fn(cfg))
+            rows.append({"config": {k: v for k, v in vars(cfg).items()}, "ms": round(ms, 4)})
+        except Exception as exc:  # noqa: BLE001 - an invalid config is reported, not fatal
+            rows.append({"config": {k: v for k, v in vars(cfg).items()}, "error": str(exc).splitlines()[0][:160]})
+        print(name, rows[-1], file=sys.stderr, flush=True)
+    return sorted(rows, key=lambda r: r.get("ms", 1e9))[:8]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from safetensors.torch import load_file
+
+    from engine.bench.extend import extend
+
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.tune", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--capture", required=True)
+    parser.add_argument("--length", type=int, default=131072)
+    parser.add_argument("--hq", type=int, default=32)
+    parser.add_argument("--hkv", type=int, default=8)
+    parser.add_argument("--sparsity", type=float, default=0.9)
+    parser.add_argument("--prefill", type=int, default=1024)
+    parser.add_argument("--only", default="decode_attn,decode_lookup,prefill_attn,prefill_lookup")
+    args = parser.parse_args(argv)
+    dev = torch.device("cuda")
+    settings = IndexSettings(dense_tail=DENSE_TAIL, kmeans_iters=5)
+    q_all, k, v = extend(load_file(args.capture), args.length, args.hkv, args.hq, args.prefill + DENSE_TAIL, HEAD_DIM,
+                         torch.bfloat16, dev)
+    index, _ = build_index(k, settings, 8, policies=(SqueezePolicy(),))
+    layout = ClusterLayout.from_labels(index["labels"], index["counts"].shape[1], DENSE_TAIL)
+    kp, vp = layout.permute(k), layout.permute(v)
+    policy = SqueezePolicy()
+    scale = HEAD_DIM ** -0.5
+    calibration = policy.calibrate([CalibrationSet(index=index, queries=q_all[:, -DENSE_TAIL - 1 : -1].float())], scale, settings)
+    (threshold,) = policy.thresholds(calibration, args.sparsity)
+    lc = index["labels"].shape[1]
+    out: dict = {"length": args.length, "hq": args.hq, "hkv": args.hkv, "sparsity": args.sparsity}
+    only = args.only.split(",")
+    for phase, lq in (("decode", 1), ("prefill", args.prefill)):
+        q = q_all[:, -lq:]
+        keep, _ = lookup_ops.cluster_keep(q, index["centroids"], index["counts"], scale, threshold, args.hkv)
+        sel = expand_groups(keep, index["key_starts"], lc, DENSE_TAIL)
+        out[f"{phase}_kept_fraction"] = round(float(sel.counts().double().mean()) / args.length, 4)
+        if f"{phase}_lookup" in only:
+            base = lookup_ops.default_config(dev, lq, HEAD_DIM)
+            grid = (itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)) if lq > 1
+                    else itertools.product((16,), (32, 64, 128, 256), (2, 4, 8), (1, 2, 3)))
+            configs = [lookup_ops.LookupConfig(block_m=m, block_c=c, num_warps=w, num_stages=s,
+                                               target_programs=base.target_programs, max_splits=base.max_splits)
+                       for m, c, w, s in grid if not (lq > 1 and m * c > 128 * 128)]
+            out[f"{phase}_lookup_default"] = {"config": vars(base), "ms": round(bench_graph(
+                lambda: lookup_ops.cluster_keep(q, index["centroids"], index["counts"], scale, threshold, args.hkv)), 4)}
+            out[f"{phase}_lookup"] = _sweep(f"{phase}_lookup", configs, lambda cfg: lookup_ops.cluster_keep(
+                q, index["centroids"], index["counts"], scale, threshold, args.hkv, config=cfg))
+        if f"{phase}_attn" in only:
+            base = attention_ops.plan(q.shape[0] // args.hkv * lq, args.hkv, HEAD_DIM, sel.indices.numel(), sel.num_keys,
+                                      attention_ops._num_sms(dev))
+            out[f"{phase}_attn_default"] = {"config": vars(base), "ms": round(bench_graph(
+                lambda: attention_ops.sparse_attention(q, kp, vp, sel, scale)), 4)}
+            if lq == 1:
+                sms = attention_ops._num_sms(dev)
+                grid = itertools.product((64, 128, 256, 512), (32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (2, 3))
+                configs = [attention_ops.SparseAttentionConfig(split=True, block_m=16, block_n=n, num_warps=w, num_stages=st,
+                                                               chunk=c, workers=wps * sms)
+                           for c, n, w, wps, st in grid if n <= c]
+            else:
+                grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
+                configs = [attention_ops.SparseAttentionConfig(split=False, block_m=m, block_n=n, num_warps=w, num_stages=st)
+                           for m, n, w, st in grid]
+            out[f"{phase}_attn"] = _sweep(f"{phase}_attn", configs,
+                                          lambda cfg: attention_ops.sparse_attention(q, kp, vp, sel, scale, config=cfg))
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

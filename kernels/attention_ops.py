@@ -1,0 +1,226 @@
+"""Typed wrappers of the sparse-attention Triton kernels (kernels/jit/sparse.py): check, plan, launch.
+
+`sparse_attention(q, k, v, selection, scale)` has the signature and semantics of `kernels.reference.sparse_attention`
+and never synchronises with the host: the keys per row are only known on the device, so every grid and buffer size
+below depends only on shapes and on the capacity of `selection.indices` (CUDA-graph friendly).
+
+Two variants of one kernel, picked from the shapes by `plan`:
+    split-KV (decode, G * Lq <= DECODE_MAX_M; also prefill grids too small to fill the GPU): each row's key list is
+        cut into work items of `chunk` keys, numbered row after row (the kernels derive the numbering from indptr
+        on the device: items per row = ceil(count / chunk) and their prefix sum). A fixed grid of `workers`
+        programs takes items w, w + workers, ... (a row with many keys spreads over many SMs: the paper's load
+        balancing, sec. 4.2), each writing a normalised partial out [M, D] and its lse to scratch; a second kernel
+        merges each row's partials by log-sum-exp. Scratch: max_items(capacity, rows, num_keys, chunk) items of
+        M * (D + 1) fp32 values (decode at 512K, 10%, 8 rows, M 4, D 128: ~3.4 MB).
+    plain (prefill): FlashAttention forward over a (query block, row) grid, each program reading its row's keys;
+        no scratch, no merge.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+
+from kernels.jit.sparse import sparse_attn_fwd_kernel, sparse_attn_merge_kernel
+from kernels.selection import Selection
+
+LOG2E = 1.4426950408889634
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+# --- Knobs (tune on the GPU) -------------------------------------------------------------------------------------
+DECODE_MAX_M = 16  # G * Lq up to this: split-KV with one query block (tl.dot needs >= 16 rows, so this is free)
+DECODE_BLOCK_N = 64  # keys per inner step in decode (halved for D = 256)
+DECODE_WARPS = 4
+DECODE_STAGES = 3
+# Persistent workers per SM. Keep it at or below the programs that fit on an SM at once (~3 at 147-156 registers,
+# 4 warps, BLOCK_N 64, D 128): a worker that waits for a free slot finishes a whole share late.
+DECODE_WORKERS_PER_SM = 3  # H200, 128K, 32/8, 90%: 3 workers/SM with 256-key items 16.8 us, 2/SM with 64: 29.8 us
+# Keys per work item: the power of two in [MIN, MAX] that gives each worker ~ITEMS_PER_WORKER items at full capacity
+# (finer items balance better, coarser ones write fewer partials: M * D * 4 bytes per item).
+DECODE_ITEMS_PER_WORKER = 1
+# The capacity is the worst case (every key of every row); the selected keys are only known on the device. Items
+# are sized for a typical selection, this fraction of the keys (a heavier one just gives workers more items).
+DECODE_EXPECTED_FRACTION = 0.1
+DECODE_MIN_CHUNK = 64
+DECODE_MAX_CHUNK = 1024
+PREFILL_BLOCK_N = 64
+PREFILL_SPLIT_BELOW = 1.0  # split prefill over keys when (query blocks * rows) < this * SMs
+PREFILL_TARGET_PROGRAMS_PER_SM = 2  # split prefill: aim at this many (query block, item) programs per SM
+MERGE_BLOCK_D = 64  # head-dim slice per merge program (more programs, fewer registers)
+MERGE_TILE = 4096  # split prefill: merge_block_m * merge_block_i * MERGE_BLOCK_D fp32 partials per merge step
+MERGE_WARPS = 4
+INTERPRETER_SMS = 4  # "SMs" without CUDA (TRITON_INTERPRET=1 on the CPU): small, so tests run the persistent loop
+
+
+@dataclass(frozen=True)
+class SparseAttentionConfig:
+    """How one call is cut into programs. `chunk` is used only when `split`; `workers` is grid axis 1 when `split`."""
+
+    split: bool
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    chunk: int = 0
+    workers: int = 0
+    merge_block_m: int = 1  # query rows per merge program
+    merge_block_i: int = 128  # partials per merge step (a decode row at 512K / 10% has ~200 items of 256 keys)
+
+    def __post_init__(self):
+        for name in ("merge_block_m", "merge_block_i"):
+            value = getattr(self, name)
+            if value < 1 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two, got {value}")
+        for name in ("block_m", "block_n"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.split and (self.chunk < 1 or self.workers < 1):
+            raise ValueError(f"split needs chunk >= 1 and workers >= 1, got chunk={self.chunk} workers={self.workers}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_SMS
+
+
+def max_items(capacity: int, rows: int, num_keys: int, chunk: int) -> int:
+    """Upper bound of sum_r ceil(count_r / chunk) given sum_r count_r <= capacity and count_r <= num_keys."""
+    by_capacity = (capacity + rows * (chunk - 1)) // chunk
+    by_keys = rows * triton.cdiv(num_keys, chunk)
+    return min(by_capacity, by_keys)
+
+
+def _prev_power_of_2(x: int) -> int:
+    return 1 << (max(1, x).bit_length() - 1)
+
+
+def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num_sms: int) -> SparseAttentionConfig:
+    """The default config for M = G * Lq query rows per row, from shapes only (never from device values).
+
+    capacity: selection.indices.numel() (an upper bound of the selected keys of all rows together).
+    """
+    if num_m <= DECODE_MAX_M:
+        block_n = DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2
+        target_workers = DECODE_WORKERS_PER_SM * num_sms
+        expected = min(capacity, int(rows * num_keys * DECODE_EXPECTED_FRACTION))
+        chunk = _prev_power_of_2(expected // (target_workers * DECODE_ITEMS_PER_WORKER))
+        chunk = min(max(chunk, DECODE_MIN_CHUNK, block_n), DECODE_MAX_CHUNK)
+        workers = max(1, min(max_items(capacity, rows, num_keys, chunk), target_workers))
+        return SparseAttentionConfig(split=True, block_m=16, block_n=block_n, num_warps=DECODE_WARPS,
+                                     num_stages=DECODE_STAGES, chunk=chunk, workers=workers)
+    block_m = 64  # H200, 128K, 32/8, 1024 new tokens: 64 x 64 on 4 warps 1.46 ms, 128 x 64 on 8 warps 1.59 ms
+    block_m = min(block_m, max(16, triton.next_power_of_2(num_m)))
+    block_n = PREFILL_BLOCK_N
+    num_warps = 4
+    num_stages = 2 if head_dim > 128 else 3
+    m_blocks = triton.cdiv(num_m, block_m)
+    if m_blocks * rows >= PREFILL_SPLIT_BELOW * num_sms or capacity == 0:
+        return SparseAttentionConfig(split=False, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                                     num_stages=num_stages)
+    # Too few programs to fill the GPU: cut rows into items (a multiple of block_n) so that ~TARGET programs run;
+    # one item per program (workers = the bound on items), merged like decode.
+    want_items = max(1, triton.cdiv(PREFILL_TARGET_PROGRAMS_PER_SM * num_sms, m_blocks))
+    chunk = block_n * max(1, triton.cdiv(triton.cdiv(capacity, want_items), block_n))
+    workers = max(1, max_items(capacity, rows, num_keys, chunk))
+    merge_block_i = min(16, triton.next_power_of_2(triton.cdiv(workers, rows)))  # ~items per row
+    merge_block_m = max(1, MERGE_TILE // min(head_dim, MERGE_BLOCK_D) // merge_block_i)
+    return SparseAttentionConfig(split=True, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                                 num_stages=num_stages, chunk=chunk, workers=workers,
+                                 merge_block_m=merge_block_m, merge_block_i=merge_block_i)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: Selection) -> None:
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"expected q [Hq, Lq, D], k/v [Hkv, Lk, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    if k.shape != v.shape or q.shape[2] != k.shape[2]:
+        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype or q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"k and v must share one of {SUPPORTED_DTYPES} (q any of them); got {q.dtype}, {k.dtype}, "
+                        f"{v.dtype}")
+    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head_dim {q.shape[2]} not supported; expected one of {SUPPORTED_HEAD_DIMS}")
+    hq, hkv, rows = q.shape[0], k.shape[0], selection.rows
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    if rows not in (hq, hkv) or hq % rows:
+        raise ValueError(f"selection has {rows} rows; expected Hq={hq} or Hkv={hkv}")
+    if selection.num_keys > k.shape[1]:
+        raise ValueError(f"selection indexes {selection.num_keys} keys but k holds {k.shape[1]}")
+    indptr, indices = selection.indptr, selection.indices
+    if indptr.dim() != 1 or indptr.dtype not in INDEX_DTYPES or indices.dim() != 1 or indices.dtype not in INDEX_DTYPES:
+        raise TypeError(f"selection.indptr/indices must be 1-D int32/int64; got {indptr.dtype} {tuple(indptr.shape)}, "
+                        f"{indices.dtype} {tuple(indices.shape)}")
+    devices = {t.device for t in (q, k, v, indptr, indices)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v and the selection must share one device; got {sorted(map(str, devices))}")
+
+
+def sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: Selection,
+    scale: float,
+    config: SparseAttentionConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of every query over only the keys its row selects; see kernels.reference.sparse_attention.
+
+    q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] (fp16, bf16 or fp32, any strides; q is cast to k's dtype, the dtype of the
+    tensor-core inputs, when it differs); selection: rows in {Hq, Hkv}, indptr/indices int32 or int64, indices sorted
+    per row, possibly longer than indptr[-1] (the tail is ignored). config: override `plan` (tests, tuning).
+    Returns out [Hq, Lq, D] float32 and lse [Hq, Lq] float32 (natural log; 0 and -inf for a row with no keys).
+    """
+    _check(q, k, v, selection)
+    q = q.to(k.dtype)  # no-op when they match
+    hq, lq, d = q.shape
+    hkv = k.shape[0]
+    rows = selection.rows
+    group = hq // rows
+    num_m = group * lq  # query rows per selection row
+    indptr = selection.indptr.contiguous()
+    indices = selection.indices.contiguous()
+    out = torch.empty(hq, lq, d, device=q.device, dtype=torch.float32)  # flat: [rows, num_m, D]
+    lse = torch.empty(hq, lq, device=q.device, dtype=torch.float32)  # flat: [rows, num_m]
+    if out.numel() == 0:
+        return out, lse
+    cfg = config or plan(num_m, rows, d, indices.numel(), selection.num_keys, _num_sms(q.device))
+    block_r = max(2, triton.next_power_of_2(rows))
+    m_blocks = triton.cdiv(num_m, cfg.block_m)
+    common = dict(
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=cfg.split,
+        EXACT_FP32=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    strides = (*q.stride(), *k.stride(), *v.stride())
+    qk_scale = scale * LOG2E
+    if not cfg.split:
+        sparse_attn_fwd_kernel[(m_blocks, rows)](
+            q, k, v, indptr, indices, out, lse, *strides, rows, hkv, group, lq, 1, qk_scale, **common
+        )
+        return out, lse
+    n_items = max(1, max_items(indices.numel(), rows, selection.num_keys, cfg.chunk))
+    part_out = torch.empty(n_items, num_m, d, device=q.device, dtype=torch.float32)  # [items, M, D]
+    part_lse = torch.empty(n_items, num_m, device=q.device, dtype=torch.float32)  # [items, M], base 2
+    sparse_attn_fwd_kernel[(m_blocks, cfg.workers)](
+        q, k, v, indptr, indices, part_out, part_lse, *strides, rows, hkv, group, lq, cfg.chunk, qk_scale, **common
+    )
+    block_d = min(d, MERGE_BLOCK_D)
+    merge_block_m = min(cfg.merge_block_m, triton.next_power_of_2(num_m))
+    sparse_attn_merge_kernel[(triton.cdiv(num_m, merge_block_m), rows, d // block_d)](
+        part_out, part_lse, indptr, out, lse, rows, num_m, cfg.chunk,
+        HEAD_DIM=d, BLOCK_M=merge_block_m, BLOCK_I=cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
+        num_warps=MERGE_WARPS,
+    )
+    return out, lse
+
+
+__all__ = ["SparseAttentionConfig", "max_items", "plan", "sparse_attention"]
+

@@ -1,0 +1,206 @@
+"""Sparse FlashAttention over a CSR selection of keys: the @triton.jit kernels (wrappers: kernels/attention_ops.py).
+
+Vocabulary (see kernels.selection.Selection and kernels.reference.sparse_attention):
+    row r       one entry of the selection; it reads KV head r * Hkv // rows and serves G = Hq // rows query heads
+    M = G * Lq  the query rows of a row: its G query heads stacked along the Lq tokens (m -> head r*G + m // Lq,
+                token m % Lq), so each selected key is loaded once for the whole group
+    item        a work item of split-KV: `chunk` consecutive entries of one row's key list (the last one shorter);
+                items are numbered row after row, row r owning items first[r] .. first[r] + ceil(count[r]/chunk) - 1.
+                The plan is recomputed on the device from indptr by every program (no host synchronisation).
+
+Scores are kept in the log2 domain (q.k * scale * log2(e)), so partial lse values are base 2; final lse is natural.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _item_plan(indptr_ptr, rows, chunk, BLOCK_R: tl.constexpr):
+    """Work items per row from indptr [rows + 1].
+
+    Returns first [BLOCK_R] (exclusive prefix sum of the items per row), n_items [BLOCK_R] (0 past `rows`) and the
+    total number of items (a scalar).
+    """
+    r = tl.arange(0, BLOCK_R)
+    in_range = r < rows
+    lo = tl.load(indptr_ptr + r, mask=in_range, other=0).to(tl.int64)
+    hi = tl.load(indptr_ptr + r + 1, mask=in_range, other=0).to(tl.int64)
+    n_items = (hi - lo + chunk - 1) // chunk
+    inclusive = tl.cumsum(n_items, 0)
+    return inclusive - n_items, n_items, tl.sum(n_items, 0)
+
+
+@triton.jit
+def _attend(
+    q_ptr, k_ptr, v_ptr, indices_ptr,
+    row, start, end, offs_m, offs_d, m_valid,
+    stride_qh, stride_ql, stride_qd,
+    stride_kh, stride_kn, stride_kd,
+    stride_vh, stride_vn, stride_vd,
+    rows, num_kv_heads, group, lq, qk_scale,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EXACT_FP32: tl.constexpr,
+):
+    """Online softmax of the query rows offs_m of `row` over its selected keys indices[start:end].
+
+    Returns acc [BLOCK_M, HEAD_DIM] (unnormalised, fp32), m [BLOCK_M] (running max, log2 domain), l [BLOCK_M]
+    (running sum of exp2(s - m)); l == 0 where no key was seen.
+    """
+    head = (row * group + offs_m // lq).to(tl.int64)  # [BLOCK_M] query head of each query row
+    tok = offs_m % lq
+    q = tl.load(
+        q_ptr + head[:, None] * stride_qh + tok[:, None] * stride_ql + offs_d[None, :] * stride_qd,
+        mask=m_valid[:, None],
+        other=0.0,
+    )  # [BLOCK_M, HEAD_DIM], input dtype
+    kv_head = (row * num_kv_heads // rows).to(tl.int64)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < end
+        idx = tl.load(indices_ptr + offs_n, mask=n_valid, other=0).to(tl.int64)  # [BLOCK_N] key rows
+        k = tl.load(
+            k_base + idx[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=n_valid[:, None], other=0.0
+        )  # [BLOCK_N, HEAD_DIM]: each key is HEAD_DIM contiguous elements
+        if EXACT_FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = tl.where(n_valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N], log2 domain
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block holds at least one selected key
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(
+            v_base + idx[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=n_valid[:, None], other=0.0
+        )
+        if EXACT_FP32:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def sparse_attn_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, out_ptr, lse_ptr,
+    stride_qh, stride_ql, stride_qd,
+    stride_kh, stride_kn, stride_kd,
+    stride_vh, stride_vn, stride_vd,
+    rows, num_kv_heads, group, lq, chunk, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    SPLIT: tl.constexpr,
+    EXACT_FP32: tl.constexpr,
+):
+    """Sparse attention forward. Grid axis 0: blocks of BLOCK_M query rows (of M = group * lq).
+
+    SPLIT == False (prefill): axis 1 is the row; the program reads the row's whole key list and writes the final
+        out [rows * M, HEAD_DIM] fp32 and lse [rows * M] fp32 (natural log; 0 and -inf for an empty row).
+    SPLIT == True (split-KV, decode): axis 1 holds persistent workers; worker w takes items w, w + W, w + 2W, ...
+        below the total (known on the device only) and writes, per item, the normalised partial output into
+        out [items, M, HEAD_DIM] and its base-2 lse into lse [items, M]; sparse_attn_merge_kernel combines them.
+    """
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    num_m = group * lq
+    m_valid = offs_m < num_m
+    if SPLIT:
+        first, n_items, total = _item_plan(indptr_ptr, rows, chunk, BLOCK_R)
+        r_ids = tl.arange(0, BLOCK_R)
+        for item in range(tl.program_id(1), total, tl.num_programs(1)):
+            row = tl.sum((first + n_items <= item).to(tl.int32), 0)  # rows whose items all precede this one
+            local = item - tl.sum(tl.where(r_ids == row, first, 0), 0)
+            start = tl.load(indptr_ptr + row).to(tl.int64) + local * chunk
+            end = tl.minimum(start + chunk, tl.load(indptr_ptr + row + 1).to(tl.int64))
+            acc, m_i, l_i = _attend(
+                q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
+                stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
+                rows, num_kv_heads, group, lq, qk_scale,
+                BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32,
+            )
+            flat = item * num_m + offs_m.to(tl.int64)  # [BLOCK_M] rows of the partial buffers
+            tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=m_valid[:, None])
+            tl.store(lse_ptr + flat, m_i + tl.log2(l_i), mask=m_valid)  # l_i > 0: an item holds >= 1 key
+    else:
+        row = tl.program_id(1)
+        start = tl.load(indptr_ptr + row).to(tl.int64)
+        end = tl.load(indptr_ptr + row + 1).to(tl.int64)
+        acc, m_i, l_i = _attend(
+            q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
+            stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
+            rows, num_kv_heads, group, lq, qk_scale,
+            BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32,
+        )
+        empty = l_i == 0.0
+        l_safe = tl.where(empty, 1.0, l_i)
+        lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
+        flat = row.to(tl.int64) * num_m + offs_m
+        tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=m_valid[:, None])
+        tl.store(lse_ptr + flat, lse, mask=m_valid)
+
+
+@triton.jit
+def sparse_attn_merge_kernel(
+    part_out_ptr, part_lse_ptr, indptr_ptr, out_ptr, lse_ptr,
+    rows, num_m, chunk,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_I: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Log-sum-exp merge of the split-KV partials. Grid (cdiv(num_m, BLOCK_M), rows, HEAD_DIM // BLOCK_D): BLOCK_M
+    query rows of one row and one slice of the head dimension per program; the row's partials are read BLOCK_I at
+    a time (decode: many items, one query row per program; split prefill: few items, many query rows).
+
+    part_out [items, num_m, HEAD_DIM] fp32 (normalised), part_lse [items, num_m] fp32 (base 2) ->
+    out [rows * num_m, HEAD_DIM] fp32, lse [rows * num_m] fp32 (natural log; 0 and -inf for a row with no keys).
+    """
+    row = tl.program_id(1)
+    first, n_items, _ = _item_plan(indptr_ptr, rows, chunk, BLOCK_R)
+    r_ids = tl.arange(0, BLOCK_R)
+    row_first = tl.sum(tl.where(r_ids == row, first, 0), 0)
+    row_items = tl.sum(tl.where(r_ids == row, n_items, 0), 0)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_i = tl.arange(0, BLOCK_I)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_valid = offs_m < num_m
+
+    m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of the partial lse (base 2)
+    l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for i0 in range(0, row_items, BLOCK_I):
+        valid = m_valid[:, None] & (i0 + offs_i < row_items)[None, :]  # [BLOCK_M, BLOCK_I]
+        flat = (row_first + i0 + offs_i).to(tl.int64)[None, :] * num_m + offs_m[:, None]  # [BLOCK_M, BLOCK_I]
+        part_lse = tl.load(part_lse_ptr + flat, mask=valid, other=float("-inf"))
+        part_out = tl.load(
+            part_out_ptr + flat[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=valid[:, :, None], other=0.0
+        )  # [BLOCK_M, BLOCK_I, BLOCK_D]
+        m_new = tl.maximum(m_run, tl.max(part_lse, 1))  # finite on valid query rows: the row's first item is valid
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding query rows: no (-inf) - (-inf)
+        alpha = tl.exp2(m_run - m_ref)
+        w = tl.exp2(part_lse - m_ref[:, None])  # [BLOCK_M, BLOCK_I], 0 past the row's items
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part_out, 1)
+        l_run = l_run * alpha + tl.sum(w, 1)
+        m_run = m_new
+    empty = l_run == 0.0
+    l_safe = tl.where(empty, 1.0, l_run)
+    dst = row.to(tl.int64) * num_m + offs_m  # [BLOCK_M]
+    tl.store(out_ptr + dst[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=m_valid[:, None])
+    if tl.program_id(2) == 0:
+        lse = tl.where(empty, float("-inf"), (m_run + tl.log2(l_safe)) * LN2)
+        tl.store(lse_ptr + dst, lse, mask=m_valid)
