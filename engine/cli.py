@@ -84,6 +84,23 @@ def cmd_delete(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from app.config import AppConfig  # noqa: PLC0415 - gradio loads only for this command
+    from app.serve import serve  # noqa: PLC0415
+
+    serve(args.host, args.port, model=args.model, cache_dir=args.cache_dir, device=args.device,
+          config=AppConfig(max_upload_mb=args.max_upload_mb))
+    return 0
+
+
+def cmd_bench(args) -> int:
+    if args.which == "kernels":
+        from engine.bench.kernels import main as bench_main  # noqa: PLC0415
+    else:
+        from engine.bench.capture import main as bench_main  # noqa: PLC0415
+    return bench_main(args.rest)
+
+
 def _sparsity(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 0.99:
@@ -120,6 +137,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("delete", parents=[common], help="delete a cached document and its contexts")
     p.add_argument("doc_id")
     p.set_defaults(func=cmd_delete)
+    p = sub.add_parser("serve", parents=[common], help="the web app: upload, chat, and what attention retrieved")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    p.add_argument("--port", type=int, default=7860)
+    p.add_argument("--max-upload-mb", type=float, default=50.0, help="largest file accepted, per file")
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("bench", help="benchmarks that print JSON: `kernels` (GPU), `capture` (real keys for it)")
+    p.add_argument("which", choices=("kernels", "capture"))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `squeeze bench kernels --help`)")
+    p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
-STOP_STRINGS = ("\n\n", "\nQuestion:")  # a base model answers, then starts a new paragraph or question
+STOP_STRINGS = ("\n\n", "\nQuestion:", "\nAnswer:")  # a base model answers, then starts a new paragraph, question or answer
 ANSWER_RESERVE = 1024  # tokens of the model's context kept free for the question and the answer
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
@@ -59,13 +60,21 @@ class Engine:
         self.model_name, self.device_name, self.backend_name = model, device, backend
         self.model_id = lm.model_id if lm is not None else model_id_for(model)
         self._lm = lm
+        self._lm_lock = threading.Lock()  # the app loads the model from a worker thread and from request threads
         self._session: tuple[str, ContextSession] | None = None
 
     @property
     def lm(self) -> LoadedModel:
         if self._lm is None:
-            self._lm = load_model(self.model_name, self.device_name, convert_dir=self.store.root / "models")
+            with self._lm_lock:
+                if self._lm is None:
+                    self._lm = load_model(self.model_name, self.device_name, convert_dir=self.store.root / "models")
         return self._lm
+
+    @property
+    def model_loaded(self) -> bool:
+        """Whether the model is in memory (the first `lm` access loads it, which can take a minute)."""
+        return self._lm is not None
 
     @property
     def backend(self) -> Backend:

@@ -1,0 +1,54 @@
+"""The app's settings: limits, defaults of the controls, and how often the page polls for progress."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.config import IndexSettings
+
+SPARSITY_MIN, SPARSITY_MAX = 50, 99  # the slider's range, in percent
+CENTROID_RATIOS = (0.01, 0.2)  # the centroid-ratio slider's range
+LEVEL1_RATIOS = (0.002, 0.05)  # the level-1 ratio slider's range (clamped to the centroid ratio)
+
+
+@dataclass(frozen=True)
+class AppConfig:
+    """max_upload_mb: per file; max_files: per upload; queue_size: requests waiting in Gradio's queue at most
+    (beyond it a request is refused at once); poll_s: how often an open page refreshes the progress."""
+
+    max_upload_mb: float = 50.0
+    max_files: int = 10
+    queue_size: int = 32
+    poll_s: float = 1.0
+    method: str = "squeeze"
+    sparsity_pct: int = 80
+    max_new_tokens: int = 64
+    max_new_tokens_limit: int = 512
+    centroid_ratio: float = IndexSettings.centroid_ratio
+    level1_ratio: float = IndexSettings.level1_ratio
+    title: str = "squeeze-chat"
+
+    def __post_init__(self) -> None:
+        if self.max_upload_mb <= 0:
+            raise ValueError(f"max_upload_mb must be positive, got {self.max_upload_mb}")
+        if self.max_files < 1:
+            raise ValueError(f"max_files must be at least 1, got {self.max_files}")
+        if self.queue_size < 1:
+            raise ValueError(f"queue_size must be at least 1, got {self.queue_size}")
+        if self.poll_s <= 0:
+            raise ValueError(f"poll_s must be positive, got {self.poll_s}")
+        if not SPARSITY_MIN <= self.sparsity_pct <= SPARSITY_MAX:
+            raise ValueError(f"sparsity_pct must be in [{SPARSITY_MIN}, {SPARSITY_MAX}], got {self.sparsity_pct}")
+        if not 1 <= self.max_new_tokens <= self.max_new_tokens_limit:
+            raise ValueError(f"max_new_tokens must be in [1, {self.max_new_tokens_limit}], got {self.max_new_tokens}")
+        IndexSettings(centroid_ratio=self.centroid_ratio, level1_ratio=self.level1_ratio)  # validates both
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 1024 * 1024)
+
+
+def index_settings(centroid_ratio: float, level1_ratio: float) -> IndexSettings:
+    """The settings the controls ask for (level 1 never above level 2); the rest stays at the defaults."""
+    centroid_ratio = round(float(centroid_ratio), 4)
+    return IndexSettings(centroid_ratio=centroid_ratio, level1_ratio=min(round(float(level1_ratio), 4), centroid_ratio))

@@ -1,0 +1,185 @@
+"""The Documents tab: upload (PDF, TXT, Markdown; several at once, size-limited), watch the preparation, and the
+library of cached documents with open and delete. Progress is polled, so it is where the job is whenever the
+page is (re)opened."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gradio as gr
+
+from app import render
+from app.chat import ChatTab
+from app.config import index_settings
+from app.services import Services, doc_choices, doc_status, error_text, library_rows, library_table
+from engine.jobs import document_id
+from storage import NotFoundError
+from storage.documents import KIND_BY_SUFFIX, UnsupportedTypeError, document_kind
+
+HEADERS = ["Name", "Pages", "Tokens", "Status", "Added", "ID"]
+
+
+class LibraryTab:
+    def __init__(self, services: Services, state: gr.State, chat: ChatTab):
+        self.services, self.state, self.chat = services, state, chat
+
+    def render(self) -> None:
+        cfg = self.services.config
+        with gr.Row(equal_height=False):
+            with gr.Column(scale=4, min_width=320):
+                self.files = gr.File(label=f"Upload PDF, TXT or Markdown (up to {cfg.max_files} files, "
+                                           f"{cfg.max_upload_mb:g} MB each)", file_count="multiple",
+                                     file_types=sorted(KIND_BY_SUFFIX), elem_id="sq-upload")
+                self.truncate = gr.Checkbox(False, label="Keep the start of long documents",
+                                            info="A document longer than the model's context is refused unless "
+                                                 "this is ticked")
+                self.upload_btn = gr.Button("Prepare", variant="primary", elem_id="sq-prepare")
+                self.message = gr.HTML("", elem_id="sq-upload-message")
+                gr.Markdown("#### Being prepared")
+                self.jobs = gr.HTML(render.jobs_html([]), elem_id="sq-jobs")
+            with gr.Column(scale=6, min_width=420):
+                gr.Markdown("#### Library")
+                self.table = gr.Dataframe(headers=HEADERS, value=[], interactive=False, wrap=True, elem_id="sq-library",
+                                          column_widths=["26%", "8%", "9%", "30%", "14%", "13%"])
+                with gr.Row():
+                    self.selected = gr.Dropdown(label="Document", choices=[], value=None, scale=4,
+                                                allow_custom_value=True, elem_id="sq-library-select")
+                    self.open_btn = gr.Button("Open", scale=1, min_width=70, elem_id="sq-open")
+                    self.delete_btn = gr.Button("Delete", variant="stop", scale=1, min_width=70, elem_id="sq-delete")
+                self.notice = gr.HTML("", elem_id="sq-library-message")
+
+    @property
+    def refresh_outputs(self) -> list:
+        return [self.jobs, self.table, self.selected, self.chat.doc, self.chat.status, self.state]
+
+    def wire(self, tabs: gr.Tabs, timer: gr.Timer) -> None:
+        chat = self.chat
+        # Upload: the files are handed to the worker; the last one opens in the Chat tab, which shows its progress.
+        self.upload_btn.click(
+            self.upload, [self.files, self.truncate, self.state],
+            [self.message, self.files, self.state, *self.refresh_outputs[:-1]], api_name="upload",
+        ).then(self._open_pending, [self.state, chat.method, chat.sparsity], [*chat.open_outputs, tabs],
+               api_visibility="private")
+        timer.tick(self.poll, [self.state], self.refresh_outputs, api_name="poll", show_progress="hidden",
+                   concurrency_limit=None)
+        self.table.select(self.pick_row, [self.table], [self.selected], api_visibility="private")
+        self.open_btn.click(self.open, [self.selected, self.state, chat.method, chat.sparsity],
+                            [*chat.open_outputs, tabs], api_name="open")
+        self.delete_btn.click(self.delete, [self.selected, self.state],
+                              [self.notice, *self.refresh_outputs[:-1], self.state], api_name="delete").then(
+            self._reopen_after_delete, [self.state, chat.method, chat.sparsity], chat.open_outputs,
+            api_visibility="private")
+
+    # ------------------------------------------------------------------ handlers
+
+    def upload(self, files, truncate: bool, state: dict) -> list:
+        """Queue each file (too large or of another type: refused in plain words); the last accepted one opens."""
+        cfg = self.services.config
+        state = dict(state)
+        paths = [Path(f if isinstance(f, str) else getattr(f, "name", f)) for f in (files or [])]
+        if not paths:
+            return [render.notice_html("Choose one or more files first.", "error"), gr.skip(), state,
+                    *self.refresh(state)[:-1]]
+        lines, opened = [], None
+        if len(paths) > cfg.max_files:
+            lines.append((f"Only the first {cfg.max_files} files were taken (at most {cfg.max_files} per upload).",
+                          "error"))
+            paths = paths[: cfg.max_files]
+        settings = index_settings(state["centroid_ratio"], state["level1_ratio"])
+        for path in paths:
+            name = path.name  # Gradio keeps an upload under its own name, in a folder of its own
+            try:
+                document_kind(name)
+            except UnsupportedTypeError as exc:
+                lines.append((str(exc), "error"))
+                continue
+            size = path.stat().st_size
+            if size > cfg.max_upload_bytes:
+                lines.append((f"{name}: {size / 2**20:.1f} MB is over the {cfg.max_upload_mb:g} MB limit per file",
+                              "error"))
+                continue
+            data = path.read_bytes()
+            cached = doc_status(self.services, document_id(data), settings)
+            if cached.state == "ready" and cached.exact:  # the same bytes were prepared before: open it now
+                opened = cached.doc_id
+                lines.append((f"{name}: already in the library, ready", "ok"))
+                continue
+            job = self.services.worker.submit_bytes(data, name, settings, truncate=bool(truncate))
+            opened = job.doc_id
+            view = self.services.worker.view(job.key)
+            if view.status == "failed":
+                lines.append((f"{name}: {error_text(view)}", "error"))
+            else:
+                lines.append((f"{name}: {render.stage_text(view)}", "ok" if view.status == "done" else "wait"))
+        if opened is not None:
+            state["pending_open"] = opened
+        message = "".join(render.notice_html(text, kind) for text, kind in lines)
+        return [message, None, state, *self.refresh(state)[:-1]]
+
+    def _open_pending(self, state: dict, method: str, sparsity_pct: float) -> list:
+        doc_id = state.get("pending_open")
+        if not doc_id:
+            return [gr.skip()] * (len(self.chat.open_outputs) + 1)
+        state = {**state, "pending_open": None}
+        return [*self.chat.open_document(doc_id, state, method, sparsity_pct), gr.Tabs(selected="chat")]
+
+    def open(self, doc_id: str | None, state: dict, method: str, sparsity_pct: float) -> list:
+        if not doc_id:
+            return [gr.skip()] * (len(self.chat.open_outputs) + 1)
+        return [*self.chat.open_document(doc_id, state, method, sparsity_pct), gr.Tabs(selected="chat")]
+
+    def pick_row(self, rows, evt: gr.SelectData):
+        try:
+            row = evt.index[0] if isinstance(evt.index, (list, tuple)) else int(evt.index)
+            return gr.update(value=rows.iloc[row, HEADERS.index("ID")] if hasattr(rows, "iloc") else rows[row][-1])
+        except (IndexError, KeyError, TypeError, ValueError):
+            return gr.skip()
+
+    def delete(self, doc_id: str | None, state: dict) -> list:
+        state = dict(state)
+        if not doc_id:
+            return [render.notice_html("Pick a document to delete.", "error"), *self.refresh(state)[:-1], state]
+        job = self.services.worker.latest_for_document(doc_id)
+        if job is not None and job.status in ("queued", "running"):
+            return [render.notice_html(f"{job.name} is being prepared; delete it when that has finished.", "error"),
+                    *self.refresh(state)[:-1], state]
+        try:
+            name = self.services.store.find_document(doc_id)["name"]
+            self.services.engine.delete_document(doc_id)
+        except NotFoundError:
+            return [render.notice_html("That document is not in the library any more.", "error"),
+                    *self.refresh(state)[:-1], state]
+        self.services.inspector.forget()
+        if state.get("doc_id") == doc_id:
+            state.update(doc_id=None, chat_id=None, reopen=True)
+        refreshed = self.refresh(state)
+        refreshed[2] = gr.update(choices=doc_choices(library_rows(self.services)), value=None)
+        return [render.notice_html(f"Deleted {name} and its chats.", "ok"), *refreshed[:-1], state]
+
+    def _reopen_after_delete(self, state: dict, method: str, sparsity_pct: float) -> list:
+        if not state.get("reopen"):
+            return [gr.skip()] * len(self.chat.open_outputs)
+        return self.chat.open_document(None, {**state, "reopen": False}, method, sparsity_pct)
+
+    def poll(self, state: dict) -> list:
+        """The progress and the library as they are now (unchanged parts are skipped)."""
+        return self.refresh(dict(state), skip_unchanged=True)
+
+    def refresh(self, state: dict, skip_unchanged: bool = False) -> list:
+        rows = library_rows(self.services)
+        views = self.services.worker.views()
+        active = [v for v in views if v.status in ("queued", "running")]
+        recent = active + [v for v in views if v.status == "failed"][-3:]
+        jobs = render.jobs_html(sorted(recent, key=lambda v: v.key),
+                                {v.key: error_text(v) for v in recent if v.status == "failed"})
+        signature = [[r["id"], r["status"], r["tokens"]] for r in rows]
+        choices = doc_choices(rows)
+        status = gr.skip()
+        if state.get("doc_id"):
+            settings = index_settings(state["centroid_ratio"], state["level1_ratio"])
+            status = self.chat.status_html(doc_status(self.services, state["doc_id"], settings))
+        if skip_unchanged and signature == state.get("library"):
+            return [jobs, gr.skip(), gr.skip(), gr.skip(), status, gr.skip()]
+        state["library"] = signature
+        return [jobs, library_table(rows), gr.update(choices=choices), gr.update(choices=choices), status, state]
+

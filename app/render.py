@@ -1,0 +1,326 @@
+"""HTML and SVG for the app's views, from plain data (pure functions: no Gradio, no engine calls, no tensors).
+
+Every view is self-contained markup with `sq-` classes (styled by assets/app.css); charts are inline SVG, so the
+app needs no plotting library.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from collections.abc import Sequence
+
+from engine.jobs import LOADING, STAGES
+
+STAGE_LABELS = {
+    LOADING: "loading model",
+    "extracting": "extracting text",
+    "tokenizing": "tokenizing",
+    "prefill": "prefill",
+    "clustering": "clustering",
+    "calibrating": "calibrating",
+    "saving": "saving",
+}
+STAGE_UNITS = {"prefill": "tokens", "clustering": "layers", "saving": "files"}
+LOW, HIGH = (247, 251, 255), (8, 48, 107)  # heatmap colour scale: kept fraction 0 -> 1 (light to dark blue)
+CELL = 34  # heatmap cell size, px
+GOLDEN_ANGLE = 137.508  # degrees: consecutive cluster ids get well separated hues
+
+
+def esc(text: object) -> str:
+    return html.escape(str(text), quote=True)
+
+
+def format_seconds(seconds: float | None) -> str:
+    if seconds is None:
+        return "unknown"
+    if seconds < 1:
+        return "under a second"
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 90 * 60:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def time_left(eta_s: float | None, stage: str | None = None) -> str:
+    """'about 12 s left', or why there is no estimate yet."""
+    if stage == LOADING:
+        return "loading the model first (about a minute on the first run), time left not known yet"
+    if eta_s is None:
+        return "estimating the time left"
+    return f"about {format_seconds(eta_s)} left"
+
+
+def stage_text(view) -> str:
+    """'prefill 2048/3970 tokens' for a JobView."""
+    if view.status == "queued":
+        return f"queued (position {view.position})" if view.position else "queued"
+    if view.status == "done":
+        return "ready (from the cache)" if view.cached else "ready"
+    if view.status == "failed":
+        return "failed"
+    label = STAGE_LABELS.get(view.stage, view.stage)
+    if view.total > 1 or view.stage in STAGE_UNITS:
+        return f"{label} {view.done}/{view.total} {STAGE_UNITS.get(view.stage, '')}".rstrip()
+    return label
+
+
+def job_html(view, error_text: str | None = None) -> str:
+    """One job: name, a progress bar, the stages, the time left or the error in plain words."""
+    pct = round(100 * view.fraction)
+    state = view.status
+    stages = []
+    current = STAGES.index(view.stage) if view.stage in STAGES else (-1 if view.status != "done" else len(STAGES))
+    for i, stage in enumerate(STAGES):
+        cls = "done" if i < current or view.status == "done" else ("now" if i == current and state == "running" else "todo")
+        stages.append(f'<span class="sq-stage sq-{cls}">{esc(STAGE_LABELS[stage])}</span>')
+    if state == "failed":
+        detail = f'<div class="sq-error">Could not prepare it: {esc(error_text or view.error)}</div>'
+    elif state == "done":
+        detail = f'<div class="sq-ok">{esc(stage_text(view))}: {view.tokens or 0} tokens, {view.pages or 0} page(s)</div>'
+    else:
+        detail = f'<div class="sq-eta">{esc(stage_text(view))} · {esc(time_left(view.eta_s, view.stage))}</div>'
+    return (
+        f'<div class="sq-job sq-job-{esc(state)}" data-doc="{esc(view.doc_id)}" data-status="{esc(state)}">'
+        f'<div class="sq-job-head"><b>{esc(view.name)}</b><span>{pct}%</span></div>'
+        f'<div class="sq-bar"><div class="sq-fill" style="width:{pct}%"></div></div>'
+        f'<div class="sq-stages">{"".join(stages)}</div>{detail}</div>'
+    )
+
+
+def jobs_html(views: Sequence, errors: dict[str, str] | None = None) -> str:
+    if not views:
+        return '<div class="sq-jobs sq-empty">No document is being prepared.</div>'
+    errors = errors or {}
+    return '<div class="sq-jobs">' + "".join(job_html(v, errors.get(v.key)) for v in reversed(views)) + "</div>"
+
+
+def notice_html(text: str, kind: str = "info") -> str:
+    """A one-line message; kind: info | ok | error | wait."""
+    return f'<div class="sq-notice sq-{esc(kind)}">{esc(text)}</div>'
+
+
+# ---------------------------------------------------------------------- (a) kept fraction heatmap
+
+
+def _colour(v: float) -> str:
+    v = min(1.0, max(0.0, v))
+    r, g, b = (round(lo + (hi - lo) * v) for lo, hi in zip(LOW, HIGH))
+    return f"rgb({r},{g},{b})"
+
+
+def heatmap_svg(matrix: list[list[float]], layers: Sequence[int], title: str) -> str:
+    """Kept fraction per global layer (rows) and query head (columns), with the value in each cell."""
+    if not matrix:
+        return (f'<div class="sq-heatmap sq-empty"><div class="sq-title">{esc(title)}</div>'
+                "no steps (the answer had one token)</div>")
+    rows, cols = len(matrix), len(matrix[0])
+    left, top = 44, 22
+    width, height = left + cols * CELL + 4, top + rows * CELL + 4
+    parts = [f'<svg class="sq-heatmap-svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
+             f'role="img" aria-label="{esc(title)}">']
+    for c in range(cols):
+        x = left + c * CELL + CELL / 2
+        parts.append(f'<text x="{x}" y="{top - 6}" class="sq-axis" text-anchor="middle">h{c}</text>')
+    for r, row in enumerate(matrix):
+        y = top + r * CELL
+        parts.append(f'<text x="{left - 6}" y="{y + CELL / 2 + 4}" class="sq-axis" text-anchor="end">L{layers[r]}</text>')
+        for c, v in enumerate(row):
+            x = left + c * CELL
+            ink = "#fff" if v > 0.5 else "#123"
+            parts.append(
+                f'<rect class="sq-cell" x="{x}" y="{y}" width="{CELL - 2}" height="{CELL - 2}" fill="{_colour(v)}" '
+                f'data-layer="{layers[r]}" data-head="{c}" data-kept="{v:.4f}"><title>layer {layers[r]}, head {c}: '
+                f'{100 * v:.1f}% of the keys</title></rect>'
+                f'<text x="{x + (CELL - 2) / 2}" y="{y + CELL / 2 + 3}" fill="{ink}" class="sq-cellv" '
+                f'text-anchor="middle">{100 * v:.0f}</text>'
+            )
+    parts.append("</svg>")
+    return f'<div class="sq-heatmap"><div class="sq-title">{esc(title)}</div>{"".join(parts)}</div>'
+
+
+def heatmaps_html(stats: dict) -> str:
+    """(a) Kept fraction for the question's prefill and averaged over the answer's tokens, side by side."""
+    layers = stats.get("global_layers", [])
+    steps = max(0, stats.get("steps", 1) - 1)
+    legend = ('<div class="sq-legend"><span>kept % of the fixed context</span>'
+              f'<span class="sq-ramp" style="background:linear-gradient(90deg,{_colour(0)},{_colour(1)})"></span>'
+              "<span>0</span><span>100</span></div>")
+    return (
+        '<div class="sq-heatmaps" id="sq-heatmaps">'
+        + heatmap_svg(stats.get("kept_fraction_prefill", []), layers, "question prefill")
+        + heatmap_svg(stats.get("kept_fraction_decode", []), layers, f"answer ({steps} steps, mean)")
+        + legend + "</div>"
+    )
+
+
+# ---------------------------------------------------------------------- (c) budget and time split
+
+
+def budget_html(stats: dict, thresholds: Sequence[float] = ()) -> str:
+    """(c) The KV budget (turn and prefill) and where the turn's time went."""
+    t = stats.get("timings", {})
+    total = float(t.get("total_s", 0.0))
+    lookup, attention = float(t.get("lookup_s", 0.0)), float(t.get("attention_s", 0.0))
+    rest = max(0.0, total - lookup - attention)
+    parts = [("lookup", lookup), ("attention", attention), ("rest of the model", rest)]
+    bar = "".join(
+        f'<div class="sq-seg sq-seg-{i}" style="width:{100 * v / total if total else 0:.2f}%" '
+        f'title="{esc(n)} {v:.3f} s"></div>'
+        for i, (n, v) in enumerate(parts))
+    keys = "".join(f'<span class="sq-key"><i class="sq-seg-{i}"></i>{esc(n)} {v:.2f} s</span>'
+                   for i, (n, v) in enumerate(parts))
+    budget, prefill = float(stats.get("kv_budget", 0.0)), float(stats.get("kv_budget_prefill", 0.0))
+    method = stats.get("method", "?")
+    sparsity = stats.get("sparsity", 0.0)
+    th = ", ".join(f"{x:.3g}" for x in thresholds)
+    return (
+        '<div class="sq-budget" id="sq-budget">'
+        f'<div class="sq-row"><b>{esc(method)}</b>{f" at {100 * sparsity:.0f}% sparsity" if sparsity else ""}'
+        f'{f" · threshold {esc(th)}" if th else ""}</div>'
+        f'<div class="sq-row">KV budget <b class="sq-kv">{100 * budget:.1f}%</b> of the fixed context\'s K/V bytes per '
+        f'step (question prefill {100 * prefill:.1f}%)</div>'
+        f'<div class="sq-bar sq-kvbar"><div class="sq-fill" style="width:{min(100.0, 100 * budget):.1f}%"></div></div>'
+        f'<div class="sq-row">Time {total:.2f} s · first token {float(t.get("first_token_s", 0.0)):.2f} s · '
+        f'{float(t.get("tokens_per_s", 0.0)):.1f} tokens/s · {stats.get("new_tokens", 0)} tokens</div>'
+        f'<div class="sq-stack">{bar}</div><div class="sq-keys">{keys}</div></div>'
+    )
+
+
+def compare_html(compare: dict | None) -> str:
+    if not compare:
+        return ""
+    agree = compare.get("agree")
+    badge = ('<span class="sq-badge sq-agree">answers agree</span>' if agree
+             else '<span class="sq-badge sq-differ">answers differ</span>')
+    return (f'<div class="sq-compare">{badge} Full attention said: <q>{esc(compare.get("answer", ""))}</q> '
+            f'(KV budget 100%, {float(compare.get("total_s", 0.0)):.2f} s)</div>')
+
+
+# ---------------------------------------------------------------------- (b) passages
+
+
+def _marked(text: str, start: int, end: int, marks: Sequence[tuple[int, int, float]]) -> str:
+    """text[start:end] with the marked spans wrapped in <mark> (opacity by weight)."""
+    out, pos = [], start
+    for s, e, w in marks:
+        s, e = max(s, pos), min(e, end)
+        if e <= s:
+            continue
+        out.append(esc(text[pos:s]))
+        out.append(f'<mark class="sq-hit" style="--w:{w:.2f}">{esc(text[s:e])}</mark>')
+        pos = e
+    out.append(esc(text[pos:end]))
+    return "".join(out)
+
+
+def passages_html(text: str, passages: Sequence, context_chars: int = 80) -> str:
+    """(b) The passages whose tokens the lookup retrieved, best first, with page numbers."""
+    if not passages:
+        return '<div class="sq-passages sq-empty">No clusters retrieved (full attention reads every key).</div>'
+    items = []
+    for rank, p in enumerate(passages, 1):
+        a = max(0, p.start - context_chars)
+        b = min(len(text), p.end + context_chars)
+        body = ("…" if a > 0 else "") + _marked(text, a, b, p.marks) + ("…" if b < len(text) else "")
+        items.append(f'<li class="sq-passage" data-page="{p.page}"><span class="sq-page">p. {p.page}</span>'
+                     f'<span class="sq-text">{body}</span></li>')
+    return '<ol class="sq-passages" id="sq-passages">' + "".join(items) + "</ol>"
+
+
+def document_html(text: str, marks: Sequence[tuple[int, int, float]], page_starts: Sequence[int],
+                  tail_start: int | None = None) -> str:
+    """The whole document with the retrieved tokens highlighted and a marker where each page starts.
+
+    tail_start: character where the dense tail begins (always attended; shown underlined)."""
+    cuts = sorted({0, *page_starts} | ({tail_start} if tail_start is not None else set()))
+    out = ['<div class="sq-doc" id="sq-doc">']
+    bounds = cuts + [len(text)]
+    mi = 0
+    for i, start in enumerate(cuts):
+        end = bounds[i + 1]
+        if start in page_starts or start == 0:
+            page = sum(1 for s in page_starts if s <= start)
+            if len(page_starts) > 1:
+                out.append(f'<div class="sq-pagebreak">page {max(1, page)}</div>')
+        while mi < len(marks) and marks[mi][1] <= start:
+            mi += 1
+        inner = [m for m in marks[mi:] if m[0] < end]
+        chunk = _marked(text, start, end, inner)
+        if tail_start is not None and start >= tail_start:
+            chunk = f'<span class="sq-tail" title="dense tail: always attended">{chunk}</span>'
+        out.append(chunk)
+    out.append("</div>")
+    return "".join(out)
+
+
+# ---------------------------------------------------------------------- (d) projection
+
+
+def cluster_colour(cid: int, alpha: float = 1.0, light: bool = False) -> str:
+    hue = (cid * GOLDEN_ANGLE) % 360
+    return f"hsla({hue:.0f},{45 if light else 70}%,{75 if light else 45}%,{alpha})"
+
+
+def projection_svg(proj, width: int = 460, height: int = 360) -> str:
+    """(d) Keys on their first two principal components, coloured by cluster; retrieved clusters bold, their
+    centroids as outlined diamonds, the others' centroids as small crosses."""
+    pts, cents = proj.points, proj.centroids
+    if len(pts) == 0:
+        return '<div class="sq-projection sq-empty">no keys</div>'
+    xs = [float(p[0]) for p in pts] + [float(c[0]) for c in cents]
+    ys = [float(p[1]) for p in pts] + [float(c[1]) for c in cents]
+    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
+    pad = 14
+    sx = (width - 2 * pad) / ((x1 - x0) or 1.0)
+    sy = (height - 2 * pad) / ((y1 - y0) or 1.0)
+
+    def at(x: float, y: float) -> tuple[float, float]:
+        return pad + (x - x0) * sx, height - pad - (y - y0) * sy
+
+    hit = set(proj.retrieved)
+    faint, bold = [], []
+    for (x, y), c in zip(pts, proj.labels):
+        px, py = at(float(x), float(y))
+        c = int(c)
+        if c in hit:
+            bold.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="2.6" fill="{cluster_colour(c, 0.9)}" class="sq-key-hit"/>')
+        else:
+            faint.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="1.7" fill="{cluster_colour(c, 0.35, True)}"/>')
+    marks = []
+    for c, (x, y) in enumerate(cents):
+        if proj.sizes[c] == 0:
+            continue
+        px, py = at(float(x), float(y))
+        if c in hit:
+            r = 5.5
+            diamond = f"M{px:.1f},{py - r:.1f} L{px + r:.1f},{py:.1f} L{px:.1f},{py + r:.1f} L{px - r:.1f},{py:.1f} Z"
+            marks.append(f'<path d="{diamond}" '
+                         f'fill="{cluster_colour(c)}" stroke="#111" stroke-width="1.2" class="sq-centroid-hit">'
+                         f'<title>cluster {c}: {int(proj.sizes[c])} keys (retrieved)</title></path>')
+        else:
+            marks.append(f'<path d="M{px - 2:.1f},{py:.1f} h4 M{px:.1f},{py - 2:.1f} v4" stroke="#777" stroke-width="0.8">'
+                         f'<title>cluster {c}: {int(proj.sizes[c])} keys</title></path>')
+    caption = (f"layer {proj.layer}, KV head {proj.kv_head}: {len(pts)} of {proj.total} keys, "
+               f"{len(hit)} of {int((proj.sizes > 0).sum())} clusters retrieved; the two components hold "
+               f"{100 * proj.explained:.0f}% of the variance")
+    return (f'<div class="sq-projection" id="sq-projection"><svg width="{width}" height="{height}" '
+            f'viewBox="0 0 {width} {height}" role="img" aria-label="key projection">'
+            f'<rect width="{width}" height="{height}" fill="#fcfcfd" stroke="#ddd"/>'
+            + "".join(faint) + "".join(bold) + "".join(marks)
+            + f'</svg><div class="sq-caption">{esc(caption)}</div></div>')
+
+
+def pages_text(pages: Sequence[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7'."""
+    if not pages:
+        return "-"
+    ranges, start, prev = [], pages[0], pages[0]
+    for p in list(pages[1:]) + [math.inf]:
+        if p == prev + 1:
+            prev = p
+            continue
+        ranges.append(f"{start}" if start == prev else f"{start}-{prev}")
+        start = prev = p
+    return ", ".join(ranges)

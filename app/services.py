@@ -1,0 +1,170 @@
+"""What the tabs share: the engine, the store, the ingest worker, the inspector, and the questions every tab asks
+about a document (which context answers, is it ready, how long is left). One `Services` per app, no globals."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from app.config import AppConfig
+from app.render import stage_text, time_left
+from engine.config import IndexSettings
+from engine.explain import ContextInspector
+from engine.jobs import IngestWorker, JobView
+from engine.service import Engine
+from storage import NotFoundError, Store
+
+STATUS_CHARS = 60  # a library row's status is cut to this
+TOO_LONG_HINT = "tick “Keep the start of long documents” and upload it again to use its first part"
+
+
+class StopFlags:
+    """A stop request per browser session (Gradio's session hash), checked by the streaming answer."""
+
+    def __init__(self) -> None:
+        self._flags: dict[str, threading.Event] = {}
+        self._lock = threading.Lock()
+
+    def flag(self, session: str) -> threading.Event:
+        with self._lock:
+            return self._flags.setdefault(session, threading.Event())
+
+    def stop(self, session: str) -> None:
+        self.flag(session).set()
+
+
+@dataclass
+class Services:
+    engine: Engine
+    store: Store
+    worker: IngestWorker
+    inspector: ContextInspector
+    config: AppConfig
+    stops: StopFlags = field(default_factory=StopFlags)
+
+    @property
+    def model_id(self) -> str:
+        return self.engine.model_id
+
+
+@dataclass(frozen=True)
+class DocStatus:
+    """Where a document stands for the model and the settings the controls ask for.
+
+    state: "ready" | "preparing" | "failed" | "unknown"
+    context_id: the context that answers now (the asked-for one, or else a ready one with other settings)
+    job: the newest job of the document, if the worker knows one
+    """
+
+    doc_id: str
+    name: str
+    state: str
+    context_id: str | None
+    exact: bool
+    job: JobView | None
+    message: str
+
+
+def error_text(view: JobView) -> str:
+    """A failed job's error in plain words, with what to do about it where there is something to do."""
+    if view.error_kind == "too_long":
+        return f"{view.error.split(';')[0]}; {TOO_LONG_HINT}"
+    return view.error or "unknown error"
+
+
+def model_contexts(services: Services, doc_id: str) -> list[dict]:
+    return [c for c in services.store.list_contexts(doc_id) if c["model"] == services.model_id]
+
+
+def doc_status(services: Services, doc_id: str, settings: IndexSettings) -> DocStatus:
+    """Which context answers a question about `doc_id` now, or why none does and how long is left."""
+    wanted = settings.as_dict()
+    try:
+        name = services.store.find_document(doc_id)["name"]
+        contexts = model_contexts(services, doc_id)
+    except NotFoundError:
+        name, contexts = None, []
+    job = services.worker.latest_for_document(doc_id)
+    if name is None and job is not None:
+        name = job.name
+    exact = next((c for c in contexts if c["settings"] == wanted and c["status"] == "ready"), None)
+    if exact is not None:
+        return DocStatus(doc_id, name, "ready", exact["id"], True, job, "ready")
+    fallback = next((c for c in contexts if c["status"] == "ready"), None)
+    if job is not None and job.status in ("queued", "running"):
+        progress = f"{stage_text(job)}, {time_left(job.eta_s, job.stage)}"
+        if fallback is not None:
+            msg = (f"re-indexing with centroid ratio {job.settings['centroid_ratio']:g} in the background "
+                   f"({progress}); answers use the ready index (centroid ratio "
+                   f"{fallback['settings']['centroid_ratio']:g}) until then")
+            return DocStatus(doc_id, name, "ready", fallback["id"], False, job, msg)
+        return DocStatus(doc_id, name, "preparing", None, False, job, f"still being prepared: {progress}")
+    if fallback is not None:
+        return DocStatus(doc_id, name, "ready", fallback["id"], False, job,
+                         f"ready with centroid ratio {fallback['settings']['centroid_ratio']:g}")
+    if job is not None and job.status == "failed":
+        return DocStatus(doc_id, name, "failed", None, False, job, f"could not be prepared: {error_text(job)}")
+    failed = next((c for c in contexts if c["status"] == "failed"), None)
+    if failed is not None:
+        return DocStatus(doc_id, name, "failed", None, False, job,
+                         f"could not be prepared: {failed['error'] or 'unknown error'}")
+    if name is None:
+        return DocStatus(doc_id, doc_id, "unknown", None, False, None, "no such document")
+    return DocStatus(doc_id, name, "unknown", None, False, job, "not prepared for this model yet")
+
+
+def library_rows(services: Services) -> list[dict]:
+    """The documents of the index (newest first) and the uploads still being extracted, with their status."""
+    rows = []
+    seen = set()
+    jobs = {v.doc_id: v for v in services.worker.views()}  # the newest job per document wins
+    for doc in services.store.list_documents():
+        seen.add(doc["id"])
+        contexts = model_contexts(services, doc["id"])
+        ready = next((c for c in contexts if c["status"] == "ready"), None)
+        job = jobs.get(doc["id"])
+        if job is not None and job.status in ("queued", "running"):
+            status = f"preparing {round(100 * job.fraction)}%"
+        elif ready is not None:
+            status = "ready"
+        elif job is not None and job.status == "failed":
+            status = f"failed: {error_text(job)}"
+        elif contexts and contexts[0]["status"] == "failed":
+            status = f"failed: {contexts[0]['error']}"
+        else:
+            status = "not prepared"
+        tokens = (ready or {}).get("tokens") or doc.get("tokens") or (job.tokens if job else None)
+        rows.append({"id": doc["id"], "name": doc["name"], "pages": doc["pages"], "tokens": tokens or "-",
+                     "status": status, "added": _date(doc["added_at"])})
+    for job in jobs.values():  # uploads not in the index (yet): being extracted, or unreadable
+        if job.doc_id in seen or not (job.status in ("queued", "running") or job.context_id is None):
+            continue
+        status = f"failed: {error_text(job)}" if job.status == "failed" else f"preparing {round(100 * job.fraction)}%"
+        rows.insert(0, {"id": job.doc_id, "name": job.name, "pages": job.pages or "-", "tokens": job.tokens or "-",
+                        "status": status, "added": "-"})
+    return rows
+
+
+def library_table(rows: list[dict]) -> list[list]:
+    """Rows for the library table (columns: name, pages, tokens, status, added, id); a long status is cut (the
+    whole error is shown with the job)."""
+    return [[r["name"], r["pages"], r["tokens"], _cut(r["status"], STATUS_CHARS), r["added"], r["id"]] for r in rows]
+
+
+def _cut(text: str, chars: int) -> str:
+    return text if len(text) <= chars else text[: chars - 1] + "…"
+
+
+def doc_choices(rows: list[dict]) -> list[tuple[str, str]]:
+    """(label, id) pairs for a document picker; a document that is not ready says so in its label."""
+    return [(r["name"] if r["status"] == "ready" else f"{r['name']} ({r['status']})", r["id"]) for r in rows]
+
+
+def _date(iso: str | None) -> str:
+    if not iso:
+        return "-"
+    try:
+        return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
+    except ValueError:
+        return iso

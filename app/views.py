@@ -1,0 +1,131 @@
+"""The panel beside the chat: what attention did in a chosen turn (heatmap, KV budget and time split, retrieved
+clusters and passages, key projection). Rendered from a turn's saved statistics and the context's artifacts."""
+
+from __future__ import annotations
+
+import gradio as gr
+
+from app import render
+from app.services import Services
+from storage import StorageError
+
+CLUSTER_ROWS = 60  # rows of the retrieved-clusters table at most (best scores first)
+CLUSTER_HEADERS = ["layer", "KV head", "cluster", "keys", "S question", "S answer", "prefill", "pages",
+                   "text (first tokens)"]
+TOP_PASSAGES = 5
+ALL = "all"
+
+
+def turn_label(turn: dict) -> str:
+    question = " ".join(turn["question"].split())
+    return f"{turn['idx'] + 1}. {question[:48]}{'…' if len(question) > 48 else ''}"
+
+
+class TurnViews:
+    """Components for one turn's views; `outputs` is the list every handler that shows a turn updates."""
+
+    def __init__(self, services: Services):
+        self.services = services
+
+    def render(self) -> None:
+        self.turn = gr.Dropdown(label="Turn", choices=[], value=None, interactive=True, allow_custom_value=True,
+                                elem_id="sq-turn")
+        gr.Markdown("**(a) Kept fraction** per global layer (rows) and query head (columns)")
+        self.heatmap = gr.HTML(render.notice_html("Ask a question to see what attention kept."), elem_id="sq-view-heatmap")
+        gr.Markdown("**(c) KV budget and time**")
+        self.budget = gr.HTML("", elem_id="sq-view-budget")
+        self.compare = gr.HTML("", elem_id="sq-view-compare")
+        gr.Markdown("**(b) Retrieved clusters**: kept by the question's lookup (exact) or above the threshold for "
+                    "the answer's tokens (estimated), and the passages their keys come from")
+        self.clusters = gr.Dataframe(headers=CLUSTER_HEADERS, value=[], interactive=False, wrap=True, max_height=260,
+                                     elem_id="sq-view-clusters")
+        self.passages = gr.HTML("", elem_id="sq-view-passages")
+        with gr.Accordion("Whole document, retrieved tokens highlighted", open=False):
+            self.document = gr.HTML("", elem_id="sq-view-document", max_height=500)
+        gr.Markdown("**(d) Keys of one layer and KV head**, projected on two principal components")
+        with gr.Row():
+            self.layer = gr.Dropdown(label="Layer", choices=[], value=None, interactive=True, allow_custom_value=True,
+                                     elem_id="sq-layer")
+            self.head = gr.Dropdown(label="KV head", choices=[], value=None, interactive=True, allow_custom_value=True,
+                                    elem_id="sq-head")
+        self.projection = gr.HTML("", elem_id="sq-view-projection")
+
+    @property
+    def outputs(self) -> list:
+        """Everything `show` returns, in order."""
+        return [self.heatmap, self.budget, self.compare, self.clusters, self.passages, self.document,
+                self.layer, self.head, self.projection]
+
+    def empty(self, message: str = "Ask a question to see what attention kept.") -> list:
+        return [render.notice_html(message), "", "", [], "", "", gr.update(choices=[], value=None),
+                gr.update(choices=[], value=None), ""]
+
+    def turn_choices(self, turns: list[dict]):
+        return [(turn_label(t), t["idx"]) for t in turns]
+
+    def show(self, turn: dict | None, layer: int | None = None, kv_head: int | None = None) -> list:
+        """The views of one saved turn (a row of Store.get_turns)."""
+        if turn is None:
+            return self.empty()
+        stats = turn["stats"]
+        if stats.get("stopped") or "kept_fraction_prefill" not in stats:
+            return self.empty("This answer was stopped before it finished: no statistics were kept.")
+        ctx = stats.get("context_id")
+        try:
+            data = self.services.inspector.data(ctx)
+        except (StorageError, KeyError, TypeError) as exc:
+            out = self.empty(f"The index of this turn is gone ({exc}); its numbers are below.")
+            out[0] = render.heatmaps_html(stats)
+            out[1] = render.budget_html(stats, stats.get("thresholds", ()))
+            return out
+        report = stats.get("retrieval") or {"layers": []}
+        inspector = self.services.inspector
+        weights = inspector.token_weights(ctx, report)
+        passages = inspector.passages(ctx, weights, top=TOP_PASSAGES)
+        tail = data.offsets[data.clustered:] if data.clustered < data.fixed_len else None
+        tail_start = int(tail[tail[:, 0] >= 0][0, 0]) if tail is not None and (tail[:, 0] >= 0).any() else None
+        layers = data.global_layers
+        layer = layer if layer in layers else (layers[0] if layers else None)
+        heads = list(range(data.kv_heads))
+        kv_head = kv_head if kv_head in heads else 0
+        return [
+            render.heatmaps_html(stats),
+            render.budget_html(stats, stats.get("thresholds", ())),
+            render.compare_html(stats.get("compare")),
+            self._cluster_rows(ctx, report),
+            render.notice_html(f"The retrieved passages could not be worked out: {report['error']}", "error")
+            if report.get("error") else render.passages_html(data.doc.text, passages),
+            render.document_html(data.doc.text, inspector.marks(ctx, weights), data.doc.page_starts, tail_start),
+            gr.update(choices=[(f"layer {i}", i) for i in layers], value=layer),
+            gr.update(choices=[(f"KV head {h}", h) for h in heads], value=kv_head),
+            self.projection_html(ctx, report, layer, kv_head),
+        ]
+
+    def projection_html(self, ctx: str, report: dict, layer: int | None, kv_head: int) -> str:
+        if layer is None:
+            return render.notice_html("This model has no clustered layer.")
+        retrieved = sorted({cid for entry in report.get("layers", []) if entry["layer"] == layer
+                            for row in entry["rows"] if row["kv_head"] == kv_head for cid in row["ids"]})
+        try:
+            proj = self.services.inspector.projection(ctx, layer, kv_head, retrieved)
+        except (StorageError, ValueError) as exc:
+            return render.notice_html(f"No projection: {exc}", "error")
+        return render.projection_svg(proj)
+
+    def _cluster_rows(self, ctx: str, report: dict) -> list[list]:
+        """The retrieved clusters, largest S first: at the question's prefill (exact) or by the answer's tokens."""
+        inspector = self.services.inspector
+        rows = []
+        for entry in report.get("layers", []):
+            for row in entry["rows"]:
+                for i, cid in enumerate(row["ids"]):
+                    sq, sa = row["s_question"][i], row["s_answer"][i]
+                    rows.append((max(sq, sa), entry["layer"], row["kv_head"], cid, row["sizes"][i], sq, sa,
+                                 row["prefill"][i]))
+        rows.sort(key=lambda r: -r[0])
+        out = []
+        for _, layer, head, cid, size, sq, sa, prefill in rows[:CLUSTER_ROWS]:
+            pages = inspector.cluster_pages(ctx, layer, head, [cid])[cid]
+            out.append([layer, head, cid, size, f"{sq:.4f}", f"{sa:.4f}", "yes" if prefill else "-",
+                        render.pages_text(pages), inspector.cluster_preview(ctx, layer, head, cid)])
+        return out

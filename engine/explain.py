@@ -1,0 +1,410 @@
+"""What a turn's attention looked at, in terms a reader can check: the clusters' scores for the question, the
+document passages their keys come from (with page numbers), and a 2-D projection of a layer's keys.
+
+The app renders these; everything that touches tensors or the model is here. Apart from `question_scores` (one
+dense forward of the question over an open context) it works from a context's stored artifacts alone, so a turn
+saved in the chat history can be shown again after a restart without loading the model.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from engine.attention import QueryCapture, StepContext
+from engine.generate import full_logits
+from engine.ingest import attention_scale
+from engine.policies import get_policy
+from engine.policies.base import group_rows
+from engine.prompt import question_ids
+from engine.service import settings_from_dict
+from engine.session import ContextSession
+from kernels.reference import centroid_log_scores, reduce_scores, row_scores
+from storage import Document, Store
+
+PASSAGE_CONTEXT_CHARS = 80  # text shown around a passage, each side
+PROJECTION_POINTS = 1500  # keys drawn in the projection at most (retrieved clusters' keys first)
+CACHED_CONTEXTS = 2  # contexts whose artifacts the inspector keeps in memory
+MAX_REPORTED = 200  # clusters saved per layer and row with a turn at most (best S first)
+PASSAGE_RADIUS = 14  # tokens each side of a strongly retrieved token that make up its passage
+MIN_MARK = 0.08  # highlight weight of a token whose cluster's S is just at the threshold
+
+
+def turn_scores(session: ContextSession, question: str, answer: str) -> dict[int, dict[str, torch.Tensor]]:
+    """S of eq. 1 for every cluster at every global layer, for a turn that has been answered.
+
+    Replays the question and the answer's tokens once with full attention, capturing their queries, and returns
+    layer -> {"question": [rows, C] S reduced over the question as the prefill lookup reduces it (token mean, or
+    the last token's own S if higher), "answer": [rows, C] the largest S any answer token gave the cluster
+    (zeros when the answer is empty)}, float32 on the CPU. The answer is re-tokenized from its text, and its
+    queries come from full attention, so "answer" estimates what the sparse decode steps looked up.
+    """
+    lm = session.lm
+    q_ids = question_ids(lm.tokenizer, question)
+    a_ids = torch.tensor(lm.tokenizer(answer, add_special_tokens=False)["input_ids"], dtype=torch.int64) if answer \
+        else torch.zeros(0, dtype=torch.int64)
+    capture = QueryCapture(start=session.fixed_len, queries={})
+    step = StepContext(cache=session.cache, policy=get_policy("full"), thresholds=(), settings=session.settings,
+                       backend=session.backend, capture=capture)
+    full_logits(lm, step, torch.cat([q_ids, a_ids]))
+    nq = q_ids.numel()
+    out = {}
+    for layer_idx, chunks in capture.queries.items():
+        index = session.cache.layers[layer_idx].index
+        if "centroids" not in index:
+            continue
+        q = torch.cat(chunks, dim=1)  # [Hq, Lq + La, D]
+        rows = group_rows(session.settings, q.shape[0], index["counts"].shape[0])
+        log_s = centroid_log_scores(q, index["centroids"], index["counts"], attention_scale(lm, layer_idx))
+        question_s = reduce_scores(log_s[:, :nq], rows)  # [rows, C]
+        answer_s = row_scores(log_s[:, nq:], rows).amax(dim=1) if q.shape[1] > nq else torch.zeros_like(question_s)
+        out[layer_idx] = {"question": question_s.float().cpu(), "answer": answer_s.float().cpu()}
+    return out
+
+
+def retrieval_report(clusters: list[dict], scores: dict[int, dict[str, torch.Tensor]], counts: dict[int, torch.Tensor],
+                     threshold: float, max_rows: int = MAX_REPORTED) -> dict:
+    """What a turn retrieved, per global layer and selection row, as JSON for the chat history.
+
+    clusters: TurnStats.clusters (the clusters the question's prefill lookup kept: exact, from the engine)
+    scores: `turn_scores`; counts: layer -> [Hkv, C] cluster sizes
+    threshold: S above which a cluster counts as retrieved by the answer's tokens (the squeeze threshold at the
+               turn's sparsity; an estimate of what the decode lookups kept)
+    Each row lists up to `max_rows` clusters, best S first: ids, sizes, s_question, s_answer, prefill (bool).
+    """
+    kept = {(e["layer"], r["row"]): set(r["ids"]) for e in clusters for r in e["rows"]}
+    layers = []
+    for layer_idx in sorted(scores):
+        sq, sa = scores[layer_idx]["question"], scores[layer_idx]["answer"]
+        rows = sq.shape[0]
+        hkv = counts[layer_idx].shape[0]
+        out_rows = []
+        for r in range(rows):
+            kv_head = r * hkv // rows
+            sizes = counts[layer_idx][kv_head]
+            prefill = kept.get((layer_idx, r), set())
+            by_answer = set(torch.nonzero((sa[r] > threshold) & (sizes > 0)).flatten().tolist())
+            ids = sorted(prefill | by_answer, key=lambda c: -max(float(sq[r, c]), float(sa[r, c])))[:max_rows]
+            out_rows.append({
+                "row": r, "kv_head": kv_head, "ids": ids,
+                "sizes": [int(sizes[c]) for c in ids],
+                "s_question": [round(float(sq[r, c]), 6) for c in ids],
+                "s_answer": [round(float(sa[r, c]), 6) for c in ids],
+                "prefill": [c in prefill for c in ids],
+            })
+        layers.append({"layer": layer_idx, "rows": out_rows})
+    return {"threshold": float(threshold), "layers": layers}
+
+
+def explain_turn(session: ContextSession, question: str, answer: str, clusters: list[dict], sparsity: float) -> dict:
+    """The retrieval report (see `retrieval_report`) of a finished turn over an open context; clusters whose S
+    passes the single-level threshold at `sparsity` count as retrieved by the answer's tokens."""
+    scores = turn_scores(session, question, answer)
+    counts = {layer: session.cache.layers[layer].index["counts"].cpu() for layer in scores}
+    threshold = session.thresholds("squeeze", sparsity)[0] if scores else 0.0
+    return retrieval_report(clusters, scores, counts, threshold)
+
+
+@dataclass
+class ContextData:
+    """A ready context's artifacts that the views need, on the CPU.
+
+    offsets: [L, 2] character span of each token in doc.text ((-1, -1) for specials)
+    labels: global layer -> [Hkv, Lc] cluster of each clustered key (the first Lc tokens; the rest is the dense tail)
+    """
+
+    context_id: str
+    doc_id: str
+    doc: Document
+    settings: dict
+    fixed_len: int
+    offsets: np.ndarray
+    labels: dict[int, np.ndarray]
+    _token_pages: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def global_layers(self) -> list[int]:
+        return sorted(self.labels)
+
+    @property
+    def clustered(self) -> int:
+        return next(iter(self.labels.values())).shape[1] if self.labels else 0
+
+    @property
+    def kv_heads(self) -> int:
+        return next(iter(self.labels.values())).shape[0] if self.labels else 0
+
+    @property
+    def token_pages(self) -> np.ndarray:
+        """[L] 1-based page of each token (a special token without text takes the page of the token after it)."""
+        if self._token_pages is None:
+            starts = self.offsets[:, 0].copy()
+            for i in range(len(starts) - 2, -1, -1):
+                if starts[i] < 0:
+                    starts[i] = starts[i + 1]
+            starts = np.clip(starts, 0, max(0, len(self.doc.text) - 1))
+            self._token_pages = np.searchsorted(np.asarray(self.doc.page_starts), starts, side="right")
+        return self._token_pages
+
+    def page_of_token(self, token: int) -> int | None:
+        start = int(self.offsets[token, 0])
+        if start < 0 or start >= len(self.doc.text):
+            return None
+        return self.doc.page_of(start)
+
+
+@dataclass
+class Passage:
+    """A stretch of the document whose tokens the lookup retrieved.
+
+    start, end: character span in the document text; page: 1-based page of its start
+    marks: (start, end, weight) of each retrieved token inside the span (weight in (0, 1])
+    score: the summed weight of the window around its seed token (what passages are ranked by)
+    """
+
+    start: int
+    end: int
+    page: int
+    score: float
+    marks: list[tuple[int, int, float]]
+
+
+@dataclass
+class Projection:
+    """Keys of one layer and KV head projected on their first two principal components (of the L2-normalised
+    keys, the space k-means clusters in).
+
+    points: [N, 2] drawn keys; labels: [N] their clusters; centroids: [C, 2]; retrieved: clusters the lookup kept;
+    explained: share of the variance the two components hold; total: keys before subsampling
+    """
+
+    layer: int
+    kv_head: int
+    points: np.ndarray
+    labels: np.ndarray
+    centroids: np.ndarray
+    sizes: np.ndarray
+    retrieved: list[int]
+    explained: float
+    total: int
+
+
+class ContextInspector:
+    """Reads contexts' artifacts from the store (a few kept in memory) and turns a turn's clusters into passages
+    and projections. Thread-safe."""
+
+    def __init__(self, store: Store, cached: int = CACHED_CONTEXTS):
+        self.store = store
+        self._cached = cached
+        self._data: OrderedDict[str, ContextData] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def data(self, context_id: str) -> ContextData:
+        with self._lock:
+            if context_id in self._data:
+                self._data.move_to_end(context_id)
+                return self._data[context_id]
+        ctx = self.store.get_context(context_id)
+        names = [a["name"] for a in self.store.list_artifacts(context_id)]
+        label_names = [n for n in names if n.startswith("layer") and n.endswith(".labels")]
+        loaded = self.store.load_artifacts(context_id, label_names + ["offsets"])
+        labels = {int(n[len("layer"):-len(".labels")]): loaded[n].numpy() for n in label_names}
+        offsets = loaded["offsets"].numpy()
+        data = ContextData(context_id=context_id, doc_id=ctx["doc_id"], doc=self.store.get_document(ctx["doc_id"]),
+                           settings=ctx["settings"], fixed_len=int(ctx["tokens"] or offsets.shape[0]),
+                           offsets=offsets, labels=labels)
+        with self._lock:
+            self._data[context_id] = data
+            while len(self._data) > self._cached:
+                self._data.popitem(last=False)
+        return data
+
+    def forget(self, context_id: str | None = None) -> None:
+        with self._lock:
+            if context_id is None:
+                self._data.clear()
+            else:
+                self._data.pop(context_id, None)
+
+    def thresholds(self, context_id: str, method: str, sparsity: float) -> tuple[float, ...]:
+        """The calibrated threshold(s) a turn at `sparsity` uses (interpolated over the calibration grid)."""
+        policy = get_policy(method)
+        if not policy.sparse:
+            return ()
+        prefix = f"calib.{method}."
+        names = [a["name"] for a in self.store.list_artifacts(context_id) if a["name"].startswith(prefix)]
+        calib = {n[len(prefix):]: t for n, t in self.store.load_artifacts(context_id, names).items()}
+        return policy.thresholds(calib, sparsity)
+
+    def settings(self, context_id: str):
+        return settings_from_dict(self.store.get_context(context_id)["settings"])
+
+    # ------------------------------------------------------------------ passages
+
+    def token_weights(self, context_id: str, report: dict, layer: int | None = None,
+                      kv_head: int | None = None) -> np.ndarray:
+        """[L] how strongly each token's cluster was retrieved, in [0, 1] (0: not retrieved; the dense tail, always
+        attended, is 0 here too): the largest S (question or answer) over the report's selections, on a log scale
+        from the threshold (MIN_MARK) to the turn's largest S (1). layer / kv_head: only those selections."""
+        data = self.data(context_id)
+        best = np.zeros(data.fixed_len, dtype=np.float64)  # largest S of each token's retrieved clusters
+        for entry in report.get("layers", []):
+            labels = data.labels.get(entry["layer"])
+            if labels is None or (layer is not None and entry["layer"] != layer):
+                continue
+            for row in entry["rows"]:
+                if (kv_head is not None and row["kv_head"] != kv_head) or not row["ids"]:
+                    continue
+                s = np.maximum(np.asarray(row["s_question"], dtype=np.float64),
+                               np.asarray(row["s_answer"], dtype=np.float64))
+                per_cluster = np.zeros(int(labels.max()) + 1, dtype=np.float64)
+                per_cluster[np.asarray(row["ids"], dtype=np.int64)] = np.maximum(s, 1e-12)
+                head_labels = labels[row["kv_head"]]
+                np.maximum(best[: head_labels.shape[0]], per_cluster[head_labels], out=best[: head_labels.shape[0]])
+        hit = best > 0
+        if not hit.any():
+            return best
+        floor = max(float(report.get("threshold") or 0.0), float(best[hit].min()) * 0.999, 1e-12)
+        top = float(best.max())
+        span = np.log(top / floor) if top > floor else 1.0
+        weights = np.zeros_like(best)
+        weights[hit] = MIN_MARK + (1 - MIN_MARK) * np.clip(np.log(np.maximum(best[hit], floor) / floor) / span, 0, 1)
+        return weights
+
+    def marks(self, context_id: str, weights: np.ndarray, lo: int = 0,
+              hi: int | None = None) -> list[tuple[int, int, float]]:
+        """(start, end, weight) character spans of the tokens in [lo, hi) with weight > 0, in document order;
+        neighbouring tokens of about the same weight are joined."""
+        data = self.data(context_id)
+        hi = data.fixed_len if hi is None else hi
+        out: list[tuple[int, int, float]] = []
+        for t in np.nonzero(weights[lo:hi] > 0)[0] + lo:
+            start, end = (int(x) for x in data.offsets[t])
+            if start < 0 or end <= start:
+                continue
+            w = float(weights[t])
+            if out and out[-1][1] == start and abs(out[-1][2] - w) < 0.05:
+                out[-1] = (out[-1][0], end, max(out[-1][2], w))
+            else:
+                out.append((start, end, w))
+        return out
+
+    def passages(self, context_id: str, weights: np.ndarray, top: int = 5) -> list[Passage]:
+        """Up to `top` passages where the retrieval is strongest, strongest first: each is the tokens within
+        PASSAGE_RADIUS of a retrieved seed token, seeds ranked by the summed weight of that window and skipped
+        when inside a passage already taken."""
+        data = self.data(context_id)
+        pages = data.token_pages
+        window = np.zeros_like(weights)  # summed weight within PASSAGE_RADIUS tokens on the same page
+        kernel = np.ones(2 * PASSAGE_RADIUS + 1)
+        bounds = np.flatnonzero(np.diff(pages)) + 1
+        for a, b in zip(np.r_[0, bounds], np.r_[bounds, len(pages)]):
+            window[a:b] = np.convolve(weights[a:b], kernel)[PASSAGE_RADIUS : PASSAGE_RADIUS + b - a]
+        order = np.lexsort((-weights, -window))  # by window sum, then by the seed's own weight
+        taken: list[tuple[int, int, float]] = []  # token windows [lo, hi) with their seed's window sum
+        for t in order:
+            if len(taken) >= top:
+                break
+            if weights[t] <= 0:
+                continue
+            if any(a <= t < b for a, b, _ in taken):
+                continue
+            lo, hi = max(0, int(t) - PASSAGE_RADIUS), min(data.fixed_len, int(t) + PASSAGE_RADIUS + 1)
+            while lo < t and pages[lo] != pages[t]:  # a passage stays on its seed's page
+                lo += 1
+            while hi - 1 > t and pages[hi - 1] != pages[t]:
+                hi -= 1
+            for a, b, _ in taken:  # do not overlap a stronger passage (t lies outside each of them)
+                if a < hi and lo < b:
+                    lo, hi = (max(lo, b), hi) if t >= b else (lo, min(hi, a))
+            taken.append((lo, hi, float(window[t])))
+        merged: list[list] = []  # windows that touch (on one page) become one passage
+        for lo, hi, score in sorted(taken):
+            if merged and lo <= merged[-1][1] and pages[lo] == pages[merged[-1][1] - 1]:
+                merged[-1][1], merged[-1][2] = max(merged[-1][1], hi), max(merged[-1][2], score)
+            else:
+                merged.append([lo, hi, score])
+        out = []
+        for lo, hi, score in sorted(merged, key=lambda m: -m[2]):
+            spans = [(int(data.offsets[k, 0]), int(data.offsets[k, 1])) for k in range(lo, hi) if data.offsets[k, 0] >= 0]
+            if not spans:
+                continue
+            start, end = spans[0][0], spans[-1][1]
+            out.append(Passage(start=start, end=end, page=data.doc.page_of(start), score=score,
+                               marks=self.marks(context_id, weights, lo, hi)))
+        return out
+
+    def cluster_pages(self, context_id: str, layer: int, kv_head: int, cluster_ids: list[int]) -> dict[int, list[int]]:
+        """For each cluster id: the pages its keys' tokens lie on."""
+        data = self.data(context_id)
+        labels = data.labels[layer][kv_head]
+        out = {}
+        for cid in cluster_ids:
+            tokens = np.nonzero(labels == cid)[0]
+            pages = {data.page_of_token(int(t)) for t in tokens}
+            out[cid] = sorted(p for p in pages if p is not None)
+        return out
+
+    def cluster_preview(self, context_id: str, layer: int, kv_head: int, cluster_id: int, chars: int = 60) -> str:
+        """The text of a cluster's first few tokens, joined with " · " where they are not adjacent."""
+        data = self.data(context_id)
+        tokens = np.nonzero(data.labels[layer][kv_head] == cluster_id)[0]
+        pieces, last = [], None
+        for t in tokens[:12]:
+            s, e = (int(x) for x in data.offsets[t])
+            if s < 0:
+                continue
+            text = data.doc.text[s:e]
+            if last is not None and t != last + 1:
+                pieces.append(" · ")
+            pieces.append(text)
+            last = t
+        return " ".join("".join(pieces).split())[:chars]
+
+    # ------------------------------------------------------------------ projection
+
+    def projection(self, context_id: str, layer: int, kv_head: int, retrieved: list[int],
+                   max_points: int = PROJECTION_POINTS, seed: int = 0) -> Projection:
+        """PCA (torch.pca_lowrank) of the layer's clustered keys for one KV head, with its centroids."""
+        data = self.data(context_id)
+        if layer not in data.labels:
+            raise ValueError(f"layer {layer} has no clusters; choose one of {data.global_layers}")
+        if not 0 <= kv_head < data.kv_heads:
+            raise ValueError(f"kv_head must be in [0, {data.kv_heads}), got {kv_head}")
+        art = self.store.load_artifacts(context_id, [f"layer{layer}.keys", f"layer{layer}.centroids",
+                                                     f"layer{layer}.counts"])
+        lc = data.clustered
+        keys = art[f"layer{layer}.keys"][kv_head, :lc].float()  # [Lc, D]
+        keys = torch.nn.functional.normalize(keys, dim=-1)
+        centroids = torch.nn.functional.normalize(art[f"layer{layer}.centroids"][kv_head].float(), dim=-1)  # [C, D]
+        mean = keys.mean(dim=0, keepdim=True)
+        torch.manual_seed(seed)
+        _, s, v = torch.pca_lowrank(keys - mean, q=min(6, *keys.shape), center=False, niter=4)
+        basis = v[:, :2]  # [D, 2]
+        total_var = float(((keys - mean) ** 2).sum())
+        explained = float((s[:2] ** 2).sum()) / total_var if total_var > 0 else 0.0
+        points = ((keys - mean) @ basis).numpy()
+        labels = data.labels[layer][kv_head]
+        keep = _subsample(labels, set(retrieved), max_points, seed)
+        return Projection(layer=layer, kv_head=kv_head, points=points[keep], labels=labels[keep],
+                          centroids=((centroids - mean) @ basis).numpy(),
+                          sizes=art[f"layer{layer}.counts"][kv_head].numpy(), retrieved=sorted(retrieved),
+                          explained=explained, total=lc)
+
+
+def _subsample(labels: np.ndarray, retrieved: set[int], max_points: int, seed: int) -> np.ndarray:
+    """Indices of at most max_points keys: the retrieved clusters' keys first, the rest drawn at random."""
+    n = labels.shape[0]
+    if n <= max_points:
+        return np.arange(n)
+    rng = np.random.default_rng(seed)
+    hit = np.isin(labels, list(retrieved))
+    first = np.nonzero(hit)[0]
+    if first.size >= max_points:
+        return np.sort(rng.choice(first, max_points, replace=False))
+    rest = np.nonzero(~hit)[0]
+    return np.sort(np.concatenate([first, rng.choice(rest, max_points - first.size, replace=False)]))

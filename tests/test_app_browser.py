@@ -1,0 +1,118 @@
+"""End to end in a real browser (Debian's chromium driven by Playwright) on the embedded model: upload the shipped
+passkey PDF, watch it being prepared, ask for the passkey, and see the answer, the kept-fraction heatmap and the
+highlighted passage. Screenshots are kept under the test's temporary directory (their paths are printed).
+
+assets/passkey.pdf is assets/passkey.md set as six pages with tests/pdfs.py (the passkey is on page 4).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from app.config import AppConfig
+from app.demo import build_demo, launch_kwargs
+from engine.passkey import PASSKEY_QUESTION
+from engine.service import Engine
+
+CHROMIUM = os.environ.get("SQUEEZE_CHROMIUM", "/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+PDF = Path(__file__).resolve().parents[1] / "assets" / "passkey.pdf"
+KEY = "48213"
+PREPARE_MS = 600_000  # a ~4K-token ingest: ~15 s on 2 idle cores, minutes on a busy machine
+ANSWER_MS = 300_000
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword is deprecated).*"),
+    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no chromium at {CHROMIUM} (apt-get install chromium)"),
+]
+
+
+@pytest.fixture(scope="module")
+def served(real_lm, tmp_path_factory):
+    engine = Engine(tmp_path_factory.mktemp("cache"), lm=real_lm)
+    config = AppConfig(max_new_tokens=16)
+    demo = build_demo(engine, engine.store, config=config)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                            **launch_kwargs(config))
+    yield url, demo
+    demo.close()
+    demo.services.worker.close()
+
+
+@pytest.fixture
+def page():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    with sync_api.sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield browser.new_page(viewport={"width": 1500, "height": 1100})
+        finally:
+            browser.close()
+
+
+def test_upload_prepare_ask_and_see_what_attention_retrieved(served, page, tmp_path_factory):
+    from playwright.sync_api import expect
+
+    url, demo = served
+    shots = tmp_path_factory.mktemp("screenshots")
+    timings = {}
+    page.goto(url)
+    page.locator("#sq-upload input[type=file]").set_input_files(str(PDF))
+    expect(page.locator("#sq-upload")).to_contain_text(PDF.name, timeout=60_000)
+    started = time.perf_counter()
+    page.click("#sq-prepare")
+
+    # The Chat tab opens on the document and shows its preparation: a progress bar, the stage, the time left.
+    status = page.locator("#sq-doc-status")
+    expect(status.locator(".sq-bar")).to_be_visible(timeout=60_000)
+    expect(status).to_contain_text(re.compile(r"loading model|extracting|tokenizing|prefill|clustering|calibrating"))
+    page.screenshot(path=shots / "preparing.png", full_page=True)
+    page.reload()  # leaving and coming back: the document opens again, with its job where it is
+    expect(page.locator("#sq-doc-status")).to_contain_text(
+        re.compile(r"(extracting|tokenizing|prefill|clustering|calibrating|saving).*left|ready"), timeout=60_000)
+    expect(status).to_contain_text(f"{PDF.name}: ready", timeout=PREPARE_MS)
+    timings["prepare_s"] = time.perf_counter() - started
+
+    page.locator("#sq-question textarea").fill(PASSKEY_QUESTION)
+    started = time.perf_counter()
+    page.click("#sq-ask")
+    chat = page.locator("#sq-chatbot")
+    expect(chat).to_contain_text(KEY, timeout=ANSWER_MS)
+    timings["answer_visible_s"] = time.perf_counter() - started
+    # The views appear when the turn is done: 3 global layers x 4 query heads, for the prefill and the answer.
+    expect(page.locator("#sq-heatmaps .sq-cell")).to_have_count(24, timeout=ANSWER_MS)
+    passages = page.locator("#sq-passages li.sq-passage")
+    expect(passages.first).to_be_visible()
+    assert passages.locator("mark.sq-hit").count() > 0
+    with_key = passages.filter(has_text=KEY)
+    expect(with_key.first).to_contain_text("p. 4")  # the passkey's page
+    expect(page.locator("#sq-budget")).to_contain_text("KV budget")
+    expect(page.locator("#sq-projection svg circle.sq-key-hit").first).to_be_attached()
+    final = shots / "answered.png"
+    page.screenshot(path=final, full_page=True)
+
+    turn = demo.services.store.get_turns(demo.services.store.list_chats(
+        demo.services.store.list_documents()[0]["id"])[0]["id"])[-1]
+    t = turn["stats"]["timings"]
+    print(f"\nscreenshots: {shots / 'preparing.png'} {final}")
+    print(f"prepare {timings['prepare_s']:.1f} s (in the browser), "
+          f"answer visible after {timings['answer_visible_s']:.1f} s; "
+          f"first token {t['first_token_s']:.2f} s, {t['tokens_per_s']:.1f} tokens/s, KV budget "
+          f"{turn['stats']['kv_budget']:.3f}; answer {turn['answer']!r}")
+    keep = os.environ.get("SQUEEZE_SCREENSHOT_DIR")
+    if keep:  # CI can collect them from a known place
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        for shot in shots.iterdir():
+            shutil.copy(shot, Path(keep) / shot.name)

@@ -1,0 +1,154 @@
+"""The views' data and markup without a model: engine.explain over a hand-made context in an in-memory store
+(which tokens and passages a turn retrieved, with pages; the key projection; the saved report), and app.render."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import torch
+from pdfs import make_text_pdf
+
+from app import render
+from engine.explain import MIN_MARK, ContextInspector, retrieval_report
+from engine.jobs import JobView
+from storage import Store, load_document_bytes
+
+PAGE1 = "Alpha beta gamma delta. The harbor wall is old and grey. Walkers come <every> day."
+PAGE2 = "Storms came often. The secret passkey is 48213. Remember it. The keeper rang the bell."
+LAYER, HKV, D, CLUSTERS, TAIL = 5, 2, 8, 5, 3
+SECRET = {"passkey", "48213."}  # their tokens form cluster 0 of KV head 0
+
+
+@pytest.fixture(scope="module")
+def ctx():
+    """A ready context of a two-page PDF: one token per word, one clustered layer with two KV heads."""
+    store = Store.memory()
+    doc = load_document_bytes(make_text_pdf([PAGE1, PAGE2]), "guide.pdf")
+    doc_id, _ = store.add_document(doc)
+    words = [(m.start(), m.end()) for m in re.finditer(r"\S+", doc.text)]
+    offsets = torch.tensor([(-1, -1)] + words, dtype=torch.int64)  # BOS first
+    n = offsets.shape[0]
+    lc = n - TAIL
+    labels = torch.zeros(HKV, lc, dtype=torch.int64)
+    for t in range(lc):
+        s, e = offsets[t].tolist()
+        word = doc.text[s:e] if s >= 0 else ""
+        labels[0, t] = 0 if word in SECRET else 1 + t % (CLUSTERS - 1)
+        labels[1, t] = t % CLUSTERS
+    gen = torch.Generator().manual_seed(0)
+    directions = torch.nn.functional.normalize(torch.randn(HKV, CLUSTERS, D, generator=gen), dim=-1)
+    keys = torch.stack([directions[h, labels[h]] for h in range(HKV)]) + 0.05 * torch.randn(HKV, lc, D, generator=gen)
+    keys = torch.cat([keys, torch.randn(HKV, TAIL, D, generator=gen)], dim=1)
+    counts = torch.stack([torch.bincount(labels[h], minlength=CLUSTERS) for h in range(HKV)])
+    context = store.context_for(doc_id, "hand-made", {"centroid_ratio": 0.05, "dense_tail": TAIL})
+    for name, t in {f"layer{LAYER}.labels": labels, f"layer{LAYER}.keys": keys, f"layer{LAYER}.centroids": directions,
+                    f"layer{LAYER}.counts": counts, "offsets": offsets, "tokens": torch.arange(n)}.items():
+        store.save_artifact(context["id"], name, t)
+    store.mark_ready(context["id"], n)
+    yield store, context["id"], doc, labels
+    store.close()
+
+
+def report(threshold=0.01):
+    """Cluster 0 of head 0 retrieved by the answer (S 0.5), cluster 1 at the question's prefill (S at the threshold)."""
+    return {"threshold": threshold, "layers": [{"layer": LAYER, "rows": [
+        {"row": 0, "kv_head": 0, "ids": [0, 1], "sizes": [2, 5], "s_question": [0.001, threshold],
+         "s_answer": [0.5, 0.0], "prefill": [False, True]},
+        {"row": 1, "kv_head": 1, "ids": [], "sizes": [], "s_question": [], "s_answer": [], "prefill": []},
+    ]}]}
+
+
+def test_token_weights_scale_from_the_threshold_to_the_best_cluster(ctx):
+    store, cid, doc, labels = ctx
+    inspector = ContextInspector(store)
+    w = inspector.token_weights(cid, report())
+    lc = labels.shape[1]
+    assert np.allclose(w[:lc][labels[0].numpy() == 0], 1.0)
+    assert np.allclose(w[:lc][labels[0].numpy() == 1], MIN_MARK)
+    assert (w[:lc][labels[0].numpy() >= 2] == 0).all() and (w[lc:] == 0).all()  # not retrieved; the dense tail
+    assert (inspector.token_weights(cid, report(), kv_head=1) == 0).all()
+
+
+def test_the_strongest_passage_comes_first_with_its_page(ctx):
+    store, cid, doc, _ = ctx
+    inspector = ContextInspector(store)
+    w = inspector.token_weights(cid, report())
+    passages = inspector.passages(cid, w, top=3)
+    best = passages[0]
+    assert best.page == 2 and "48213" in doc.text[best.start:best.end]
+    marked = {doc.text[s:e] for s, e, weight in best.marks if weight == pytest.approx(1.0)}
+    assert marked == SECRET
+    assert [p.score for p in passages] == sorted((p.score for p in passages), reverse=True)
+    spans = sorted((p.start, p.end) for p in passages)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # passages do not overlap
+    assert inspector.cluster_pages(cid, LAYER, 0, [0])[0] == [2]
+    assert "passkey" in inspector.cluster_preview(cid, LAYER, 0, 0)
+
+
+def test_projection_of_one_head_marks_the_retrieved_clusters(ctx):
+    store, cid, _, labels = ctx
+    proj = ContextInspector(store).projection(cid, LAYER, 0, retrieved=[0], max_points=10)
+    assert proj.points.shape == (10, 2) and proj.centroids.shape == (CLUSTERS, 2)
+    assert (proj.labels == 0).sum() == (labels[0] == 0).sum()  # every retrieved key is drawn
+    assert 0.5 < proj.explained <= 1.0  # five tight clusters in 8-D: two components hold most of the spread
+    svg = render.projection_svg(proj)
+    assert svg.count('class="sq-key-hit"') == int((labels[0] == 0).sum())
+    assert svg.count('class="sq-centroid-hit"') == 1
+    with pytest.raises(ValueError, match="no clusters"):
+        ContextInspector(store).projection(cid, LAYER + 1, 0, [])
+
+
+def test_retrieval_report_flags_prefill_and_answer_clusters():
+    sq = torch.tensor([[0.30, 0.01, 0.02, 0.00]])
+    sa = torch.tensor([[0.10, 0.00, 0.40, 0.05]])
+    counts = {3: torch.tensor([[4, 3, 2, 0]])}
+    clusters = [{"layer": 3, "rows": [{"row": 0, "kv_head": 0, "ids": [0], "sizes": [4]}]}]
+    out = retrieval_report(clusters, {3: {"question": sq, "answer": sa}}, counts, threshold=0.03)
+    row = out["layers"][0]["rows"][0]
+    assert row["ids"] == [2, 0]  # by the answer (S 0.4 > T), then the prefill's; cluster 3 is empty
+    assert row["prefill"] == [False, True] and row["sizes"] == [2, 4]
+    assert row["s_answer"] == [pytest.approx(0.4), pytest.approx(0.1)]
+
+
+def test_document_markup_escapes_text_and_marks_pages(ctx):
+    store, cid, doc, _ = ctx
+    inspector = ContextInspector(store)
+    w = inspector.token_weights(cid, report())
+    html = render.document_html(doc.text, inspector.marks(cid, w), doc.page_starts)
+    assert html.count('class="sq-pagebreak"') == 2
+    assert "&lt;every&gt;" in html and "<every>" not in html
+    assert re.search(r'<mark class="sq-hit" style="--w:1.00">passkey</mark>', html)
+    plain = re.sub(r"<div class=\"sq-pagebreak\">page \d</div>|<[^>]+>", "", html)
+    assert plain.replace("&lt;", "<").replace("&gt;", ">") == doc.text
+    passages = render.passages_html(doc.text, inspector.passages(cid, w, top=2))
+    assert passages.startswith('<ol class="sq-passages"') and "p. 2" in passages
+
+
+def test_heatmap_and_budget_markup():
+    stats = {"global_layers": [5, 11], "kept_fraction_prefill": [[0.2, 0.3], [0.25, 1.0]],
+             "kept_fraction_decode": [[0.1, 0.1], [0.2, 0.2]], "steps": 5, "method": "squeeze", "sparsity": 0.8,
+             "kv_budget": 0.2, "kv_budget_prefill": 0.26, "new_tokens": 5,
+             "timings": {"lookup_s": 0.1, "attention_s": 0.3, "total_s": 1.0, "first_token_s": 0.2, "tokens_per_s": 5}}
+    html = render.heatmaps_html(stats)
+    assert html.count('class="sq-cell"') == 8
+    assert 'data-layer="11" data-head="1" data-kept="1.0000"' in html
+    assert render._colour(0.0) == "rgb(247,251,255)" and render._colour(1.0) == "rgb(8,48,107)"
+    budget = render.budget_html(stats, (0.000265,))
+    assert "20.0%" in budget and "26.0%" in budget and "threshold 0.000265" in budget
+    assert "rest of the model 0.60 s" in budget
+    assert render.heatmap_svg([], [], "answer").count("no steps") == 1
+
+
+def test_small_formatters():
+    assert render.pages_text([1, 2, 3, 7, 9, 10]) == "1-3, 7, 9-10"
+    assert render.pages_text([]) == "-"
+    assert render.time_left(12.4) == "about 12 s left"
+    assert render.time_left(None) == "estimating the time left"
+    assert render.format_seconds(600) == "10 min"
+    view = JobView(key="job1", name="a.pdf", doc_id="ab", context_id=None, status="failed", stage="failed", done=0,
+                   total=0, fraction=0.0, eta_s=None, elapsed_s=1.0, position=0, tokens=None, pages=None, cached=False,
+                   error="a.pdf: not a PDF file (no %PDF header)", error_kind="document", settings={})
+    html = render.jobs_html([view])
+    assert "Could not prepare it: a.pdf: not a PDF file (no %PDF header)" in html and 'data-status="failed"' in html
