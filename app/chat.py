@@ -60,7 +60,9 @@ class ChatTab:
                                        allow_custom_value=True, elem_id="sq-doc-select")
                 self.status = gr.HTML(render.notice_html("Upload a document on the Documents tab, or pick one above."),
                                       elem_id="sq-doc-status")
-                self.chatbot = gr.Chatbot(label="Chat", height=420, elem_id="sq-chatbot", buttons=["copy"])
+                # Plain text: answers are a base model's words, and Markdown would turn "48213." into an ordered list item.
+                self.chatbot = gr.Chatbot(label="Chat", height=420, elem_id="sq-chatbot", buttons=["copy"],
+                                          render_markdown=False)
                 with gr.Row():
                     self.question = gr.Textbox(placeholder="Ask about the document…", show_label=False, scale=6,
                                                elem_id="sq-question", submit_btn=False, lines=1, max_lines=4)
