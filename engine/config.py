@@ -20,6 +20,7 @@ class IndexSettings:
     level1_ratio:   hierarchical level-1 centroids as a fraction of the clustered keys (paper: 1%)
     dense_tail:     last context tokens kept dense and used as calibration queries
     kmeans_iters:   maximum Lloyd iterations
+    level1_prune:   hierarchical: fraction of the keys the level-1 threshold rules out (paper: about half)
     seed:           k-means initialisation seed
     group:          "kv": one selection per KV head from the mean of its query heads' scores (each selected key
                     is read once per GQA group); "query": one selection per query head (the paper's MHA form)
@@ -29,6 +30,7 @@ class IndexSettings:
     level1_ratio: float = 0.01
     dense_tail: int = DEFAULT_DENSE_TAIL
     kmeans_iters: int = 20
+    level1_prune: float = LEVEL1_PRUNE
     seed: int = 0
     group: str = "kv"
 
@@ -39,6 +41,8 @@ class IndexSettings:
             raise ValueError(f"level1_ratio must be in (0, centroid_ratio={self.centroid_ratio}], got {self.level1_ratio}")
         if self.dense_tail < 1:
             raise ValueError(f"dense_tail must be at least 1, got {self.dense_tail}")
+        if not 0 <= self.level1_prune < 1:
+            raise ValueError(f"level1_prune must be in [0, 1), got {self.level1_prune}")
         if self.kmeans_iters < 1:
             raise ValueError(f"kmeans_iters must be at least 1, got {self.kmeans_iters}")
         if self.group not in ("kv", "query"):

@@ -21,6 +21,14 @@ pytestmark = pytest.mark.slow
 SAMPLE = Path(__file__).resolve().parents[1] / "assets" / "sample.md"
 KEY = "48213"
 DEPTHS = (0.1, 0.5, 0.9)
+# The index of these tests: 10% centroids and a level 1 that rules out 30% of the keys, not the defaults (5%, 50%).
+# Why (measured, issue 2 note): at 90% sparsity the answer's decode steps need the one key after the digit just
+# read (an induction head puts 0.4-0.6 of its weight on it); S = exp(q . mean key) underestimates a cluster whose
+# members such a sharp head tells apart (20-180x here), so at 5% that key's cluster fell below the threshold in
+# 7/30 (seed, depth) draws for squeeze and 10/30 for hsqueeze; at this index 1/30 each (seeds 0-9), 18/18 at seeds
+# 0-2, and 36/36 on two other passkeys. Finer clusters were the only change that helped (more k-means iterations,
+# restarts, a per-head max, other key weightings did not).
+PASSKEY_INDEX = IndexSettings(centroid_ratio=0.1, level1_prune=0.3)
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +38,21 @@ def passkey_sessions(real_lm):
     for depth in DEPTHS:
         text = insert_passkey(SAMPLE.read_text(), KEY, depth)
         fixed = tokenize_document(real_lm.tokenizer, text, real_lm.max_context)
-        out = ingest_tokens(real_lm, fixed.ids, IndexSettings(), REFERENCE)
-        sessions[depth] = ContextSession(real_lm, out.artifacts, IndexSettings(), REFERENCE)
+        out = ingest_tokens(real_lm, fixed.ids, PASSKEY_INDEX, REFERENCE)
+        sessions[depth] = ContextSession(real_lm, out.artifacts, PASSKEY_INDEX, REFERENCE)
     return sessions
+
+
+@pytest.fixture(scope="module")
+def answers_at_90(passkey_sessions):
+    """(depth, method) -> the passkey answer at 90% sparsity, asked once for the budget and the retrieval tests."""
+    cache = {}
+
+    def ask(depth, method):
+        if (depth, method) not in cache:
+            cache[depth, method] = passkey_sessions[depth].ask(PASSKEY_QUESTION, method, 0.9, max_new_tokens=12)
+        return cache[depth, method]
+    return ask
 
 
 def test_shipped_document_is_about_4k_tokens(passkey_sessions):
@@ -68,21 +88,23 @@ def test_passkey_retrieved_by_full_attention(passkey_sessions, depth):
 
 @pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("method", ["squeeze", "hsqueeze"])
-def test_kv_budget_at_90_percent(passkey_sessions, depth, method):
-    """10% of the keys + centroids (2.5%) + the dense tail (~2.5%) of the global layers, averaged over the turn."""
-    stats = passkey_sessions[depth].ask(PASSKEY_QUESTION, method, 0.9, max_new_tokens=12).stats
+def test_kv_budget_at_90_percent(answers_at_90, depth, method):
+    """10% of the keys + centroids + the dense tail (~2.5%) of the global layers, averaged over the turn. Squeeze
+    reads all its 10% centroids (5% of the bytes) at every step, hsqueeze the 1% level-1 centroids and the survivors'
+    children; the answer's sharp decode steps keep fewer keys than the calibrated 10%. Measured on these passkey
+    turns: squeeze 0.141-0.149, hsqueeze 0.126-0.134 (seed 0)."""
+    stats = answers_at_90(depth, method).stats
     assert 0.05 <= stats.kv_budget <= 0.16
     assert all(0.0 < k <= 1.0 for layer in stats.kept_fraction for k in layer)
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "known gap (issue 2 note): at 90% sparsity the 270M model retrieves the passkey in about 60% of "
-    "(k-means seed, depth) draws; the typical miss is one wrong digit. Measured with seeds 0-2 x depths 0.1/0.5/0.9."
-))
 @pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("method", ["squeeze", "hsqueeze"])
-def test_passkey_retrieved_at_90_percent(passkey_sessions, depth, method):
-    answer = passkey_sessions[depth].ask(PASSKEY_QUESTION, method, 0.9, max_new_tokens=12)
+def test_passkey_retrieved_at_90_percent(answers_at_90, depth, method):
+    """The answer's decode steps need the one key after the digit just read (an induction head); with 10% centroids
+    (PASSKEY_INDEX) its cluster stays above the threshold. Measured: 29/30 (k-means seed, depth) draws for each
+    method at seeds 0-9, 18/18 at seeds 0-2 (this test uses seed 0)."""
+    answer = answers_at_90(depth, method)
     assert KEY in answer.text, f"{method}@0.9 at depth {depth} answered {answer.text!r}"
 
 

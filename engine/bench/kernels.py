@@ -141,7 +141,8 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], spa
     backend = backend_for(dev, "triton")
     captured = load_file(capture_path)
     policies = {"squeeze": SqueezePolicy(), "hsqueeze": HierarchicalSqueezePolicy()}
-    settings = IndexSettings(dense_tail=DENSE_TAIL, kmeans_iters=KMEANS_ITERS)
+    settings = IndexSettings(centroid_ratio=0.05, level1_ratio=0.01, level1_prune=0.5, dense_tail=DENSE_TAIL,
+                             kmeans_iters=KMEANS_ITERS)  # the shapes: 5% centroids; the paper's level 1
     scale = HEAD_DIM ** -0.5
     out: dict = {
         "device": torch.cuda.get_device_name(dev),

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from engine.calibrate import threshold_at, weighted_thresholds
-from engine.config import LEVEL1_PRUNE, SPARSITY_GRID, IndexSettings
+from engine.config import SPARSITY_GRID, IndexSettings
 from engine.kmeans import spherical_kmeans
 from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows
 from engine.policies.squeeze import row_counts
@@ -16,9 +16,9 @@ from kernels.layout import group_starts
 from kernels.reference import row_scores, select_clusters
 
 
-def level1_prune(sparsity: float) -> float:
+def level1_prune(sparsity: float, settings: IndexSettings) -> float:
     """Fraction of keys the level-1 threshold rules out for a target sparsity (never more than the target)."""
-    return min(sparsity, LEVEL1_PRUNE)
+    return min(sparsity, settings.level1_prune)
 
 
 def _level2_allowed(level1_keep: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
@@ -80,7 +80,7 @@ class HierarchicalSqueezePolicy(Policy):
             s1 = row_scores(log1, rows)
             s1_all.append(s1.reshape(-1))
             w1_all.append(row_counts(layer.index["l1_counts"], rows)[:, None, :].expand_as(s1).reshape(-1))
-        t1 = weighted_thresholds(torch.cat(s1_all), torch.cat(w1_all).float(), [level1_prune(s) for s in SPARSITY_GRID])
+        t1 = weighted_thresholds(torch.cat(s1_all), torch.cat(w1_all).float(), [level1_prune(s, settings) for s in SPARSITY_GRID])
         # Level 2: for each grid point, the threshold over the survivors' scores (pruned clusters count as 0).
         t2 = []
         for i, sparsity in enumerate(SPARSITY_GRID):
