@@ -156,23 +156,6 @@ def select_clusters(mean_scores: torch.Tensor, threshold: float) -> torch.Tensor
     return mean_scores > threshold if threshold > 0 else mean_scores >= 0
 
 
-def clusters_to_keys(cluster_mask: torch.Tensor, labels: torch.Tensor, dense_tail: int = 0) -> Selection:
-    """From kept clusters to kept keys, vectorised over rows.
-
-    cluster_mask: [rows, C] bool; labels: [Hkv, Lc] int64 cluster of each clustered key (keys 0..Lc-1);
-    dense_tail: keys Lc .. Lc + dense_tail - 1 follow the clustered ones and every row keeps them.
-    Returns a Selection over num_keys = Lc + dense_tail.
-    """
-    rows = cluster_mask.shape[0]
-    hkv, lc = labels.shape
-    kv_head = torch.arange(rows, device=labels.device) * hkv // rows
-    key_mask = torch.gather(cluster_mask, 1, labels[kv_head])  # [rows, Lc]
-    if dense_tail:
-        tail = torch.ones(rows, dense_tail, dtype=torch.bool, device=labels.device)
-        key_mask = torch.cat([key_mask, tail], dim=1)
-    return Selection.from_mask(key_mask)
-
-
 def cluster_keep(
     q: torch.Tensor,
     centroids: torch.Tensor,

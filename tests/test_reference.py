@@ -14,13 +14,13 @@ import torch
 from kernels.reference import (
     attention_with_lse,
     centroid_log_scores,
-    clusters_to_keys,
     merge_attention,
     reduce_scores,
     row_scores,
     select_clusters,
     sparse_attention,
 )
+from kernels.layout import ClusterLayout, expand_groups
 from kernels.selection import Selection
 
 # The code under test computes in float32 from the (exactly upcast) inputs; the references compute in float64 from the
@@ -386,7 +386,7 @@ def test_reduce_scores_several_tokens_is_max_of_token_mean_and_last_token():
     torch.testing.assert_close(reduce_scores(log_s, rows).double(), want, atol=1e-9, rtol=1e-6)
 
 
-# ---------------------------------------------------------------- select_clusters / clusters_to_keys
+# ---------------------------------------------------------------- select_clusters / kept clusters to keys
 
 
 def test_select_clusters_is_strictly_greater_than_positive_threshold():
@@ -408,18 +408,35 @@ def loop_key_mask(cluster_mask, labels, dense_tail):
     return mask
 
 
+def kept_keys(cluster_mask: torch.Tensor, labels: torch.Tensor, dense_tail: int):
+    """Kept clusters [rows, C] -> Selection of positions in the cluster-permuted K/V (as the policies do)."""
+    layout = ClusterLayout.from_labels(labels, cluster_mask.shape[1], dense_tail)
+    return expand_groups(cluster_mask, layout.starts, labels.shape[1], dense_tail)
+
+
+def original_order(mask: torch.Tensor, labels: torch.Tensor, dense_tail: int) -> torch.Tensor:
+    """[rows, L] mask over permuted positions -> the same keys in their original positions."""
+    rows, hkv = mask.shape[0], labels.shape[0]
+    order = ClusterLayout.from_labels(labels, int(labels.max()) + 1, dense_tail).order
+    out = torch.zeros_like(mask)
+    out.scatter_(1, order.repeat_interleave(rows // hkv, dim=0), mask)
+    return out
+
+
 @pytest.mark.parametrize("dense_tail", [0, 5])
 @pytest.mark.parametrize("hkv,rows", [(2, 2), (2, 8), (1, 4), (4, 4)])
-def test_clusters_to_keys_matches_loop(hkv, rows, dense_tail):
+def test_kept_clusters_to_keys_matches_loop(hkv, rows, dense_tail):
+    """The engine's path: the keys permuted by cluster (ClusterLayout), kept clusters expanded into positions;
+    mapped back to the original order, the selection is exactly the kept clusters' keys plus the tail."""
     lc, c = 40, 7
     g = _gen(19)
     labels = torch.randint(0, c, (hkv, lc), generator=g)
     cluster_mask = torch.rand(rows, c, generator=g) < 0.5
     cluster_mask[0] = False  # a row that keeps no cluster (still keeps the dense tail)
-    sel = clusters_to_keys(cluster_mask, labels, dense_tail)
+    sel = kept_keys(cluster_mask, labels, dense_tail)
     assert sel.rows == rows and sel.num_keys == lc + dense_tail
     want = loop_key_mask(cluster_mask, labels, dense_tail)
-    assert torch.equal(sel.to_mask(), want)
+    assert torch.equal(original_order(sel.to_mask(), labels, dense_tail), want)
     assert torch.equal(sel.counts(), want.sum(dim=1))
     assert sel.counts()[0].item() == dense_tail
 
@@ -441,7 +458,8 @@ def test_zero_threshold_keeps_every_key_and_equals_dense_attention(hq, hkv, per)
     mean_s = reduce_scores(centroid_log_scores(q, centroids, counts, scale), rows)
     kept = select_clusters(mean_s, 0.0)
     assert kept.all()
-    sel = clusters_to_keys(kept, labels, dense_tail)
+    layout = ClusterLayout.from_labels(labels, c, dense_tail)
+    sel = expand_groups(kept, layout.starts, lc, dense_tail)
     assert torch.equal(sel.counts(), torch.full((rows,), lc + dense_tail))
-    got = sparse_attention(q, k, v, sel, scale)
+    got = sparse_attention(q, layout.permute(k), layout.permute(v), sel, scale)
     assert_attention_close(got, attention_with_lse(q, k, v, scale), atol=F32_ATOL, rtol=F32_RTOL)

@@ -5,8 +5,9 @@
 Keys, values and queries come from a real model reading a real document (engine.bench.capture), extended to each
 length (engine.bench.extend says how). For each configuration the whole lookup (centroid scores, threshold,
 expansion of the kept clusters into key positions) and the sparse attention over the cluster-permuted K/V are
-timed with `triton.testing.do_bench`, beside `torch.nn.functional.scaled_dot_product_attention` over the whole
-fixed context (what the engine would do without the method) and the device's copy bandwidth, in the same run.
+timed from CUDA-graph replays (`triton.testing.do_bench_cudagraph`), beside
+`torch.nn.functional.scaled_dot_product_attention` over the whole fixed context (what the engine would do without
+the method) and the device's copy bandwidth, in the same run.
 Ends with one JSON document on stdout.
 """
 
@@ -51,8 +52,6 @@ def bench_eager(fn, rep_ms: int = 100) -> float:
 
     return float(triton.testing.do_bench(fn, warmup=25, rep=rep_ms, return_mode="median"))
 
-
-_bench = bench_graph
 
 
 def copy_bandwidth(device: torch.device) -> float:
@@ -111,9 +110,9 @@ def measure(policy, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, index: 
         found = policy.lookup(q, index, thresholds, scale, settings, backend)
         return backend.sparse_attention(q, kp, vp, found.selection, scale)
 
-    lookup_ms = _bench(lambda: policy.lookup(q, index, thresholds, scale, settings, backend))
-    sparse_ms = _bench(lambda: backend.sparse_attention(q, kp, vp, sel, scale))
-    total_ms = _bench(total)
+    lookup_ms = bench_graph(lambda: policy.lookup(q, index, thresholds, scale, settings, backend))
+    sparse_ms = bench_graph(lambda: backend.sparse_attention(q, kp, vp, sel, scale))
+    total_ms = bench_graph(total)
     total_eager_ms = bench_eager(total)
     hkv, length, d = kp.shape
     kept = sel.counts().double()  # [rows]
@@ -169,7 +168,7 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], spa
                 calibration = policy.calibrate([calib], scale, settings)
                 for lq in phases:
                     q = q_all[:, -lq:]
-                    dense_ms = _bench(lambda: dense_sdpa(q, k, v, scale))
+                    dense_ms = bench_graph(lambda: dense_sdpa(q, k, v, scale))
                     for sparsity in sparsities:
                         thresholds = policy.thresholds(calibration, sparsity)
                         row = {"length": length, "hq": hq, "hkv": hkv, "method": name, "sparsity": sparsity,

@@ -77,7 +77,3 @@ def group_rows(settings: IndexSettings, hq: int, hkv: int) -> int:
     """Rows of a selection: one per KV head (shared by its query heads) or one per query head."""
     return hkv if settings.group == "kv" else hq
 
-
-def rows_to_kv(x: torch.Tensor, hkv: int) -> torch.Tensor:
-    """[rows, ...] -> [Hkv, rows // Hkv, ...]."""
-    return x.reshape(hkv, x.shape[0] // hkv, *x.shape[1:])

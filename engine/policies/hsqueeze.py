@@ -10,7 +10,7 @@ from engine.calibrate import threshold_at, weighted_thresholds
 from engine.config import SPARSITY_GRID, IndexSettings
 from engine.kmeans import spherical_kmeans
 from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows
-from engine.policies.squeeze import row_counts
+from engine.policies.squeeze import row_counts, weighted_samples
 from kernels.dispatch import Backend
 from kernels.layout import group_starts
 from kernels.reference import row_scores, select_clusters
@@ -71,16 +71,16 @@ class HierarchicalSqueezePolicy(Policy):
     def calibrate(self, layers: list[CalibrationSet], scale: float, settings: IndexSettings) -> dict[str, torch.Tensor]:
         from kernels.dispatch import REFERENCE
 
-        # Level 1: the threshold that rules out min(s, LEVEL1_PRUNE) of the keys.
+        # Level 1: the threshold that rules out min(s, settings.level1_prune) of the keys.
         s1_all, w1_all = [], []
         for layer in layers:
             hq, hkv = layer.queries.shape[0], layer.index["l1_counts"].shape[0]
             rows = group_rows(settings, hq, hkv)
             log1 = REFERENCE.centroid_log_scores(layer.queries, layer.index["l1_centroids"], layer.index["l1_counts"], scale)
-            s1 = row_scores(log1, rows)
-            s1_all.append(s1.reshape(-1))
-            w1_all.append(row_counts(layer.index["l1_counts"], rows)[:, None, :].expand_as(s1).reshape(-1))
-        t1 = weighted_thresholds(torch.cat(s1_all), torch.cat(w1_all).float(), [level1_prune(s, settings) for s in SPARSITY_GRID])
+            sample, weight = weighted_samples(row_scores(log1, rows), layer.index["l1_counts"], rows)
+            s1_all.append(sample)
+            w1_all.append(weight)
+        t1 = weighted_thresholds(torch.cat(s1_all), torch.cat(w1_all), [level1_prune(s, settings) for s in SPARSITY_GRID])
         # Level 2: for each grid point, the threshold over the survivors' scores (pruned clusters count as 0).
         t2 = []
         for i, sparsity in enumerate(SPARSITY_GRID):
@@ -89,9 +89,10 @@ class HierarchicalSqueezePolicy(Policy):
                 hq, hkv = layer.queries.shape[0], layer.index["counts"].shape[0]
                 rows = group_rows(settings, hq, hkv)
                 s2, allowed2 = self._token_scores(layer.queries, layer.index, float(t1[i]), scale, rows, REFERENCE)
-                scores.append(torch.where(allowed2, s2, torch.zeros_like(s2)).reshape(-1))
-                weights.append(row_counts(layer.index["counts"], rows)[:, None, :].expand_as(s2).reshape(-1))
-            t2.append(float(weighted_thresholds(torch.cat(scores), torch.cat(weights).float(), [sparsity])[0]))
+                sample, weight = weighted_samples(torch.where(allowed2, s2, torch.zeros_like(s2)), layer.index["counts"], rows)
+                scores.append(sample)
+                weights.append(weight)
+            t2.append(float(weighted_thresholds(torch.cat(scores), torch.cat(weights), [sparsity])[0]))
         return {"threshold_l1": t1, "threshold_l2": torch.tensor(t2, dtype=torch.float64)}
 
     def thresholds(self, calibration: dict[str, torch.Tensor], sparsity: float) -> tuple[float, ...]:

@@ -28,6 +28,14 @@ def row_counts(counts: torch.Tensor, rows: int) -> torch.Tensor:
     return counts.repeat_interleave(rows // counts.shape[0], dim=0)
 
 
+def weighted_samples(s: torch.Tensor, counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibration samples: every (row, token, cluster) score, weighted by the cluster's keys.
+
+    s: [rows, Nc, C]; counts: [Hkv, C] -> (scores [rows * Nc * C], weights, same shape, float32).
+    """
+    return s.reshape(-1), row_counts(counts, rows)[:, None, :].expand_as(s).reshape(-1).float()
+
+
 class SqueezePolicy(Policy):
     name: ClassVar[str] = "squeeze"
 
@@ -49,9 +57,10 @@ class SqueezePolicy(Policy):
             hq, hkv = layer.queries.shape[0], layer.index["counts"].shape[0]
             rows = group_rows(settings, hq, hkv)
             s = per_token_scores(layer.queries, layer.index, scale, rows, REFERENCE)  # [rows, Nc, C]
-            scores.append(s.reshape(-1))
-            weights.append(row_counts(layer.index["counts"], rows)[:, None, :].expand_as(s).reshape(-1))
-        return {"threshold": weighted_thresholds(torch.cat(scores), torch.cat(weights).float(), SPARSITY_GRID)}
+            sample, weight = weighted_samples(s, layer.index["counts"], rows)
+            scores.append(sample)
+            weights.append(weight)
+        return {"threshold": weighted_thresholds(torch.cat(scores), torch.cat(weights), SPARSITY_GRID)}
 
     def thresholds(self, calibration: dict[str, torch.Tensor], sparsity: float) -> tuple[float, ...]:
         return (threshold_at(calibration["threshold"], sparsity),)
