@@ -108,15 +108,24 @@ def squeeze_attention(
     layer: FixedContextLayer = squeeze_step.cache.layers[module.layer_idx]
     q, k_new, v_new = query[0], key[0], value[0]  # [Hq, Lq, D], [Hkv, Lnew, D]
     lq, lnew = q.shape[1], k_new.shape[1]
-    q_pos = torch.arange(layer.fixed_len + lnew - lq, layer.fixed_len + lnew, device=q.device)
-    new_pos = torch.arange(layer.fixed_len, layer.fixed_len + lnew, device=q.device)
-    parts = [squeeze_step.backend.attention_with_lse(q, k_new, v_new, scale, _new_token_mask(q_pos, new_pos, layer.sliding_window))]
-    if layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0:
-        parts.append(_fixed_part(layer, q, q_pos, scale, squeeze_step))
-    if squeeze_step.capture is not None and layer.sliding_window is None:
-        squeeze_step.capture.take(module.layer_idx, q, q_pos)
-    out, _ = squeeze_step.backend.merge_attention(parts) if len(parts) > 1 else parts[0]
+    with _current_device(q.device):
+        q_pos = torch.arange(layer.fixed_len + lnew - lq, layer.fixed_len + lnew, device=q.device)
+        new_pos = torch.arange(layer.fixed_len, layer.fixed_len + lnew, device=q.device)
+        new_mask = _new_token_mask(q_pos, new_pos, layer.sliding_window)
+        parts = [squeeze_step.backend.attention_with_lse(q, k_new, v_new, scale, new_mask)]
+        if layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0:
+            parts.append(_fixed_part(layer, q, q_pos, scale, squeeze_step))
+        if squeeze_step.capture is not None and layer.sliding_window is None:
+            squeeze_step.capture.take(module.layer_idx, q, q_pos)
+        out, _ = squeeze_step.backend.merge_attention(parts) if len(parts) > 1 else parts[0]
     return out.to(query.dtype).transpose(0, 1).unsqueeze(0), None
+
+
+def _current_device(device: torch.device):
+    """Make the layer's GPU the current CUDA device while it attends. Triton launches a kernel on the current device
+    and its current stream, not on its tensors' device; with device_map="auto" a layer may sit on another GPU than
+    cuda:0 (accelerate moves the tensors but never switches the current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def _no_mask(*args, **kwargs) -> None:

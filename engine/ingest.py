@@ -83,7 +83,8 @@ def build_indexes(lm: LoadedModel, cache: FixedContextCache, capture: QueryCaptu
         for policy in POLICIES.values():
             index.update(policy.build(clustered, settings, index))
         queries = torch.cat(capture.queries[layer_idx], dim=1)  # [Hq, dense_tail, D]
-        sets.append(CalibrationSet(index=index, queries=queries))
+        # one threshold pools every global layer's scores: with device_map="auto" the layers sit on several GPUs
+        sets.append(CalibrationSet(index={k: t.to(lm.device) for k, t in index.items()}, queries=queries.to(lm.device)))
         artifacts.update({f"layer{layer_idx}.{name}": t for name, t in index.items()})
         artifacts[f"layer{layer_idx}.calib_queries"] = queries
     progress("clustering", len(global_layers), len(global_layers))

@@ -1,7 +1,9 @@
 """Spherical (cosine) k-means in PyTorch, vectorised over heads, seeded and deterministic on CPU and GPU.
 
-Determinism: the only reduction is `segment_sum`, which sorts by cluster and differences a float64 prefix sum,
-so no atomics are involved on either device.
+Determinism: the only reduction is `segment_sum`, which sorts by cluster and sums each cluster's run in float64
+with `torch.segment_reduce` (one sequential sum per segment and column on either device, no atomics). The
+assignment's similarities are computed in the points' dtype: float32 on the CPU, bfloat16/float16 tensor cores on
+a GPU (the labels are then those of the rounded vectors; the centroids are always float32 means).
 """
 
 from __future__ import annotations
@@ -28,27 +30,31 @@ class KMeansResult:
 
 
 def segment_sum(values: torch.Tensor, segments: torch.Tensor, num_segments: int) -> torch.Tensor:
-    """Deterministic per-segment sums. values [N, D]; segments [N] int64 in [0, num_segments) -> [num_segments, D]."""
+    """Deterministic per-segment sums. values [N, D]; segments [N] int64 in [0, num_segments) -> [num_segments, D].
+
+    Sorted by segment, then each segment's run is summed in float64 (torch.segment_reduce: a plain loop per segment
+    and column, no atomics; a prefix sum down dim 0 would run one thread per column on a GPU, seconds at 1M rows).
+    """
     order = torch.argsort(segments, stable=True)
-    sorted_seg = segments[order]
-    prefix = torch.zeros(values.shape[0] + 1, values.shape[1], dtype=torch.float64, device=values.device)
-    prefix[1:] = torch.cumsum(values[order].double(), dim=0)
-    ends = torch.searchsorted(sorted_seg, torch.arange(num_segments, device=values.device), right=True)
-    starts = torch.searchsorted(sorted_seg, torch.arange(num_segments, device=values.device), right=False)
-    return (prefix[ends] - prefix[starts]).to(values.dtype)
+    lengths = torch.bincount(segments, minlength=num_segments)
+    sums = torch.segment_reduce(values[order].double(), "sum", lengths=lengths, axis=0, unsafe=True)
+    return sums.to(values.dtype)
 
 
-def _assign(xn: torch.Tensor, cn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """xn [H, N, D], cn [H, K, D] unit vectors -> (labels [H, N] int64, best cosine [H, N])."""
+def _assign(xn: torch.Tensor, cn: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """xn [H, N, D], cn [H, K, D] unit vectors -> (labels [H, N] int64, best cosine [H, N] float32).
+
+    The similarities are computed in `dtype` (the points' own dtype: 16-bit runs on tensor cores)."""
     h, n, _ = xn.shape
     k = cn.shape[1]
     step = max(1, ASSIGN_CHUNK_ELEMENTS // max(1, h * k))
+    ct = cn.to(dtype).transpose(1, 2)  # [H, D, K]
     labels, best = [], []
     for start in range(0, n, step):
-        sims = torch.matmul(xn[:, start : start + step], cn.transpose(1, 2))  # [H, n, K]
+        sims = torch.matmul(xn[:, start : start + step].to(dtype), ct)  # [H, n, K]
         b, lab = sims.max(dim=-1)
         labels.append(lab)
-        best.append(b)
+        best.append(b.float())
     return torch.cat(labels, dim=1), torch.cat(best, dim=1)
 
 
@@ -121,6 +127,7 @@ def spherical_kmeans(
     if not 1 <= k <= n:
         raise ValueError(f"k-means needs 1 <= k <= N, got k={k}, N={n}")
     xf = x.float()
+    sim_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) and x.is_cuda else torch.float32
     xn = torch.nn.functional.normalize(xf, dim=-1)
     w = torch.ones(h, n, device=x.device) if weights is None else weights.float()
     gen = torch.Generator(device="cpu").manual_seed(seed)
@@ -128,7 +135,7 @@ def spherical_kmeans(
     labels = torch.full((h, n), -1, dtype=torch.int64, device=x.device)
     done = 0
     for done in range(1, iters + 1):
-        new_labels, best = _assign(xn, cn)
+        new_labels, best = _assign(xn, cn, sim_dtype)
         if torch.equal(new_labels, labels):
             break
         labels = new_labels
@@ -137,10 +144,10 @@ def spherical_kmeans(
         counts = segment_sum(w.reshape(h * n, 1), seg, h * k).reshape(h, k)
         cn = torch.nn.functional.normalize(sums, dim=-1)
         cn = _reseed_empty(cn, counts, xn, best)
-    labels, _ = _assign(xn, cn)
+    labels, _ = _assign(xn, cn, sim_dtype)
     seg = _head_segments(labels, k)
     sums = segment_sum((xf * w[..., None]).reshape(h * n, d), seg, h * k).reshape(h, k, d)
     wsum = segment_sum(w.reshape(h * n, 1), seg, h * k).reshape(h, k)
-    counts = segment_sum(torch.ones(h * n, 1, device=x.device), seg, h * k).reshape(h, k).round().long()
+    counts = torch.bincount(seg, minlength=h * k).reshape(h, k)
     centroids = sums / wsum.clamp(min=1e-12)[..., None]
     return KMeansResult(labels=labels, centroids=centroids, counts=counts, iterations=done)

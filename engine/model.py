@@ -149,19 +149,27 @@ def _convert_embedded(gguf: Path, target: Path) -> None:
         raise
 
 
-def load_model(name: str | None = None, device: str = "auto", convert_dir: Path | None = None) -> LoadedModel:
+def load_model(name: str | None = None, device: str = "auto", convert_dir: Path | None = None,
+               max_memory: dict[int | str, int | str] | None = None) -> LoadedModel:
     """Load `name` (a transformers model id or local path; None or "embedded" = the embedded Gemma 3 270M).
 
     convert_dir: where the embedded GGUF is dequantized once into safetensors (None: dequantize at every load).
     device: "cpu" (float32), "cuda" (bfloat16, one GPU) or "auto" (bfloat16 with accelerate's device_map="auto"
     when CUDA is there, so a model larger than one GPU spreads over several; float32 on the CPU otherwise).
+    max_memory: with device="auto" only, accelerate's per-device budget for the weights, e.g. {0: "10GiB", 1: "70GiB"}
+    (GPU index or "cpu" -> bytes or a size string); None lets accelerate balance the weights over the free memory.
+    Ignored when "auto" falls back to the CPU.
     """
+    if max_memory is not None and device != "auto":
+        raise ValueError(f"max_memory applies to device='auto' only, not device={device!r}")
     device = resolve_device(device)
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     attn = register()
     kwargs: dict = {"dtype": dtype, "attn_implementation": attn}
     if device == "auto":
         kwargs["device_map"] = "auto"
+        if max_memory is not None:
+            kwargs["max_memory"] = max_memory
     model_id = model_id_for(name)
     if is_embedded(name) and convert_dir is not None:
         converted = Path(convert_dir) / model_id.replace("@", "-")

@@ -1,4 +1,4 @@
-"""Typed wrapper of the group expansion kernel: kept clusters -> a Selection of positions, on the device, no host sync."""
+"""Typed wrappers of the group expansion kernels: kept clusters -> a Selection of positions, on the device, no host sync."""
 
 from __future__ import annotations
 
@@ -8,8 +8,21 @@ import triton
 from kernels.jit.compact import expand_groups_kernel, group_block_sums_kernel
 from kernels.selection import Selection
 
-BLOCK_G = 32  # groups (clusters) per program
+BLOCK_G = 256  # groups (clusters) per program of the standalone expansion
 BLOCK_K = 32  # positions written per group per iteration
+SUB_G = 32  # groups written together: a step writes SUB_G x BLOCK_K lanes, up to the longest of its SUB_G groups
+SUM_TILE = 2048  # block sums an expansion program reads per step
+
+
+def _check(keep: torch.Tensor, starts: torch.Tensor) -> None:
+    rows, groups = keep.shape
+    hkv = starts.shape[0]
+    if starts.shape[1] != groups + 1:
+        raise ValueError(f"keep has {groups} groups but starts has {starts.shape[1]} columns (expected {groups + 1})")
+    if rows % hkv:
+        raise ValueError(f"rows ({rows}) must be a multiple of the heads in starts ({hkv})")
+    if keep.device != starts.device:
+        raise ValueError(f"keep is on {keep.device} but starts on {starts.device}")
 
 
 def expand_groups(keep: torch.Tensor, starts: torch.Tensor, total: int, tail: int = 0) -> Selection:
@@ -20,28 +33,39 @@ def expand_groups(keep: torch.Tensor, starts: torch.Tensor, total: int, tail: in
     Returns Selection(indptr [rows + 1] int64, indices [rows * num_keys] int32 (only the first indptr[-1] are
     meaningful: the capacity is the worst case, every group kept), num_keys = total positions + tail).
     """
+    _check(keep, starts)
     rows, groups = keep.shape
-    hkv = starts.shape[0]
-    if starts.shape[1] != groups + 1:
-        raise ValueError(f"keep has {groups} groups but starts has {starts.shape[1]} columns (expected {groups + 1})")
-    if rows % hkv:
-        raise ValueError(f"rows ({rows}) must be a multiple of the heads in starts ({hkv})")
-    if keep.device != starts.device:
-        raise ValueError(f"keep is on {keep.device} but starts on {starts.device}")
-    num_keys = total + tail
-    dev = keep.device
     nb = max(1, triton.cdiv(groups, BLOCK_G))
-    block_sums = torch.empty(rows, nb, dtype=torch.int64, device=dev)
-    totals = torch.zeros(rows, dtype=torch.int64, device=dev)
-    indptr = torch.zeros(rows + 1, dtype=torch.int64, device=dev) if rows == 0 else torch.empty(rows + 1, dtype=torch.int64, device=dev)
-    out = torch.empty(max(1, rows * num_keys), dtype=torch.int32, device=dev)
+    block_sums = torch.empty(rows, nb, dtype=torch.int64, device=keep.device)
     if rows:
         keep, starts = keep.contiguous(), starts.contiguous()
-        grid = (rows, nb)
-        group_block_sums_kernel[grid](keep, starts, block_sums, totals, groups, nb, rows // hkv, BLOCK_G=BLOCK_G)
-        expand_groups_kernel[grid](
-            keep, starts, block_sums, totals, indptr, out, groups, nb, rows // hkv, tail,
-            BLOCK_G=BLOCK_G, BLOCK_K=BLOCK_K, BLOCK_R=max(2, triton.next_power_of_2(rows)),
-            BLOCK_NB=max(2, triton.next_power_of_2(nb)),
+        group_block_sums_kernel[(rows, nb)](keep, starts, block_sums, groups, nb, rows // starts.shape[0],
+                                           BLOCK_G=BLOCK_G, num_stages=1)
+    return expand_block_sums(keep, starts, block_sums, BLOCK_G, total, tail)
+
+
+def expand_block_sums(keep: torch.Tensor, starts: torch.Tensor, block_sums: torch.Tensor, block_g: int, total: int,
+                      tail: int = 0, *, sub: int = SUB_G, block_k: int = BLOCK_K) -> Selection:
+    """The expansion step alone, from the kept positions of each block of `block_g` groups (computed by
+    group_block_sums_kernel or by the lookup's score pass). keep, starts, total, tail: as expand_groups;
+    block_sums: [rows, cdiv(G, block_g)] int64; sub, block_k: write tiles (tuning). Returns the same Selection as
+    expand_groups."""
+    _check(keep, starts)
+    rows, groups = keep.shape
+    nb = max(1, triton.cdiv(groups, block_g))
+    if tuple(block_sums.shape) != (rows, nb) or block_sums.dtype != torch.int64:
+        raise ValueError(f"block_sums must be int64 [rows, cdiv(G, block_g)] = [{rows}, {nb}], got "
+                         f"{block_sums.dtype} {tuple(block_sums.shape)}")
+    num_keys = total + tail
+    dev = keep.device
+    indptr = (torch.zeros if rows == 0 else torch.empty)(rows + 1, dtype=torch.int64, device=dev)
+    out = torch.empty(max(1, rows * num_keys), dtype=torch.int32, device=dev)
+    if rows:
+        block_nb = max(2, triton.next_power_of_2(nb))
+        expand_groups_kernel[(rows, nb)](
+            keep.contiguous(), starts.contiguous(), block_sums.contiguous(), indptr, out, groups, nb,
+            rows // starts.shape[0], tail,
+            BLOCK_G=block_g, BLOCK_K=block_k, SUB=min(sub, block_g), RCHUNK=max(1, min(triton.next_power_of_2(rows), SUM_TILE // block_nb)),
+            BLOCK_NB=block_nb, num_stages=1,  # no pipeline buffers: they would only cost occupancy
         )
     return Selection(indptr=indptr, indices=out, num_keys=num_keys)

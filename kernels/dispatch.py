@@ -24,6 +24,7 @@ class Backend:
     cluster_keep: Callable
     cluster_keep_among: Callable
     expand_groups: Callable
+    cluster_select: Callable  # cluster_keep, then expand_groups of its keep (one fused call on the GPU)
 
 
 REFERENCE = Backend(
@@ -35,6 +36,7 @@ REFERENCE = Backend(
     cluster_keep=reference.cluster_keep,
     cluster_keep_among=reference.cluster_keep_among,
     expand_groups=layout.expand_groups,
+    cluster_select=reference.cluster_select,
 )
 
 

@@ -24,13 +24,17 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels.compact_ops import expand_block_sums
 from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel
+from kernels.selection import Selection
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_DOT_DIM = 16  # tl.dot needs every block dimension >= 16
 PROGRAMS_PER_SM = 4  # the denominator pass splits the centroids until it has about this many programs per SM
 CPU_PROGRAMS = 4  # the same target in Triton's interpreter (programs run one after the other there)
+PREFILL_SCORE_TILE = 8192  # query rows x centroids of one step of the prefill score pass
+LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
 
 
 def _is_pow2(x: int) -> bool:
@@ -45,6 +49,10 @@ class LookupConfig:
     block_c: centroids per tile; also the work unit of the score pass (one program per block).
     target_programs: programs the denominator pass aims for; it splits the centroid blocks of a unit over up to
                      max_splits programs to reach it (1 split when the query-row blocks already fill the GPU).
+    score_block_m / score_block_c / score_warps / score_stages: the score pass's tiles, warps and pipeline stages
+                     (0: those of the denominator pass). In prefill the score pass loops over every query row for
+                     its centroids, so it wants wide centroid blocks, the denominator pass tall query blocks; in
+                     decode its query loop runs once, and buffers for a pipeline only cost occupancy.
     """
 
     block_m: int = 64
@@ -53,16 +61,29 @@ class LookupConfig:
     num_stages: int = 2
     target_programs: int = 528
     max_splits: int = 128
+    score_block_m: int = 0
+    score_block_c: int = 0
+    score_warps: int = 0
+    score_stages: int = 0
+
+    @property
+    def score_tiles(self) -> tuple[int, int, int, int]:
+        """(block_m, block_c, num_warps, num_stages) of the score pass."""
+        return (self.score_block_m or self.block_m, self.score_block_c or self.block_c,
+                self.score_warps or self.num_warps, self.score_stages or self.num_stages)
 
     def __post_init__(self):
-        for name in ("block_m", "block_c"):
+        for name in ("block_m", "block_c", "score_block_m", "score_block_c"):
             value = getattr(self, name)
+            if name.startswith("score") and value == 0:
+                continue
             if not _is_pow2(value) or value < MIN_DOT_DIM:
                 raise ValueError(f"{name} must be a power of two >= {MIN_DOT_DIM}, got {value}")
-        if not _is_pow2(self.num_warps):
-            raise ValueError(f"num_warps must be a power of two, got {self.num_warps}")
-        if self.num_stages < 1 or self.target_programs < 1 or self.max_splits < 1:
-            raise ValueError("num_stages, target_programs and max_splits must be >= 1")
+        if not _is_pow2(self.num_warps) or (self.score_warps and not _is_pow2(self.score_warps)):
+            raise ValueError(f"num_warps and score_warps must be powers of two, got {self.num_warps}, "
+                             f"{self.score_warps}")
+        if self.num_stages < 1 or self.target_programs < 1 or self.max_splits < 1 or self.score_stages < 0:
+            raise ValueError("num_stages, target_programs and max_splits must be >= 1 (score_stages >= 0)")
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -75,11 +96,15 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[index]
 
 
-def default_config(device: torch.device, lq: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> LookupConfig:
-    """Starting points, to be tuned on the H100 (chosen from ptxas register counts for sm_90, not from timings).
+def default_config(device: torch.device, lq: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
+                   num_centroids: int = 0, units: int = 1) -> LookupConfig:
+    """Launch parameters: bfloat16 / float16 at head_dim <= 128 tuned on an H200 (engine/bench/tune.py, figures
+    below); the rest chosen from ptxas register counts for sm_90, not from timings.
 
-    Decode has at most G (<= 8) query rows per unit: the smallest row block, 64 centroids per program.
-    Prefill: 64 x 64 tiles on 8 warps (~100-200 registers per thread, no spills), 32 centroids at D = 256.
+    Decode has at most G (<= 8) query rows per unit: the smallest row block; num_centroids (per head) picks the
+    long-context tiles. Prefill: the score pass's centroid blocks are as wide as the GPU allows while its
+    units x blocks programs still cover every SM. At D = 256: 64 x 32 tiles on 8 warps (~100-200 registers per
+    thread, no spills).
     float32 runs its dots in IEEE mode on the FMA units: 32-wide tiles on 8 warps, or ptxas spills.
     """
     if device.type != "cuda":
@@ -88,14 +113,24 @@ def default_config(device: torch.device, lq: int, head_dim: int, dtype: torch.dt
     if dtype == torch.float32:
         block_m = 16 if lq == 1 else 32
         return LookupConfig(block_m=block_m, block_c=32, num_warps=8, num_stages=2, target_programs=target)
-    if lq == 1:  # tuned on an H200 at 128K tokens, 32/8 heads, D 128 (engine/bench/tune.py): 9.5 us vs 16.6 us
+    if lq == 1 and head_dim <= 128 and num_centroids >= LARGE_DECODE_CENTROIDS:
+        # cluster_select tuned on an H200 at 512K tokens (26K centroids), 32/8 heads (engine/bench/tune.py): 57.2 us
+        # with 64-wide centroid blocks over 3 stages and 256-wide score blocks, 66.7 us with the 128K setting below
+        return LookupConfig(block_m=16, block_c=64, num_warps=4, num_stages=3, target_programs=target,
+                            score_block_c=256, score_stages=1)
+    if lq == 1:  # cluster_select tuned as above at 128K tokens (6.5K centroids): 15.8 us (17.4 us with 256-wide
+        # score blocks, 17.8 us with 3 stages)
         return LookupConfig(block_m=16, block_c=256 if head_dim <= 128 else 128, num_warps=4, num_stages=2,
-                            target_programs=target)
+                            target_programs=target, score_block_c=128, score_stages=1)
     if head_dim > 128:
         return LookupConfig(block_m=64, block_c=32, num_warps=8, num_stages=2, target_programs=target)
-    # tuned as above with 1024 question tokens: 0.68 ms vs 0.89 ms for 64 x 64 on 8 warps
-    return LookupConfig(block_m=128, block_c=64, num_warps=4, num_stages=2, target_programs=target)
-
+    # The score pass loops over every query row for its centroid block: wide blocks re-read the queries less, but
+    # units x blocks programs must still fill the GPU. Tuned as above (ms, 1024 / 4096 question tokens): at 128K
+    # 32 x 256 tiles 0.74 / 3.40 vs 128 x 64 0.94 / 3.57; at 32K (1.6K centroids) 128 x 64 0.25 / 0.90 vs 32 x 256
+    # 0.52 / 2.40. Both winners give ~208 programs for 132 SMs.
+    score_c = next((c for c in (256, 128) if units * triton.cdiv(num_centroids, c) >= _sm_count(device)), 64)
+    return LookupConfig(block_m=128, block_c=64, num_warps=4, num_stages=2, target_programs=target,
+                        score_block_m=PREFILL_SCORE_TILE // score_c, score_block_c=score_c, score_warps=4)
 
 def _check_common(q, centroids, counts, rows):
     if q.dim() != 3 or centroids.dim() != 3:
@@ -133,9 +168,11 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config):
+def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config,
+            starts=None, block_sums=None):
     """Both passes. allowed: [rows, C] bool or None; indptr/idx: CSR candidates or None (dense); keep/score: the
-    [rows, C] outputs (for lists, already zeroed: only candidate entries are written)."""
+    [rows, C] outputs (for lists, already zeroed: only candidate entries are written); starts / block_sums: the
+    clusters' key ranges [Hkv, C + 1] and the kept keys per (row, score block) [rows, NB] out (dense only)."""
     hq, lq, d = q.shape
     hkv, c, _ = centroids.shape
     use_list = indptr is not None
@@ -146,12 +183,14 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     width = min(c, capacity) if use_list else c  # the most positions one unit can have
     if width == 0:
         return
-    cfg = config or default_config(q.device, lq, d, q.dtype)
+    cfg = config or default_config(q.device, lq, d, q.dtype, c, units)
 
     q, centroids, counts = _row_major(q), _row_major(centroids), _row_major(counts)
     m_blocks = triton.cdiv(gh * lq, cfg.block_m)
     c_blocks = triton.cdiv(width, cfg.block_c)
     nsplit = max(1, min(c_blocks, cfg.max_splits, triton.cdiv(cfg.target_programs, units * m_blocks)))
+    score_m, score_c, score_warps, score_stages = cfg.score_tiles
+    score_blocks = triton.cdiv(width, score_c)
     cache_s = lq == 1
     f32 = dict(dtype=torch.float32, device=q.device)
     part_max = torch.empty(hq * lq, nsplit, **f32)
@@ -164,14 +203,10 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     common = dict(
         D=d,
         BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(d)),
-        BLOCK_M=cfg.block_m,
-        BLOCK_C=cfg.block_c,
         HAS_ALLOWED=allowed is not None,
         USE_LIST=use_list,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 must not round through tf32;
         # "tf32" is Triton's default and means nothing for 16-bit inputs
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
     )
     strides = (
         q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
@@ -181,14 +216,18 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     centroid_denominator_kernel[(units, m_blocks, nsplit)](
         *inputs, part_max, part_sum, s_cache,
         float(scale), lq, c, capacity, g, gh, hpr, nsplit, *strides,
-        STORE_S=cache_s, **common,
+        BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, STORE_S=cache_s, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **common,
     )
     keep_threshold = float(threshold) if threshold > 0 else -1.0  # S >= 0, so "> -1" keeps every cluster
-    centroid_score_kernel[(units, c_blocks)](
+    has_starts = starts is not None
+    centroid_score_kernel[(units, score_blocks)](
         *inputs, part_max, part_sum, s_cache, keep.view(torch.uint8), score,
-        float(scale), keep_threshold, lq, c, capacity, g, gh, hpr, nsplit, c_blocks,
+        starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
+        float(scale), keep_threshold, lq, c, capacity, g, gh, hpr, nsplit, score_blocks, score_blocks,
         *strides, keep.stride(0), score.stride(0),
-        BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)), LOAD_S=cache_s, **common,
+        BLOCK_M=score_m, BLOCK_C=score_c, BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)), LOAD_S=cache_s,
+        HAS_STARTS=has_starts, num_warps=score_warps, num_stages=score_stages, **common,
     )
 
 
@@ -223,6 +262,43 @@ def cluster_keep(
     score = torch.empty(rows, c, dtype=torch.float32, device=q.device)
     _launch(q, centroids, counts, scale, threshold, rows, allowed, None, None, keep, score, config)
     return keep, score
+
+
+def cluster_select(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    threshold: float,
+    rows: int,
+    starts: torch.Tensor,
+    total: int,
+    tail: int = 0,
+    *,
+    config: LookupConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, Selection]:
+    """The lookup and the expansion of its kept clusters into key positions, in three launches: the denominator
+    pass, the score pass (which also sums the kept keys per block of centroids), the expansion.
+
+    q, centroids, counts, scale, threshold, rows: as cluster_keep; starts: [Hkv, C + 1] int64, cluster c of head h
+    holds positions [starts[h, c], starts[h, c + 1]); total: starts[h, C] (the same for every head); tail: dense
+    positions total .. total + tail - 1 that every row keeps.
+    Returns keep, score (as cluster_keep) and the Selection of `kernels.layout.expand_groups(keep, starts, total,
+    tail)`; no host synchronisation.
+    """
+    _check_common(q, centroids, counts, rows)
+    _check_scalars(scale, threshold)
+    hkv, c = counts.shape
+    if tuple(starts.shape) != (hkv, c + 1) or starts.dtype != torch.int64 or starts.device != q.device:
+        raise ValueError(f"starts must be an int64 [Hkv, C + 1] = [{hkv}, {c + 1}] tensor on {q.device}")
+    cfg = config or default_config(q.device, q.shape[1], q.shape[2], q.dtype, c, hkv)
+    score_c = cfg.score_tiles[1]
+    keep = torch.empty(rows, c, dtype=torch.bool, device=q.device)
+    score = torch.empty(rows, c, dtype=torch.float32, device=q.device)
+    block_sums = torch.empty(rows, max(1, triton.cdiv(c, score_c)), dtype=torch.int64, device=q.device)  # all written
+    starts = starts.contiguous()
+    _launch(q, centroids, counts, scale, threshold, rows, None, None, None, keep, score, cfg, starts, block_sums)
+    return keep, score, expand_block_sums(keep, starts, block_sums, score_c, total, tail)
 
 
 def cluster_keep_list(
@@ -273,4 +349,4 @@ def _output(out, name, shape, dtype, device) -> torch.Tensor:
     return out.zero_()
 
 
-__all__ = ["LookupConfig", "cluster_keep", "cluster_keep_list", "default_config"]
+__all__ = ["LookupConfig", "cluster_keep", "cluster_keep_list", "cluster_select", "default_config"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.layout import expand_groups
 from kernels.selection import Selection
 
 NEG_INF = float("-inf")
@@ -195,3 +196,20 @@ def cluster_keep_among(
     """`cluster_keep` restricted to each row's candidate clusters (a Selection over cluster ids, num_keys = C):
     the hierarchical level 2, whose denominator runs over the candidates only (eq. 3)."""
     return cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask())
+
+
+def cluster_select(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    threshold: float,
+    rows: int,
+    starts: torch.Tensor,
+    total: int,
+    tail: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, Selection]:
+    """`cluster_keep`, then the kept clusters' key positions (`kernels.layout.expand_groups(keep, starts, total,
+    tail)`: starts [Hkv, C + 1] where each cluster's keys lie). Returns (keep, score, Selection)."""
+    keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows)
+    return keep, score, expand_groups(keep, starts, total, tail)

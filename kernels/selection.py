@@ -42,10 +42,11 @@ class Selection:
         return Selection(indptr=indptr, indices=indices, num_keys=mask.shape[1])
 
     def to_mask(self) -> torch.Tensor:
-        """[rows, num_keys] bool: the dense form (for tests and references)."""
+        """[rows, num_keys] bool: the dense form (for tests and references). Entries of `indices` past indptr[-1]
+        (spare capacity, as the GPU expansion leaves) are ignored."""
         rows = torch.repeat_interleave(torch.arange(self.rows, device=self.indptr.device), self.counts())
         mask = torch.zeros(self.rows, self.num_keys, dtype=torch.bool, device=self.indptr.device)
-        mask[rows, self.indices] = True
+        mask[rows, self.indices[: rows.numel()]] = True
         return mask
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,4 +24,5 @@ BACKEND = Backend(
     cluster_keep=lookup_ops.cluster_keep,
     cluster_keep_among=_cluster_keep_among,
     expand_groups=compact_ops.expand_groups,
+    cluster_select=lookup_ops.cluster_select,
 )

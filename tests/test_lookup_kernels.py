@@ -10,12 +10,14 @@ reference computed in float32.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 
 from kernels import reference
-from kernels.lookup_ops import LookupConfig, cluster_keep, cluster_keep_list
+from kernels.layout import expand_groups, group_starts
+from kernels.lookup_ops import LookupConfig, cluster_keep, cluster_keep_list, cluster_select
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -115,6 +117,54 @@ def check_list(hq, hkv, rows, lq, dtype, index_dtype=torch.int64, config=None, s
         assert_matches(got, want, threshold, TOL[dtype])
         if reuse_out:
             assert got[0] is out["out_keep"] and got[1] is out["out_score"]
+
+
+def clustered_counts(hkv, lc, c, seed):
+    """counts [Hkv, C] of a real layout (each head's clusters partition the same Lc keys, ~20% empty) and its
+    starts [Hkv, C + 1]."""
+    g = torch.Generator().manual_seed(seed)
+    live = torch.rand(hkv, c, generator=g) >= 0.2
+    live[:, 0] = True
+    labels = torch.stack([torch.nonzero(row)[:, 0][torch.randint(0, int(row.sum()), (lc,), generator=g)]
+                          for row in live])  # [Hkv, Lc]
+    starts = group_starts(labels, c)
+    return (starts[:, 1:] - starts[:, :-1]).to(DEVICE), starts.to(DEVICE)
+
+
+def assert_same_selection(got, want):
+    assert torch.equal(got.indptr.cpu(), want.indptr.cpu()) and got.num_keys == want.num_keys
+    nnz = int(want.indptr[-1])
+    assert torch.equal(got.indices[:nnz].long().cpu(), want.indices.long().cpu())
+
+
+def check_select(hq, hkv, rows, lq, config=None, seed=0, tail=3):
+    q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, seed)
+    lc = 150
+    counts, starts = clustered_counts(hkv, lc, C, seed + 1)
+    _, ref_score = reference.cluster_keep(q, centroids, counts, scale, 0.0, rows)
+    for threshold in (0.0, selective_threshold(ref_score)):
+        want = reference.cluster_select(q, centroids, counts, scale, threshold, rows, starts, lc, tail)
+        keep, score, sel = cluster_select(q, centroids, counts, scale, threshold, rows, starts, lc, tail, config=config)
+        assert_matches((keep, score), want[:2], threshold, TOL[torch.float32])
+        assert_same_selection(sel, expand_groups(keep, starts, lc, tail))  # the expansion of its own keep
+        if torch.equal(keep, want[0]):
+            assert_same_selection(sel, want[2])
+
+
+@pytest.mark.parametrize("hq,hkv,rows", GROUPS)
+@pytest.mark.parametrize("lq", [1, 7])
+def test_cluster_select(hq, hkv, rows, lq):
+    """Lookup + expansion fused (the score pass sums each block's kept keys) = cluster_keep + expand_groups."""
+    check_select(hq, hkv, rows, lq)
+
+
+def test_cluster_select_score_tiles():
+    """The score pass with its own tiles: several centroid blocks per row (block sums read across blocks and rows),
+    one denominator split per block."""
+    config = LookupConfig(block_m=16, block_c=16, num_warps=1, num_stages=1, target_programs=64, max_splits=3,
+                          score_block_m=32, score_block_c=16, score_warps=2)
+    check_select(8, 2, 8, 7, config=config, tail=0)
+    check_select(4, 2, 2, 1, config=replace(config, score_block_c=32, score_block_m=16), seed=3)
 
 
 # ---------------------------------------------------------------------------------------------------------------- dense
@@ -288,3 +338,22 @@ def test_gpu_cluster_keep_list_bfloat16(lq, group, exact_float32_matmul):
     want = reference.cluster_keep(q.float(), centroids.float(), counts, scale, threshold, rows, allowed=allowed)
     got = no_host_sync(cluster_keep_list, q, centroids, counts, scale, threshold, rows, indptr, idx)
     assert_matches(got, want, threshold, GPU_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("lq,length", [(1, 131072), (1, 524288), (1024, 131072)])
+def test_gpu_cluster_select_bfloat16(lq, length, exact_float32_matmul):
+    """At 128K (6.5K centroids) and 512K (26K: the long-context decode tiles) against the float32 reference."""
+    q, centroids, _, scale = gpu_inputs(lq, seed=3, c=length // 20)
+    hkv, c = centroids.shape[:2]
+    lc = length - 100
+    labels = torch.randint(0, c, (hkv, lc), device="cuda", generator=torch.Generator(device="cuda").manual_seed(4))
+    starts = group_starts(labels, c)
+    counts = starts[:, 1:] - starts[:, :-1]
+    _, ref_score = reference.cluster_keep(q.float(), centroids.float(), counts, scale, 0.0, hkv)
+    threshold = selective_threshold(ref_score)
+    want = reference.cluster_keep(q.float(), centroids.float(), counts, scale, threshold, hkv)
+    keep, score, sel = no_host_sync(cluster_select, q, centroids, counts, scale, threshold, hkv, starts, lc, 100)
+    assert_matches((keep, score), want, threshold, GPU_TOL)
+    assert_same_selection(sel, expand_groups(keep, starts, lc, 100))

@@ -197,6 +197,9 @@ def test_selection_mask_round_trip_and_counts():
     hand = Selection(torch.tensor([0, 2, 2, 5]), torch.tensor([1, 7, 0, 3, 9]), num_keys=10)
     again = Selection.from_mask(hand.to_mask())
     assert torch.equal(again.indptr, hand.indptr) and torch.equal(again.indices, hand.indices)
+    # Spare capacity past indptr[-1] (as the GPU expansion leaves it, garbage there) is ignored.
+    spare = Selection(hand.indptr, torch.cat([hand.indices, torch.tensor([4, 4, 8])]), num_keys=10)
+    assert torch.equal(spare.to_mask(), hand.to_mask())
 
 
 def test_selection_padded():

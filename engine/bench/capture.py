@@ -84,3 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = load_model(args.model, args.device)
     print(json.dumps(capture_to_file(lm, args.document, args.out, args.tokens, args.queries)))
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

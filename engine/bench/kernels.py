@@ -101,10 +101,20 @@ def kmeans_seconds(k: torch.Tensor, ratio: float, iters: int) -> float:
 
 
 def measure(policy, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, index: dict, thresholds, scale: float,
-            settings: IndexSettings, backend: Backend) -> dict:
-    """Time one configuration: lookup alone, sparse attention alone, and both (the step's fixed-context work)."""
+            settings: IndexSettings, backend: Backend, flex=None) -> dict:
+    """Time one configuration: lookup alone, sparse attention alone, and both (the step's fixed-context work).
+    flex: the compiled flex_attention (engine.bench.flex) to time as the peer given the same selection, or None."""
     lookup = policy.lookup(q, index, thresholds, scale, settings, backend)
     sel = lookup.selection
+    peer = {}
+    if flex is not None:
+        from engine.bench.flex import block_mask_from_selection, flex_sparse
+
+        mask, _ = block_mask_from_selection(sel, q.shape[0], q.shape[1])
+        ours, _ = backend.sparse_attention(q, kp, vp, sel, scale)
+        peer = {"flex_ms": round(bench_graph(lambda: flex_sparse(flex, q, kp, vp, mask, scale)), 4),
+                "flex_max_abs_diff": round(float((flex_sparse(flex, q, kp, vp, mask, scale).float() - ours).abs().max()), 5)}
+        del mask
 
     def total():
         found = policy.lookup(q, index, thresholds, scale, settings, backend)
@@ -127,11 +137,12 @@ def measure(policy, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, index: 
         "total_eager_ms": round(total_eager_ms, 4),
         "bytes_read": int(key_bytes + index_bytes),
         "bandwidth_GBps": round((key_bytes + index_bytes) / (total_ms * 1e-3) / 1e9, 1),
+        **peer,
     }
 
 
 def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], sparsities: list[float],
-        phases: list[int], methods: list[str], device: str = "cuda") -> dict:
+        phases: list[int], methods: list[str], device: str = "cuda", flex: bool = True) -> dict:
     from safetensors.torch import load_file
 
     from engine.bench.extend import extend
@@ -156,6 +167,11 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], spa
         "kmeans": [],
     }
     longest_q = max(phases)
+    flex_fn = None
+    if flex:
+        from engine.bench.flex import BLOCK, flex_attention_fn
+
+        flex_fn = flex_attention_fn()
     for length in lengths:
         for hq, hkv in heads:
             q_all, k, v = extend(captured, length, hkv, hq, longest_q + DENSE_TAIL, HEAD_DIM, torch.bfloat16, dev)
@@ -174,7 +190,10 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], spa
                         row = {"length": length, "hq": hq, "hkv": hkv, "method": name, "sparsity": sparsity,
                                "phase": "decode" if lq == 1 else f"prefill{lq}", "new_tokens": lq,
                                "dense_ms": round(dense_ms, 4)}
-                        row.update(measure(policy, q, kp, vp, index, thresholds, scale, settings, backend))
+                        peer = flex_fn if flex_fn is not None and lq % BLOCK == 0 and length % BLOCK == 0 else None
+                        row.update(measure(policy, q, kp, vp, index, thresholds, scale, settings, backend, peer))
+                        if "flex_ms" in row:
+                            row["flex_speedup"] = round(dense_ms / row["flex_ms"], 2)
                         row["speedup"] = round(dense_ms / row["total_ms"], 2)
                         out["results"].append(row)
                         print(json.dumps(row), file=sys.stderr, flush=True)
@@ -200,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparsities", default="0.7,0.8,0.9")
     parser.add_argument("--phases", default="1,1024,4096", help="new tokens: 1 = decode, more = prefill")
     parser.add_argument("--methods", default="squeeze,hsqueeze")
+    parser.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (prefill only)")
     parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -207,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     result = run(args.capture, _ints(args.lengths), heads, [float(s) for s in args.sparsities.split(",")],
-                 _ints(args.phases), args.methods.split(","))
+                 _ints(args.phases), args.methods.split(","), flex=not args.no_flex)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0
 

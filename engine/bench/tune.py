@@ -2,8 +2,9 @@
 
     python -m engine.bench.tune --capture FILE [--length 131072] [--sparsity 0.9]
 
-Times each candidate config of the decode and prefill lookup and sparse attention with CUDA graphs (GPU time
-without Python launch overhead) and prints one JSON document, best first per kernel.
+Times each candidate config of the decode and prefill lookup (lookup_ops.cluster_select: both passes and the
+expansion, as the policies run it) and sparse attention with CUDA graphs (GPU time without Python launch overhead)
+and prints one JSON document, best first per kernel.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import argparse
 import itertools
 import json
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sparsity", type=float, default=0.9)
     parser.add_argument("--prefill", type=int, default=1024)
     parser.add_argument("--only", default="decode_attn,decode_lookup,prefill_attn,prefill_lookup")
+    parser.add_argument("--score-only", action="store_true", help="prefill lookup: sweep the score pass's tiles only")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     settings = IndexSettings(dense_tail=DENSE_TAIL, kmeans_iters=5)
@@ -70,16 +73,29 @@ def main(argv: list[str] | None = None) -> int:
         sel = expand_groups(keep, index["key_starts"], lc, DENSE_TAIL)
         out[f"{phase}_kept_fraction"] = round(float(sel.counts().double().mean()) / args.length, 4)
         if f"{phase}_lookup" in only:
-            base = lookup_ops.default_config(dev, lq, HEAD_DIM)
-            grid = (itertools.product((32, 64, 128), (32, 64, 128), (4, 8), (2, 3)) if lq > 1
-                    else itertools.product((16,), (32, 64, 128, 256), (2, 4, 8), (1, 2, 3)))
-            configs = [lookup_ops.LookupConfig(block_m=m, block_c=c, num_warps=w, num_stages=s,
-                                               target_programs=base.target_programs, max_splits=base.max_splits)
-                       for m, c, w, s in grid if not (lq > 1 and m * c > 128 * 128)]
-            out[f"{phase}_lookup_default"] = {"config": vars(base), "ms": round(bench_graph(
-                lambda: lookup_ops.cluster_keep(q, index["centroids"], index["counts"], scale, threshold, args.hkv)), 4)}
-            out[f"{phase}_lookup"] = _sweep(f"{phase}_lookup", configs, lambda cfg: lookup_ops.cluster_keep(
-                q, index["centroids"], index["counts"], scale, threshold, args.hkv, config=cfg))
+            base = lookup_ops.default_config(dev, lq, HEAD_DIM, num_centroids=index["centroids"].shape[1],
+                                             units=args.hkv)
+            if lq > 1 and args.score_only:  # the score pass's tiles and warps, the denominator pass at its default
+                configs = [replace(base, score_block_m=sm, score_block_c=sc, score_warps=sw)
+                           for sm, sc, sw in ((32, 256, 4), (32, 128, 4), (32, 64, 4), (64, 64, 4), (128, 64, 4),
+                                              (64, 128, 4))]
+            elif lq > 1:  # the denominator pass's tiles x the score pass's tiles
+                configs = [replace(base, block_m=m, block_c=c, num_warps=w, num_stages=st, score_block_m=sm,
+                                   score_block_c=sc, score_warps=sw)
+                           for (m, c, w), (sm, sc, sw), st in itertools.product(
+                               ((128, 64, 4), (128, 128, 8), (64, 128, 4)),
+                               ((64, 128, 8), (64, 256, 8), (128, 128, 8), (32, 256, 4), (64, 64, 4), (128, 64, 4)),
+                               (2, 3))]
+            else:  # centroid blocks and stages of the denominator pass, the score pass's block and stages
+                configs = [replace(base, block_c=c, num_stages=st, score_block_c=sc, score_stages=sst)
+                           for c, st, sc, sst in itertools.product((64, 256), (2, 3), (64, 128, 256), (1, 2))]
+
+            def select(cfg=None):
+                return lookup_ops.cluster_select(q, index["centroids"], index["counts"], scale, threshold, args.hkv,
+                                                 index["key_starts"], lc, DENSE_TAIL, config=cfg)
+
+            out[f"{phase}_lookup_default"] = {"config": vars(base), "ms": round(bench_graph(select), 4)}
+            out[f"{phase}_lookup"] = _sweep(f"{phase}_lookup", configs, select)
         if f"{phase}_attn" in only:
             base = attention_ops.plan(q.shape[0] // args.hkv * lq, args.hkv, HEAD_DIM, sel.indices.numel(), sel.num_keys,
                                       attention_ops._num_sms(dev))

@@ -105,8 +105,8 @@ class HierarchicalSqueezePolicy(Policy):
         rows = group_rows(settings, hq, hkv)
         c1, d = index["l1_centroids"].shape[1:]
         c2 = index["centroids"].shape[1]
-        keep1, _ = backend.cluster_keep(q, index["l1_centroids"], index["l1_counts"], scale, thresholds[0], rows)
-        candidates = backend.expand_groups(keep1, index["l1_child_starts"], c2)  # level-2 ids, per row
+        _, _, candidates = backend.cluster_select(q, index["l1_centroids"], index["l1_counts"], scale, thresholds[0],
+                                                  rows, index["l1_child_starts"], c2)  # level-2 ids, per row
         keep, score = backend.cluster_keep_among(q, index["centroids"], index["counts"], scale, thresholds[1], rows, candidates)
         survivors = candidates.counts().reshape(hkv, rows // hkv).sum(dim=1).float()  # [Hkv] level-2 centroids read
         return Lookup(

@@ -70,12 +70,13 @@ class SqueezePolicy(Policy):
         index["key_starts"] says where each cluster lies."""
         hq, hkv = q.shape[0], index["counts"].shape[0]
         rows = group_rows(settings, hq, hkv)
-        keep, score = backend.cluster_keep(q, index["centroids"], index["counts"], scale, thresholds[0], rows)
+        keep, score, selection = backend.cluster_select(q, index["centroids"], index["counts"], scale, thresholds[0],
+                                                        rows, index["key_starts"], index["labels"].shape[1],
+                                                        settings.dense_tail)
         c, d = index["centroids"].shape[1:]
         read = torch.full((hkv,), float(c * (d + 1)), device=q.device)  # every centroid and its count
-        clustered = index["labels"].shape[1]
         return Lookup(
-            selection=backend.expand_groups(keep, index["key_starts"], clustered, settings.dense_tail),
+            selection=selection,
             clusters=keep,
             index_elements=read,
             scores=score,

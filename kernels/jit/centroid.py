@@ -144,7 +144,8 @@ def centroid_score_kernel(
     q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr,  # inputs, as in the denominator pass
     part_max_ptr, part_sum_ptr, s_ptr,  # the denominator pass's outputs
     keep_ptr, score_ptr,  # outputs [rows, C]: keep uint8 (a bool view), score float32; written at the unit's ids
-    scale, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG,
+    starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
+    scale, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -154,13 +155,15 @@ def centroid_score_kernel(
     HAS_ALLOWED: tl.constexpr,
     USE_LIST: tl.constexpr,
     LOAD_S: tl.constexpr,  # read s from the denominator pass's cache instead of recomputing q . C (decode)
+    HAS_STARTS: tl.constexpr,  # also write each (row, centroid block)'s kept keys for kernels/jit/compact.py
     DOT_PRECISION: tl.constexpr,
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
     sums S = exp(s - log D) over them (mean over heads and tokens) and over its heads' last tokens, and writes
     score = max(mean, last) and keep = score > threshold & count > 0 (& allowed). The max correction of the
     softmax is folded into log D = max + log(sum), a scalar per query row, so S costs one subtraction and one exp.
-    threshold <= 0 (keep every cluster) is passed as -1, since S >= 0."""
+    threshold <= 0 (keep every cluster) is passed as -1, since S >= 0. With HAS_STARTS (dense lookups only) it also
+    sums the kept clusters' sizes per block of BLOCK_C centroids: the expansion's first step, fused here."""
     unit = tl.program_id(0)
     pid = tl.program_id(1)
     h0 = unit * GH
@@ -206,3 +209,9 @@ def centroid_score_kernel(
                 keep = keep & allowed
             tl.store(score_ptr + row * stride_or + cid, score, mask=c_ok)
             tl.store(keep_ptr + row * stride_kr + cid, keep.to(tl.uint8), mask=c_ok)
+            if HAS_STARTS:
+                kv = (h0 // G).to(tl.int64) * (C + 1)
+                lo = tl.load(starts_ptr + kv + cid, mask=c_ok, other=0)
+                hi = tl.load(starts_ptr + kv + cid + 1, mask=c_ok, other=0)
+                kept_keys = tl.where(keep & c_ok, hi - lo, 0)
+                tl.store(block_sums_ptr + row * NB + blk, tl.sum(kept_keys, axis=0))

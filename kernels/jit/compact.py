@@ -1,8 +1,11 @@
 """Expansion of kept groups (clusters, or level-1 clusters' children) into the positions they occupy.
 
-Two kernels over the same (row, block of groups) grid, both fully parallel: the first sums the kept groups' sizes
-per block (and adds them to the row's total), the second finds its block's place in the packed list from those
-sums (rows before it, blocks before it, then a scan inside the block) and writes the positions.
+Two steps over a (row, block of BLOCK_G groups) grid, both fully parallel and free of atomics:
+    block sums   kept positions per (row, block): `group_block_sums_kernel`, or the centroid lookup's score pass,
+                 which computes them while it decides keep (kernels.lookup_ops.cluster_select), saving a launch
+    expansion    `expand_groups_kernel`: each block finds its place in the packed list from the block sums (every
+                 block of the rows before, then the blocks before it in its row, then a scan inside the block)
+                 and writes its kept groups' positions; the row's first block also writes indptr and the tail.
 """
 
 import triton
@@ -10,11 +13,10 @@ import triton.language as tl
 
 
 @triton.jit
-def _kept_sizes(keep_ptr, starts_ptr, r, h, gb, G, BLOCK_G: tl.constexpr):
-    """Sizes of block gb's groups for row r (0 where not kept), and their starts. Both [BLOCK_G] int64."""
-    g = gb * BLOCK_G + tl.arange(0, BLOCK_G)
+def kept_sizes(keep_ptr, starts_ptr, r, h, g, G, stride_kr):
+    """Groups g [BLOCK] of row r (head h): sizes (0 where not kept or g >= G) and starts, both int64 [BLOCK]."""
     m = g < G
-    kept = tl.load(keep_ptr + r * G + g, mask=m, other=0) != 0
+    kept = tl.load(keep_ptr + r * stride_kr + g, mask=m, other=0) != 0
     start = tl.load(starts_ptr + h * (G + 1) + g, mask=m, other=0)
     stop = tl.load(starts_ptr + h * (G + 1) + g + 1, mask=m, other=0)
     return tl.where(kept, stop - start, 0), start
@@ -25,7 +27,6 @@ def group_block_sums_kernel(
     keep_ptr,  # [rows, G] bool: kept groups
     starts_ptr,  # [Hkv, G + 1] int64: group g of head h occupies [starts[h, g], starts[h, g + 1])
     block_sums_ptr,  # [rows, NB] int64 out: kept positions per block of BLOCK_G groups
-    totals_ptr,  # [rows] int64, zeroed: kept positions per row (integer atomics: exact, order-free)
     G,
     NB,
     ROWS_PER_HEAD,
@@ -33,18 +34,16 @@ def group_block_sums_kernel(
 ):
     r = tl.program_id(0)
     gb = tl.program_id(1)
-    size, _ = _kept_sizes(keep_ptr, starts_ptr, r, r // ROWS_PER_HEAD, gb, G, BLOCK_G)
-    total = tl.sum(size, axis=0)
-    tl.store(block_sums_ptr + r * NB + gb, total)
-    tl.atomic_add(totals_ptr + r, total)
+    g = gb * BLOCK_G + tl.arange(0, BLOCK_G)
+    size, _ = kept_sizes(keep_ptr, starts_ptr, r, r // ROWS_PER_HEAD, g, G, G)
+    tl.store(block_sums_ptr + r * NB + gb, tl.sum(size, axis=0))
 
 
 @triton.jit
 def expand_groups_kernel(
     keep_ptr,  # [rows, G] bool
     starts_ptr,  # [Hkv, G + 1] int64
-    block_sums_ptr,  # [rows, NB] int64 (group_block_sums_kernel)
-    totals_ptr,  # [rows] int64 (group_block_sums_kernel; the tail not included)
+    block_sums_ptr,  # [rows, NB] int64: kept positions per block of BLOCK_G groups (the tail not included)
     indptr_ptr,  # [rows + 1] int64 out: where each row's list starts (written by the row's first program)
     out_ptr,  # [capacity] int32 out: positions of kept groups, then the row's tail
     G,
@@ -53,25 +52,36 @@ def expand_groups_kernel(
     tail,  # tail positions starts[h, G] .. starts[h, G] + tail - 1, kept by every row
     BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    BLOCK_R: tl.constexpr,  # >= rows, a power of two
+    SUB: tl.constexpr,  # groups written together (a divisor of BLOCK_G): lanes per step SUB x BLOCK_K
+    RCHUNK: tl.constexpr,  # rows of block sums read per step (RCHUNK * BLOCK_NB values in registers)
     BLOCK_NB: tl.constexpr,  # >= NB, a power of two
 ):
     r = tl.program_id(0)
     gb = tl.program_id(1)
     h = r // ROWS_PER_HEAD
-    rr = tl.arange(0, BLOCK_R)
-    base = tl.sum(tl.load(totals_ptr + rr, mask=rr < r, other=0) + tl.where(rr < r, tail, 0), axis=0)
-    bb = tl.arange(0, BLOCK_NB)
-    base += tl.sum(tl.load(block_sums_ptr + r * NB + bb, mask=bb < gb, other=0), axis=0)  # blocks before gb
-    size, start = _kept_sizes(keep_ptr, starts_ptr, r, h, gb, G, BLOCK_G)
-    dest = base + tl.cumsum(size, axis=0) - size  # [BLOCK_G]
-    longest = tl.max(size, axis=0).to(tl.int32)
-    for j in range(0, longest, BLOCK_K):
-        k = j + tl.arange(0, BLOCK_K)
-        m = k[None, :] < size[:, None]
-        tl.store(out_ptr + dest[:, None] + k[None, :], (start[:, None] + k[None, :]).to(tl.int32), mask=m)
+    rr = tl.arange(0, RCHUNK)[:, None]
+    bb = tl.arange(0, BLOCK_NB)[None, :]
+    base = tl.full([], 0, tl.int64)
+    for r0 in range(0, r + 1, RCHUNK):  # every block of the earlier rows, and this row's earlier blocks
+        row = r0 + rr
+        sums = tl.load(block_sums_ptr + row * NB + bb, mask=(row <= r) & (bb < NB), other=0)  # [RCHUNK, BLOCK_NB]
+        base += tl.sum(tl.sum(tl.where((row < r) | (bb < gb), sums, 0), axis=1), axis=0)
+    base += r * tail
+    row_base = base
+    for sub in tl.static_range(0, BLOCK_G, SUB):  # groups SUB at a time: each loop below runs to its SUB's longest
+        g = gb * BLOCK_G + sub + tl.arange(0, SUB)
+        size, start = kept_sizes(keep_ptr, starts_ptr, r, h, g, G, G)
+        dest = base + tl.cumsum(size, axis=0) - size  # [SUB]
+        base += tl.sum(size, axis=0)
+        longest = tl.max(size, axis=0).to(tl.int32)
+        for j in range(0, longest, BLOCK_K):
+            k = j + tl.arange(0, BLOCK_K)
+            m = k[None, :] < size[:, None]
+            tl.store(out_ptr + dest[:, None] + k[None, :], (start[:, None] + k[None, :]).to(tl.int32), mask=m)
+    base = row_base
     if gb == 0:  # the row's first program: its end in indptr, and the dense tail that closes its list
-        end = base + tl.load(totals_ptr + r) + tail
+        own = tl.load(block_sums_ptr + r * NB + bb, mask=bb < NB, other=0)  # [1, BLOCK_NB]: base holds none
+        end = base + tl.sum(tl.sum(own, axis=1), axis=0) + tail
         tl.store(indptr_ptr + r + 1, end)
         if r == 0:
             tl.store(indptr_ptr, end * 0)
