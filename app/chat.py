@@ -308,8 +308,12 @@ class ChatTab:
             ts = self.services.inspector.thresholds(status.context_id, method, sparsity_pct / 100.0)
         except (StorageError, ValueError):
             return ""
-        names = ("T",) if len(ts) == 1 else ("T₁ (level 1)", "T₂ (level 2)")
-        shown = ", ".join(f"{n} = {t:.3g}" for n, t in zip(names, ts))
+        levels = get_policy(method).levels
+        names = ("T",) if levels == 1 else ("T₁ (level 1)", "T₂ (level 2)")
+        shown = ", ".join(f"{n} = {t:.3g}" for n, t in zip(names, ts[:levels]))
+        if len(ts) >= 2 * levels:  # the question's prefill has its own (index version >= 4)
+            short = ("T",) if levels == 1 else ("T₁", "T₂")
+            shown += " (question prefill: " + ", ".join(f"{n} = {t:.3g}" for n, t in zip(short, ts[levels:])) + ")"
         return f"Calibrated threshold at {sparsity_pct:.0f}% sparsity: {shown} (interpolated on the calibration grid)"
 
     def show_threshold(self, state, method, sparsity_pct, centroid, level1) -> str:

@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 
 from engine.jobs import LOADING, STAGES
+from engine.policies import POLICIES
 
 STAGE_LABELS = {
     LOADING: "loading model",
@@ -174,7 +175,10 @@ def budget_html(stats: dict, thresholds: Sequence[float] = ()) -> str:
     budget, prefill = float(stats.get("kv_budget", 0.0)), float(stats.get("kv_budget_prefill", 0.0))
     method = stats.get("method", "?")
     sparsity = stats.get("sparsity", 0.0)
-    th = ", ".join(f"{x:.3g}" for x in thresholds)
+    levels = POLICIES[method].levels if method in POLICIES else len(thresholds)
+    th = ", ".join(f"{x:.3g}" for x in thresholds[:levels])
+    if levels and len(thresholds) >= 2 * levels:  # decode's, then the question prefill's
+        th += " (prefill " + ", ".join(f"{x:.3g}" for x in thresholds[levels : 2 * levels]) + ")"
     return (
         '<div class="sq-budget" id="sq-budget">'
         f'<div class="sq-row"><b>{esc(method)}</b>{f" at {100 * sparsity:.0f}% sparsity" if sparsity else ""}'

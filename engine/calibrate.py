@@ -10,6 +10,7 @@ import torch
 from engine.config import SPARSITY_GRID
 
 MAX_CALIBRATION_SCORES = 1 << 25  # scores kept for the quantile; larger sets are subsampled with a fixed seed
+WINDOWS_PER_LENGTH = 8  # prefill calibration: windows of each question length taken from the calibration queries
 
 
 def weighted_thresholds(scores: torch.Tensor, weights: torch.Tensor, sparsities: Sequence[float]) -> torch.Tensor:
@@ -54,3 +55,34 @@ def threshold_at(thresholds: torch.Tensor, sparsity: float, grid: Sequence[float
                 return math.exp((1 - t) * math.log(a) + t * math.log(b))
             return (1 - t) * a + t * b
     return values[-1]
+
+
+def prefill_windows(n: int, per_length: int = WINDOWS_PER_LENGTH) -> list[tuple[int, int, float]]:
+    """Stand-ins for questions among n calibration tokens: (start, end, weight) windows [start, end).
+
+    Lengths 2, 4, 8, ... below n, and n itself (a question's prefill lookup scores S by max(token mean, last token),
+    whose kept fraction at a fixed threshold grows with the question's length and levels off beyond a few dozen
+    tokens); of each length up to `per_length` windows with evenly spaced ends, the last ending at n. Each window
+    weighs 1 / (windows of its length), so every length counts the same. n = 1 gives the one token, as a decode.
+    """
+    if n < 1:
+        raise ValueError(f"need at least one calibration token, got {n}")
+    if n == 1:
+        return [(0, 1, 1.0)]
+    lengths, w = [], 2
+    while w < n:
+        lengths.append(w)
+        w *= 2
+    lengths.append(n)
+    out = []
+    for w in lengths:
+        count = min(per_length, n - w + 1)
+        ends = sorted({n - round(i * (n - w) / max(count - 1, 1)) for i in range(count)})
+        out += [(end - w, end, 1.0 / len(ends)) for end in ends]
+    return out
+
+
+def window_scores(per_token: torch.Tensor, windows: Sequence[tuple[int, int, float]]) -> torch.Tensor:
+    """The prefill lookup's score (kernels.reference.reduce_scores) of each window: per_token [rows, Nc, C] S ->
+    [rows, W, C] max(mean of S over the window's tokens, S of its last token)."""
+    return torch.stack([torch.maximum(per_token[:, a:b].mean(dim=1), per_token[:, b - 1]) for a, b, _ in windows], dim=1)

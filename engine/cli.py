@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from engine.config import LEVEL1_PRUNE, IndexSettings
+from engine.config import LEVEL1_PRUNE, PREFILL_THRESHOLDS, IndexSettings
 from engine.model import EMBEDDED_MODEL
 from engine.policies import METHODS
 from engine.session import Answer, Delta
@@ -36,7 +36,7 @@ def _engine(args):
 def cmd_ingest(args) -> int:
     engine = _engine(args)
     settings = IndexSettings(centroid_ratio=args.centroid_ratio, level1_ratio=min(args.level1_ratio, args.centroid_ratio),
-                             level1_prune=args.level1_prune)
+                             level1_prune=args.level1_prune, prefill_threshold=args.prefill_threshold)
     report = engine.ingest(args.path, settings, truncate=args.truncate, progress=_progress(not args.quiet))
     out = report.to_json()
     print(json.dumps(out) if args.json else
@@ -125,6 +125,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--level1-ratio", type=float, default=0.01)
     p.add_argument("--level1-prune", type=float, default=LEVEL1_PRUNE,
                    help="hsqueeze: fraction of the keys the level-1 threshold rules out (default: about half)")
+    p.add_argument("--prefill-threshold", choices=PREFILL_THRESHOLDS, default=IndexSettings.prefill_threshold,
+                   help="the question prefill's threshold: decode's (default; keeps up to twice 1 - s) or its own, "
+                        "calibrated to keep about 1 - s (lost the passkey at 90%% in 2/15 draws)")
     p.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
     p.set_defaults(func=cmd_ingest)
     p = sub.add_parser("ask", parents=[common], help="answer a question about a document")

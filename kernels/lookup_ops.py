@@ -12,7 +12,9 @@ Passes (see the kernels' docstrings):
        centroids are split over `split` programs so that one decode token still fills the GPU. Decode (Lq == 1)
        also stores s = scale * q . C in a float32 cache [Hq, W] so that pass 2 never reads the centroids again.
     2. score, grid (unit, centroid block): log D from the partials, S = exp(s - log D) summed per row over heads and
-       tokens, max(mean, last token), compared with T; deterministic (no atomics).
+       tokens, max(mean, last token), compared with T; deterministic (no atomics). A dense lookup over Lq > 1 tokens
+       (the question's prefill) runs the centroid-major form (centroid_score_prefill_kernel): each program holds its
+       centroids and streams the query rows past them on the tensor cores.
 A unit is a KV head with its G query heads stacked as rows (dense), or one row of the selection (lists).
 """
 
@@ -25,7 +27,7 @@ import torch
 import triton
 
 from kernels.compact_ops import expand_block_sums
-from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel
+from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel, centroid_score_prefill_kernel
 from kernels.selection import Selection
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -33,7 +35,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_DOT_DIM = 16  # tl.dot needs every block dimension >= 16
 PROGRAMS_PER_SM = 4  # the denominator pass splits the centroids until it has about this many programs per SM
 CPU_PROGRAMS = 4  # the same target in Triton's interpreter (programs run one after the other there)
-PREFILL_SCORE_TILE = 8192  # query rows x centroids of one step of the prefill score pass
+LOG2E = 1.4426950408889634
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
 
 
@@ -122,15 +124,18 @@ def default_config(device: torch.device, lq: int, head_dim: int, dtype: torch.dt
         # score blocks, 17.8 us with 3 stages)
         return LookupConfig(block_m=16, block_c=256 if head_dim <= 128 else 128, num_warps=4, num_stages=2,
                             target_programs=target, score_block_c=128, score_stages=1)
+    # Prefill: the score pass (centroid_score_prefill_kernel) holds score_block_c centroids per program and streams
+    # the question's query rows past them, score_block_m at a time; units x centroid blocks programs must fill the GPU.
     if head_dim > 128:
-        return LookupConfig(block_m=64, block_c=32, num_warps=8, num_stages=2, target_programs=target)
-    # The score pass loops over every query row for its centroid block: wide blocks re-read the queries less, but
-    # units x blocks programs must still fill the GPU. Tuned as above (ms, 1024 / 4096 question tokens): at 128K
-    # 32 x 256 tiles 0.74 / 3.40 vs 128 x 64 0.94 / 3.57; at 32K (1.6K centroids) 128 x 64 0.25 / 0.90 vs 32 x 256
-    # 0.52 / 2.40. Both winners give ~208 programs for 132 SMs.
-    score_c = next((c for c in (256, 128) if units * triton.cdiv(num_centroids, c) >= _sm_count(device)), 64)
-    return LookupConfig(block_m=128, block_c=64, num_warps=4, num_stages=2, target_programs=target,
-                        score_block_m=PREFILL_SCORE_TILE // score_c, score_block_c=score_c, score_warps=4)
+        score_c = 64 if units * triton.cdiv(num_centroids, 64) >= _sm_count(device) else 32
+        return LookupConfig(block_m=64, block_c=32, num_warps=8, num_stages=2, target_programs=target,
+                            score_block_m=32, score_block_c=score_c, score_warps=8, score_stages=2)
+    # H200, 128K tokens (6.5K centroids), 32/8 heads, 1024 tokens (engine/bench results, session 4), whole lookup:
+    # score pass 128 centroids x 128 query rows on 4 warps, 2 stages 0.48 ms, 128 x 64 0.53, 64 x 32 0.54;
+    # denominator pass 64 query rows x 128 centroids, 3 stages 0.48 ms, 128 x 64 0.53.
+    score_c = 128 if units * triton.cdiv(num_centroids, 128) >= _sm_count(device) else 64
+    return LookupConfig(block_m=64, block_c=128, num_warps=4, num_stages=3, target_programs=target,
+                        score_block_m=128, score_block_c=score_c, score_warps=4, score_stages=2)
 
 def _check_common(q, centroids, counts, rows):
     if q.dim() != 3 or centroids.dim() != 3:
@@ -190,6 +195,8 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     c_blocks = triton.cdiv(width, cfg.block_c)
     nsplit = max(1, min(c_blocks, cfg.max_splits, triton.cdiv(cfg.target_programs, units * m_blocks)))
     score_m, score_c, score_warps, score_stages = cfg.score_tiles
+    if lq == 1:  # the score pass reads s, no tl.dot: its row tile need only cover the unit's query rows (G in decode)
+        score_m = min(score_m, max(2, triton.next_power_of_2(gh * lq)))
     score_blocks = triton.cdiv(width, score_c)
     cache_s = lq == 1
     f32 = dict(dtype=torch.float32, device=q.device)
@@ -221,6 +228,19 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     )
     keep_threshold = float(threshold) if threshold > 0 else -1.0  # S >= 0, so "> -1" keeps every cluster
     has_starts = starts is not None
+    if not use_list and lq > 1:  # dense prefill: the centroid-major score pass
+        centroid_score_prefill_kernel[(units, score_blocks)](
+            q, centroids, counts, allowed_u8, part_max, part_sum, keep.view(torch.uint8), score,
+            starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
+            float(scale) * LOG2E, keep_threshold, lq, c, g, hpr, nsplit, score_blocks,
+            q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
+            allowed_u8.stride(0), keep.stride(0), score.stride(0),
+            D=d, BLOCK_D=common["BLOCK_D"], BLOCK_M=score_m, BLOCK_C=score_c,
+            BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(hpr)), BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)),
+            HAS_ALLOWED=allowed is not None, HAS_STARTS=has_starts, DOT_PRECISION=common["DOT_PRECISION"],
+            num_warps=score_warps, num_stages=score_stages,
+        )
+        return
     centroid_score_kernel[(units, score_blocks)](
         *inputs, part_max, part_sum, s_cache, keep.view(torch.uint8), score,
         starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS

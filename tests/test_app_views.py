@@ -138,6 +138,10 @@ def test_heatmap_and_budget_markup():
     budget = render.budget_html(stats, (0.000265,))
     assert "20.0%" in budget and "26.0%" in budget and "threshold 0.000265" in budget
     assert "rest of the model 0.60 s" in budget
+    # decode's threshold(s), then the question prefill's where it has its own (IndexSettings.prefill_threshold)
+    assert "threshold 0.000265 (prefill 0.000301)" in render.budget_html(stats, (0.000265, 0.000301))
+    assert "threshold 0.1, 0.2 (prefill 0.3, 0.4)" in render.budget_html({**stats, "method": "hsqueeze"}, (0.1, 0.2, 0.3, 0.4))
+    assert "threshold 0.1, 0.2<" in render.budget_html({**stats, "method": "hsqueeze"}, (0.1, 0.2))
     assert render.heatmap_svg([], [], "answer").count("no steps") == 1
 
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from engine.calibrate import threshold_at, weighted_thresholds
+from engine.calibrate import prefill_windows, threshold_at, weighted_thresholds, window_scores
 from engine.config import SPARSITY_GRID
-from kernels.reference import select_clusters
+from kernels.reference import reduce_scores, select_clusters
 
 
 def scores_and_weights(m=400, seed=0):
@@ -127,3 +127,35 @@ def test_threshold_at_rejects_out_of_range(sparsity):
 def test_threshold_at_accepts_the_range_ends():
     assert threshold_at(GRID_THRESHOLDS, 0.0) == 0.0
     assert math.isclose(threshold_at(GRID_THRESHOLDS, 0.99), GRID_THRESHOLDS[-1].item(), rel_tol=GRID_RTOL)
+
+
+# ---------------------------------------------------------------- prefill calibration windows
+
+
+@pytest.mark.parametrize("n", [2, 3, 10, 16, 100])
+def test_prefill_windows_cover_lengths_equally(n):
+    windows = prefill_windows(n)
+    lengths = sorted({b - a for a, b, _ in windows})
+    want = [2**i for i in range(1, n.bit_length() + 1) if 2**i < n] + [n]
+    assert lengths == want  # 2, 4, 8, ... below n, and n
+    for length in lengths:
+        mine = [(a, b, w) for a, b, w in windows if b - a == length]
+        assert 1 <= len(mine) <= 8 and len({(a, b) for a, b, _ in mine}) == len(mine)
+        assert all(0 <= a < b <= n for a, b, _ in mine) and max(b for _, b, _ in mine) == n
+        assert math.isclose(sum(w for _, _, w in mine), 1.0)  # each length weighs the same
+    assert prefill_windows(1) == [(0, 1, 1.0)]
+    with pytest.raises(ValueError):
+        prefill_windows(0)
+
+
+def test_window_scores_are_the_prefill_lookup_score():
+    """window_scores on per-token S gives what the lookup's reduce_scores gives for that window at once."""
+    g = torch.Generator().manual_seed(5)
+    log_scores = torch.randn(4, 12, 7, generator=g) - 3  # [Hq, Lq, C] log S
+    rows = 2
+    per_token = torch.exp(log_scores).reshape(rows, 2, 12, 7).mean(dim=1)
+    windows = [(0, 12, 1.0), (3, 5, 1.0), (11, 12, 1.0)]
+    got = window_scores(per_token, windows)
+    assert got.shape == (rows, 3, 7)
+    for w, (a, b, _) in enumerate(windows):
+        torch.testing.assert_close(got[:, w], reduce_scores(log_scores[:, a:b], rows))

@@ -8,7 +8,7 @@ in one plain forward, without any cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -173,6 +173,25 @@ def test_high_sparsity_runs_and_reports(ctx, method):
     if method == "squeeze":
         assert float(kept.mean()) < 0.6
     assert 0 < stats.kv_budget < 1
+
+
+def test_prefill_threshold_option_end_to_end(ctx):
+    """IndexSettings(prefill_threshold="calibrated"): the ingest stores the question prefill's own thresholds and the
+    session's turns carry them after decode's (which do not change); at sparsity 0 it is still full attention. The
+    default stores none: its artifacts are those of before the option."""
+    settings = replace(SETTINGS, prefill_threshold="calibrated")
+    out = ingest_tokens(ctx.lm, ctx.fixed_ids, settings, REFERENCE)
+    names = {"calib.squeeze.threshold_prefill", "calib.hsqueeze.threshold_l1_prefill", "calib.hsqueeze.threshold_l2_prefill"}
+    assert names <= set(out.artifacts) and not names & set(ctx.session.calibration)
+    session = ContextSession(ctx.lm, out.artifacts, settings, REFERENCE)
+    full = ctx.session.logits(QUESTION, "full")
+    for method, levels in (("squeeze", 1), ("hsqueeze", 2)):
+        thresholds = session.thresholds(method, HIGH_SPARSITY)
+        assert len(thresholds) == 2 * levels
+        assert thresholds[:levels] == ctx.session.thresholds(method, HIGH_SPARSITY)
+        torch.testing.assert_close(session.logits(QUESTION, method, 0.0), full, **TOL)
+        assert torch.isfinite(session.logits(QUESTION, method, HIGH_SPARSITY)).all()
+    assert "prefill_threshold" not in SETTINGS.as_dict() and settings.as_dict()["prefill_threshold"] == "calibrated"
 
 
 # --------------------------------------------------------------------------- sliding windows

@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from engine.config import SPARSITY_GRID, IndexSettings
+from engine.calibrate import prefill_windows, weighted_thresholds
 from engine.policies import POLICIES, CalibrationSet, get_policy
+from engine.policies.base import step_thresholds
 from engine.policies.full import FullPolicy
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
-from engine.policies.squeeze import SqueezePolicy
+from engine.policies.squeeze import SqueezePolicy, per_token_scores, weighted_samples
 from kernels.dispatch import REFERENCE
 from kernels.layout import ClusterLayout
 from kernels.reference import centroid_log_scores, reduce_scores
@@ -66,6 +68,16 @@ def layers() -> list[CalibrationSet]:
 @pytest.fixture(scope="module", params=["kv", "query"])
 def calibrated(request, layers):
     settings = settings_for(request.param)
+    return settings, {
+        "squeeze": squeeze.calibrate(layers, SCALE, settings),
+        "hsqueeze": hsqueeze.calibrate(layers, SCALE, settings),
+    }
+
+
+@pytest.fixture(scope="module", params=["kv", "query"])
+def prefill_calibrated(request, layers):
+    """As `calibrated`, with the question prefill's own thresholds (IndexSettings.prefill_threshold)."""
+    settings = replace(settings_for(request.param), prefill_threshold="calibrated")
     return settings, {
         "squeeze": squeeze.calibrate(layers, SCALE, settings),
         "hsqueeze": hsqueeze.calibrate(layers, SCALE, settings),
@@ -181,13 +193,14 @@ def level1_survivors(q, index, t1, rows):
 def test_hsqueeze_level2_kept_only_under_surviving_level1(layers, calibrated, sparsity):
     settings, calibration = calibrated
     rows = HKV if settings.group == "kv" else HQ
-    t1, _ = hsqueeze.thresholds(calibration["hsqueeze"], sparsity)
-    assert t1 > 0  # the level-1 threshold prunes something at these sparsities
+    thresholds = hsqueeze.thresholds(calibration["hsqueeze"], sparsity)
+    assert thresholds[0] > 0  # the level-1 threshold prunes something at these sparsities
     pruned_some = False
     for layer in layers:
         index = layer.index
         for q in (layer.queries[:, :1], layer.queries[:, 3:4], layer.queries[:, 4:12]):
             result = lookup(hsqueeze, q, index, calibration["hsqueeze"], sparsity, settings)
+            t1, _ = step_thresholds(thresholds, hsqueeze.levels, q.shape[1], settings)
             keep1 = level1_survivors(q, index, t1, rows)  # [rows, C1]
             parent = index["l1_parent"].repeat_interleave(rows // HKV, dim=0)  # [rows, C2]
             parent_kept = torch.gather(keep1, 1, parent)  # [rows, C2]
@@ -201,6 +214,88 @@ def test_hsqueeze_level2_kept_only_under_surviving_level1(layers, calibrated, sp
             assert torch.equal(selected[:, :LC], key_mask)
             assert selected[:, LC:].all()
     assert pruned_some
+
+
+# ---------------------------------------------------------------- the question's prefill
+
+
+def prefill_kept_fraction(policy, layers, calibration, sparsity, settings) -> float:
+    """Clustered keys kept by the prefill lookup (Lq > 1 at once) of each calibration window (prefill_windows),
+    averaged with the windows' weights over layers, windows and rows: what the prefill calibration targets."""
+    total = weight = 0.0
+    for layer in layers:
+        for a, b, w in prefill_windows(layer.queries.shape[1]):
+            result = lookup(policy, layer.queries[:, a:b], layer.index, calibration, sparsity, settings)
+            total += w * ((result.selection.counts() - DENSE_TAIL).double() / LC).mean().item()
+            weight += w
+    return total / weight
+
+
+@pytest.mark.parametrize("sparsity", [0.5, 0.7, 0.9])
+@pytest.mark.parametrize("name", ["squeeze", "hsqueeze"])
+def test_prefill_kept_fraction_matches_target(layers, prefill_calibrated, name, sparsity):
+    """With its own thresholds the question's prefill keeps about 1 - s of the keys, as a decode step does (same
+    tolerance as decode's). (With decode's it keeps what the union of its token mean and its last token passes: on
+    these random keys sometimes less than 1 - s, on real keys up to twice as much: tests/test_bench_kept.py.)"""
+    settings, calibration = prefill_calibrated
+    policy = get_policy(name)
+    kept = prefill_kept_fraction(policy, layers, calibration[name], sparsity, settings)
+    assert abs(kept - (1 - sparsity)) <= SPARSITY_TOL, (settings.group, name, sparsity, kept)
+
+
+def test_decode_calibration_is_unchanged(layers, calibrated):
+    """Decode's thresholds are the weighted quantiles of every calibration token's S whether or not the prefill has
+    its own, and the default calibration (prefill_threshold="decode") holds nothing else: as before the option."""
+    settings, calibration = calibrated
+    p_settings = replace(settings, prefill_threshold="calibrated")
+    p_calibration = {p.name: p.calibrate(layers, SCALE, p_settings) for p in (squeeze, hsqueeze)}
+    rows = HKV if settings.group == "kv" else HQ
+    scores, weights = [], []
+    for layer in layers:
+        sample, weight = weighted_samples(per_token_scores(layer.queries, layer.index, SCALE, rows, REFERENCE),
+                                          layer.index["counts"], rows)
+        scores.append(sample)
+        weights.append(weight)
+    want = weighted_thresholds(torch.cat(scores), torch.cat(weights), SPARSITY_GRID)
+    assert set(calibration["squeeze"]) == {"threshold"}
+    assert set(calibration["hsqueeze"]) == {"threshold_l1", "threshold_l2"}
+    assert torch.equal(calibration["squeeze"]["threshold"], want)
+    assert torch.equal(p_calibration["squeeze"]["threshold"], want)
+    for name in ("threshold_l1", "threshold_l2"):
+        assert torch.equal(p_calibration["hsqueeze"][name], calibration["hsqueeze"][name])
+    for policy, names in ((squeeze, ("threshold_prefill",)), (hsqueeze, ("threshold_l1_prefill", "threshold_l2_prefill"))):
+        for name in names:
+            t = p_calibration[policy.name][name]
+            assert t.shape == (len(SPARSITY_GRID),) and t[0].item() == 0.0
+        assert (p_calibration[policy.name][names[0]].diff() >= 0).all()
+        for sparsity in (0.5, 0.9):
+            assert policy.thresholds(calibration[policy.name], sparsity) == \
+                policy.thresholds(p_calibration[policy.name], sparsity)[: policy.levels]
+
+
+@pytest.mark.parametrize("name", ["squeeze", "hsqueeze"])
+def test_phase_picks_thresholds(layers, prefill_calibrated, name):
+    """A decode step (Lq = 1) uses decode's thresholds whatever the setting; a prefill step uses the prefill's
+    where prefill_threshold="calibrated" and the calibration has them, decode's otherwise."""
+    settings, calibration = prefill_calibrated
+    policy = get_policy(name)
+    levels = policy.levels
+    thresholds = policy.thresholds(calibration[name], 0.8)
+    assert len(thresholds) == 2 * levels and thresholds[levels:] != thresholds[:levels]
+    layer = layers[0]
+
+    def kept(q, ts, st):
+        return policy.lookup(q, layer.index, ts, SCALE, st, REFERENCE).clusters
+
+    one, many = layer.queries[:, 5:6], layer.queries[:, 2:10]
+    old = replace(settings, prefill_threshold="decode")
+    for st in (settings, old):
+        assert torch.equal(kept(one, thresholds, st), kept(one, thresholds[:levels], st))
+    assert torch.equal(kept(many, thresholds, old), kept(many, thresholds[:levels], settings))
+    assert torch.equal(kept(many, thresholds, settings), kept(many, thresholds[levels:], old))
+    assert step_thresholds(thresholds, levels, 8, settings) == thresholds[levels:]
+    assert step_thresholds(thresholds, levels, 8, old) == thresholds[:levels]
+    assert step_thresholds(thresholds[:levels], levels, 8, settings) == thresholds[:levels]
 
 
 # ---------------------------------------------------------------- Lookup metadata
@@ -219,7 +314,7 @@ def test_index_elements(layers, calibrated, sparsity):
         # hsqueeze reads every level-1 centroid, then each row's level-2 candidates: the children of its level-1
         # survivors (a centroid and its count: D + 1 elements each; rows of one KV head read theirs separately).
         hs = lookup(hsqueeze, q, layer.index, calibration["hsqueeze"], sparsity, settings)
-        t1, _ = hsqueeze.thresholds(calibration["hsqueeze"], sparsity)
+        t1 = hsqueeze.thresholds(calibration["hsqueeze"], sparsity)[0]  # decode's (Lq = 1)
         keep1 = level1_survivors(q, layer.index, t1, rows)  # [rows, C1]
         parent = layer.index["l1_parent"].repeat_interleave(rows // HKV, dim=0)  # [rows, C2]
         survivors = torch.gather(keep1, 1, parent).sum(dim=1).reshape(HKV, rows // HKV).sum(dim=1)  # [Hkv]
@@ -272,6 +367,7 @@ def test_policy_registry():
         {"dense_tail": 0},
         {"kmeans_iters": 0},
         {"group": "head"},
+        {"prefill_threshold": "mean"},
     ],
 )
 def test_index_settings_validation(bad):

@@ -113,6 +113,11 @@ FORCED = {
     # items of 40 keys over blocks of 32: one full and one partial block per item
     "split-uneven-blocks": SparseAttentionConfig(split=True, block_m=32, block_n=32, num_warps=4, num_stages=2,
                                                  chunk=40, workers=2, merge_block_m=16, merge_block_i=2),
+    # the selected K/V packed first (gather_selected_kernel), then attended without indices; plain and split
+    "plain-gathered": SparseAttentionConfig(split=False, block_m=16, block_n=16, num_warps=4, num_stages=2,
+                                            gather=True),
+    "split-gathered": SparseAttentionConfig(split=True, block_m=32, block_n=16, num_warps=4, num_stages=2,
+                                            chunk=5, workers=3, merge_block_m=2, merge_block_i=4, gather=True),
 }
 
 

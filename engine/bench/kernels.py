@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from engine.config import IndexSettings
+from engine.config import PREFILL_THRESHOLDS, IndexSettings
 from engine.policies.base import CalibrationSet
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
 from engine.policies.squeeze import SqueezePolicy
@@ -142,7 +142,8 @@ def measure(policy, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor, index: 
 
 
 def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], sparsities: list[float],
-        phases: list[int], methods: list[str], device: str = "cuda", flex: bool = True) -> dict:
+        phases: list[int], methods: list[str], device: str = "cuda", flex: bool = True,
+        prefill_threshold: str = "decode") -> dict:
     from safetensors.torch import load_file
 
     from engine.bench.extend import extend
@@ -152,7 +153,8 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], spa
     captured = load_file(capture_path)
     policies = {"squeeze": SqueezePolicy(), "hsqueeze": HierarchicalSqueezePolicy()}
     settings = IndexSettings(centroid_ratio=0.05, level1_ratio=0.01, level1_prune=0.5, dense_tail=DENSE_TAIL,
-                             kmeans_iters=KMEANS_ITERS)  # the shapes: 5% centroids; the paper's level 1
+                             kmeans_iters=KMEANS_ITERS,  # the shapes: 5% centroids; the paper's level 1
+                             prefill_threshold=prefill_threshold)
     scale = HEAD_DIM ** -0.5
     out: dict = {
         "device": torch.cuda.get_device_name(dev),
@@ -162,6 +164,7 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], spa
         "head_dim": HEAD_DIM,
         "centroid_ratio": settings.centroid_ratio,
         "level1_ratio": settings.level1_ratio,
+        "prefill_threshold": settings.prefill_threshold,
         "copy_bandwidth_GBps": round(copy_bandwidth(dev), 1),
         "results": [],
         "kmeans": [],
@@ -189,6 +192,7 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], spa
                         thresholds = policy.thresholds(calibration, sparsity)
                         row = {"length": length, "hq": hq, "hkv": hkv, "method": name, "sparsity": sparsity,
                                "phase": "decode" if lq == 1 else f"prefill{lq}", "new_tokens": lq,
+                               "prefill_threshold": settings.prefill_threshold if lq > 1 else None,
                                "dense_ms": round(dense_ms, 4)}
                         peer = flex_fn if flex_fn is not None and lq % BLOCK == 0 and length % BLOCK == 0 else None
                         row.update(measure(policy, q, kp, vp, index, thresholds, scale, settings, backend, peer))
@@ -220,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--phases", default="1,1024,4096", help="new tokens: 1 = decode, more = prefill")
     parser.add_argument("--methods", default="squeeze,hsqueeze")
     parser.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (prefill only)")
+    parser.add_argument("--prefill-threshold", choices=PREFILL_THRESHOLDS, default="decode",
+                        help="the prefill lookup's thresholds (IndexSettings.prefill_threshold)")
     parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     result = run(args.capture, _ints(args.lengths), heads, [float(s) for s in args.sparsities.split(",")],
-                 _ints(args.phases), args.methods.split(","), flex=not args.no_flex)
+                 _ints(args.phases), args.methods.split(","), flex=not args.no_flex,
+                 prefill_threshold=args.prefill_threshold)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import sys
 
-KEY = ("length", "hq", "hkv", "method", "sparsity", "phase")
+KEY = ("length", "hq", "hkv", "method", "sparsity", "phase", "prefill_threshold")
 
 
 def rows_of(paths: list[str]) -> tuple[dict, dict]:
@@ -20,8 +20,13 @@ def rows_of(paths: list[str]) -> tuple[dict, dict]:
             doc = json.load(f)
         header = header or {k: v for k, v in doc.items() if k not in ("results", "kmeans")}
         for row in doc["results"]:
-            best[tuple(row[k] for k in KEY)] = (row, doc.get("run", path))
+            best[tuple(row.get(k) for k in KEY)] = (row, doc.get("run", path))
     return best, header
+
+
+def _flex(row: dict) -> str:
+    """FlexAttention over the same selection (prefill rows of runs that timed it), with its speedup over dense."""
+    return f"{row['flex_ms']:.4f} ({row['flex_speedup']:.2f}x)" if "flex_ms" in row else "-"
 
 
 def markdown(paths: list[str], sparsity: float | None = None, heads: str | None = None) -> str:
@@ -33,16 +38,19 @@ def markdown(paths: list[str], sparsity: float | None = None, heads: str | None 
         f"{header.get('head_dim')} · centroids {header.get('centroid_ratio')} · copy bandwidth "
         f"{header.get('copy_bandwidth_GBps')} GB/s",
         "",
-        "| context | heads q/kv | method | sparsity | step | kept | dense SDPA ms | lookup ms | sparse attn ms | total ms | speedup | GB/s | run |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| context | heads q/kv | method | sparsity | step | prefill T | kept | dense SDPA ms | lookup ms | sparse attn ms | total ms "
+        "| speedup | GB/s | FlexAttention ms | run |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    order = sorted(best, key=lambda k: (k[5] != "decode", k[5], k[0], k[2], k[3], k[4]))
+    order = sorted(best, key=lambda k: (k[5] != "decode", k[5], k[0], k[2], k[3], k[4], k[6] or ""))
     for key in order:
         r, run = best[key]
         lines.append(
             f"| {r['length'] // 1024}K | {r['hq']}/{r['hkv']} | {r['method']} | {r['sparsity']:.0%} | {r['phase']} | "
+            f"{r.get('prefill_threshold') or '-'} | "
             f"{r['kept_fraction']:.3f} | {r['dense_ms']:.4f} | {r['lookup_ms']:.4f} | {r['sparse_ms']:.4f} | "
-            f"{r['total_ms']:.4f} | **{r['speedup']:.2f}x** | {r['bandwidth_GBps']:.0f} | {run} |"
+            f"{r['total_ms']:.4f} | **{r['speedup']:.2f}x** | {r['bandwidth_GBps']:.0f} | "
+            f"{_flex(r)} | {run} |"
         )
     return "\n".join(lines)
 

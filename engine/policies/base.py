@@ -44,6 +44,7 @@ class Policy(ABC):
 
     name: ClassVar[str]
     sparse: ClassVar[bool] = True
+    levels: ClassVar[int] = 0  # thresholds per phase (one per level of the lookup)
 
     @abstractmethod
     def build(self, keys: torch.Tensor, settings: IndexSettings, index: LayerIndex) -> LayerIndex:
@@ -58,7 +59,8 @@ class Policy(ABC):
 
     @abstractmethod
     def thresholds(self, calibration: dict[str, torch.Tensor], sparsity: float) -> tuple[float, ...]:
-        """The thresholds a turn at `sparsity` uses."""
+        """The thresholds a turn at `sparsity` uses: the decode step's (one per level), then the question prefill's
+        (as many) where the calibration has them (see `step_thresholds`)."""
 
     @abstractmethod
     def lookup(
@@ -77,3 +79,12 @@ def group_rows(settings: IndexSettings, hq: int, hkv: int) -> int:
     """Rows of a selection: one per KV head (shared by its query heads) or one per query head."""
     return hkv if settings.group == "kv" else hq
 
+
+
+def step_thresholds(thresholds: tuple[float, ...], levels: int, lq: int, settings: IndexSettings) -> tuple[float, ...]:
+    """A step's thresholds out of a policy's `thresholds` (decode's `levels` ones, then the prefill's where the
+    calibration has them): a question's prefill (Lq > 1 tokens, scored by max(token mean, last token)) uses the
+    prefill ones, calibrated on that score, where settings.prefill_threshold is "calibrated"; otherwise decode's."""
+    if lq > 1 and settings.prefill_threshold == "calibrated" and len(thresholds) >= 2 * levels:
+        return thresholds[levels : 2 * levels]
+    return thresholds[:levels]

@@ -6,12 +6,11 @@ from typing import ClassVar
 
 import torch
 
-from engine.calibrate import threshold_at, weighted_thresholds
+from engine.calibrate import prefill_windows, threshold_at, weighted_thresholds, window_scores
 from engine.config import SPARSITY_GRID, IndexSettings
 from engine.kmeans import spherical_kmeans
-from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows
-from engine.policies.squeeze import row_counts, weighted_samples
-from kernels.dispatch import Backend
+from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows, step_thresholds
+from engine.policies.squeeze import prefill_samples, row_counts, weighted_samples
 from kernels.layout import group_starts
 from kernels.reference import row_scores, select_clusters
 
@@ -31,6 +30,7 @@ def _level2_allowed(level1_keep: torch.Tensor, parent: torch.Tensor) -> torch.Te
 
 class HierarchicalSqueezePolicy(Policy):
     name: ClassVar[str] = "hsqueeze"
+    levels: ClassVar[int] = 2
 
     def build(self, keys: torch.Tensor, settings: IndexSettings, index: LayerIndex) -> LayerIndex:
         """Cluster the level-2 centroids (from `squeeze`) into level-1 centroids, weighted by their sizes, then
@@ -68,23 +68,50 @@ class HierarchicalSqueezePolicy(Policy):
         log2 = backend.centroid_log_scores(q, index["centroids"], index["counts"], scale, allowed=allowed_hq)
         return row_scores(log2, rows), allowed2
 
+    def _window_scores(self, q, index, t1: float, scale, rows, windows, backend):
+        """Prefill calibration view: each window of calibration tokens looked up as a question's prefill is: level-1
+        survivors by the window's prefill score (max of token mean and last token), level-2 S over the survivors'
+        children (eq. 3), reduced the same way. Returns (S2 [rows, W, C2], allowed2 [rows, W, C2] bool)."""
+        hq = q.shape[0]
+        s1 = row_scores(backend.centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale), rows)
+        keep1 = select_clusters(window_scores(s1, windows), t1) & (row_counts(index["l1_counts"], rows)[:, None, :] > 0)
+        allowed2 = _level2_allowed(keep1, index["l1_parent"])  # [rows, W, C2]
+        s2 = []
+        for w, (a, b, _) in enumerate(windows):
+            allowed_hq = allowed2[:, w].repeat_interleave(hq // rows, dim=0)  # [Hq, C2], the same for every token
+            log2 = backend.centroid_log_scores(q[:, a:b], index["centroids"], index["counts"], scale, allowed=allowed_hq)
+            s2.append(window_scores(row_scores(log2, rows), [(0, b - a, 1.0)])[:, 0])
+        return torch.stack(s2, dim=1), allowed2
+
     def calibrate(self, layers: list[CalibrationSet], scale: float, settings: IndexSettings) -> dict[str, torch.Tensor]:
+        """Decode's "threshold_l1" / "threshold_l2" from every calibration token's S; with settings.prefill_threshold
+        = "calibrated" also the question prefill's "threshold_l1_prefill" / "threshold_l2_prefill" from the prefill
+        score of windows of the calibration tokens (engine.calibrate.prefill_windows), each level as squeeze
+        calibrates its two."""
         from kernels.dispatch import REFERENCE
 
         # Level 1: the threshold that rules out min(s, settings.level1_prune) of the keys.
-        s1_all, w1_all = [], []
+        l1_sparsities = [level1_prune(s, settings) for s in SPARSITY_GRID]
+        prefill = settings.prefill_threshold == "calibrated"
+        s1_all, w1_all, p1_all, pw1_all = [], [], [], []
         for layer in layers:
             hq, hkv = layer.queries.shape[0], layer.index["l1_counts"].shape[0]
             rows = group_rows(settings, hq, hkv)
             log1 = REFERENCE.centroid_log_scores(layer.queries, layer.index["l1_centroids"], layer.index["l1_counts"], scale)
-            sample, weight = weighted_samples(row_scores(log1, rows), layer.index["l1_counts"], rows)
+            s1 = row_scores(log1, rows)
+            sample, weight = weighted_samples(s1, layer.index["l1_counts"], rows)
             s1_all.append(sample)
             w1_all.append(weight)
-        t1 = weighted_thresholds(torch.cat(s1_all), torch.cat(w1_all), [level1_prune(s, settings) for s in SPARSITY_GRID])
+            if prefill:
+                sample, weight = prefill_samples(s1, layer.index["l1_counts"], rows, prefill_windows(s1.shape[1]))
+                p1_all.append(sample)
+                pw1_all.append(weight)
+        t1 = weighted_thresholds(torch.cat(s1_all), torch.cat(w1_all), l1_sparsities)
+        t1p = weighted_thresholds(torch.cat(p1_all), torch.cat(pw1_all), l1_sparsities) if prefill else None
         # Level 2: for each grid point, the threshold over the survivors' scores (pruned clusters count as 0).
-        t2 = []
+        t2, t2p = [], []
         for i, sparsity in enumerate(SPARSITY_GRID):
-            scores, weights = [], []
+            scores, weights, p_scores, p_weights = [], [], [], []
             for layer in layers:
                 hq, hkv = layer.queries.shape[0], layer.index["counts"].shape[0]
                 rows = group_rows(settings, hq, hkv)
@@ -92,11 +119,31 @@ class HierarchicalSqueezePolicy(Policy):
                 sample, weight = weighted_samples(torch.where(allowed2, s2, torch.zeros_like(s2)), layer.index["counts"], rows)
                 scores.append(sample)
                 weights.append(weight)
+                if not prefill:
+                    continue
+                windows = prefill_windows(layer.queries.shape[1])
+                s2, allowed2 = self._window_scores(layer.queries, layer.index, float(t1p[i]), scale, rows, windows, REFERENCE)
+                window_weights = torch.tensor([w for _, _, w in windows], dtype=torch.float32, device=s2.device)
+                sample, weight = weighted_samples(torch.where(allowed2, s2, torch.zeros_like(s2)), layer.index["counts"],
+                                                  rows, window_weights)
+                p_scores.append(sample)
+                p_weights.append(weight)
             t2.append(float(weighted_thresholds(torch.cat(scores), torch.cat(weights), [sparsity])[0]))
-        return {"threshold_l1": t1, "threshold_l2": torch.tensor(t2, dtype=torch.float64)}
+            if prefill:
+                t2p.append(float(weighted_thresholds(torch.cat(p_scores), torch.cat(p_weights), [sparsity])[0]))
+        out = {"threshold_l1": t1, "threshold_l2": torch.tensor(t2, dtype=torch.float64)}
+        if prefill:
+            out.update(threshold_l1_prefill=t1p, threshold_l2_prefill=torch.tensor(t2p, dtype=torch.float64))
+        return out
 
     def thresholds(self, calibration: dict[str, torch.Tensor], sparsity: float) -> tuple[float, ...]:
-        return (threshold_at(calibration["threshold_l1"], sparsity), threshold_at(calibration["threshold_l2"], sparsity))
+        """(decode's T1, T2, then the question prefill's T1, T2); decode's only for a calibration without the latter
+        (prefill_threshold = "decode"), which `step_thresholds` then uses in both phases."""
+        out = (threshold_at(calibration["threshold_l1"], sparsity), threshold_at(calibration["threshold_l2"], sparsity))
+        if "threshold_l1_prefill" in calibration:
+            out += (threshold_at(calibration["threshold_l1_prefill"], sparsity),
+                    threshold_at(calibration["threshold_l2_prefill"], sparsity))
+        return out
 
     def lookup(self, q, index, thresholds, scale, settings, backend) -> Lookup:
         """Level 1 over all C1 centroids; level 2 only over the kept level-1 clusters' children (eq. 3); the
@@ -105,9 +152,10 @@ class HierarchicalSqueezePolicy(Policy):
         rows = group_rows(settings, hq, hkv)
         c1, d = index["l1_centroids"].shape[1:]
         c2 = index["centroids"].shape[1]
-        _, _, candidates = backend.cluster_select(q, index["l1_centroids"], index["l1_counts"], scale, thresholds[0],
+        t1, t2 = step_thresholds(thresholds, self.levels, q.shape[1], settings)
+        _, _, candidates = backend.cluster_select(q, index["l1_centroids"], index["l1_counts"], scale, t1,
                                                   rows, index["l1_child_starts"], c2)  # level-2 ids, per row
-        keep, score = backend.cluster_keep_among(q, index["centroids"], index["counts"], scale, thresholds[1], rows, candidates)
+        keep, score = backend.cluster_keep_among(q, index["centroids"], index["counts"], scale, t2, rows, candidates)
         survivors = candidates.counts().reshape(hkv, rows // hkv).sum(dim=1).float()  # [Hkv] level-2 centroids read
         return Lookup(
             selection=backend.expand_groups(keep, index["key_starts"], index["labels"].shape[1], settings.dense_tail),

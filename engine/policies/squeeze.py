@@ -6,10 +6,10 @@ from typing import ClassVar
 
 import torch
 
-from engine.calibrate import threshold_at, weighted_thresholds
+from engine.calibrate import prefill_windows, threshold_at, weighted_thresholds, window_scores
 from engine.config import SPARSITY_GRID, IndexSettings
 from engine.kmeans import spherical_kmeans
-from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows
+from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows, step_thresholds
 from kernels.dispatch import Backend
 from kernels.layout import group_starts
 from kernels.reference import row_scores
@@ -28,16 +28,31 @@ def row_counts(counts: torch.Tensor, rows: int) -> torch.Tensor:
     return counts.repeat_interleave(rows // counts.shape[0], dim=0)
 
 
-def weighted_samples(s: torch.Tensor, counts: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Calibration samples: every (row, token, cluster) score, weighted by the cluster's keys.
+def weighted_samples(s: torch.Tensor, counts: torch.Tensor, rows: int,
+                     token_weights: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Calibration samples: every (row, token, cluster) score, weighted by the cluster's keys (times the token's
+    weight, when given: the prefill calibration's windows).
 
-    s: [rows, Nc, C]; counts: [Hkv, C] -> (scores [rows * Nc * C], weights, same shape, float32).
+    s: [rows, Nc, C]; counts: [Hkv, C]; token_weights: [Nc] or None -> (scores [rows * Nc * C], weights, same shape,
+    float32).
     """
-    return s.reshape(-1), row_counts(counts, rows)[:, None, :].expand_as(s).reshape(-1).float()
+    weights = row_counts(counts, rows)[:, None, :].expand_as(s).float()
+    if token_weights is not None:
+        weights = weights * token_weights.to(weights)[None, :, None]
+    return s.reshape(-1), weights.reshape(-1)
+
+
+def prefill_samples(per_token: torch.Tensor, counts: torch.Tensor, rows: int,
+                    windows: list[tuple[int, int, float]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prefill calibration samples: the prefill lookup's score of every (row, window, cluster), weighted by the
+    cluster's keys and the window's weight. per_token: [rows, Nc, C] S; windows: engine.calibrate.prefill_windows."""
+    weights = torch.tensor([w for _, _, w in windows], dtype=torch.float32, device=per_token.device)
+    return weighted_samples(window_scores(per_token, windows), counts, rows, weights)
 
 
 class SqueezePolicy(Policy):
     name: ClassVar[str] = "squeeze"
+    levels: ClassVar[int] = 1
 
     def build(self, keys: torch.Tensor, settings: IndexSettings, index: LayerIndex) -> LayerIndex:
         k = settings.num_centroids(keys.shape[1])
@@ -50,9 +65,14 @@ class SqueezePolicy(Policy):
         }
 
     def calibrate(self, layers: list[CalibrationSet], scale: float, settings: IndexSettings) -> dict[str, torch.Tensor]:
+        """"threshold": decode's, from every calibration token's S (a token keeps about 1 - s of the keys); with
+        settings.prefill_threshold = "calibrated" also "threshold_prefill": the question prefill's, from the prefill
+        score (max of the token mean and the last token) of windows of the calibration tokens
+        (engine.calibrate.prefill_windows), so that a question keeps about 1 - s of the keys too, not the union of
+        what its mean and its last token pass at decode's."""
         from kernels.dispatch import REFERENCE  # calibration runs once; the reference is exact
 
-        scores, weights = [], []
+        scores, weights, p_scores, p_weights = [], [], [], []
         for layer in layers:
             hq, hkv = layer.queries.shape[0], layer.index["counts"].shape[0]
             rows = group_rows(settings, hq, hkv)
@@ -60,17 +80,30 @@ class SqueezePolicy(Policy):
             sample, weight = weighted_samples(s, layer.index["counts"], rows)
             scores.append(sample)
             weights.append(weight)
-        return {"threshold": weighted_thresholds(torch.cat(scores), torch.cat(weights), SPARSITY_GRID)}
+            if settings.prefill_threshold == "calibrated":
+                sample, weight = prefill_samples(s, layer.index["counts"], rows, prefill_windows(s.shape[1]))
+                p_scores.append(sample)
+                p_weights.append(weight)
+        out = {"threshold": weighted_thresholds(torch.cat(scores), torch.cat(weights), SPARSITY_GRID)}
+        if p_scores:
+            out["threshold_prefill"] = weighted_thresholds(torch.cat(p_scores), torch.cat(p_weights), SPARSITY_GRID)
+        return out
 
     def thresholds(self, calibration: dict[str, torch.Tensor], sparsity: float) -> tuple[float, ...]:
-        return (threshold_at(calibration["threshold"], sparsity),)
+        """(decode's T, the question prefill's T), or (decode's T,) for a calibration without the latter
+        (prefill_threshold = "decode"), which `step_thresholds` then uses in both phases."""
+        out = (threshold_at(calibration["threshold"], sparsity),)
+        if "threshold_prefill" in calibration:
+            out += (threshold_at(calibration["threshold_prefill"], sparsity),)
+        return out
 
     def lookup(self, q, index, thresholds, scale, settings, backend) -> Lookup:
         """The selection is of positions in the layer's K/V stored permuted by cluster (kernels.layout.ClusterLayout);
         index["key_starts"] says where each cluster lies."""
         hq, hkv = q.shape[0], index["counts"].shape[0]
         rows = group_rows(settings, hq, hkv)
-        keep, score, selection = backend.cluster_select(q, index["centroids"], index["counts"], scale, thresholds[0],
+        (threshold,) = step_thresholds(thresholds, self.levels, q.shape[1], settings)
+        keep, score, selection = backend.cluster_select(q, index["centroids"], index["counts"], scale, threshold,
                                                         rows, index["key_starts"], index["labels"].shape[1],
                                                         settings.dense_tail)
         c, d = index["centroids"].shape[1:]

@@ -1,13 +1,15 @@
 """Centroid lookup of Squeezed Attention (eq. 1, eq. 3 under candidates): @triton.jit kernels only.
 
 The typed wrappers, block sizes and grids live in kernels/lookup_ops.py; the semantics are those of
-kernels.reference.cluster_keep. Two kernels, one per operation, each with tl.constexpr variants:
+kernels.reference.cluster_keep. One kernel per pass (two forms of the score pass), each with tl.constexpr variants:
 
     centroid_denominator_kernel  grid (unit, query-row block, split): partial (max, sum) of N_j exp(s_j) over the
                                  unit's centroid blocks split, split + NSPLIT, ...; with STORE_S it also keeps s.
     centroid_score_kernel        grid (unit, centroid program): merges the partials into log D per (head, token),
                                  S = exp(s - log D), reduces S per row (mean over heads and tokens, last token),
                                  compares it with the threshold and writes keep / score at the centroid ids.
+    centroid_score_prefill_kernel  the same outputs for a dense lookup over many tokens, computed centroid-major
+                                 (C q^T on the tensor cores, the query rows streamed): the prefill's score pass.
 
 Vocabulary (batch 1):
     q [Hq, Lq, D], centroids [Hkv, C, D], counts [Hkv, C]; G = Hq // Hkv query heads per KV head.
@@ -80,6 +82,27 @@ def _log_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLIT
     ref = tl.where(mx == float("-inf"), 0.0, mx)  # keeps exp() away from -inf - -inf
     total = tl.sum(psum * tl.exp(pmax - ref[:, None]), axis=1)
     return tl.where(total > 0, ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+
+
+@triton.jit
+def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
+            allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, stride_ar, stride_kr, stride_or,
+            HAS_ALLOWED: tl.constexpr, HAS_STARTS: tl.constexpr):
+    """Both score passes' last step for one row and centroid block: keep = score > threshold & count > 0
+    (& allowed, which also zeroes the score), written at the centroid ids cid [BLOCK_C]; with HAS_STARTS, the kept
+    clusters' keys summed into block_sums[row, blk] for the expansion (kernels/jit/compact.py)."""
+    keep = (score > threshold) & (cnt > 0)
+    if HAS_ALLOWED:
+        allowed = tl.load(allowed_ptr + row * stride_ar + cid, mask=c_ok, other=0) != 0
+        score = tl.where(allowed, score, 0.0)
+        keep = keep & allowed
+    tl.store(score_ptr + row * stride_or + cid, score, mask=c_ok)
+    tl.store(keep_ptr + row * stride_kr + cid, keep.to(tl.uint8), mask=c_ok)
+    if HAS_STARTS:
+        kv = kv_head.to(tl.int64) * (C + 1)
+        lo = tl.load(starts_ptr + kv + cid, mask=c_ok, other=0)
+        hi = tl.load(starts_ptr + kv + cid + 1, mask=c_ok, other=0)
+        tl.store(block_sums_ptr + row * NB + blk, tl.sum(tl.where(keep & c_ok, hi - lo, 0), axis=0))
 
 
 @triton.jit
@@ -201,17 +224,69 @@ def centroid_score_kernel(
                 p = tl.where(m_ok[:, None] & c_ok[None, :], tl.exp(s - log_d[:, None]), 0.0)  # S [BLOCK_M, BLOCK_C]
                 total += tl.sum(p, axis=0)
                 last += tl.sum(tl.where((tok == Lq - 1)[:, None], p, 0.0), axis=0)
-            score = tl.maximum(total / m_row, last / HPR)
-            keep = (score > threshold) & (cnt > 0)
-            if HAS_ALLOWED:
-                allowed = tl.load(allowed_ptr + row * stride_ar + cid, mask=c_ok, other=0) != 0
-                score = tl.where(allowed, score, 0.0)
-                keep = keep & allowed
-            tl.store(score_ptr + row * stride_or + cid, score, mask=c_ok)
-            tl.store(keep_ptr + row * stride_kr + cid, keep.to(tl.uint8), mask=c_ok)
-            if HAS_STARTS:
-                kv = (h0 // G).to(tl.int64) * (C + 1)
-                lo = tl.load(starts_ptr + kv + cid, mask=c_ok, other=0)
-                hi = tl.load(starts_ptr + kv + cid + 1, mask=c_ok, other=0)
-                kept_keys = tl.where(keep & c_ok, hi - lo, 0)
-                tl.store(block_sums_ptr + row * NB + blk, tl.sum(kept_keys, axis=0))
+            _decide(tl.maximum(total / m_row, last / HPR), threshold, cnt, cid, c_ok, row, h0 // G, blk, C, NB,
+                    allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, stride_ar, stride_kr, stride_or,
+                    HAS_ALLOWED, HAS_STARTS)
+
+
+@triton.jit
+def centroid_score_prefill_kernel(
+    q_ptr, cent_ptr, counts_ptr, allowed_ptr,  # inputs (allowed: HAS_ALLOWED only)
+    part_max_ptr, part_sum_ptr,  # the denominator pass's partials [Hq * Lq, NSPLIT]
+    keep_ptr, score_ptr,  # outputs [rows, C]
+    starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
+    scale2, threshold, Lq, C, G, HPR, NSPLIT, NB,
+    stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_kr, stride_or,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # query rows per step (the dot's N)
+    BLOCK_C: tl.constexpr,  # centroids per program (the dot's M), held for the whole program
+    BLOCK_H: tl.constexpr,  # >= HPR, >= 16: the row's last-token queries, one per head
+    BLOCK_SPLIT: tl.constexpr,
+    HAS_ALLOWED: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Pass 2 of a dense lookup over Lq > 1 tokens (the question's prefill), grid (KV head, centroid block): the
+    same outputs as centroid_score_kernel, computed centroid-major. The program keeps its BLOCK_C centroids and
+    streams the query rows of each of its rows past them, BLOCK_M at a time: s^T = C q^T [BLOCK_C, BLOCK_M] on the
+    tensor cores, S = exp2(s^T * scale2 - log2 D) summed over the query rows (scale2 = scale * log2(e)). The last
+    token's own S (one query row per head) is a second, small product after the stream, so the stream has no
+    per-token select."""
+    unit = tl.program_id(0)
+    cb = tl.program_id(1)
+    cent_ptr += unit * stride_ch
+    counts_ptr += unit * stride_nh
+    cid = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cid < C
+    offs_d = tl.arange(0, BLOCK_D)
+    cent = tl.load(cent_ptr + cid[:, None] * stride_cc + offs_d[None, :],
+                   mask=c_ok[:, None] & (offs_d < D)[None, :], other=0.0)  # [BLOCK_C, BLOCK_D]
+    cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
+    rows_here = G // HPR
+    m_row = HPR * Lq
+    LOG2E: tl.constexpr = 1.4426950408889634
+    for rr in range(0, rows_here):
+        row = unit * rows_here + rr
+        total = tl.zeros([BLOCK_C], tl.float32)
+        for m0 in range(0, m_row, BLOCK_M):
+            offs_m = m0 + tl.arange(0, BLOCK_M)
+            m_ok = offs_m < m_row
+            head = row * HPR + offs_m // Lq
+            tok = offs_m % Lq
+            log2_d = _log_denominator(part_max_ptr, part_sum_ptr, head * Lq + tok, m_ok, NSPLIT, BLOCK_SPLIT) * LOG2E
+            qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt)  # [BLOCK_M, BLOCK_D]
+            st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_M]
+            p = tl.exp2(st * scale2 - log2_d[None, :])
+            total += tl.sum(tl.where(m_ok[None, :], p, 0.0), axis=1)
+        offs_h = tl.arange(0, BLOCK_H)  # the last token of each of the row's heads
+        h_ok = offs_h < HPR
+        head = row * HPR + offs_h
+        last_tok = tl.zeros([BLOCK_H], tl.int32) + (Lq - 1)
+        log2_d = _log_denominator(part_max_ptr, part_sum_ptr, head * Lq + last_tok, h_ok, NSPLIT, BLOCK_SPLIT) * LOG2E
+        qb = _load_queries(q_ptr, head, last_tok, h_ok, offs_d, D, stride_qh, stride_qt)  # [BLOCK_H, BLOCK_D]
+        st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_H]
+        last = tl.sum(tl.where(h_ok[None, :], tl.exp2(st * scale2 - log2_d[None, :]), 0.0), axis=1)
+        _decide(tl.maximum(total / m_row, last / HPR), threshold, cnt, cid, c_ok, row, unit, cb, C, NB,
+                allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, stride_ar, stride_kr, stride_or,
+                HAS_ALLOWED, HAS_STARTS)

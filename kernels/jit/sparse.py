@@ -36,6 +36,78 @@ def _item_plan(indptr_ptr, rows, chunk, BLOCK_R: tl.constexpr):
 
 
 @triton.jit
+def _heaviest_first(indptr_ptr, rows, rank, BLOCK_R: tl.constexpr):
+    """The row with the rank-th most keys (ties: lower row first), from indptr [rows + 1] on the device. Programs
+    are started in grid order, so giving grid row `rank` to that row starts the longest rows' programs first and
+    leaves the short ones to fill the last wave (longest processing time first)."""
+    r = tl.arange(0, BLOCK_R)
+    ok = r < rows
+    count = tl.load(indptr_ptr + r + 1, mask=ok, other=0) - tl.load(indptr_ptr + r, mask=ok, other=0)
+    count = tl.where(ok, count, -1)
+    c_i, c_j = count[:, None], count[None, :]
+    before = (c_j > c_i) | ((c_j == c_i) & (r[None, :] < r[:, None]))  # [i, j]: row j ranks before row i
+    row_rank = tl.sum(before.to(tl.int32), axis=1)  # [BLOCK_R]
+    return tl.sum(tl.where(row_rank == rank, r, 0), axis=0)
+
+
+@triton.jit
+def _key_block(
+    q, k_base, v_base, indices_ptr, n0, end, offs_d, acc, m_i, l_i,
+    stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, GATHERED: tl.constexpr, MASKED: tl.constexpr,
+    FUSED: tl.constexpr,
+):
+    """One step of the online softmax over entries n0 .. n0 + BLOCK_N - 1 of the key list (MASKED: those < end
+    only; else all of them, with no mask on any load). FUSED: scale inside the exponent and accumulate P V into
+    acc in the dot; else scale s first and add P V to acc. H200, 128K, 32/8 heads: prefill with whole blocks
+    unmasked and FUSED took 1.41 ms where every block masked and unfused took 1.55; split-KV decode (16 query
+    rows) took 71 us that way instead of 55, so it keeps the masked, unfused form. Returns (acc, m_i, l_i)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    if MASKED:
+        n_valid = offs_n < end
+        if GATHERED:
+            idx = offs_n.to(tl.int64)
+        else:
+            idx = tl.load(indices_ptr + offs_n, mask=n_valid, other=0).to(tl.int64)  # [BLOCK_N] key rows
+        k = tl.load(k_base + idx[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=n_valid[:, None], other=0.0)
+        v = tl.load(v_base + idx[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=n_valid[:, None], other=0.0)
+    else:
+        idx = offs_n.to(tl.int64) if GATHERED else tl.load(indices_ptr + offs_n).to(tl.int64)
+        k = tl.load(k_base + idx[:, None] * stride_kn + offs_d[None, :] * stride_kd)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_base + idx[:, None] * stride_vn + offs_d[None, :] * stride_vd)
+    if EXACT_FP32:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], unscaled
+    if FUSED:
+        if MASKED:
+            s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # log2 domain; finite: a block holds at least one key
+        p = tl.exp2(s * qk_scale - m_new[:, None])
+    else:
+        s = s * qk_scale
+        if MASKED:
+            s = tl.where(n_valid[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if FUSED:
+        acc = acc * alpha[:, None]
+        if EXACT_FP32:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+    else:
+        if EXACT_FP32:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+    return acc, m_new, l_i
+
+
+@triton.jit
 def _attend(
     q_ptr, k_ptr, v_ptr, indices_ptr,
     row, start, end, offs_m, offs_d, m_valid,
@@ -44,9 +116,13 @@ def _attend(
     stride_vh, stride_vn, stride_vd,
     rows, num_kv_heads, group, lq, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EXACT_FP32: tl.constexpr,
+    GATHERED: tl.constexpr = False,
+    PEEL: tl.constexpr = True,
 ):
     """Online softmax of the query rows offs_m of `row` over its selected keys indices[start:end].
 
+    GATHERED: k/v already hold the selected keys packed in selection order ([nnz, HEAD_DIM], gather_selected_kernel),
+    so entry n is row n of k/v and no index is read.
     Returns acc [BLOCK_M, HEAD_DIM] (unnormalised, fp32), m [BLOCK_M] (running max, log2 domain), l [BLOCK_M]
     (running sum of exp2(s - m)); l == 0 where no key was seen.
     """
@@ -57,38 +133,32 @@ def _attend(
         mask=m_valid[:, None],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM], input dtype
-    kv_head = (row * num_kv_heads // rows).to(tl.int64)
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
+    if GATHERED:
+        k_base = k_ptr
+        v_base = v_ptr
+    else:
+        kv_head = (row * num_kv_heads // rows).to(tl.int64)
+        k_base = k_ptr + kv_head * stride_kh
+        v_base = v_ptr + kv_head * stride_vh
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    for n0 in range(start, end, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_valid = offs_n < end
-        idx = tl.load(indices_ptr + offs_n, mask=n_valid, other=0).to(tl.int64)  # [BLOCK_N] key rows
-        k = tl.load(
-            k_base + idx[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=n_valid[:, None], other=0.0
-        )  # [BLOCK_N, HEAD_DIM]: each key is HEAD_DIM contiguous elements
-        if EXACT_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(n_valid[None, :], s * qk_scale, float("-inf"))  # [BLOCK_M, BLOCK_N], log2 domain
-        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every block holds at least one selected key
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            v_base + idx[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=n_valid[:, None], other=0.0
-        )
-        if EXACT_FP32:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    if PEEL:  # prefill: whole blocks without masks, then the last, partial block
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full_end, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, k_base, v_base, indices_ptr, n0, end, offs_d, acc, m_i, l_i,
+                                       stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                       BLOCK_N, EXACT_FP32, GATHERED, False, True)
+        if full_end < end:
+            acc, m_i, l_i = _key_block(q, k_base, v_base, indices_ptr, full_end, end, offs_d, acc, m_i, l_i,
+                                       stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                       BLOCK_N, EXACT_FP32, GATHERED, True, True)
+    else:  # split-KV items: every block masked (measured faster there)
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, k_base, v_base, indices_ptr, n0, end, offs_d, acc, m_i, l_i,
+                                       stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                       BLOCK_N, EXACT_FP32, GATHERED, True, False)
     return acc, m_i, l_i
 
 
@@ -105,6 +175,7 @@ def sparse_attn_fwd_kernel(
     BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr,
     EXACT_FP32: tl.constexpr,
+    GATHERED: tl.constexpr = False,
 ):
     """Sparse attention forward. Grid axis 0: blocks of BLOCK_M query rows (of M = group * lq).
 
@@ -130,20 +201,20 @@ def sparse_attn_fwd_kernel(
                 q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
                 stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
                 rows, num_kv_heads, group, lq, qk_scale,
-                BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32,
+                BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32, GATHERED, False,
             )
             flat = item * num_m + offs_m.to(tl.int64)  # [BLOCK_M] rows of the partial buffers
             tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=m_valid[:, None])
             tl.store(lse_ptr + flat, m_i + tl.log2(l_i), mask=m_valid)  # l_i > 0: an item holds >= 1 key
     else:
-        row = tl.program_id(1)
+        row = _heaviest_first(indptr_ptr, rows, tl.program_id(1), BLOCK_R)
         start = tl.load(indptr_ptr + row).to(tl.int64)
         end = tl.load(indptr_ptr + row + 1).to(tl.int64)
         acc, m_i, l_i = _attend(
             q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
             stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
             rows, num_kv_heads, group, lq, qk_scale,
-            BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32,
+            BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32, GATHERED, True,
         )
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -151,6 +222,32 @@ def sparse_attn_fwd_kernel(
         flat = row.to(tl.int64) * num_m + offs_m
         tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=m_valid[:, None])
         tl.store(lse_ptr + flat, lse, mask=m_valid)
+
+
+@triton.jit
+def gather_selected_kernel(
+    k_ptr, v_ptr, indptr_ptr, indices_ptr, k_out_ptr, v_out_ptr,
+    stride_kh, stride_kn, stride_vh, stride_vn,
+    rows, num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Copy each row's selected keys and values into packed [nnz, HEAD_DIM] buffers, in selection order (entry n of
+    the CSR list -> row n). Grid (key blocks, rows): program (t, r) copies entries indptr[r] + t * BLOCK_N ... of row
+    r, or nothing past the row's end (the grid covers the longest possible row)."""
+    row = tl.program_id(1)
+    start = tl.load(indptr_ptr + row).to(tl.int64) + tl.program_id(0) * BLOCK_N
+    end = tl.load(indptr_ptr + row + 1).to(tl.int64)
+    if start < end:
+        offs_n = start + tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, HEAD_DIM)
+        ok = (offs_n < end)[:, None]
+        idx = tl.load(indices_ptr + offs_n, mask=offs_n < end, other=0).to(tl.int64)
+        kv_head = (row * num_kv_heads // rows).to(tl.int64)
+        k = tl.load(k_ptr + kv_head * stride_kh + idx[:, None] * stride_kn + offs_d[None, :], mask=ok)
+        tl.store(k_out_ptr + offs_n[:, None] * HEAD_DIM + offs_d[None, :], k, mask=ok)
+        v = tl.load(v_ptr + kv_head * stride_vh + idx[:, None] * stride_vn + offs_d[None, :], mask=ok)
+        tl.store(v_out_ptr + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v, mask=ok)
 
 
 @triton.jit
