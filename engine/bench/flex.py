@@ -60,8 +60,3 @@ def flex_sparse(flex, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask, s
     """q [Hq, Lq, D], k/v [Hkv, L, D] (the cluster-permuted fixed context) -> out [Hq, Lq, D]."""
     return flex(q[None], k[None], v[None], block_mask=mask, scale=scale, enable_gqa=True)[0]
 
-
-def check_against(flex, q, k, v, selection: Selection, scale: float, ours: torch.Tensor) -> float:
-    """Max |flex - ours| over the outputs (ours: [Hq, Lq, D]), to show both compute the same attention."""
-    mask, _ = block_mask_from_selection(selection, q.shape[0], q.shape[1])
-    return float((flex_sparse(flex, q, k, v, mask, scale).float() - ours.float()).abs().max())

@@ -26,24 +26,21 @@ from dataclasses import replace
 
 import torch
 
+from engine.bench.kernels import DENSE_TAIL, HEAD_DIM
+from engine.bench.kernels import build_index as bench_index
 from engine.config import IndexSettings
 from engine.policies.base import CalibrationSet
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
 from engine.policies.squeeze import SqueezePolicy
 from kernels.dispatch import REFERENCE
 
-DENSE_TAIL = 100
-HEAD_DIM = 128
 POLICIES = {"squeeze": SqueezePolicy(), "hsqueeze": HierarchicalSqueezePolicy()}
 
 
 def build_index(k: torch.Tensor, settings: IndexSettings) -> dict[str, torch.Tensor]:
-    """squeeze then hsqueeze over k [Hkv, L, D] without its dense tail, merged as engine/ingest.py merges them."""
-    clustered = k[:, : k.shape[1] - settings.dense_tail]
-    index: dict[str, torch.Tensor] = {}
-    for policy in POLICIES.values():
-        index.update(policy.build(clustered, settings, index))
-    return index
+    """squeeze then hsqueeze over k [Hkv, L, D] without its dense tail, all heads at once (the GPU benchmark's
+    builder)."""
+    return bench_index(k, settings, heads_per_kmeans=k.shape[0], policies=tuple(POLICIES.values()))[0]
 
 
 def kept_fraction(policy, q: torch.Tensor, index: dict, thresholds, scale: float, settings: IndexSettings,

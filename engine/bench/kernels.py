@@ -71,11 +71,12 @@ def build_index(k: torch.Tensor, settings: IndexSettings, heads_per_kmeans: int,
                 policies=(SqueezePolicy(), HierarchicalSqueezePolicy())) -> tuple[dict, float]:
     """Both methods' index over k [Hkv, L, D] (the dense tail excluded), k-means over heads in chunks.
 
-    Returns (index, seconds of clustering).
+    Returns (index, seconds of clustering). k may be on the CPU (the CPU benchmark modules use it too).
     """
     clustered = k[:, : k.shape[1] - settings.dense_tail]
     parts: list[dict] = []
-    torch.cuda.synchronize()
+    if k.is_cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for h in range(0, clustered.shape[0], heads_per_kmeans):
         index: dict = {}
@@ -83,7 +84,8 @@ def build_index(k: torch.Tensor, settings: IndexSettings, heads_per_kmeans: int,
         for policy in policies:
             index.update(policy.build(chunk, settings, index))
         parts.append(index)
-    torch.cuda.synchronize()
+    if k.is_cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     return {name: torch.cat([p[name] for p in parts], dim=0) for name in parts[0]}, seconds
 

@@ -12,12 +12,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from collections import defaultdict
 
 import torch
 
-from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, build_index
+from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, build_index, kmeans_seconds
 from engine.config import IndexSettings
 from engine.policies.base import CalibrationSet
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
@@ -51,12 +50,7 @@ def kmeans_profile(k: torch.Tensor, ratio: float, iters: int) -> dict:
     from engine.kmeans import spherical_kmeans
 
     clusters = max(1, round(k.shape[1] * ratio))
-    spherical_kmeans(k[:, :4096], 64, iters=2)
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    spherical_kmeans(k, clusters, iters=iters)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+    seconds = kmeans_seconds(k, ratio, iters)
     kernels = kernel_times(lambda: spherical_kmeans(k, clusters, iters=iters), steps=1)
     return {"seconds": round(seconds, 3), "clusters": clusters, "kernels_us": dict(list(kernels.items())[:12])}
 

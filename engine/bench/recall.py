@@ -36,13 +36,12 @@ from dataclasses import replace
 import torch
 
 from engine.bench.kept import POLICIES, build_index
+from engine.bench.kernels import DENSE_TAIL, HEAD_DIM
 from engine.config import IndexSettings
 from engine.policies.base import CalibrationSet
 from kernels.dispatch import REFERENCE
 from kernels.layout import ClusterLayout
 
-DENSE_TAIL = 100
-HEAD_DIM = 128
 MODES = ("kv", "query", "union")
 
 
