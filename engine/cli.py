@@ -33,10 +33,39 @@ def _engine(args):
     return Engine(args.cache_dir, model=args.model, device=args.device)
 
 
+INDEX_OPTIONS = ("centroid_ratio", "level1_ratio", "level1_prune", "prefill_threshold")
+
+
+def _settings(args) -> IndexSettings | None:
+    """The index settings named on the command line (the others at their defaults); None when none is named."""
+    given = {name: getattr(args, name) for name in INDEX_OPTIONS if getattr(args, name) is not None}
+    if not given:
+        return None
+    defaults = IndexSettings()
+    values = {name: given.get(name, getattr(defaults, name)) for name in INDEX_OPTIONS}
+    values["level1_ratio"] = min(values["level1_ratio"], values["centroid_ratio"])
+    return IndexSettings(**values)
+
+
+def _index_options() -> argparse.ArgumentParser:
+    """The index settings of `ingest` and `ask` (no defaults here: unset means IndexSettings' default)."""
+    p = argparse.ArgumentParser(add_help=False)
+    defaults = IndexSettings()
+    p.add_argument("--centroid-ratio", type=float, default=None,
+                   help=f"centroids per key of each global layer and KV head (default {defaults.centroid_ratio})")
+    p.add_argument("--level1-ratio", type=float, default=None,
+                   help=f"hsqueeze: level-1 centroids per key (default {defaults.level1_ratio})")
+    p.add_argument("--level1-prune", type=float, default=None,
+                   help=f"hsqueeze: fraction of the keys the level-1 threshold rules out (default {LEVEL1_PRUNE})")
+    p.add_argument("--prefill-threshold", choices=PREFILL_THRESHOLDS, default=None,
+                   help="the question prefill's threshold: decode's (default; keeps up to twice 1 - s) or its own, "
+                        "calibrated to keep about 1 - s (lost the passkey at 90%% in 2/15 draws)")
+    return p
+
+
 def cmd_ingest(args) -> int:
     engine = _engine(args)
-    settings = IndexSettings(centroid_ratio=args.centroid_ratio, level1_ratio=min(args.level1_ratio, args.centroid_ratio),
-                             level1_prune=args.level1_prune, prefill_threshold=args.prefill_threshold)
+    settings = _settings(args) or IndexSettings()
     report = engine.ingest(args.path, settings, truncate=args.truncate, progress=_progress(not args.quiet))
     out = report.to_json()
     print(json.dumps(out) if args.json else
@@ -47,7 +76,8 @@ def cmd_ingest(args) -> int:
 
 def cmd_ask(args) -> int:
     engine = _engine(args)
-    context_id = engine.resolve(args.doc, truncate=args.truncate, progress=_progress(not args.quiet))
+    context_id = engine.resolve(args.doc, truncate=args.truncate, progress=_progress(not args.quiet),
+                                settings=_settings(args))
     answer = None
     for event in engine.stream(context_id, args.question, args.method, args.sparsity, args.max_new_tokens):
         if isinstance(event, Delta) and not args.json:
@@ -119,18 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="show tracebacks")
     parser = argparse.ArgumentParser(prog="squeeze", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("ingest", parents=[common], help="prefill a document and build its indexes")
+    index_options = _index_options()
+    p = sub.add_parser("ingest", parents=[common, index_options], help="prefill a document and build its indexes")
     p.add_argument("path")
-    p.add_argument("--centroid-ratio", type=float, default=0.05)
-    p.add_argument("--level1-ratio", type=float, default=0.01)
-    p.add_argument("--level1-prune", type=float, default=LEVEL1_PRUNE,
-                   help="hsqueeze: fraction of the keys the level-1 threshold rules out (default: about half)")
-    p.add_argument("--prefill-threshold", choices=PREFILL_THRESHOLDS, default=IndexSettings.prefill_threshold,
-                   help="the question prefill's threshold: decode's (default; keeps up to twice 1 - s) or its own, "
-                        "calibrated to keep about 1 - s (lost the passkey at 90%% in 2/15 draws)")
     p.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
     p.set_defaults(func=cmd_ingest)
-    p = sub.add_parser("ask", parents=[common], help="answer a question about a document")
+    p = sub.add_parser("ask", parents=[common, index_options],
+                       help="answer a question about a document (index options: use, or build, a context with them)")
     p.add_argument("doc", metavar="DOC_ID_OR_PATH")
     p.add_argument("question")
     p.add_argument("--method", choices=METHODS, default="squeeze")

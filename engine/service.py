@@ -120,11 +120,18 @@ class Engine:
         return IngestReport(doc_id, ctx["id"], out.tokens, doc.pages, time.perf_counter() - start, cached=False,
                             truncated=fixed.truncated)
 
-    def resolve(self, doc_or_path: str, truncate: bool = False, progress: Progress | None = None) -> str:
-        """A context id for a cached document id (or prefix, or file name) or a path (ingested if new)."""
+    def resolve(self, doc_or_path: str, truncate: bool = False, progress: Progress | None = None,
+                settings: IndexSettings | None = None) -> str:
+        """A context id for a cached document id (or prefix, or file name) or a path (ingested if new).
+
+        settings: the index settings the context must have (a cached document is ingested again with them if it has
+        no such context); None: a path gets the defaults, a cached document any ready context of this model."""
         if Path(doc_or_path).is_file():
-            return self.ingest(doc_or_path, truncate=truncate, progress=progress).context_id
+            return self.ingest(doc_or_path, settings, truncate=truncate, progress=progress).context_id
         doc = self.store.find_document(doc_or_path)
+        if settings is not None:
+            return self.ingest(self.store.get_document(doc["id"]), settings, truncate=truncate,
+                               progress=progress).context_id
         for ctx in self.store.list_contexts(doc["id"]):
             if ctx["model"] == self.model_id and ctx["status"] == "ready":
                 return ctx["id"]

@@ -15,8 +15,10 @@ Two variants of one kernel, picked from the shapes by `plan`:
     plain (prefill): FlashAttention forward over a (query block, row) grid, each program reading its row's keys;
         no scratch, no merge.
 Prefill (either variant) first copies the selected K/V into packed buffers in selection order (`gather`, one
-memory-bound kernel), so the attention's loads are contiguous and software-pipelined; decode reads through the
-indices (each key is read once there, so a copy would only add traffic).
+memory-bound kernel), so the attention's loads are contiguous and software-pipelined (on Hopper, whole blocks come
+through tensor descriptors); the buffers hold at most GATHER_MAX_BYTES, and the rows whose keys end past them read
+through the indices. Decode reads through the indices (each key is read once there, so a copy would only add
+traffic).
 """
 
 from __future__ import annotations
@@ -29,6 +31,11 @@ import triton
 
 from kernels.jit.sparse import gather_selected_kernel, sparse_attn_fwd_kernel, sparse_attn_merge_kernel
 from kernels.selection import Selection
+
+try:  # Triton >= 3.4
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # pragma: no cover - older Triton: no descriptor path
+    TensorDescriptor = None
 
 LOG2E = 1.4426950408889634
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -51,12 +58,16 @@ DECODE_ITEMS_PER_WORKER = 1
 DECODE_EXPECTED_FRACTION = 0.1
 DECODE_MIN_CHUNK = 64
 DECODE_MAX_CHUNK = 1024
-PREFILL_BLOCK_N = 128  # halved for D = 256 (shared memory)
+PREFILL_BLOCK_N = 128  # a quarter for D = 256 (shared memory; see plan)
 # Prefill copies the selected K/V into packed buffers first (config.gather): Triton pipelines contiguous loads into
 # shared memory, not the index-dependent ones. H200, 128K, 32/8 heads, 1024 new tokens, 16% kept (engine/bench,
 # session 4): gathered 64 x 128 tiles on 4 warps, 3 stages, 0.91 ms with the copy; indexed loads 1.28-1.41 ms.
-# The buffers are sized for the worst case (every key of every row): skip the copy above this many bytes.
+# (Session 5: 128 x 128 tiles on 8 warps through tensor descriptors, 0.73 ms; see plan.)
+# The selection's size is known on the device only, so the buffers hold the worst case (the capacity of the index
+# list) up to this many bytes (K and V): a selection that outgrows them packs its first entries, and the rows past
+# them read through the indices (decided per row on the device).
 GATHER_MAX_BYTES = 4 << 30
+PREFILL_TMA = True  # packed prefill reads whole key blocks through tensor descriptors where the GPU has them
 PREFILL_SPLIT_BELOW = 1.0  # split prefill over keys when (query blocks * rows) < this * SMs
 PREFILL_TARGET_PROGRAMS_PER_SM = 2  # split prefill: aim at this many (query block, item) programs per SM
 MERGE_BLOCK_D = 64  # head-dim slice per merge program (more programs, fewer registers)
@@ -80,6 +91,8 @@ class SparseAttentionConfig:
     merge_block_m: int = 1  # query rows per merge program
     merge_block_i: int = 128  # partials per merge step (a decode row at 512K / 10% has ~200 items of 256 keys)
     gather: bool = False  # copy the selected K/V into packed buffers first, then attend without indices
+    packed_entries: int = 0  # gather: entries of the packed buffers (0: the whole selection, up to GATHER_MAX_BYTES)
+    tma: bool = False  # with gather, unsplit: read whole key blocks through tensor descriptors (Hopper's copy engine)
 
     def __post_init__(self):
         for name in ("merge_block_m", "merge_block_i"):
@@ -90,8 +103,19 @@ class SparseAttentionConfig:
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"{name} must be a power of two >= 16, got {value}")
+        if self.packed_entries < 0 or (self.packed_entries and not self.gather):
+            raise ValueError(f"packed_entries needs gather=True, got {self.packed_entries}")
+        if self.tma and (self.split or not self.gather):
+            raise ValueError("tma needs gather=True and split=False")
         if self.split and (self.chunk < 1 or self.workers < 1):
             raise ValueError(f"split needs chunk >= 1 and workers >= 1, got chunk={self.chunk} workers={self.workers}")
+
+
+@functools.lru_cache(maxsize=None)
+def _has_tma(device: torch.device) -> bool:
+    """Tensor descriptors: Triton >= 3.4 on a GPU of compute capability 9 or more (Hopper's copy engine)."""
+    return (TensorDescriptor is not None and device.type == "cuda"
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 @functools.lru_cache(maxsize=None)
@@ -108,15 +132,21 @@ def max_items(capacity: int, rows: int, num_keys: int, chunk: int) -> int:
     return min(by_capacity, by_keys)
 
 
+def packed_buffer_entries(capacity: int, head_dim: int, elem_bytes: int) -> int:
+    """Entries of the packed K/V buffers: the whole index list's capacity, or as many as GATHER_MAX_BYTES hold."""
+    return max(1, min(capacity, GATHER_MAX_BYTES // (2 * head_dim * elem_bytes)))
+
+
 def _prev_power_of_2(x: int) -> int:
     return 1 << (max(1, x).bit_length() - 1)
 
 
 def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num_sms: int,
-         elem_bytes: int = 2) -> SparseAttentionConfig:
+         elem_bytes: int = 2, tma: bool = False) -> SparseAttentionConfig:
     """The default config for M = G * Lq query rows per row, from shapes only (never from device values).
 
     capacity: selection.indices.numel() (an upper bound of the selected keys of all rows together).
+    tma: the device has tensor descriptors (_has_tma); unsplit packed prefill then uses them.
     """
     if num_m <= DECODE_MAX_M:
         block_n = DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2
@@ -127,16 +157,21 @@ def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num
         workers = max(1, min(max_items(capacity, rows, num_keys, chunk), target_workers))
         return SparseAttentionConfig(split=True, block_m=16, block_n=block_n, num_warps=DECODE_WARPS,
                                      num_stages=DECODE_STAGES, chunk=chunk, workers=workers)
-    block_m = 64  # H200, 128K, 32/8, 1024 new tokens, gathered: 64 x 128 0.91 ms, 128 x 128 on 8 warps 0.97 ms
-    block_m = min(block_m, max(16, triton.next_power_of_2(num_m)))
-    block_n = PREFILL_BLOCK_N if head_dim <= 128 else PREFILL_BLOCK_N // 2
-    gather = 2 * capacity * head_dim * elem_bytes <= GATHER_MAX_BYTES
-    num_warps = 4
-    num_stages = 2 if head_dim > 128 else 3
+    # H200, 128K, 32/8, 1024 new tokens, 16% kept, packed K/V, copy included (engine/bench/tune.py, session 5):
+    # 128 x 128 tiles on 8 warps, 3 stages: 0.73 ms through tensor descriptors, 0.77 ms through plain loads;
+    # 64 x 128 on 4 warps 0.84 ms (the 64-row tiles read every key block from L2 twice as often). Head dim 256:
+    # 64 x 32 tiles on 4 warps, 2 stages (untimed): the kernel holds pipeline buffers for the packed and the indexed
+    # key loop, and 64-key blocks asked for 288 KB of shared memory on an H200 (227 KB there).
+    wide = head_dim <= 128
+    block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(num_m)))
+    block_n = PREFILL_BLOCK_N if wide else PREFILL_BLOCK_N // 4  # D 256: both key loops' buffers fit in 227 KB
+    gather = True  # packed K/V buffers of at most GATHER_MAX_BYTES (packed_buffer_entries)
+    num_warps = 8 if wide and block_m == 128 else 4
+    num_stages = 3 if wide else 2
     m_blocks = triton.cdiv(num_m, block_m)
     if m_blocks * rows >= PREFILL_SPLIT_BELOW * num_sms or capacity == 0:
         return SparseAttentionConfig(split=False, block_m=block_m, block_n=block_n, num_warps=num_warps,
-                                     num_stages=num_stages, gather=gather)
+                                     num_stages=num_stages, gather=gather, tma=gather and tma and PREFILL_TMA)
     # Too few programs to fill the GPU: cut rows into items (a multiple of block_n) so that ~TARGET programs run;
     # one item per program (workers = the bound on items), merged like decode.
     want_items = max(1, triton.cdiv(PREFILL_TARGET_PROGRAMS_PER_SM * num_sms, m_blocks))
@@ -204,7 +239,8 @@ def sparse_attention(
     lse = torch.empty(hq, lq, device=q.device, dtype=torch.float32)  # flat: [rows, num_m]
     if out.numel() == 0:
         return out, lse
-    cfg = config or plan(num_m, rows, d, indices.numel(), selection.num_keys, _num_sms(q.device), k.element_size())
+    cfg = config or plan(num_m, rows, d, indices.numel(), selection.num_keys, _num_sms(q.device), k.element_size(),
+                         _has_tma(q.device))
     block_r = max(2, triton.next_power_of_2(rows))
     m_blocks = triton.cdiv(num_m, cfg.block_m)
     common = dict(
@@ -213,17 +249,21 @@ def sparse_attention(
     )
     strides = (*q.stride(), *k.stride(), *v.stride())
     qk_scale = scale * LOG2E
-    if cfg.gather:  # packed [capacity, D] copies of the selected K/V, in selection order
+    if cfg.gather:  # packed copies of the first `entries` selected K/V, in selection order
         k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
-        k_packed = torch.empty(max(1, indices.numel()), d, device=q.device, dtype=k.dtype)
+        entries = cfg.packed_entries or packed_buffer_entries(indices.numel(), d, k.element_size())
+        k_packed = torch.empty(entries, d, device=q.device, dtype=k.dtype)
         v_packed = torch.empty_like(k_packed)
         gather_selected_kernel[(triton.cdiv(selection.num_keys, GATHER_BLOCK_N), rows)](
             k, v, indptr, indices, k_packed, v_packed, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            rows, hkv, HEAD_DIM=d, BLOCK_N=GATHER_BLOCK_N, num_warps=4,
+            rows, hkv, entries, HEAD_DIM=d, BLOCK_N=GATHER_BLOCK_N, num_warps=4,
         )
-        k, v = k_packed, v_packed
-        strides = (*q.stride(), 0, d, 1, 0, d, 1)
-    common["GATHERED"] = cfg.gather
+        common.update(PACKED=True, kp_ptr=k_packed, vp_ptr=v_packed, packed_cap=entries)
+        if cfg.tma:
+            if TensorDescriptor is None:
+                raise RuntimeError("config.tma needs triton.tools.tensor_descriptor (Triton >= 3.4)")
+            common.update(k_desc=TensorDescriptor.from_tensor(k_packed, [cfg.block_n, d]),
+                          v_desc=TensorDescriptor.from_tensor(v_packed, [cfg.block_n, d]), TMA=True)
     if not cfg.split:
         sparse_attn_fwd_kernel[(m_blocks, rows)](
             q, k, v, indptr, indices, out, lse, *strides, rows, hkv, group, lq, 1, qk_scale, **common
@@ -245,5 +285,5 @@ def sparse_attention(
     return out, lse
 
 
-__all__ = ["SparseAttentionConfig", "max_items", "plan", "sparse_attention"]
+__all__ = ["SparseAttentionConfig", "max_items", "packed_buffer_entries", "plan", "sparse_attention"]
 

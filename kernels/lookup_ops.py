@@ -8,9 +8,10 @@ depend only on shapes, the candidate lists' lengths are read on the device.
                        the number of candidates, not with C
 
 Passes (see the kernels' docstrings):
-    1. denominator, grid (unit, query-row block, split): partial (max, sum) of N_j exp(s_j) per (head, token); the
-       centroids are split over `split` programs so that one decode token still fills the GPU. Decode (Lq == 1)
-       also stores s = scale * q . C in a float32 cache [Hq, W] so that pass 2 never reads the centroids again.
+    1. denominator, grid (unit, query-row block, split): partial (max, sum) of N_j exp(s_j) per (head, token), in
+       base 2; the centroids are split over `split` programs so that one decode token still fills the GPU. Decode
+       (Lq == 1) also stores s2 = log2(e) * scale * q . C in a float32 cache [Hq, W] so that pass 2 never reads the
+       centroids again.
     2. score, grid (unit, centroid block): log D from the partials, S = exp(s - log D) summed per row over heads and
        tokens, max(mean, last token), compared with T; deterministic (no atomics). A dense lookup over Lq > 1 tokens
        (the question's prefill) runs the centroid-major form (centroid_score_prefill_kernel): each program holds its
@@ -222,7 +223,7 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     inputs = (q, centroids, counts, allowed_u8, indptr, idx)
     centroid_denominator_kernel[(units, m_blocks, nsplit)](
         *inputs, part_max, part_sum, s_cache,
-        float(scale), lq, c, capacity, g, gh, hpr, nsplit, *strides,
+        float(scale) * LOG2E, lq, c, capacity, g, gh, hpr, nsplit, *strides,
         BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, STORE_S=cache_s, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **common,
     )
@@ -244,7 +245,7 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     centroid_score_kernel[(units, score_blocks)](
         *inputs, part_max, part_sum, s_cache, keep.view(torch.uint8), score,
         starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-        float(scale), keep_threshold, lq, c, capacity, g, gh, hpr, nsplit, score_blocks, score_blocks,
+        float(scale) * LOG2E, keep_threshold, lq, c, capacity, g, gh, hpr, nsplit, score_blocks, score_blocks,
         *strides, keep.stride(0), score.stride(0),
         BLOCK_M=score_m, BLOCK_C=score_c, BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)), LOAD_S=cache_s,
         HAS_STARTS=has_starts, num_warps=score_warps, num_stages=score_stages, **common,

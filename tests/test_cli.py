@@ -61,3 +61,26 @@ def test_errors_are_one_line(tiny, capsys, tmp_path):
         code, out, err = run(capsys, *argv)
         assert code == 1 and out == ""
         assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_ask_with_index_options_uses_or_builds_that_context(tiny, capsys, tmp_path):
+    """`ask` takes ingest's index options: a path or a cached document id gets a context with those settings
+    (built once, then reused); without them a cached document keeps the context it has."""
+    model, root = tiny
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--quiet", "--json"]
+    ask = ["What was rebuilt?", "--max-new-tokens", "2", *common]
+    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), *common)
+    default = json.loads(out)
+    code, out, _ = run(capsys, "ask", default["doc_id"], *ask)
+    assert code == 0 and json.loads(out)["context_id"] == default["context_id"]
+    code, out, _ = run(capsys, "ask", default["doc_id"], *ask, "--centroid-ratio", "0.1", "--prefill-threshold",
+                       "calibrated")
+    assert code == 0
+    other = json.loads(out)["context_id"]
+    assert other != default["context_id"]
+    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), *common, "--centroid-ratio", "0.1",
+                       "--prefill-threshold", "calibrated")
+    assert json.loads(out)["cached"] is True and json.loads(out)["context_id"] == other
+    code, out, _ = run(capsys, "ask", str(root / "doc.txt"), *ask, "--centroid-ratio", "0.1", "--prefill-threshold",
+                       "calibrated")
+    assert code == 0 and json.loads(out)["context_id"] == other

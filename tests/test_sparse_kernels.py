@@ -17,7 +17,15 @@ import pytest
 import torch
 
 from kernels import reference
-from kernels.attention_ops import DECODE_WORKERS_PER_SM, SparseAttentionConfig, max_items, plan, sparse_attention
+from kernels.attention_ops import (
+    DECODE_WORKERS_PER_SM,
+    GATHER_MAX_BYTES,
+    SparseAttentionConfig,
+    max_items,
+    packed_buffer_entries,
+    plan,
+    sparse_attention,
+)
 from kernels.selection import Selection
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -118,6 +126,9 @@ FORCED = {
                                             gather=True),
     "split-gathered": SparseAttentionConfig(split=True, block_m=32, block_n=16, num_warps=4, num_stages=2,
                                             chunk=5, workers=3, merge_block_m=2, merge_block_i=4, gather=True),
+    # packed K/V read through tensor descriptors for the whole blocks (Hopper's default prefill path)
+    "plain-gathered-tma": SparseAttentionConfig(split=False, block_m=16, block_n=16, num_warps=4, num_stages=2,
+                                                gather=True, tma=True),
 }
 
 
@@ -216,6 +227,37 @@ def test_plan_depends_on_shapes_only():
     small = plan(num_m=512, rows=8, head_dim=128, capacity=13_000 * 8, num_keys=128 * 1024, num_sms=132)
     assert small.split and small.chunk % small.block_n == 0
     assert small.workers == max_items(13_000 * 8, 8, 128 * 1024, small.chunk)  # one item per program
+
+
+PARTLY_PACKED = {
+    "plain": dict(split=False, block_m=16, block_n=16),
+    "plain-tma": dict(split=False, block_m=16, block_n=16, tma=True),
+    "split": dict(split=True, block_m=32, block_n=16, chunk=5, workers=3, merge_block_m=2, merge_block_i=4),
+}
+
+
+@pytest.mark.parametrize("lq", [3, 40])
+@pytest.mark.parametrize("name", list(PARTLY_PACKED))
+def test_packed_buffers_smaller_than_the_selection(name, lq):
+    """Packed buffers holding only the first rows' keys (their bound in bytes): those rows read the packed K/V,
+    the rows past the buffers read through the indices (decided per row on the device); both give the reference."""
+    mask = uneven_mask(4, LK, seed=3)[[1, 3, 0, 2]]  # rows of 3 keys, a few runs, ~85% of the keys, none
+    counts = mask.sum(1)
+    assert 0 < counts[0] < counts[0] + counts[1] < counts[:3].sum()
+    entries = int(counts[0] + counts[1]) + 7  # rows 0 and 1 fit, row 2 does not
+    cfg = SparseAttentionConfig(num_warps=4, num_stages=2, gather=True, packed_entries=entries,
+                                **PARTLY_PACKED[name])
+    q, k, v = make_qkv(4, 2, lq, LK, 16, torch.float32, seed=5)
+    check(q, k, v, selection_on_device(mask), config=cfg)
+
+
+def test_plan_bounds_the_packed_buffers():
+    """Prefill packs the selected K/V into buffers of the index list's capacity, at most GATHER_MAX_BYTES (K and V)."""
+    pre = plan(num_m=4 * 1024, rows=8, head_dim=128, capacity=8 * 512 * 1024, num_keys=512 * 1024, num_sms=132)
+    assert pre.gather and pre.packed_entries == 0  # sized at the call, from the capacity
+    assert packed_buffer_entries(1000, 128, 2) == 1000
+    bound = packed_buffer_entries(32 * 512 * 1024, 128, 2)
+    assert bound == GATHER_MAX_BYTES // (2 * 128 * 2) < 32 * 512 * 1024
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 256])

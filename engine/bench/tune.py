@@ -107,10 +107,12 @@ def main(argv: list[str] | None = None) -> int:
                 configs = [attention_ops.SparseAttentionConfig(split=True, block_m=16, block_n=n, num_warps=w, num_stages=st,
                                                                chunk=c, workers=wps * sms)
                            for c, n, w, wps, st in grid if n <= c]
-            else:
-                grid = itertools.product((64, 128), (32, 64, 128), (4, 8), (2, 3, 4))
-                configs = [attention_ops.SparseAttentionConfig(split=False, block_m=m, block_n=n, num_warps=w, num_stages=st)
-                           for m, n, w, st in grid]
+            else:  # packed K/V (the default), whole blocks through tensor descriptors or plain loads
+                tiles = ((64, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 8), (128, 64, 4), (128, 32, 4))
+                grid = itertools.product(tiles, (2, 3, 4), (True, False))
+                configs = [attention_ops.SparseAttentionConfig(split=False, block_m=m, block_n=n, num_warps=w,
+                                                               num_stages=st, gather=True, tma=tma)
+                           for (m, n, w), st, tma in grid]
             out[f"{phase}_attn"] = _sweep(f"{phase}_attn", configs,
                                           lambda cfg: attention_ops.sparse_attention(q, kp, vp, sel, scale, config=cfg))
     print(json.dumps(out))

@@ -69,19 +69,20 @@ def _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt):
 
 
 @triton.jit
-def _log_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLIT: tl.constexpr):
-    """log D = log sum_j N_j exp(s_j) per query row [BLOCK_M] from the NSPLIT partials (max, sum of exp(x - max)).
+def _log2_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLIT: tl.constexpr):
+    """log2 D = log2 sum_j N_j 2^(s2_j) per query row [BLOCK_M] from the NSPLIT base-2 partials (max, sum of
+    2^(x - max)), s2 = log2(e) * scale * q . C.
 
-    -inf where no cluster enters the denominator (then S = exp(s + inf) = inf, as in the reference)."""
+    -inf where no cluster enters the denominator (then S = 2^(s2 + inf) = inf, as in the reference)."""
     offs = tl.arange(0, BLOCK_SPLIT)
     mask = m_ok[:, None] & (offs < NSPLIT)[None, :]
     ptrs = qrow[:, None] * NSPLIT + offs[None, :]
     pmax = tl.load(part_max_ptr + ptrs, mask=mask, other=float("-inf"))  # [BLOCK_M, BLOCK_SPLIT]
     psum = tl.load(part_sum_ptr + ptrs, mask=mask, other=0.0)
     mx = tl.max(pmax, axis=1)
-    ref = tl.where(mx == float("-inf"), 0.0, mx)  # keeps exp() away from -inf - -inf
-    total = tl.sum(psum * tl.exp(pmax - ref[:, None]), axis=1)
-    return tl.where(total > 0, ref + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    ref = tl.where(mx == float("-inf"), 0.0, mx)  # keeps exp2() away from -inf - -inf
+    total = tl.sum(psum * tl.exp2(pmax - ref[:, None]), axis=1)
+    return tl.where(total > 0, ref + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
 
 
 @triton.jit
@@ -108,8 +109,8 @@ def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
 @triton.jit
 def centroid_denominator_kernel(
     q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr,  # inputs (allowed / indptr / idx: see flags)
-    part_max_ptr, part_sum_ptr, s_ptr,  # outputs: [Hq * Lq, NSPLIT] float32 each; s cache [Hq * Lq, W] float32
-    scale, Lq, C, CAP, G, GH, HPR, NSPLIT,
+    part_max_ptr, part_sum_ptr, s_ptr,  # outputs: [Hq * Lq, NSPLIT] float32 each; s2 cache [Hq * Lq, W] float32
+    scale2, Lq, C, CAP, G, GH, HPR, NSPLIT,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -117,11 +118,14 @@ def centroid_denominator_kernel(
     BLOCK_C: tl.constexpr,
     HAS_ALLOWED: tl.constexpr,  # dense mask allowed [rows, C]: only allowed clusters enter the denominator
     USE_LIST: tl.constexpr,  # the unit's positions are its row's candidate list (CSR indptr / idx)
-    STORE_S: tl.constexpr,  # keep s in s_ptr so the score pass needs no second look at the centroids (decode)
+    STORE_S: tl.constexpr,  # keep s2 in s_ptr so the score pass needs no second look at the centroids (decode)
     DOT_PRECISION: tl.constexpr,
 ):
-    """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s_j + log N_j over the unit's centroid
-    blocks split, split + NSPLIT, ... (flash style). Empty clusters, masked ones and invalid positions give x = -inf."""
+    """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
+    centroid blocks split, split + NSPLIT, ... (flash style, base 2: s2 = scale2 * q . C with scale2 = scale *
+    log2(e)). Empty clusters, masked ones and invalid positions give x = -inf; without an `allowed` mask that is a
+    per-centroid offset, so a tile costs one FMA, one max, one exp2 and one add per element. Rows past the unit's
+    end compute on zero queries and are not stored."""
     unit = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -144,17 +148,18 @@ def centroid_denominator_kernel(
         pos = blk * BLOCK_C + tl.arange(0, BLOCK_C)
         cid, c_ok = _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST)
         ct = _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc)  # [BLOCK_D, BLOCK_C]
-        s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale  # [BLOCK_M, BLOCK_C] float32
+        s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale2  # [BLOCK_M, BLOCK_C] float32, log2 domain
         cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
-        ok = m_ok[:, None] & (c_ok & (cnt > 0))[None, :]
+        c_in = c_ok & (cnt > 0)
+        log2_n = tl.where(c_in, tl.log2(tl.maximum(cnt, 1).to(tl.float32)), float("-inf"))  # [BLOCK_C]
+        x = s + log2_n[None, :]
         if HAS_ALLOWED:
-            allowed = tl.load(allowed_ptr + (head // HPR)[:, None] * stride_ar + cid[None, :], mask=ok, other=0)
-            ok = ok & (allowed != 0)
-        log_n = tl.log(tl.maximum(cnt, 1).to(tl.float32))
-        x = tl.where(ok, s + log_n[None, :], float("-inf"))
+            allowed = tl.load(allowed_ptr + (head // HPR)[:, None] * stride_ar + cid[None, :],
+                              mask=m_ok[:, None] & c_in[None, :], other=0)
+            x = tl.where(allowed != 0, x, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(x, axis=1))
         ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp(m_i - ref) + tl.sum(tl.exp(x - ref[:, None]), axis=1)
+        l_i = l_i * tl.exp2(m_i - ref) + tl.sum(tl.exp2(x - ref[:, None]), axis=1)
         m_i = m_new
         if STORE_S:
             tl.store(s_ptr + qrow[:, None] * stride_s + (start + pos)[None, :], s, mask=m_ok[:, None] & c_ok[None, :])
@@ -168,7 +173,7 @@ def centroid_score_kernel(
     part_max_ptr, part_sum_ptr, s_ptr,  # the denominator pass's outputs
     keep_ptr, score_ptr,  # outputs [rows, C]: keep uint8 (a bool view), score float32; written at the unit's ids
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
-    scale, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG, NB,
+    scale2, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -177,14 +182,14 @@ def centroid_score_kernel(
     BLOCK_SPLIT: tl.constexpr,  # power of two >= NSPLIT
     HAS_ALLOWED: tl.constexpr,
     USE_LIST: tl.constexpr,
-    LOAD_S: tl.constexpr,  # read s from the denominator pass's cache instead of recomputing q . C (decode)
+    LOAD_S: tl.constexpr,  # read s2 from the denominator pass's cache instead of recomputing q . C (decode)
     HAS_STARTS: tl.constexpr,  # also write each (row, centroid block)'s kept keys for kernels/jit/compact.py
     DOT_PRECISION: tl.constexpr,
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
     sums S = exp(s - log D) over them (mean over heads and tokens) and over its heads' last tokens, and writes
     score = max(mean, last) and keep = score > threshold & count > 0 (& allowed). The max correction of the
-    softmax is folded into log D = max + log(sum), a scalar per query row, so S costs one subtraction and one exp.
+    softmax is folded into log2 D = max + log2(sum), a scalar per query row, so S costs one subtraction and one exp2.
     threshold <= 0 (keep every cluster) is passed as -1, since S >= 0. With HAS_STARTS (dense lookups only) it also
     sums the kept clusters' sizes per block of BLOCK_C centroids: the expansion's first step, fused here."""
     unit = tl.program_id(0)
@@ -214,19 +219,38 @@ def centroid_score_kernel(
                 head = row * HPR + offs_m // Lq
                 tok = offs_m % Lq
                 qrow = head * Lq + tok
-                log_d = _log_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLIT)
+                log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLIT)
                 if LOAD_S:
                     s_ptrs = s_ptr + qrow[:, None] * stride_s + (start + pos)[None, :]
                     s = tl.load(s_ptrs, mask=m_ok[:, None] & c_ok[None, :], other=0.0)
                 else:
                     qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt)
-                    s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale
-                p = tl.where(m_ok[:, None] & c_ok[None, :], tl.exp(s - log_d[:, None]), 0.0)  # S [BLOCK_M, BLOCK_C]
+                    s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale2
+                p = tl.where(m_ok[:, None] & c_ok[None, :], tl.exp2(s - log2_d[:, None]), 0.0)  # S [BLOCK_M, BLOCK_C]
                 total += tl.sum(p, axis=0)
                 last += tl.sum(tl.where((tok == Lq - 1)[:, None], p, 0.0), axis=0)
             _decide(tl.maximum(total / m_row, last / HPR), threshold, cnt, cid, c_ok, row, h0 // G, blk, C, NB,
                     allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, stride_ar, stride_kr, stride_or,
                     HAS_ALLOWED, HAS_STARTS)
+
+
+@triton.jit
+def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, row, scale2, Lq, HPR, NSPLIT, offs_d, D,
+                stride_qh, stride_qt, BLOCK_M: tl.constexpr, BLOCK_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                MASKED: tl.constexpr):
+    """Sum of S = 2^(s2 - log2 D) over the stacked query rows m0 .. m0 + BLOCK_M - 1 of `row` (MASKED: those below
+    m_row only), per centroid of cent [BLOCK_C, BLOCK_D]: [BLOCK_C]."""
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < m_row
+    head = row * HPR + offs_m // Lq
+    tok = offs_m % Lq
+    log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head * Lq + tok, m_ok, NSPLIT, BLOCK_SPLIT)
+    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt)  # [BLOCK_M, BLOCK_D]
+    st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_M]
+    p = tl.exp2(st * scale2 - log2_d[None, :])
+    if MASKED:
+        p = tl.where(m_ok[None, :], p, 0.0)
+    return tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -265,25 +289,21 @@ def centroid_score_prefill_kernel(
     cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
     rows_here = G // HPR
     m_row = HPR * Lq
-    LOG2E: tl.constexpr = 1.4426950408889634
     for rr in range(0, rows_here):
         row = unit * rows_here + rr
         total = tl.zeros([BLOCK_C], tl.float32)
-        for m0 in range(0, m_row, BLOCK_M):
-            offs_m = m0 + tl.arange(0, BLOCK_M)
-            m_ok = offs_m < m_row
-            head = row * HPR + offs_m // Lq
-            tok = offs_m % Lq
-            log2_d = _log_denominator(part_max_ptr, part_sum_ptr, head * Lq + tok, m_ok, NSPLIT, BLOCK_SPLIT) * LOG2E
-            qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt)  # [BLOCK_M, BLOCK_D]
-            st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_M]
-            p = tl.exp2(st * scale2 - log2_d[None, :])
-            total += tl.sum(tl.where(m_ok[None, :], p, 0.0), axis=1)
+        full_end = m_row // BLOCK_M * BLOCK_M
+        for m0 in range(0, full_end, BLOCK_M):  # whole blocks of query rows: no masks
+            total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, row, scale2, Lq, HPR, NSPLIT,
+                                 offs_d, D, stride_qh, stride_qt, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION, False)
+        if full_end < m_row:
+            total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, full_end, m_row, row, scale2, Lq, HPR,
+                                 NSPLIT, offs_d, D, stride_qh, stride_qt, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION, True)
         offs_h = tl.arange(0, BLOCK_H)  # the last token of each of the row's heads
         h_ok = offs_h < HPR
         head = row * HPR + offs_h
         last_tok = tl.zeros([BLOCK_H], tl.int32) + (Lq - 1)
-        log2_d = _log_denominator(part_max_ptr, part_sum_ptr, head * Lq + last_tok, h_ok, NSPLIT, BLOCK_SPLIT) * LOG2E
+        log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head * Lq + last_tok, h_ok, NSPLIT, BLOCK_SPLIT)
         qb = _load_queries(q_ptr, head, last_tok, h_ok, offs_d, D, stride_qh, stride_qt)  # [BLOCK_H, BLOCK_D]
         st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_H]
         last = tl.sum(tl.where(h_ok[None, :], tl.exp2(st * scale2 - log2_d[None, :]), 0.0), axis=1)

@@ -7,6 +7,8 @@ Vocabulary (see kernels.selection.Selection and kernels.reference.sparse_attenti
     item        a work item of split-KV: `chunk` consecutive entries of one row's key list (the last one shorter);
                 items are numbered row after row, row r owning items first[r] .. first[r] + ceil(count[r]/chunk) - 1.
                 The plan is recomputed on the device from indptr by every program (no host synchronisation).
+    packed      prefill first copies the first packed_cap entries of the key list (their K/V) into contiguous
+                buffers (gather_selected_kernel); a range that ends within them is read from there
 
 Scores are kept in the log2 domain (q.k * scale * log2(e)), so partial lse values are base 2; final lse is natural.
 """
@@ -53,15 +55,18 @@ def _heaviest_first(indptr_ptr, rows, rank, BLOCK_R: tl.constexpr):
 @triton.jit
 def _key_block(
     q, k_base, v_base, indices_ptr, n0, end, offs_d, acc, m_i, l_i,
-    stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+    stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, k_desc, v_desc,
     BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, GATHERED: tl.constexpr, MASKED: tl.constexpr,
-    FUSED: tl.constexpr,
+    FUSED: tl.constexpr, TMA: tl.constexpr,
 ):
     """One step of the online softmax over entries n0 .. n0 + BLOCK_N - 1 of the key list (MASKED: those < end
-    only; else all of them, with no mask on any load). FUSED: scale inside the exponent and accumulate P V into
+    only; else all of them, with no mask on any load). GATHERED: entry n is row n of the packed buffers k_base /
+    v_base; else key indices[n] of k_base / v_base. FUSED: scale inside the exponent and accumulate P V into
     acc in the dot; else scale s first and add P V to acc. H200, 128K, 32/8 heads: prefill with whole blocks
     unmasked and FUSED took 1.41 ms where every block masked and unfused took 1.55; split-KV decode (16 query
-    rows) took 71 us that way instead of 55, so it keeps the masked, unfused form. Returns (acc, m_i, l_i)."""
+    rows) took 71 us that way instead of 55, so it keeps the masked, unfused form. TMA (packed K/V, unmasked
+    blocks only): k_desc / v_desc are tensor descriptors of the packed buffers [capacity, HEAD_DIM] with blocks
+    [BLOCK_N, HEAD_DIM], loaded by the copy engine. Returns (acc, m_i, l_i)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     if MASKED:
         n_valid = offs_n < end
@@ -71,6 +76,10 @@ def _key_block(
             idx = tl.load(indices_ptr + offs_n, mask=n_valid, other=0).to(tl.int64)  # [BLOCK_N] key rows
         k = tl.load(k_base + idx[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=n_valid[:, None], other=0.0)
         v = tl.load(v_base + idx[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=n_valid[:, None], other=0.0)
+    elif TMA:
+        y = tl.cast(n0, tl.int32)  # descriptor coordinates are 32-bit
+        k = k_desc.load([y, 0])  # [BLOCK_N, HEAD_DIM]
+        v = v_desc.load([y, 0])
     else:
         idx = offs_n.to(tl.int64) if GATHERED else tl.load(indices_ptr + offs_n).to(tl.int64)
         k = tl.load(k_base + idx[:, None] * stride_kn + offs_d[None, :] * stride_kd)  # [BLOCK_N, HEAD_DIM]
@@ -108,6 +117,33 @@ def _key_block(
 
 
 @triton.jit
+def _key_loop(
+    q, k_base, v_base, indices_ptr, start, end, offs_d, acc, m_i, l_i,
+    stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, k_desc, v_desc,
+    BLOCK_N: tl.constexpr, EXACT_FP32: tl.constexpr, GATHERED: tl.constexpr, PEEL: tl.constexpr, TMA: tl.constexpr,
+):
+    """The online softmax over entries start .. end - 1 of the key list, BLOCK_N at a time (see _key_block).
+    PEEL (prefill): whole blocks without masks (through the descriptors with TMA), then the last, partial block;
+    else (split-KV items) every block masked, unfused (measured faster there). Returns (acc, m_i, l_i)."""
+    if PEEL:
+        full_end = start + (end - start) // BLOCK_N * BLOCK_N
+        for n0 in range(start, full_end, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, k_base, v_base, indices_ptr, n0, end, offs_d, acc, m_i, l_i,
+                                       stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, k_desc, v_desc,
+                                       BLOCK_N, EXACT_FP32, GATHERED, False, True, TMA)
+        if full_end < end:
+            acc, m_i, l_i = _key_block(q, k_base, v_base, indices_ptr, full_end, end, offs_d, acc, m_i, l_i,
+                                       stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, k_desc, v_desc,
+                                       BLOCK_N, EXACT_FP32, GATHERED, True, True, False)
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            acc, m_i, l_i = _key_block(q, k_base, v_base, indices_ptr, n0, end, offs_d, acc, m_i, l_i,
+                                       stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, k_desc, v_desc,
+                                       BLOCK_N, EXACT_FP32, GATHERED, True, False, False)
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _attend(
     q_ptr, k_ptr, v_ptr, indices_ptr,
     row, start, end, offs_m, offs_d, m_valid,
@@ -116,13 +152,23 @@ def _attend(
     stride_vh, stride_vn, stride_vd,
     rows, num_kv_heads, group, lq, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, EXACT_FP32: tl.constexpr,
-    GATHERED: tl.constexpr = False,
+    PACKED: tl.constexpr = False,
     PEEL: tl.constexpr = True,
+    kp_ptr=None,
+    vp_ptr=None,
+    packed_cap=0,
+    k_desc=None,
+    v_desc=None,
+    TMA: tl.constexpr = False,
 ):
     """Online softmax of the query rows offs_m of `row` over its selected keys indices[start:end].
 
-    GATHERED: k/v already hold the selected keys packed in selection order ([nnz, HEAD_DIM], gather_selected_kernel),
-    so entry n is row n of k/v and no index is read.
+    PACKED: kp/vp hold the first packed_cap entries of the key list packed in selection order ([packed_cap,
+    HEAD_DIM], gather_selected_kernel): a range that ends within them reads entry n as row n of kp/vp, no index
+    read; a range past them (a selection larger than the buffers) reads k/v through the indices. TMA (PACKED and
+    PEEL only): whole packed blocks come through the tensor descriptors k_desc / v_desc of those buffers, the last,
+    partial block through masked loads (a descriptor would read past the row into the next row's keys or into
+    unwritten memory).
     Returns acc [BLOCK_M, HEAD_DIM] (unnormalised, fp32), m [BLOCK_M] (running max, log2 domain), l [BLOCK_M]
     (running sum of exp2(s - m)); l == 0 where no key was seen.
     """
@@ -133,32 +179,25 @@ def _attend(
         mask=m_valid[:, None],
         other=0.0,
     )  # [BLOCK_M, HEAD_DIM], input dtype
-    if GATHERED:
-        k_base = k_ptr
-        v_base = v_ptr
-    else:
-        kv_head = (row * num_kv_heads // rows).to(tl.int64)
-        k_base = k_ptr + kv_head * stride_kh
-        v_base = v_ptr + kv_head * stride_vh
-
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if PEEL:  # prefill: whole blocks without masks, then the last, partial block
-        full_end = start + (end - start) // BLOCK_N * BLOCK_N
-        for n0 in range(start, full_end, BLOCK_N):
-            acc, m_i, l_i = _key_block(q, k_base, v_base, indices_ptr, n0, end, offs_d, acc, m_i, l_i,
-                                       stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-                                       BLOCK_N, EXACT_FP32, GATHERED, False, True)
-        if full_end < end:
-            acc, m_i, l_i = _key_block(q, k_base, v_base, indices_ptr, full_end, end, offs_d, acc, m_i, l_i,
-                                       stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-                                       BLOCK_N, EXACT_FP32, GATHERED, True, True)
-    else:  # split-KV items: every block masked (measured faster there)
-        for n0 in range(start, end, BLOCK_N):
-            acc, m_i, l_i = _key_block(q, k_base, v_base, indices_ptr, n0, end, offs_d, acc, m_i, l_i,
-                                       stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
-                                       BLOCK_N, EXACT_FP32, GATHERED, True, False)
+    kv_head = (row * num_kv_heads // rows).to(tl.int64)
+    k_base = k_ptr + kv_head * stride_kh
+    v_base = v_ptr + kv_head * stride_vh
+    if PACKED:
+        if end <= packed_cap:
+            acc, m_i, l_i = _key_loop(q, kp_ptr, vp_ptr, indices_ptr, start, end, offs_d, acc, m_i, l_i,
+                                      HEAD_DIM, 1, HEAD_DIM, 1, qk_scale, k_desc, v_desc,
+                                      BLOCK_N, EXACT_FP32, True, PEEL, TMA)
+        else:
+            acc, m_i, l_i = _key_loop(q, k_base, v_base, indices_ptr, start, end, offs_d, acc, m_i, l_i,
+                                      stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, k_desc, v_desc,
+                                      BLOCK_N, EXACT_FP32, False, PEEL, False)
+    else:
+        acc, m_i, l_i = _key_loop(q, k_base, v_base, indices_ptr, start, end, offs_d, acc, m_i, l_i,
+                                  stride_kn, stride_kd, stride_vn, stride_vd, qk_scale, k_desc, v_desc,
+                                  BLOCK_N, EXACT_FP32, False, PEEL, False)
     return acc, m_i, l_i
 
 
@@ -175,15 +214,24 @@ def sparse_attn_fwd_kernel(
     BLOCK_R: tl.constexpr,
     SPLIT: tl.constexpr,
     EXACT_FP32: tl.constexpr,
-    GATHERED: tl.constexpr = False,
+    PACKED: tl.constexpr = False,
+    kp_ptr=None,
+    vp_ptr=None,
+    packed_cap=0,
+    k_desc=None,
+    v_desc=None,
+    TMA: tl.constexpr = False,
 ):
     """Sparse attention forward. Grid axis 0: blocks of BLOCK_M query rows (of M = group * lq).
 
-    SPLIT == False (prefill): axis 1 is the row; the program reads the row's whole key list and writes the final
-        out [rows * M, HEAD_DIM] fp32 and lse [rows * M] fp32 (natural log; 0 and -inf for an empty row).
+    SPLIT == False (prefill): axis 1 is the row (heaviest first); the program reads the row's whole key list and
+        writes the final out [rows * M, HEAD_DIM] fp32 and lse [rows * M] fp32 (natural log; 0 and -inf for an
+        empty row).
     SPLIT == True (split-KV, decode): axis 1 holds persistent workers; worker w takes items w, w + W, w + 2W, ...
         below the total (known on the device only) and writes, per item, the normalised partial output into
         out [items, M, HEAD_DIM] and its base-2 lse into lse [items, M]; sparse_attn_merge_kernel combines them.
+    PACKED: kp / vp [packed_cap, HEAD_DIM] hold the first packed_cap entries of the key list (see _attend); TMA:
+    k_desc / v_desc describe them.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -201,7 +249,7 @@ def sparse_attn_fwd_kernel(
                 q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
                 stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
                 rows, num_kv_heads, group, lq, qk_scale,
-                BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32, GATHERED, False,
+                BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32, PACKED, False, kp_ptr, vp_ptr, packed_cap,
             )
             flat = item * num_m + offs_m.to(tl.int64)  # [BLOCK_M] rows of the partial buffers
             tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=m_valid[:, None])
@@ -214,7 +262,7 @@ def sparse_attn_fwd_kernel(
             q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
             stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
             rows, num_kv_heads, group, lq, qk_scale,
-            BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32, GATHERED, True,
+            BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32, PACKED, True, kp_ptr, vp_ptr, packed_cap, k_desc, v_desc, TMA,
         )
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)
@@ -228,16 +276,17 @@ def sparse_attn_fwd_kernel(
 def gather_selected_kernel(
     k_ptr, v_ptr, indptr_ptr, indices_ptr, k_out_ptr, v_out_ptr,
     stride_kh, stride_kn, stride_vh, stride_vn,
-    rows, num_kv_heads,
+    rows, num_kv_heads, cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """Copy each row's selected keys and values into packed [nnz, HEAD_DIM] buffers, in selection order (entry n of
-    the CSR list -> row n). Grid (key blocks, rows): program (t, r) copies entries indptr[r] + t * BLOCK_N ... of row
-    r, or nothing past the row's end (the grid covers the longest possible row)."""
+    """Copy the first `cap` entries of the key list (the selected keys and values, in selection order: entry n of
+    the CSR list -> buffer row n) into packed [cap, HEAD_DIM] buffers. Grid (key blocks, rows): program (t, r)
+    copies entries indptr[r] + t * BLOCK_N ... of row r below cap, or nothing past the row's end (the grid covers
+    the longest possible row)."""
     row = tl.program_id(1)
     start = tl.load(indptr_ptr + row).to(tl.int64) + tl.program_id(0) * BLOCK_N
-    end = tl.load(indptr_ptr + row + 1).to(tl.int64)
+    end = tl.minimum(tl.load(indptr_ptr + row + 1).to(tl.int64), cap)
     if start < end:
         offs_n = start + tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, HEAD_DIM)
