@@ -247,10 +247,9 @@ def sparse_attention(
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=cfg.split,
         EXACT_FP32=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    strides = (*q.stride(), *k.stride(), *v.stride())
     qk_scale = scale * LOG2E
     if cfg.gather:  # packed copies of the first `entries` selected K/V, in selection order
-        k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))
+        k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))  # the copy reads rows of unit stride
         entries = cfg.packed_entries or packed_buffer_entries(indices.numel(), d, k.element_size())
         k_packed = torch.empty(entries, d, device=q.device, dtype=k.dtype)
         v_packed = torch.empty_like(k_packed)
@@ -264,6 +263,7 @@ def sparse_attention(
                 raise RuntimeError("config.tma needs triton.tools.tensor_descriptor (Triton >= 3.4)")
             common.update(k_desc=TensorDescriptor.from_tensor(k_packed, [cfg.block_n, d]),
                           v_desc=TensorDescriptor.from_tensor(v_packed, [cfg.block_n, d]), TMA=True)
+    strides = (*q.stride(), *k.stride(), *v.stride())  # of k / v as the kernel reads them (after any copy above)
     if not cfg.split:
         sparse_attn_fwd_kernel[(m_blocks, rows)](
             q, k, v, indptr, indices, out, lse, *strides, rows, hkv, group, lq, 1, qk_scale, **common

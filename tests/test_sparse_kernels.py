@@ -251,6 +251,20 @@ def test_packed_buffers_smaller_than_the_selection(name, lq):
     check(q, k, v, selection_on_device(mask), config=cfg)
 
 
+@pytest.mark.parametrize("name", ["plain", "split"])
+def test_partly_packed_with_strided_head_dim(name):
+    """K/V whose head dimension is strided (the packing copy wants it contiguous): the rows past the packed
+    buffers read the copy with its own strides."""
+    mask = uneven_mask(4, LK, seed=3)[[1, 3, 0, 2]]
+    counts = mask.sum(1)
+    cfg = SparseAttentionConfig(num_warps=4, num_stages=2, gather=True, packed_entries=int(counts[0] + counts[1]) + 7,
+                                **PARTLY_PACKED[name])
+    q, k, v = make_qkv(4, 2, 40, LK, 16, torch.float32, seed=6)
+    kt, vt = (torch.stack([x, torch.zeros_like(x)], dim=-1)[..., 0] for x in (k, v))  # [Hkv, Lk, D], stride 2
+    assert kt.stride(-1) == 2 and torch.equal(kt, k)
+    check(q, kt, vt, selection_on_device(mask), config=cfg)
+
+
 def test_plan_bounds_the_packed_buffers():
     """Prefill packs the selected K/V into buffers of the index list's capacity, at most GATHER_MAX_BYTES (K and V)."""
     pre = plan(num_m=4 * 1024, rows=8, head_dim=128, capacity=8 * 512 * 1024, num_keys=512 * 1024, num_sms=132)
