@@ -40,7 +40,13 @@ class QueryCapture:
 
 @dataclass
 class StepContext:
-    """Everything one forward call over new tokens needs; passed to the model as `squeeze_step=`."""
+    """Everything one forward call over new tokens needs; passed to the model as `squeeze_step=`.
+
+    positions: [Lq] int64 on the model's device, the call's query positions (the position_ids the model gets);
+        set by the caller before each call (a captured step reads them from this same buffer at every replay)
+    static: the call is being captured in a CUDA graph: attend over every new-token slot, masked by position
+    graphs: where greedy generation finds (or captures) its decode step; None runs every step eagerly
+    """
 
     cache: FixedContextCache
     policy: Policy
@@ -49,22 +55,17 @@ class StepContext:
     backend: Backend
     recorder: TurnRecorder | None = None
     capture: QueryCapture | None = None
-
-
-def _new_token_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """[Lq, Lk] bool: causal, and within the sliding window (k > q - window) when there is one."""
-    mask = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        mask &= k_pos[None, :] > q_pos[:, None] - window
-    return mask
+    positions: torch.Tensor | None = None
+    static: bool = False
+    graphs: object | None = None  # engine.graph.DecodeGraphs: decode steps replayed from CUDA graphs (None: eager)
 
 
 def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
     """Attention of q over the layer's fixed context. Returns (out [Hq, Lq, D], lse [Hq, Lq]) float32."""
     kf, vf = layer.fixed_keys, layer.fixed_values
     if layer.sliding_window is not None:  # the last window of the document, dense, masked by distance
-        k_pos = torch.arange(layer.fixed_len - kf.shape[1], layer.fixed_len, device=q.device)
-        return step.backend.attention_with_lse(q, kf, vf, scale, _new_token_mask(q_pos, k_pos, layer.sliding_window))
+        k_start = layer.fixed_len - kf.shape[1]
+        return step.backend.causal_attention(q, kf, vf, scale, q_pos, k_start, layer.sliding_window)
     recorder = step.recorder
     timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
     policy = step.policy if layer.index else DENSE  # a layer without an index attends densely
@@ -91,7 +92,7 @@ def squeeze_attention(
     squeeze_step: StepContext | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query: [1, Hq, Lq, D]; key, value: [1, Hkv, Lnew, D] (the turn's new tokens so far, this step's last).
+    """query: [1, Hq, Lq, D] (the call's tokens; their K/V are already in the layer's new-token buffers).
 
     Returns (out [1, Lq, Hq, D] in the query's dtype, None).
     """
@@ -104,15 +105,16 @@ def squeeze_attention(
         raise ValueError(f"the fixed-context engine runs batch 1, got batch {query.shape[0]}")
     if softcap is not None or getattr(module, "attn_logit_softcapping", None):
         raise NotImplementedError("attention logit soft-capping (e.g. Gemma 2) is not supported by the engine")
+    if squeeze_step.positions is None:
+        raise RuntimeError("StepContext.positions must hold the call's query positions")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     layer: FixedContextLayer = squeeze_step.cache.layers[module.layer_idx]
-    q, k_new, v_new = query[0], key[0], value[0]  # [Hq, Lq, D], [Hkv, Lnew, D]
-    lq, lnew = q.shape[1], k_new.shape[1]
+    q = query[0]  # [Hq, Lq, D]
     with _current_device(q.device):
-        q_pos = torch.arange(layer.fixed_len + lnew - lq, layer.fixed_len + lnew, device=q.device)
-        new_pos = torch.arange(layer.fixed_len, layer.fixed_len + lnew, device=q.device)
-        new_mask = _new_token_mask(q_pos, new_pos, layer.sliding_window)
-        parts = [squeeze_step.backend.attention_with_lse(q, k_new, v_new, scale, new_mask)]
+        q_pos = squeeze_step.positions.to(q.device)  # [Lq]; a no-op unless layers sit on several devices
+        k_new, v_new = layer.new_kv(squeeze_step.static)  # [Hkv, n, D], slot i at position fixed_len + i
+        parts = [squeeze_step.backend.causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
+                                                       layer.sliding_window)]
         if layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0:
             parts.append(_fixed_part(layer, q, q_pos, scale, squeeze_step))
         if squeeze_step.capture is not None and layer.sliding_window is None:

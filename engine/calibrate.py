@@ -20,11 +20,12 @@ def weighted_thresholds(scores: torch.Tensor, weights: torch.Tensor, sparsities:
     A cluster is kept when S > T, so T_s prunes about a fraction s of the keys. s = 0 gives T = 0 (keep all).
     Returns [len(sparsities)] float64.
     """
-    scores, weights = scores.reshape(-1).double(), weights.reshape(-1).double()
-    if scores.numel() > MAX_CALIBRATION_SCORES:
-        gen = torch.Generator().manual_seed(0)
-        pick = torch.randperm(scores.numel(), generator=gen)[:MAX_CALIBRATION_SCORES].to(scores.device)
+    scores, weights = scores.reshape(-1), weights.reshape(-1)
+    if scores.numel() > MAX_CALIBRATION_SCORES:  # a uniform sample (with replacement), drawn where the scores are
+        gen = torch.Generator(device=scores.device).manual_seed(0)
+        pick = torch.randint(scores.numel(), (MAX_CALIBRATION_SCORES,), generator=gen, device=scores.device)
         scores, weights = scores[pick], weights[pick]
+    scores, weights = scores.double(), weights.double()
     order = torch.argsort(scores)
     sorted_scores = scores[order]
     cum = torch.cumsum(weights[order], dim=0)

@@ -127,6 +127,8 @@ def cmd_serve(args) -> int:
 def cmd_bench(args) -> int:
     if args.which == "kernels":
         from engine.bench.kernels import main as bench_main  # noqa: PLC0415
+    elif args.which == "e2e":
+        from engine.bench.e2e import main as bench_main  # noqa: PLC0415
     else:
         from engine.bench.capture import main as bench_main  # noqa: PLC0415
     return bench_main(args.rest)
@@ -173,8 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--max-upload-mb", type=float, default=50.0, help="largest file accepted, per file")
     p.set_defaults(func=cmd_serve)
-    p = sub.add_parser("bench", help="benchmarks that print JSON: `kernels` (GPU), `capture` (real keys for it)")
-    p.add_argument("which", choices=("kernels", "capture"))
+    p = sub.add_parser("bench", help="benchmarks that print JSON: `kernels` (GPU), `capture` (real keys for it), "
+                                     "`e2e` (ingest, prefill and decode through the engine, beside transformers)")
+    p.add_argument("which", choices=("kernels", "capture", "e2e"))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `squeeze bench kernels --help`)")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

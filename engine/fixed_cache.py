@@ -1,19 +1,28 @@
-"""A transformers `Cache` that keeps the fixed context (the document) apart from the new tokens of a turn."""
+"""A transformers `Cache` that keeps the fixed context (the document) apart from the new tokens of a turn.
+
+The new tokens live in static per-layer buffers written at a device-side offset (as transformers' StaticLayer
+does), so a decode step touches no host state and can be replayed from a CUDA graph: slot i of a layer's buffers
+holds the new token at position fixed_len + i, and attention masks unwritten slots by position (they lie after
+every query).
+"""
 
 from __future__ import annotations
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+MIN_NEW_CAPACITY = 64  # new-token slots allocated at least (a turn that needs more grows them before it starts)
+
 
 class FixedContextLayer(DynamicLayer):
-    """One decoder layer's cache: a fixed part that turns never change, and a dynamic part for new tokens.
+    """One decoder layer's cache: a fixed part that turns never change, and a static buffer for new tokens.
 
     fixed_keys, fixed_values: [Hkv, Lkept, D] the fixed context's K/V (a sliding-window layer keeps only its
-        last `sliding_window` tokens, so Lkept <= fixed_len)
+        last `sliding_window` tokens, so Lkept <= fixed_len); views of a preallocated store during an ingest
     fixed_len: tokens in the whole fixed context; new tokens take positions fixed_len, fixed_len + 1, ...
     index: the layer's sparse-attention artifacts (global layers only)
-    The dynamic part is DynamicLayer's `keys`/`values`: [1, Hkv, Lnew, D].
+    new_keys, new_values: [Hkv, capacity, D] the turn's new tokens (slot i = position fixed_len + i)
+    new_len: [1] int64 on the device, slots written so far (advanced in place: graph-replayable)
     """
 
     def __init__(
@@ -23,6 +32,7 @@ class FixedContextLayer(DynamicLayer):
         fixed_len: int = 0,
         sliding_window: int | None = None,
         index: dict[str, torch.Tensor] | None = None,
+        fixed_capacity: int = 0,
     ):
         super().__init__()
         self.fixed_keys = fixed_keys
@@ -31,9 +41,54 @@ class FixedContextLayer(DynamicLayer):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.index = index or {}
+        self.fixed_capacity = fixed_capacity  # ingest: the global layers' K/V are preallocated for this many tokens
+        self._store: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.new_keys: torch.Tensor | None = None
+        self.new_values: torch.Tensor | None = None
+        self.new_len: torch.Tensor | None = None
+        self.host_new = 0  # slots written, as the host knows it (eager calls only; a graph replay does not move it)
+
+    # ------------------------------------------------------------------------------------------- the new tokens
+    def reserve(self, like: torch.Tensor, slots: int) -> None:
+        """Make room for `slots` new tokens (like: a [.., Hkv, n, D] tensor giving dtype, device and shape).
+        Keeps what is written; reallocates only when the capacity is short (never during a graph capture)."""
+        hkv, d = like.shape[-3], like.shape[-1]
+        if self.new_keys is not None and self.new_keys.shape[1] >= slots:
+            return
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("new-token buffers must be reserved before a CUDA graph is captured")
+        cap = max(1 << (slots - 1).bit_length(), MIN_NEW_CAPACITY)  # a power of two: a few more tokens fit next time
+        keys = like.new_zeros(hkv, cap, d)
+        values = like.new_zeros(hkv, cap, d)
+        if self.new_keys is not None and self.host_new:
+            keys[:, : self.host_new] = self.new_keys[:, : self.host_new]
+            values[:, : self.host_new] = self.new_values[:, : self.host_new]
+        self.new_keys, self.new_values = keys, values
+        if self.new_len is None:
+            self.new_len = torch.zeros(1, dtype=torch.int64, device=like.device)
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write the call's new K/V ([1, Hkv, n, D]) at slots new_len ... (device offset). Returns them unchanged:
+        the attention function reads the layer's buffers itself."""
+        n = key_states.shape[-2]
+        self.reserve(key_states[0], self.host_new + n)
+        slots = self.new_len + torch.arange(n, device=self.new_len.device)  # [n]
+        self.new_keys.index_copy_(1, slots, key_states[0].to(self.new_keys.dtype))
+        self.new_values.index_copy_(1, slots, value_states[0].to(self.new_values.dtype))
+        self.new_len.add_(n)
+        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            self.host_new += n
+        return key_states, value_states
+
+    def new_kv(self, static: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The new tokens' K/V to attend to: [Hkv, n, D] each. static (a captured step): every slot, the unwritten
+        ones masked by position; else the written slots only."""
+        n = self.new_keys.shape[1] if static else self.host_new
+        return self.new_keys[:, :n], self.new_values[:, :n]
 
     def dynamic_length(self) -> int:
-        return super().get_seq_length()
+        return self.host_new
 
     def get_seq_length(self) -> int:
         return self.fixed_len + self.dynamic_length()
@@ -43,26 +98,44 @@ class FixedContextLayer(DynamicLayer):
         return self.dynamic_length() + query_length, 0
 
     def reset_dynamic(self) -> None:
-        """Forget the turn's new tokens; the fixed part stays."""
-        self.keys = self.values = None
-        self.is_initialized = False
+        """Forget the turn's new tokens; the fixed part stays (the buffers are kept for the next turn)."""
+        self.host_new = 0
+        if self.new_len is not None:
+            with torch.inference_mode():  # the counter may be an inference tensor (made inside a turn)
+                self.new_len.zero_()
 
+    # ------------------------------------------------------------------------------------------- the fixed part
     def commit(self) -> None:
-        """Append the dynamic part to the fixed part (chunked ingest), trimming sliding layers to their window."""
-        if self.dynamic_length() == 0:
+        """Append the written new tokens to the fixed part (chunked ingest), trimming sliding layers to their
+        window. A global layer with a fixed_capacity writes into a store allocated once (no copy of the past)."""
+        n = self.host_new
+        if n == 0:
             return
-        k, v = self.keys[0], self.values[0]  # [Hkv, Lnew, D]
-        n = k.shape[1]
-        if self.fixed_keys is None:
-            self.fixed_keys, self.fixed_values = k, v
+        k, v = self.new_keys[:, :n], self.new_values[:, :n]  # [Hkv, n, D]
+        if self.sliding_window is None and self.fixed_capacity >= self.fixed_len + n:
+            if self._store is None:
+                shape = (k.shape[0], self.fixed_capacity, k.shape[2])
+                self._store = (k.new_empty(shape), v.new_empty(shape))
+            ks, vs = self._store
+            ks[:, self.fixed_len : self.fixed_len + n] = k
+            vs[:, self.fixed_len : self.fixed_len + n] = v
+            self.fixed_keys, self.fixed_values = ks[:, : self.fixed_len + n], vs[:, : self.fixed_len + n]
         else:
-            self.fixed_keys = torch.cat([self.fixed_keys, k], dim=1)
-            self.fixed_values = torch.cat([self.fixed_values, v], dim=1)
-        if self.sliding_window is not None:
-            self.fixed_keys = self.fixed_keys[:, -self.sliding_window :].contiguous()
-            self.fixed_values = self.fixed_values[:, -self.sliding_window :].contiguous()
+            if self.fixed_keys is None:
+                self.fixed_keys, self.fixed_values = k.clone(), v.clone()
+            else:
+                self.fixed_keys = torch.cat([self.fixed_keys, k], dim=1)
+                self.fixed_values = torch.cat([self.fixed_values, v], dim=1)
+            if self.sliding_window is not None:
+                self.fixed_keys = self.fixed_keys[:, -self.sliding_window :].contiguous()
+                self.fixed_values = self.fixed_values[:, -self.sliding_window :].contiguous()
         self.fixed_len += n
         self.reset_dynamic()
+
+    def release_new(self) -> None:
+        """Free the new-token buffers (the end of an ingest: the session allocates its own)."""
+        self.new_keys = self.new_values = self.new_len = None
+        self.host_new = 0
 
 
 class FixedContextCache(Cache):
@@ -74,9 +147,11 @@ class FixedContextCache(Cache):
             layer.layer_idx = i
 
     @classmethod
-    def empty(cls, sliding_windows: list[int | None]) -> "FixedContextCache":
-        """A cache with no fixed context yet (the start of an ingest). sliding_windows: per layer, None = global."""
-        return cls([FixedContextLayer(sliding_window=w) for w in sliding_windows])
+    def empty(cls, sliding_windows: list[int | None], capacity: int = 0) -> "FixedContextCache":
+        """A cache with no fixed context yet (the start of an ingest). sliding_windows: per layer, None = global;
+        capacity: the context's length when known (the global layers' K/V are then allocated once, at full size)."""
+        return cls([FixedContextLayer(sliding_window=w, fixed_capacity=capacity if w is None else 0)
+                    for w in sliding_windows])
 
     @property
     def fixed_len(self) -> int:
@@ -86,6 +161,16 @@ class FixedContextCache(Cache):
         for layer in self.layers:
             layer.reset_dynamic()
 
+    def reserve(self, slots: int) -> None:
+        """Room for `slots` new tokens in every layer that holds a fixed part (a turn over a ready context)."""
+        for layer in self.layers:
+            if layer.fixed_keys is not None:
+                layer.reserve(layer.fixed_keys, slots)
+
     def commit(self) -> None:
         for layer in self.layers:
             layer.commit()
+
+    def release_new(self) -> None:
+        for layer in self.layers:
+            layer.release_new()

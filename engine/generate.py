@@ -1,4 +1,5 @@
-"""Streaming greedy generation over a fixed-context cache."""
+"""Streaming greedy generation over a fixed-context cache: the question's prefill eagerly, then decode steps, each
+replayed from a CUDA graph where the step context has a graph cache (engine.graph), else run eagerly."""
 
 from __future__ import annotations
 
@@ -10,39 +11,85 @@ from engine.attention import StepContext
 from engine.model import LoadedModel
 
 
+def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """One eager call over ids [n] at positions start .. start + n - 1 (their K/V join the turn's new tokens).
+    Returns the last token's logits [1, V] on the device (not read back: the caller decides when to synchronise)."""
+    step.positions = torch.arange(start, start + ids.numel(), device=lm.device)
+    if step.recorder is not None:
+        step.recorder.begin_step()
+    out = lm.model(input_ids=ids[None], position_ids=step.positions[None], past_key_values=step.cache,
+                   use_cache=True, logits_to_keep=1, squeeze_step=step)
+    return out.logits[0, -1:]
+
+
+def _next(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """The greedy token after ids [n]: [1] int64 on the device."""
+    return forward_step(lm, step, ids, start).argmax(dim=-1)
+
+
 def greedy_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int) -> Iterator[int]:
     """Yield greedy tokens one at a time; the first forward is the question's prefill. prompt: [Lq] int64.
 
     Stops after an end-of-sequence token (which is yielded) or `max_new_tokens` tokens. The caller may stop early
-    by closing the generator. New tokens take positions after the fixed context.
+    by closing the generator (close it before reading the step's recorder: replayed steps' statistics are handed
+    to it when the generator ends). New tokens take positions after the fixed context.
     """
     cache = step.cache
     cache.reset_dynamic()
+    cache.reserve(prompt.numel() + max_new_tokens)
     eos = lm.eos_ids()
-    ids = prompt.to(lm.device)
+    position = cache.get_seq_length()
     with torch.inference_mode():
-        for _ in range(max_new_tokens):
-            start = cache.get_seq_length()
-            positions = torch.arange(start, start + ids.numel(), device=lm.device)
-            if step.recorder is not None:
-                step.recorder.begin_step()
-            out = lm.model(input_ids=ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True,
-                           logits_to_keep=1, squeeze_step=step)
-            token = int(out.logits[0, -1].argmax())
-            yield token
-            if token in eos:
+        next_ids = _next(lm, step, prompt.to(lm.device), position)
+        position += prompt.numel()
+        token = int(next_ids)
+        yield token
+        if token in eos or max_new_tokens <= 1:
+            return
+        if step.graphs is None:
+            for _ in range(max_new_tokens - 1):
+                next_ids = _next(lm, step, next_ids, position)
+                position += 1
+                token = int(next_ids)
+                yield token
+                if token in eos:
+                    return
+            return
+        yield from _replayed(step, next_ids, position, max_new_tokens - 1, eos)
+
+
+def _replayed(step: StepContext, token: torch.Tensor, position: int, steps: int, eos: set[int]) -> Iterator[int]:
+    """Decode steps from the session's captured graph (captured on first use: one eager step, then the capture)."""
+    graph, captured = step.graphs.get(step)
+    if graph.totals is not None:
+        graph.totals.reset()
+    graph.set_input(token, position)
+    done = 0
+    try:
+        while done < steps:
+            if captured:
+                token_id = graph.replay()
+            else:
+                token_id = graph.warm_and_capture(step)
+                captured = True
+            done += 1
+            yield token_id
+            if token_id in eos:
                 return
-            ids = torch.tensor([token], device=lm.device)
+    finally:
+        if step.recorder is not None and graph.totals is not None:
+            step.recorder.add_decode(graph.totals, done)
 
 
 def full_logits(lm: LoadedModel, step: StepContext, prompt: torch.Tensor) -> torch.Tensor:
     """Logits of every prompt token over the fixed context (for equivalence tests). prompt: [Lq] -> [Lq, V]."""
     cache = step.cache
     cache.reset_dynamic()
+    cache.reserve(prompt.numel())
     start = cache.get_seq_length()
-    positions = torch.arange(start, start + prompt.numel(), device=lm.device)
+    step.positions = torch.arange(start, start + prompt.numel(), device=lm.device)
     with torch.inference_mode():
-        out = lm.model(input_ids=prompt.to(lm.device)[None], position_ids=positions[None], past_key_values=cache,
+        out = lm.model(input_ids=prompt.to(lm.device)[None], position_ids=step.positions[None], past_key_values=cache,
                        use_cache=True, squeeze_step=step)
     cache.reset_dynamic()
     return out.logits[0].float()

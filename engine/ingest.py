@@ -46,18 +46,19 @@ def prefill(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, backend
     of the last `settings.dense_tail` positions at the global layers.
     """
     total = ids.numel()
-    cache = FixedContextCache.empty(lm.sliding_windows)
+    cache = FixedContextCache.empty(lm.sliding_windows, capacity=total)  # global layers' K/V allocated once
     capture = QueryCapture(start=total - settings.dense_tail, queries={})
     step = StepContext(cache=cache, policy=get_policy("full"), thresholds=(), settings=settings, backend=backend, capture=capture)
     progress("prefill", 0, total)
     with torch.inference_mode():
         for start in range(0, total, chunk):
             piece = ids[start : start + chunk].to(lm.device)
-            positions = torch.arange(start, start + piece.numel(), device=lm.device)
-            lm.model(input_ids=piece[None], position_ids=positions[None], past_key_values=cache, use_cache=True,
+            step.positions = torch.arange(start, start + piece.numel(), device=lm.device)
+            lm.model(input_ids=piece[None], position_ids=step.positions[None], past_key_values=cache, use_cache=True,
                      logits_to_keep=1, squeeze_step=step)
             cache.commit()
             progress("prefill", min(start + chunk, total), total)
+    cache.release_new()
     return cache, capture
 
 

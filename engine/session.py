@@ -12,6 +12,7 @@ from engine.attention import StepContext
 from engine.config import IndexSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.generate import full_logits, greedy_tokens
+from engine.graph import DecodeGraphs, graphs_supported
 from engine.model import LoadedModel
 from engine.policies import get_policy
 from engine.prompt import STOP_STRINGS, question_ids
@@ -39,6 +40,9 @@ class ContextSession:
     """Answers questions over one fixed context. Built from a context's artifacts (see engine.ingest)."""
 
     def __init__(self, lm: LoadedModel, artifacts: dict[str, torch.Tensor], settings: IndexSettings, backend: Backend):
+        """artifacts: a context's tensors by name (engine.ingest). The fixed K/V are taken out of the dict (popped)
+        layer by layer as they move into the session's cache, so that the session holds the only copy of the
+        fixed context on the device (an ingest's K/V are reused in place where they sit on the right device)."""
         self.lm, self.backend = lm, backend
         self.tokens = artifacts["tokens"]
         self.fixed_len = int(self.tokens.numel())
@@ -50,27 +54,29 @@ class ContextSession:
             prefix = f"layer{i}."
             index = {k[len(prefix):]: v.to(dev) for k, v in artifacts.items()
                      if k.startswith(prefix) and k not in (prefix + "keys", prefix + "values", prefix + "calib_queries")}
-            keys = artifacts[prefix + "keys"].to(dev, lm.dtype)
-            values = artifacts[prefix + "values"].to(dev, lm.dtype)
+            keys = artifacts.pop(prefix + "keys").to(dev, lm.dtype)
+            values = artifacts.pop(prefix + "values").to(dev, lm.dtype)
             if "labels" in index:  # the fixed context as an inverted file: each cluster's keys contiguous
                 layout = ClusterLayout.from_labels(index["labels"], index["counts"].shape[1], keys.shape[1] - index["labels"].shape[1])
-                keys, values = layout.permute(keys), layout.permute(values)  # positions as index["key_starts"] says
+                keys = layout.permute(keys)  # positions as index["key_starts"] says; the original order is dropped
+                values = layout.permute(values)
             layers.append(FixedContextLayer(fixed_keys=keys, fixed_values=values, fixed_len=self.fixed_len,
                                             sliding_window=window, index=index))
         self.cache = FixedContextCache(layers)
+        self.graphs = DecodeGraphs(lm) if backend.name == "triton" and graphs_supported(lm) else None
 
     def thresholds(self, method: str, sparsity: float) -> tuple[float, ...]:
         policy = get_policy(method)
         calib = {k.split(".", 2)[2]: v for k, v in self.calibration.items() if k.startswith(f"calib.{method}.")}
         return policy.thresholds(calib, sparsity) if policy.sparse else ()
 
-    def _step(self, method: str, sparsity: float, recorder: TurnRecorder | None) -> StepContext:
+    def step_context(self, method: str, sparsity: float, recorder: TurnRecorder | None = None) -> StepContext:
         return StepContext(cache=self.cache, policy=get_policy(method), thresholds=self.thresholds(method, sparsity),
-                           settings=self.settings, backend=self.backend, recorder=recorder)
+                           settings=self.settings, backend=self.backend, recorder=recorder, graphs=self.graphs)
 
     def logits(self, question: str, method: str = "full", sparsity: float = 0.0) -> torch.Tensor:
         """[Lq, V] logits of the question's prompt tokens (tests: the sparse path against full attention)."""
-        return full_logits(self.lm, self._step(method, sparsity, None), question_ids(self.lm.tokenizer, question))
+        return full_logits(self.lm, self.step_context(method, sparsity, None), question_ids(self.lm.tokenizer, question))
 
     def stream(self, question: str, method: str = "squeeze", sparsity: float = 0.9,
                max_new_tokens: int = 64) -> Iterator[Delta | Answer]:
@@ -80,14 +86,15 @@ class ContextSession:
         lm = self.lm
         on_cuda = lm.device.type == "cuda"
         recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, self.fixed_len, sync_cuda=on_cuda)
-        step = self._step(method, sparsity, recorder)
+        step = self.step_context(method, sparsity, recorder)
         prompt = question_ids(lm.tokenizer, question)
         eos = lm.eos_ids()
         generated: list[int] = []
         text = ""
         start = time.perf_counter()
         first = None
-        for token in greedy_tokens(lm, step, prompt, max_new_tokens):
+        tokens = greedy_tokens(lm, step, prompt, max_new_tokens)
+        for token in tokens:
             first = first if first is not None else time.perf_counter() - start
             if token in eos:
                 break
@@ -101,6 +108,7 @@ class ContextSession:
             text = new_text
             if stop >= 0:
                 break
+        tokens.close()  # hands the replayed steps' statistics to the recorder
         self.cache.reset_dynamic()
         total = time.perf_counter() - start
         decode_s = max(total - (first or 0.0), 1e-9)

@@ -41,72 +41,143 @@ class TurnStats:
         return asdict(self)
 
 
+@dataclass
+class StepTotals:
+    """Sums over the steps of one phase, kept on the device (a captured decode step adds into them in place).
+
+    kept: [global layers, Hq] keys attended per query head; read: [global layers] K/V and index elements read
+    steps: how many steps added into them (counted by the host)
+    """
+
+    kept: torch.Tensor
+    read: torch.Tensor
+    steps: int = 0
+
+    @classmethod
+    def zeros(cls, layers: int, hq: int, device: torch.device) -> "StepTotals":
+        return cls(kept=torch.zeros(layers, hq, device=device), read=torch.zeros(layers, device=device))
+
+    def reset(self) -> None:
+        self.kept.zero_()
+        self.read.zero_()
+        self.steps = 0
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class TurnRecorder:
-    """Collects per-step tensors without host synchronisation; `finish()` turns them into a TurnStats.
+    """Collects per-step statistics into device buffers without host synchronisation; `finish()` reads them once
+    and turns them into a TurnStats. The first step is the question's prefill, the others decode steps.
 
     global_layers: indices of the layers that attend to the whole fixed context
+    cuda: time lookup and attention with CUDA events (read at finish) instead of the host clock
     """
 
     def __init__(self, global_layers: list[int], hq: int, hkv: int, head_dim: int, fixed_len: int, sync_cuda: bool):
         self.global_layers = list(global_layers)
         self.hq, self.hkv, self.head_dim, self.fixed_len = hq, hkv, head_dim, fixed_len
-        self.sync_cuda = sync_cuda
-        self.kept: list[dict[int, torch.Tensor]] = []  # per step: layer -> [Hq] kept keys
-        self.read: list[dict[int, torch.Tensor]] = []  # per step: layer -> [] elements read (K, V and index)
+        self.cuda = sync_cuda and torch.cuda.is_available()
+        self._row = {layer: i for i, layer in enumerate(self.global_layers)}
+        self.prefill: StepTotals | None = None
+        self.decode: StepTotals | None = None
+        self.current: StepTotals | None = None  # where record() adds (a decode graph points it at its own totals)
         self.prefill_clusters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (kept [rows, C], counts)
         self.seconds = {"lookup": 0.0, "attention": 0.0}
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._step = -1
 
+    def totals(self, device: torch.device) -> StepTotals:
+        """Fresh totals for a phase on `device` (a decode graph keeps its own and hands them back: add_decode)."""
+        return StepTotals.zeros(len(self.global_layers), self.hq, device)
+
     def begin_step(self) -> None:
+        """Called by the host before each eager step (a replayed step is counted with add_decode)."""
         self._step += 1
-        self.kept.append({})
-        self.read.append({})
+        self.current = None
+        if self._step == 0:
+            return
+        if self.decode is not None:
+            self.decode.steps += 1
+
+    def add_decode(self, totals: StepTotals, steps: int) -> None:
+        """Add `steps` replayed decode steps whose sums are in `totals` (read at finish, not now)."""
+        if steps <= 0:
+            return
+        if self.decode is None:
+            self.decode = self.totals(totals.kept.device)
+        self.decode.kept += totals.kept
+        self.decode.read += totals.read
+        self.decode.steps += steps
 
     @contextmanager
     def timed(self, kind: str):
-        if self.sync_cuda and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
+        if _capturing():  # a captured step is timed as a whole by its caller
+            yield
+            return
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((kind, start, end))
+            return
+        start_s = time.perf_counter()
         yield
-        if self.sync_cuda and torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.seconds[kind] += time.perf_counter() - start
+        self.seconds[kind] += time.perf_counter() - start_s
+
+    def _phase_totals(self, device: torch.device) -> StepTotals:
+        if self.current is not None:
+            return self.current
+        if self._step <= 0:
+            if self.prefill is None:
+                self.prefill = self.totals(device)
+                self.prefill.steps = 1
+            self.current = self.prefill
+        else:
+            if self.decode is None:
+                self.decode = self.totals(device)
+                self.decode.steps = 1
+            self.current = self.decode
+        return self.current
 
     def record(self, layer_idx: int, lookup: Lookup, counts: torch.Tensor | None) -> None:
         """One global layer's lookup at the current step. counts: [Hkv, C] cluster sizes (for the cluster list)."""
         d = self.head_dim
+        device = lookup.index_elements.device
         if lookup.selection is None:
-            kept_q = torch.full((self.hq,), float(self.fixed_len))
-            union = torch.full((self.hkv,), float(self.fixed_len))
+            kept_q = torch.full((self.hq,), float(self.fixed_len), device=device)
+            union_sum = float(self.hkv * self.fixed_len)
         else:
             sel = lookup.selection
             per_row = sel.counts().float()
             kept_q = per_row.repeat_interleave(self.hq // sel.rows)
             if sel.rows == self.hkv:
-                union = per_row
+                union_sum = per_row.sum()
             else:  # a key selected by several query heads of a group is read once
-                union = sel.to_mask().reshape(self.hkv, sel.rows // self.hkv, -1).any(dim=1).sum(dim=1).float()
-        elements = union.sum() * 2 * d + lookup.index_elements.float().sum().to(union.device)
-        self.kept[self._step][layer_idx] = kept_q
-        self.read[self._step][layer_idx] = elements
-        if self._step == 0 and lookup.clusters is not None and counts is not None:
+                union_sum = sel.to_mask().reshape(self.hkv, sel.rows // self.hkv, -1).any(dim=1).sum().float()
+        elements = union_sum * 2 * d + lookup.index_elements.float().sum()
+        totals = self._phase_totals(device)
+        row = self._row[layer_idx]
+        totals.kept[row] += kept_q.to(totals.kept.device)
+        totals.read[row] += elements.to(totals.read.device)
+        if self._step <= 0 and lookup.clusters is not None and counts is not None:
             self.prefill_clusters[layer_idx] = (lookup.clusters, counts)
 
-    def _kept_matrix(self, steps: list[dict[int, torch.Tensor]]) -> list[list[float]]:
+    def _kept_matrix(self, totals: list[StepTotals]) -> list[list[float]]:
+        steps = sum(t.steps for t in totals)
         if not steps:
             return []
-        rows = []
-        for layer in self.global_layers:
-            mean = torch.stack([s[layer].cpu() for s in steps]).mean(dim=0) / max(1, self.fixed_len)
-            rows.append([round(float(x), 6) for x in mean])
-        return rows
+        mean = sum(t.kept.cpu() for t in totals) / steps / max(1, self.fixed_len)  # [layers, Hq]
+        return [[round(float(x), 6) for x in row] for row in mean]
 
-    def _budget(self, steps: list[dict[int, torch.Tensor]]) -> float:
+    def _budget(self, totals: list[StepTotals]) -> float:
+        steps = sum(t.steps for t in totals)
         if not steps or not self.global_layers:
             return 0.0
         dense = len(self.global_layers) * self.hkv * self.fixed_len * 2 * self.head_dim
-        per_step = [sum(float(s[layer]) for layer in self.global_layers) / dense for s in steps]
-        return sum(per_step) / len(per_step)
+        return float(sum(t.read.double().sum().cpu() for t in totals)) / dense / steps
 
     def _clusters(self) -> list[dict]:
         out = []
@@ -125,20 +196,25 @@ class TurnRecorder:
         return out
 
     def finish(self, method: str, sparsity: float, new_tokens: int, timings: dict[str, float]) -> TurnStats:
-        steps = [s for s in self.kept if s]
-        reads = [r for r in self.read if r]
+        if self._events:
+            torch.cuda.synchronize()
+            for kind, start, end in self._events:
+                self.seconds[kind] += start.elapsed_time(end) / 1e3
+            self._events.clear()
+        prefill = [self.prefill] if self.prefill is not None else []
+        decode = [self.decode] if self.decode is not None and self.decode.steps else []
         return TurnStats(
             method=method,
             sparsity=sparsity,
             global_layers=self.global_layers,
             fixed_len=self.fixed_len,
-            kept_fraction=self._kept_matrix(steps),
-            kept_fraction_prefill=self._kept_matrix(steps[:1]),
-            kept_fraction_decode=self._kept_matrix(steps[1:]),
-            kv_budget=round(self._budget(reads), 6),
-            kv_budget_prefill=round(self._budget(reads[:1]), 6),
+            kept_fraction=self._kept_matrix(prefill + decode),
+            kept_fraction_prefill=self._kept_matrix(prefill),
+            kept_fraction_decode=self._kept_matrix(decode),
+            kv_budget=round(self._budget(prefill + decode), 6),
+            kv_budget_prefill=round(self._budget(prefill), 6),
             clusters=self._clusters(),
             timings={**{f"{k}_s": round(v, 6) for k, v in self.seconds.items()}, **timings},
-            steps=len(steps),
+            steps=sum(t.steps for t in prefill + decode),
             new_tokens=new_tokens,
         )

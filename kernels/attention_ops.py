@@ -142,11 +142,12 @@ def _prev_power_of_2(x: int) -> int:
 
 
 def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num_sms: int,
-         elem_bytes: int = 2, tma: bool = False) -> SparseAttentionConfig:
+         elem_bytes: int = 2, tma: bool = False, dense: bool = False) -> SparseAttentionConfig:
     """The default config for M = G * Lq query rows per row, from shapes only (never from device values).
 
     capacity: selection.indices.numel() (an upper bound of the selected keys of all rows together).
     tma: the device has tensor descriptors (_has_tma); unsplit packed prefill then uses them.
+    dense: every key of every row, in order (`dense_attention`): the loads are contiguous already, nothing is packed.
     """
     if num_m <= DECODE_MAX_M:
         block_n = DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2
@@ -165,7 +166,7 @@ def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num
     wide = head_dim <= 128
     block_m = min(128 if wide else 64, max(16, triton.next_power_of_2(num_m)))
     block_n = PREFILL_BLOCK_N if wide else PREFILL_BLOCK_N // 4  # D 256: both key loops' buffers fit in 227 KB
-    gather = True  # packed K/V buffers of at most GATHER_MAX_BYTES (packed_buffer_entries)
+    gather = not dense  # packed K/V buffers of at most GATHER_MAX_BYTES (packed_buffer_entries)
     num_warps = 8 if wide and block_m == 128 else 4
     num_stages = 3 if wide else 2
     m_blocks = triton.cdiv(num_m, block_m)
@@ -227,33 +228,58 @@ def sparse_attention(
     Returns out [Hq, Lq, D] float32 and lse [Hq, Lq] float32 (natural log; 0 and -inf for a row with no keys).
     """
     _check(q, k, v, selection)
+    indices = selection.indices.contiguous()
+    return _launch(q, k, v, selection.indptr.contiguous(), indices, indices.numel(), selection.num_keys, scale, config)
+
+
+def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                    config: SparseAttentionConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every query over every key (no mask): kernels.reference.attention_with_lse without a mask, through the same
+    grids as `sparse_attention` (split-KV over persistent workers in decode, query blocks x KV heads in prefill)
+    with each KV head's keys read in order and no index list. Memory O(Lq * D): no score matrix.
+
+    q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] (any strides). Returns out [Hq, Lq, D] fp32 and lse [Hq, Lq] fp32.
+    """
+    hkv, lk = k.shape[0], k.shape[1]
+    indptr = torch.arange(hkv + 1, device=k.device, dtype=torch.int64) * lk  # [Hkv + 1]: row r = KV head r
+    selection = Selection(indptr=indptr, indices=indptr[:1], num_keys=lk)  # indices are not read (DENSE)
+    _check(q, k, v, selection)
+    if config is not None and config.gather:
+        raise ValueError("dense_attention reads K/V in place: config.gather must be False")
+    return _launch(q, k, v, indptr, selection.indices, hkv * lk, lk, scale, config, dense=True)
+
+
+def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float,
+            config: SparseAttentionConfig | None, dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plan and run the kernels over a checked selection (indptr [rows + 1], indices with `capacity` entries, or
+    DENSE: the whole KV head per row). Returns out [Hq, Lq, D], lse [Hq, Lq] fp32."""
     q = q.to(k.dtype)  # no-op when they match
     hq, lq, d = q.shape
     hkv = k.shape[0]
-    rows = selection.rows
+    rows = indptr.numel() - 1
     group = hq // rows
     num_m = group * lq  # query rows per selection row
-    indptr = selection.indptr.contiguous()
-    indices = selection.indices.contiguous()
     out = torch.empty(hq, lq, d, device=q.device, dtype=torch.float32)  # flat: [rows, num_m, D]
     lse = torch.empty(hq, lq, device=q.device, dtype=torch.float32)  # flat: [rows, num_m]
     if out.numel() == 0:
         return out, lse
-    cfg = config or plan(num_m, rows, d, indices.numel(), selection.num_keys, _num_sms(q.device), k.element_size(),
-                         _has_tma(q.device))
+    if capacity == 0 and dense:  # no keys at all
+        return out.zero_(), lse.fill_(float("-inf"))
+    cfg = config or plan(num_m, rows, d, capacity, num_keys, _num_sms(q.device), k.element_size(),
+                         _has_tma(q.device), dense=dense)
     block_r = max(2, triton.next_power_of_2(rows))
     m_blocks = triton.cdiv(num_m, cfg.block_m)
     common = dict(
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=cfg.split,
-        EXACT_FP32=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        EXACT_FP32=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, DENSE=dense,
     )
     qk_scale = scale * LOG2E
     if cfg.gather:  # packed copies of the first `entries` selected K/V, in selection order
         k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (k, v))  # the copy reads rows of unit stride
-        entries = cfg.packed_entries or packed_buffer_entries(indices.numel(), d, k.element_size())
+        entries = cfg.packed_entries or packed_buffer_entries(capacity, d, k.element_size())
         k_packed = torch.empty(entries, d, device=q.device, dtype=k.dtype)
         v_packed = torch.empty_like(k_packed)
-        gather_selected_kernel[(triton.cdiv(selection.num_keys, GATHER_BLOCK_N), rows)](
+        gather_selected_kernel[(triton.cdiv(num_keys, GATHER_BLOCK_N), rows)](
             k, v, indptr, indices, k_packed, v_packed, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             rows, hkv, entries, HEAD_DIM=d, BLOCK_N=GATHER_BLOCK_N, num_warps=4,
         )
@@ -269,7 +295,7 @@ def sparse_attention(
             q, k, v, indptr, indices, out, lse, *strides, rows, hkv, group, lq, 1, qk_scale, **common
         )
         return out, lse
-    n_items = max(1, max_items(indices.numel(), rows, selection.num_keys, cfg.chunk))
+    n_items = max(1, max_items(capacity, rows, num_keys, cfg.chunk))
     part_out = torch.empty(n_items, num_m, d, device=q.device, dtype=torch.float32)  # [items, M, D]
     part_lse = torch.empty(n_items, num_m, device=q.device, dtype=torch.float32)  # [items, M], base 2
     sparse_attn_fwd_kernel[(m_blocks, cfg.workers)](
@@ -285,5 +311,5 @@ def sparse_attention(
     return out, lse
 
 
-__all__ = ["SparseAttentionConfig", "max_items", "packed_buffer_entries", "plan", "sparse_attention"]
+__all__ = ["SparseAttentionConfig", "dense_attention", "max_items", "packed_buffer_entries", "plan", "sparse_attention"]
 

@@ -17,7 +17,8 @@ class Backend:
     (`expand_groups`: of `kernels.layout.expand_groups`)."""
 
     name: str
-    attention_with_lse: Callable
+    attention_with_lse: Callable  # no mask on the GPU (kernels.attention_ops.dense_attention)
+    causal_attention: Callable  # masked by positions: the new tokens, the sliding windows
     sparse_attention: Callable
     centroid_log_scores: Callable
     merge_attention: Callable
@@ -30,6 +31,7 @@ class Backend:
 REFERENCE = Backend(
     name="torch",
     attention_with_lse=reference.attention_with_lse,
+    causal_attention=reference.causal_attention,
     sparse_attention=reference.sparse_attention,
     centroid_log_scores=reference.centroid_log_scores,
     merge_attention=reference.merge_attention,

@@ -1,12 +1,12 @@
-"""The Triton backend: the lookup, the expansion of kept clusters and the sparse attention on CUDA tensors.
+"""The Triton backend: the lookup, the expansion of kept clusters, the sparse attention and every dense attention
+on CUDA tensors (no score matrix is materialised: memory O(L * D)).
 
-Dense attention over the few new tokens (and the sliding windows) and the log-sum-exp merge stay in PyTorch:
-they are small, and the reference runs them on the GPU without host synchronisation.
+The log-sum-exp merge of the parts stays in PyTorch: a few element-wise ops, without host synchronisation.
 """
 
 from __future__ import annotations
 
-from kernels import attention_ops, compact_ops, lookup_ops, reference
+from kernels import attention_ops, causal_ops, compact_ops, lookup_ops, reference
 from kernels.dispatch import Backend
 from kernels.selection import Selection
 
@@ -15,9 +15,18 @@ def _cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates
     return lookup_ops.cluster_keep_list(q, centroids, counts, scale, threshold, rows, candidates.indptr, candidates.indices)
 
 
+def _attention_with_lse(q, k, v, scale, mask=None):
+    """reference.attention_with_lse: without a mask through the dense mode of the sparse kernel; a boolean mask
+    (tests, tools; the engine masks by positions through causal_attention) falls back to the reference."""
+    if mask is not None:
+        return reference.attention_with_lse(q, k, v, scale, mask)
+    return attention_ops.dense_attention(q, k, v, scale)
+
+
 BACKEND = Backend(
     name="triton",
-    attention_with_lse=reference.attention_with_lse,
+    attention_with_lse=_attention_with_lse,
+    causal_attention=causal_ops.causal_attention,
     sparse_attention=attention_ops.sparse_attention,
     centroid_log_scores=reference.centroid_log_scores,
     merge_attention=reference.merge_attention,

@@ -138,7 +138,7 @@ def test_generation_over_cache_equals_plain_greedy(ctx):
     lm, session = ctx.lm, ctx.session
     prompt = question_ids(lm.tokenizer, QUESTION)
     expected = plain_greedy(lm, torch.cat([ctx.fixed_ids, prompt]), NEW_TOKENS)
-    got = list(greedy_tokens(lm, session._step("full", 0.0, None), prompt, NEW_TOKENS))
+    got = list(greedy_tokens(lm, session.step_context("full", 0.0, None), prompt, NEW_TOKENS))
     session.cache.reset_dynamic()
     assert got == expected
     answer = session.ask(QUESTION, "full", 0.0, max_new_tokens=NEW_TOKENS)

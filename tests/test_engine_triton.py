@@ -79,7 +79,7 @@ def ingested(tiny_model_path):  # noqa: F811
 def sessions(ingested):
     lm, artifacts = ingested
     triton = backend_for(lm.device, "triton")
-    return ContextSession(lm, artifacts, SETTINGS, REFERENCE), ContextSession(lm, artifacts, SETTINGS, triton)
+    return ContextSession(lm, dict(artifacts), SETTINGS, REFERENCE), ContextSession(lm, dict(artifacts), SETTINGS, triton)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def checked(ingested):
     """A session on the Triton backend whose every lookup is compared with the reference's."""
     lm, artifacts = ingested
     lookups = CheckedLookups(backend_for(lm.device, "triton"))
-    return ContextSession(lm, artifacts, SETTINGS, lookups.backend), lookups
+    return ContextSession(lm, dict(artifacts), SETTINGS, lookups.backend), lookups
 
 
 @pytest.mark.parametrize("method,sparsity", [("full", 0.0), ("squeeze", 0.0), ("squeeze", 0.7), ("hsqueeze", 0.7)])

@@ -62,7 +62,7 @@ class Pair:
     single_artifacts: dict[str, torch.Tensor]  # the one-GPU context, on the CPU
 
     def session(self, lm: LoadedModel, artifacts: dict[str, torch.Tensor], backend: Backend | None = None):
-        return ContextSession(lm, artifacts, SETTINGS, backend or backend_for(lm.device))
+        return ContextSession(lm, dict(artifacts), SETTINGS, backend or backend_for(lm.device))
 
 
 def split_max_memory(path: Path) -> dict[int, int | str]:
@@ -100,7 +100,7 @@ def forced_step_logits(session: ContextSession, method: str, sparsity: float, pr
     """[1 + len(answer), V] float32 logits of each step of a turn that is fed `answer`'s tokens: the question's
     prefill (Lq > 1), then one decode step (Lq == 1) per token, the forward calls of engine.generate.greedy_tokens.
     Fed the same tokens, two models can be compared at every step without a near-tie argmax forking the answers."""
-    lm, step = session.lm, session._step(method, sparsity, None)
+    lm, step = session.lm, session.step_context(method, sparsity, None)
     cache = step.cache
     cache.reset_dynamic()
     ids, rows = prompt.to(lm.device), []
@@ -175,7 +175,7 @@ def test_fixed_context_sits_on_its_layers_gpu(pair):
             assert bool(layer.index) == (i in split.global_layers)
             assert {t.device for t in layer.index.values()} <= {device}
         prompt = question_ids(split.tokenizer, QUESTION)
-        tokens = greedy_tokens(split, session._step("squeeze", 0.7, None), prompt, 2)
+        tokens = greedy_tokens(split, session.step_context("squeeze", 0.7, None), prompt, 2)
         next(tokens)  # the question's prefill has run: its K/V are the dynamic part of every layer
         for layer, device in zip(session.cache.layers, split.layer_devices):
             assert layer.dynamic_length() == prompt.numel() and layer.keys.device == layer.values.device == device
@@ -243,7 +243,7 @@ def test_decode_steps_match_one_gpu(pair, method, sparsity):
     split = pair.session(pair.split, pair.single_artifacts)
     single = pair.session(pair.single, pair.single_artifacts)
     prompt = question_ids(pair.single.tokenizer, QUESTION)
-    answer = list(greedy_tokens(pair.single, single._step(method, sparsity, None), prompt, NEW_TOKENS))
+    answer = list(greedy_tokens(pair.single, single.step_context(method, sparsity, None), prompt, NEW_TOKENS))
     single.cache.reset_dynamic()
     expected = forced_step_logits(single, method, sparsity, prompt, answer)
     assert expected[: len(answer)].argmax(dim=-1).tolist() == answer  # the forced steps are greedy_tokens' steps

@@ -21,6 +21,7 @@ from kernels.attention_ops import (
     DECODE_WORKERS_PER_SM,
     GATHER_MAX_BYTES,
     SparseAttentionConfig,
+    dense_attention,
     max_items,
     packed_buffer_entries,
     plan,
@@ -152,6 +153,22 @@ def test_full_selection_is_dense_attention(rows_of, lq):
     ref_out, ref_lse = reference.attention_with_lse(q, k, v, scale)
     torch.testing.assert_close(out, ref_out, **TOL[torch.float32])
     torch.testing.assert_close(lse, ref_lse, **TOL[torch.float32])
+
+
+@pytest.mark.parametrize("lq,lk,d,dtype", [(1, LK, 32, torch.float32), (40, LK, 32, torch.float32),
+                                            (1, LK, 64, torch.float16), (40, 77, 16, torch.float16), (3, 0, 16, torch.float32)])
+@pytest.mark.parametrize("hq,hkv", GQA)
+def test_dense_attention_is_reference_attention(hq, hkv, lq, lk, d, dtype):
+    """dense_attention (every key, no index list) against reference.attention_with_lse, with strided q and k (views of
+    larger buffers, as the engine's fixed K/V during an ingest are); no keys gives out 0 and lse -inf."""
+    q, k, v = make_qkv(hq, hkv, lq, lk + 5, d, dtype, seed=13)
+    q = q.transpose(0, 1).contiguous().transpose(0, 1)  # [Hq, Lq, D] with token-major strides
+    k, v = k[:, :lk], v[:, :lk]  # views: the head stride is of the longer buffer
+    scale = d**-0.5
+    out, lse = dense_attention(q, k, v, scale)
+    ref_out, ref_lse = reference.attention_with_lse(q, k, v, scale)
+    torch.testing.assert_close(out, ref_out, **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, **TOL[dtype])
 
 
 @pytest.mark.parametrize("lq", [1, 40])
@@ -316,6 +333,25 @@ def test_gpu_bf16_realistic(hq, hkv, rows_of, d, lq):
     scale = d**-0.5
     out, lse = sparse_attention(q, k, v, sel, scale)
     ref_out, ref_lse = reference.sparse_attention(q, k, v, sel, scale)  # fp32 from the same bf16 values
+    torch.testing.assert_close(out, ref_out, **BF16_OUT)
+    torch.testing.assert_close(lse, ref_lse, **BF16_LSE)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("lq", [1, 1024])
+@pytest.mark.parametrize("hq,hkv,d", [(32, 8, 128), (4, 1, 256)])
+def test_gpu_dense_bf16_realistic(hq, hkv, d, lq):
+    """dense_attention at 32K keys in bf16 against the fp32 reference from the same values, and without host sync."""
+    q, k, v, _ = realistic(hq, hkv, lq, 32 * 1024, d, hkv, seed=3)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        dense_attention(q, k, v, d**-0.5)  # also the warm-up compile
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    out, lse = dense_attention(q, k, v, d**-0.5)
+    ref_out, ref_lse = reference.attention_with_lse(q, k, v, d**-0.5)
     torch.testing.assert_close(out, ref_out, **BF16_OUT)
     torch.testing.assert_close(lse, ref_lse, **BF16_LSE)
 

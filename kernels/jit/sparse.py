@@ -160,8 +160,13 @@ def _attend(
     k_desc=None,
     v_desc=None,
     TMA: tl.constexpr = False,
+    DENSE: tl.constexpr = False,
+    row_start=0,
 ):
     """Online softmax of the query rows offs_m of `row` over its selected keys indices[start:end].
+
+    DENSE: the row's key list is its whole KV head, in order (no index list is read): entry n of the range
+    row_start .. is key n - row_start of k / v (dense attention through the same split-KV and prefill grids).
 
     PACKED: kp/vp hold the first packed_cap entries of the key list packed in selection order ([packed_cap,
     HEAD_DIM], gather_selected_kernel): a range that ends within them reads entry n as row n of kp/vp, no index
@@ -185,7 +190,11 @@ def _attend(
     kv_head = (row * num_kv_heads // rows).to(tl.int64)
     k_base = k_ptr + kv_head * stride_kh
     v_base = v_ptr + kv_head * stride_vh
-    if PACKED:
+    if DENSE:
+        acc, m_i, l_i = _key_loop(q, k_base - row_start * stride_kn, v_base - row_start * stride_vn, indices_ptr,
+                                  start, end, offs_d, acc, m_i, l_i, stride_kn, stride_kd, stride_vn, stride_vd,
+                                  qk_scale, k_desc, v_desc, BLOCK_N, EXACT_FP32, True, PEEL, False)
+    elif PACKED:
         if end <= packed_cap:
             acc, m_i, l_i = _key_loop(q, kp_ptr, vp_ptr, indices_ptr, start, end, offs_d, acc, m_i, l_i,
                                       HEAD_DIM, 1, HEAD_DIM, 1, qk_scale, k_desc, v_desc,
@@ -221,6 +230,7 @@ def sparse_attn_fwd_kernel(
     k_desc=None,
     v_desc=None,
     TMA: tl.constexpr = False,
+    DENSE: tl.constexpr = False,
 ):
     """Sparse attention forward. Grid axis 0: blocks of BLOCK_M query rows (of M = group * lq).
 
@@ -231,7 +241,8 @@ def sparse_attn_fwd_kernel(
         below the total (known on the device only) and writes, per item, the normalised partial output into
         out [items, M, HEAD_DIM] and its base-2 lse into lse [items, M]; sparse_attn_merge_kernel combines them.
     PACKED: kp / vp [packed_cap, HEAD_DIM] hold the first packed_cap entries of the key list (see _attend); TMA:
-    k_desc / v_desc describe them.
+    k_desc / v_desc describe them. DENSE: row r's entries indptr[r] .. indptr[r + 1] - 1 are the keys 0 .. of its
+    KV head in order; indices is not read.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -250,6 +261,7 @@ def sparse_attn_fwd_kernel(
                 stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
                 rows, num_kv_heads, group, lq, qk_scale,
                 BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32, PACKED, False, kp_ptr, vp_ptr, packed_cap,
+                DENSE=DENSE, row_start=start - local * chunk,
             )
             flat = item * num_m + offs_m.to(tl.int64)  # [BLOCK_M] rows of the partial buffers
             tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=m_valid[:, None])
@@ -263,6 +275,7 @@ def sparse_attn_fwd_kernel(
             stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
             rows, num_kv_heads, group, lq, qk_scale,
             BLOCK_M, BLOCK_N, HEAD_DIM, EXACT_FP32, PACKED, True, kp_ptr, vp_ptr, packed_cap, k_desc, v_desc, TMA,
+            DENSE, start,
         )
         empty = l_i == 0.0
         l_safe = tl.where(empty, 1.0, l_i)

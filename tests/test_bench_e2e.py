@@ -1,0 +1,121 @@
+"""engine.bench.e2e on the CPU: the tiny shape through the engine's ingest, session and generation (PyTorch reference
+kernels), every registered method timed with its KV budget and byte bound; and the transformers peer, which must be
+the engine's own model (same weights, same logits) for its ratios to mean anything."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from engine.bench.e2e import SHAPES, build_shape, main, measure_peer, peer_model
+from engine.config import IndexSettings
+from engine.generate import full_logits
+from engine.ingest import ingest_tokens
+from engine.policies import POLICIES
+from engine.session import ContextSession
+from kernels.dispatch import REFERENCE
+
+CONTEXT, STEPS, QUESTIONS = 300, 4, ("8", "16")
+STAGES = {"prefill", "clustering", "calibrating"}  # engine.ingest's progress stages
+
+
+@pytest.fixture(scope="module")
+def run(one_thread, tmp_path_factory):
+    """(exit code, the JSON printed on stdout, the JSON written by --out)."""
+    out_file = tmp_path_factory.mktemp("e2e") / "e2e.json"
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["--shape", "tiny", "--device", "cpu", "--context", str(CONTEXT), "--steps", str(STEPS),
+                     "--questions", ",".join(QUESTIONS), "--no-peer", "--out", str(out_file)])
+    lines = stdout.getvalue().strip().splitlines()
+    assert len(lines) == 1  # one JSON line on stdout; progress goes to stderr
+    return code, json.loads(lines[0]), json.loads(out_file.read_text())
+
+
+def test_exits_zero_and_writes_the_same_json(run):
+    code, doc, written = run
+    assert code == 0
+    assert written == doc
+    assert doc["device"] == "cpu" and doc["context"] == CONTEXT and doc["shape"] == "tiny"
+    assert doc["peer"] == {"skipped": "--no-peer"}
+
+
+def test_every_registered_method_is_timed(run):
+    _, doc, _ = run
+    assert list(doc["methods"]) == list(POLICIES)
+    for name, row in doc["methods"].items():
+        assert "error" not in row, (name, row)
+        assert row["decode_ms_median"] > 0 and 0 < row["decode_ms_min"] <= row["decode_ms_median"]
+        assert row["decode_steps_timed"] == STEPS - 2  # the first two decode steps are warm-up
+        assert set(row["prefill_ms"]) == set(QUESTIONS) and all(ms > 0 for ms in row["prefill_ms"].values())
+        assert row["speedup_vs_full"] > 0 and row["speedup_vs_peer"] is None
+
+
+def test_kv_budgets(run):
+    """full reads every fixed-context key and no index; a sparse method at 90% reads a part of them."""
+    _, doc, _ = run
+    for name, row in doc["methods"].items():
+        budgets = [row["kv_budget"], row["kv_budget_prefill"], row["kv_budget_decode"],
+                   *row["prefill_kv_budget"].values()]
+        if POLICIES[name].sparse:
+            assert all(0 < b < 1 for b in budgets), (name, budgets)
+        else:
+            assert all(abs(b - 1) <= 1e-6 for b in budgets), (name, budgets)
+
+
+def test_ingest_stages(run):
+    _, doc, _ = run
+    ingest = doc["ingest"]
+    assert "error" not in ingest
+    assert STAGES <= set(ingest["stages"]) and all(s > 0 for s in ingest["stages"].values())
+    assert sum(ingest["stages"].values()) <= ingest["seconds"] + 1e-3
+    assert doc["session"]["open_s"] >= 0
+
+
+def test_byte_bound(run):
+    """The bound's bytes, counted by hand for the tiny Llama (fp32), and a bound that falls with the KV budget."""
+    _, doc, _ = run
+    shape = SHAPES["tiny"]
+    h, inter, d, kv = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"], shape["num_key_value_heads"]
+    heads, layers, vocab = shape["num_attention_heads"], shape["num_hidden_layers"], shape["vocab_size"]
+    per_layer = h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter + 2 * h  # q, o; k, v; MLP; two norms
+    weights = layers * per_layer + h + vocab * h + h  # final norm, lm_head, one embedding row
+    bound = doc["bound"]
+    assert bound["weight_bytes"] == 4 * weights
+    assert bound["global_fixed_kv_bytes"] == layers * CONTEXT * kv * 2 * d * 4
+    assert bound["sliding_window_kv_bytes"] == 0 and bound["new_kv_bytes"] > 0
+    assert doc["bandwidth_gbs"] > 0
+    rows = doc["methods"]
+    for row in rows.values():
+        assert row["bound_ms"] > 0 and row["vs_bound"] > 0
+        extra_ms = (row["kv_budget_decode"] - 1) * bound["global_fixed_kv_bytes"] / (doc["bandwidth_gbs"] * 1e6)
+        assert row["bound_ms"] == pytest.approx(rows["full"]["bound_ms"] + extra_ms, rel=1e-3, abs=1e-4)
+        if row is not rows["full"]:
+            assert row["bound_ms"] < rows["full"]["bound_ms"]
+
+
+def test_peer_is_the_engine_model(one_thread):
+    """The peer shares the engine model's tensors, gives the engine's full-attention logits over the same tokens,
+    and its measurement runs eagerly on the CPU (the benchmark itself times it on CUDA only)."""
+    lm = build_shape("tiny", "cpu")
+    peer = peer_model(lm)
+    engine_tensors = {t.data_ptr() for t in [*lm.model.parameters(), *lm.model.buffers()]}
+    assert {t.data_ptr() for t in [*peer.parameters(), *peer.buffers()]} == engine_tensors
+    assert peer.config._attn_implementation == "sdpa" and lm.model.config._attn_implementation == "squeeze"
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, SHAPES["tiny"]["vocab_size"], (48,), generator=gen)
+    prompt = torch.randint(0, SHAPES["tiny"]["vocab_size"], (6,), generator=gen)
+    settings = IndexSettings(dense_tail=8, kmeans_iters=2)
+    session = ContextSession(lm, ingest_tokens(lm, ids, settings, REFERENCE).artifacts, settings, REFERENCE)
+    ours = full_logits(lm, session.step_context("full", 0.0), prompt)
+    with torch.inference_mode():
+        theirs = peer(input_ids=torch.cat([ids, prompt])[None]).logits[0, -prompt.numel():]
+    torch.testing.assert_close(ours, theirs.float(), atol=1e-4, rtol=1e-4)
+    report = measure_peer(lm, ids, prompt, steps=3, chunk=16, compile=False)
+    assert report["prefill_s"] > 0 and report["question_prefill_ms"] > 0
+    assert report["best_decode"] == "eager" and report["best_decode_ms"] == report["eager_decode_ms_median"] > 0
+    assert report["max_cache_len"] >= ids.numel() + prompt.numel() + 3

@@ -1,0 +1,131 @@
+"""The GPU decode path: a decode step replayed from a CUDA graph against the same step run eagerly, no host
+synchronisation inside a step, and the turn's statistics from replayed steps against eager ones (tiny models on
+CUDA, Triton backend, bf16). On the CPU the graph path does not exist: these tests are skipped there, and the
+static new-token buffers they rely on are covered by every engine test (the eager path uses them too).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_models import tiny_model_path  # noqa: F401 (fixture)
+
+from engine.generate import forward_step, greedy_tokens
+from engine.ingest import ingest_tokens
+from engine.model import load_model
+from engine.policies import POLICIES
+from engine.prompt import question_ids, tokenize_document
+from engine.session import ContextSession
+from engine.stats import TurnRecorder
+from kernels.dispatch import backend_for
+
+from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# The replayed step runs the same kernels on the same inputs as the eager one; they differ only where the eager
+# step attends to the written new-token slots and the captured one to every slot, masked by position (the same
+# keys, in blocks cut differently): bf16 logits agree to a few bf16 ulps of their magnitude.
+LOGIT_TOL = dict(atol=3e-2, rtol=3e-2)
+STEPS = 6
+CASES = [(name, 0.0 if not POLICIES[name].sparse else 0.7) for name in POLICIES]
+
+
+@pytest.fixture(scope="module")
+def session(tiny_model_path):  # noqa: F811
+    lm = load_model(str(tiny_model_path), device="cuda")
+    backend = backend_for(lm.device, "triton")
+    ids = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context).ids
+    return ContextSession(lm, ingest_tokens(lm, ids, SETTINGS, backend).artifacts, SETTINGS, backend)
+
+
+def _prompt(session):
+    return question_ids(session.lm.tokenizer, QUESTION).to(session.lm.device)
+
+
+@pytest.mark.parametrize("method,sparsity", CASES)
+def test_replayed_decode_matches_eager(session, method, sparsity):
+    lm, cache = session.lm, session.cache
+    assert session.graphs is not None
+    step = session.step_context(method, sparsity)
+    prompt = _prompt(session)
+    start = cache.fixed_len
+    with torch.inference_mode():
+        cache.reset_dynamic()
+        cache.reserve(prompt.numel() + STEPS + 1)
+        token = forward_step(lm, step, prompt, start).argmax(dim=-1)
+        graph, captured = session.graphs.get(step)
+        assert not captured
+        graph.set_input(token, start + prompt.numel())
+        tokens = [int(token), graph.warm_and_capture(step)]
+        replayed = []
+        for _ in range(STEPS):
+            tokens.append(graph.replay())
+            replayed.append(graph.logits.float().clone())
+        # the same tokens, every step eager
+        eager = replace(step, graphs=None)
+        cache.reset_dynamic()
+        forward_step(lm, eager, prompt, start)
+        position = start + prompt.numel()
+        for i in range(1, len(tokens)):
+            logits = forward_step(lm, eager, torch.tensor(tokens[i - 1 : i], device=lm.device), position)
+            position += 1
+            if i >= 2:  # tokens[i] came from replay i - 2 (tokens[1] from the warm step)
+                torch.testing.assert_close(replayed[i - 2], logits.float(), **LOGIT_TOL)
+                assert int(logits.argmax()) == tokens[i] or _tie(logits, tokens[i])
+        cache.reset_dynamic()
+
+
+def _tie(logits: torch.Tensor, token: int) -> bool:
+    """bf16 argmax ties: the replayed step's token scores within bf16 rounding of the eager step's best."""
+    return float(logits.max() - logits[0, token]) <= 2e-2 * float(logits.abs().max())
+
+
+@pytest.mark.parametrize("method,sparsity", CASES)
+def test_no_host_sync_inside_a_step(session, method, sparsity):
+    """The question's prefill and an eager decode step launch everything without waiting for the GPU (after a
+    warm-up: the first call compiles the kernels)."""
+    lm, cache = session.lm, session.cache
+    prompt = _prompt(session)
+    recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,
+                            sync_cuda=True)
+    step = replace(session.step_context(method, sparsity, recorder), graphs=None)
+    with torch.inference_mode():
+        for checked in (False, True):
+            cache.reset_dynamic()
+            cache.reserve(prompt.numel() + 2)
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error" if checked else "default")
+            try:
+                token = forward_step(lm, step, prompt, cache.fixed_len).argmax(dim=-1)
+                forward_step(lm, step, token, cache.fixed_len + prompt.numel())
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    cache.reset_dynamic()
+
+
+@pytest.mark.parametrize("method,sparsity", CASES)
+def test_replayed_statistics_match_eager(session, method, sparsity):
+    """A turn's kept fractions and KV budget are the same whether its decode steps ran eagerly or were replayed
+    (the replayed steps add into device totals read once at the end)."""
+    lm = session.lm
+    prompt = _prompt(session)
+    stats = {}
+    for graphs in (None, session.graphs):
+        recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,
+                                sync_cuda=True)
+        step = replace(session.step_context(method, sparsity, recorder), graphs=graphs)
+        tokens = list(greedy_tokens(lm, step, prompt, STEPS))
+        session.cache.reset_dynamic()
+        stats[graphs is None] = (tokens, recorder.finish(method, sparsity, len(tokens), {}))
+    (eager_tokens, eager), (replayed_tokens, replayed) = stats[True], stats[False]
+    assert replayed.steps == eager.steps == len(eager_tokens)
+    if replayed_tokens == eager_tokens:  # the same steps: the same selections, to bf16 ties of the lookup
+        assert replayed.kv_budget == pytest.approx(eager.kv_budget, rel=0.02, abs=1e-4)
+        torch.testing.assert_close(torch.tensor(replayed.kept_fraction_decode),
+                                   torch.tensor(eager.kept_fraction_decode), atol=0.02, rtol=0.0)
+    assert replayed.kv_budget_prefill == pytest.approx(eager.kv_budget_prefill, rel=1e-6)
+    if not POLICIES[method].sparse:
+        assert replayed.kv_budget == pytest.approx(1.0, abs=1e-6)
