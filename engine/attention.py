@@ -119,8 +119,12 @@ def squeeze_attention(
             parts.append(_fixed_part(layer, q, q_pos, scale, squeeze_step))
         if squeeze_step.capture is not None and layer.sliding_window is None:
             squeeze_step.capture.take(module.layer_idx, q, q_pos)
-        out, _ = squeeze_step.backend.merge_attention(parts) if len(parts) > 1 else parts[0]
-    return out.to(query.dtype).transpose(0, 1).unsqueeze(0), None
+        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], device=q.device, dtype=query.dtype)  # [Lq, Hq, D]
+        if len(parts) > 1:  # merged straight into the layout the model reads next
+            squeeze_step.backend.merge_attention(parts, out.transpose(0, 1))
+        else:
+            out.transpose(0, 1).copy_(parts[0][0])
+    return out.unsqueeze(0), None
 
 
 def _current_device(device: torch.device):

@@ -43,14 +43,19 @@ class TurnStats:
 
 @dataclass
 class StepTotals:
-    """Sums over the steps of one phase, kept on the device (a captured decode step adds into them in place).
+    """Sums over the steps of one phase, kept on the device (a captured decode step adds into them in place), and
+    what the host knows of each layer's lookup (the same at every step of a method).
 
-    kept: [global layers, Hq] keys attended per query head; read: [global layers] K/V and index elements read
+    kept: [global layers, Hq] keys attended per selection row (the first `rows[layer]` columns)
+    read: [global layers] index elements read (and, where rows are query heads, the K/V elements of their union)
+    rows: layer -> rows of its selections (Hkv or Hq); dense: layers that attended to every key (no device sums)
     steps: how many steps added into them (counted by the host)
     """
 
     kept: torch.Tensor
     read: torch.Tensor
+    rows: dict[int, int] = field(default_factory=dict)
+    dense: set[int] = field(default_factory=set)
     steps: int = 0
 
     @classmethod
@@ -68,18 +73,19 @@ def _capturing() -> bool:
 
 
 class TurnRecorder:
-    """Collects per-step statistics into device buffers without host synchronisation; `finish()` reads them once
-    and turns them into a TurnStats. The first step is the question's prefill, the others decode steps.
+    """Collects per-step statistics into device buffers without host synchronisation (two or three small kernels
+    per layer and step); `finish()` reads them once and turns them into a TurnStats. The first step is the
+    question's prefill, the others decode steps.
 
     global_layers: indices of the layers that attend to the whole fixed context
-    cuda: time lookup and attention with CUDA events (read at finish) instead of the host clock
+    sync_cuda: on CUDA, time lookup and attention with CUDA events (read at finish) instead of the host clock
     """
 
     def __init__(self, global_layers: list[int], hq: int, hkv: int, head_dim: int, fixed_len: int, sync_cuda: bool):
         self.global_layers = list(global_layers)
         self.hq, self.hkv, self.head_dim, self.fixed_len = hq, hkv, head_dim, fixed_len
         self.cuda = sync_cuda and torch.cuda.is_available()
-        self._row = {layer: i for i, layer in enumerate(self.global_layers)}
+        self._index = {layer: i for i, layer in enumerate(self.global_layers)}
         self.prefill: StepTotals | None = None
         self.decode: StepTotals | None = None
         self.current: StepTotals | None = None  # where record() adds (a decode graph points it at its own totals)
@@ -89,26 +95,26 @@ class TurnRecorder:
         self._step = -1
 
     def totals(self, device: torch.device) -> StepTotals:
-        """Fresh totals for a phase on `device` (a decode graph keeps its own and hands them back: add_decode)."""
+        """Fresh totals for a phase on `device`."""
         return StepTotals.zeros(len(self.global_layers), self.hq, device)
 
     def begin_step(self) -> None:
-        """Called by the host before each eager step (a replayed step is counted with add_decode)."""
+        """Called by the host before each eager step (replayed steps are handed over with add_decode)."""
         self._step += 1
         self.current = None
-        if self._step == 0:
-            return
-        if self.decode is not None:
+        if self._step > 0 and self.decode is not None:
             self.decode.steps += 1
 
     def add_decode(self, totals: StepTotals, steps: int) -> None:
-        """Add `steps` replayed decode steps whose sums are in `totals` (read at finish, not now)."""
+        """Add `steps` replayed decode steps whose sums are in `totals` (a device add: read at finish, not now)."""
         if steps <= 0:
             return
         if self.decode is None:
             self.decode = self.totals(totals.kept.device)
         self.decode.kept += totals.kept
         self.decode.read += totals.read
+        self.decode.rows.update(totals.rows)
+        self.decode.dense |= totals.dense
         self.decode.steps += steps
 
     @contextmanager
@@ -128,56 +134,68 @@ class TurnRecorder:
         self.seconds[kind] += time.perf_counter() - start_s
 
     def _phase_totals(self, device: torch.device) -> StepTotals:
-        if self.current is not None:
-            return self.current
-        if self._step <= 0:
-            if self.prefill is None:
-                self.prefill = self.totals(device)
-                self.prefill.steps = 1
-            self.current = self.prefill
-        else:
-            if self.decode is None:
-                self.decode = self.totals(device)
-                self.decode.steps = 1
-            self.current = self.decode
+        if self.current is None:
+            if self._step <= 0:
+                if self.prefill is None:
+                    self.prefill = self.totals(device)
+                    self.prefill.steps = 1
+                self.current = self.prefill
+            else:
+                if self.decode is None:
+                    self.decode = self.totals(device)
+                    self.decode.steps = 1
+                self.current = self.decode
         return self.current
 
     def record(self, layer_idx: int, lookup: Lookup, counts: torch.Tensor | None) -> None:
         """One global layer's lookup at the current step. counts: [Hkv, C] cluster sizes (for the cluster list)."""
-        d = self.head_dim
-        device = lookup.index_elements.device
-        if lookup.selection is None:
-            kept_q = torch.full((self.hq,), float(self.fixed_len), device=device)
-            union_sum = float(self.hkv * self.fixed_len)
-        else:
-            sel = lookup.selection
-            per_row = sel.counts().float()
-            kept_q = per_row.repeat_interleave(self.hq // sel.rows)
-            if sel.rows == self.hkv:
-                union_sum = per_row.sum()
-            else:  # a key selected by several query heads of a group is read once
-                union_sum = sel.to_mask().reshape(self.hkv, sel.rows // self.hkv, -1).any(dim=1).sum().float()
-        elements = union_sum * 2 * d + lookup.index_elements.float().sum()
-        totals = self._phase_totals(device)
-        row = self._row[layer_idx]
-        totals.kept[row] += kept_q.to(totals.kept.device)
-        totals.read[row] += elements.to(totals.read.device)
+        totals = self._phase_totals(lookup.index_elements.device)
+        i = self._index[layer_idx]
+        sel = lookup.selection
+        if sel is None:  # every key: known on the host, nothing to add on the device
+            totals.dense.add(layer_idx)
+            return
+        totals.rows[layer_idx] = sel.rows
+        totals.kept[i, : sel.rows] += (sel.indptr[1:] - sel.indptr[:-1]).to(totals.kept.device)
+        index = lookup.index_elements.float().sum()
+        if sel.rows != self.hkv:  # a key selected by several query heads of a group is read once
+            union = sel.to_mask().reshape(self.hkv, sel.rows // self.hkv, -1).any(dim=1).sum()
+            index = index + union * (2 * self.head_dim)
+        totals.read[i] += index.to(totals.read.device)
         if self._step <= 0 and lookup.clusters is not None and counts is not None:
             self.prefill_clusters[layer_idx] = (lookup.clusters, counts)
 
+    def _per_layer(self, totals: list[StepTotals]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Summed over the phases: kept keys per query head [layers, Hq] and elements read [layers] (CPU, float64),
+        and the steps."""
+        kept = torch.zeros(len(self.global_layers), self.hq, dtype=torch.float64)
+        read = torch.zeros(len(self.global_layers), dtype=torch.float64)
+        dense_kv = 2 * self.head_dim * self.hkv * self.fixed_len
+        for t in totals:
+            t_kept, t_read = t.kept.double().cpu(), t.read.double().cpu()
+            for layer, i in self._index.items():
+                if layer in t.dense:
+                    kept[i] += self.fixed_len * t.steps
+                    read[i] += dense_kv * t.steps
+                elif layer in t.rows:
+                    rows = t.rows[layer]
+                    kept[i] += t_kept[i, :rows].repeat_interleave(self.hq // rows)
+                    read[i] += t_read[i] + (t_kept[i, :rows].sum() * 2 * self.head_dim if rows == self.hkv else 0.0)
+        return kept, read, sum(t.steps for t in totals)
+
     def _kept_matrix(self, totals: list[StepTotals]) -> list[list[float]]:
-        steps = sum(t.steps for t in totals)
+        kept, _, steps = self._per_layer(totals)
         if not steps:
             return []
-        mean = sum(t.kept.cpu() for t in totals) / steps / max(1, self.fixed_len)  # [layers, Hq]
+        mean = kept / steps / max(1, self.fixed_len)  # [layers, Hq]
         return [[round(float(x), 6) for x in row] for row in mean]
 
     def _budget(self, totals: list[StepTotals]) -> float:
-        steps = sum(t.steps for t in totals)
+        _, read, steps = self._per_layer(totals)
         if not steps or not self.global_layers:
             return 0.0
         dense = len(self.global_layers) * self.hkv * self.fixed_len * 2 * self.head_dim
-        return float(sum(t.read.double().sum().cpu() for t in totals)) / dense / steps
+        return float(read.sum()) / dense / steps
 
     def _clusters(self) -> list[dict]:
         out = []

@@ -42,12 +42,17 @@ class Selection:
         return Selection(indptr=indptr, indices=indices, num_keys=mask.shape[1])
 
     def to_mask(self) -> torch.Tensor:
-        """[rows, num_keys] bool: the dense form (for tests and references). Entries of `indices` past indptr[-1]
-        (spare capacity, as the GPU expansion leaves) are ignored."""
-        rows = torch.repeat_interleave(torch.arange(self.rows, device=self.indptr.device), self.counts())
-        mask = torch.zeros(self.rows, self.num_keys, dtype=torch.bool, device=self.indptr.device)
-        mask[rows, self.indices[: rows.numel()]] = True
-        return mask
+        """[rows, num_keys] bool: the dense form (for tests, references and statistics). Entries of `indices` past
+        indptr[-1] (spare capacity, as the GPU expansion leaves) are ignored. Without host synchronisation: every
+        entry is scattered, those past indptr[-1] into a spare row that is dropped."""
+        device = self.indptr.device
+        if self.num_keys == 0:
+            return torch.zeros(self.rows, 0, dtype=torch.bool, device=device)
+        entry = torch.arange(self.indices.numel(), device=device)
+        row = torch.searchsorted(self.indptr[1:].to(torch.int64).contiguous(), entry, right=True)  # rows: spare
+        mask = torch.zeros(self.rows + 1, self.num_keys, dtype=torch.bool, device=device)
+        mask[row, self.indices.to(torch.int64).clamp(0, max(self.num_keys - 1, 0))] = True
+        return mask[: self.rows]
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row key indices padded to the longest row.

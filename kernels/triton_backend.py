@@ -1,12 +1,12 @@
 """The Triton backend: the lookup, the expansion of kept clusters, the sparse attention and every dense attention
 on CUDA tensors (no score matrix is materialised: memory O(L * D)).
 
-The log-sum-exp merge of the parts stays in PyTorch: a few element-wise ops, without host synchronisation.
+The log-sum-exp merge of two parts is one kernel that writes the layer's output in the model's dtype and layout.
 """
 
 from __future__ import annotations
 
-from kernels import attention_ops, causal_ops, compact_ops, lookup_ops, reference
+from kernels import attention_ops, causal_ops, compact_ops, lookup_ops, merge_ops, reference
 from kernels.dispatch import Backend
 from kernels.selection import Selection
 
@@ -29,7 +29,7 @@ BACKEND = Backend(
     causal_attention=causal_ops.causal_attention,
     sparse_attention=attention_ops.sparse_attention,
     centroid_log_scores=reference.centroid_log_scores,
-    merge_attention=reference.merge_attention,
+    merge_attention=merge_ops.merge_attention,
     cluster_keep=lookup_ops.cluster_keep,
     cluster_keep_among=_cluster_keep_among,
     expand_groups=compact_ops.expand_groups,
