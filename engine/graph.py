@@ -45,6 +45,7 @@ class DecodeGraph:
         if record:
             self.totals = StepTotals.zeros(len(lm.global_layers), lm.num_heads, lm.device)
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.ready = False  # captured completely (a capture that raised is redone at the next turn)
         self._stream = torch.cuda.Stream(device=lm.device)
         self._step = replace(step, positions=self.positions, static=True, graphs=None)
 
@@ -80,6 +81,7 @@ class DecodeGraph:
         if recorder is not None:
             recorder.current = None
         self._step = None  # the capture holds what it needs; drop the turn's recorder
+        self.ready = True
         return token
 
     def replay(self) -> int:
@@ -104,9 +106,10 @@ class DecodeGraphs:
             self._buffers = buffers
         key = (step.policy.name, step.thresholds, step.recorder is not None)
         graph = self._graphs.get(key)
-        if graph is not None:
+        if graph is not None and graph.ready:
             self._graphs.move_to_end(key)
             return graph, True
+        self._graphs.pop(key, None)
         while len(self._graphs) >= MAX_GRAPHS:
             self._graphs.popitem(last=False)
         graph = DecodeGraph(self.lm, step, record=step.recorder is not None)

@@ -162,7 +162,7 @@ class TurnRecorder:
             union = sel.to_mask().reshape(self.hkv, sel.rows // self.hkv, -1).any(dim=1).sum()
             index = index + union * (2 * self.head_dim)
         totals.read[i] += index.to(totals.read.device)
-        if self._step <= 0 and lookup.clusters is not None and counts is not None:
+        if totals is self.prefill and lookup.clusters is not None and counts is not None:
             self.prefill_clusters[layer_idx] = (lookup.clusters, counts)
 
     def _per_layer(self, totals: list[StepTotals]) -> tuple[torch.Tensor, torch.Tensor, int]:

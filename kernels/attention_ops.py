@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels.checks import LOG2E, check_qkv
 from kernels.jit.sparse import gather_selected_kernel, sparse_attn_fwd_kernel, sparse_attn_merge_kernel
 from kernels.selection import Selection
 
@@ -37,9 +38,6 @@ try:  # Triton >= 3.4
 except ImportError:  # pragma: no cover - older Triton: no descriptor path
     TensorDescriptor = None
 
-LOG2E = 1.4426950408889634
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 # --- Knobs (tune on the GPU) -------------------------------------------------------------------------------------
@@ -186,19 +184,8 @@ def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: Selection) -> None:
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"expected q [Hq, Lq, D], k/v [Hkv, Lk, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[2] != k.shape[2]:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype or q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"k and v must share one of {SUPPORTED_DTYPES} (q any of them); got {q.dtype}, {k.dtype}, "
-                        f"{v.dtype}")
-    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {q.shape[2]} not supported; expected one of {SUPPORTED_HEAD_DIMS}")
+    check_qkv(q, k, v)
     hq, hkv, rows = q.shape[0], k.shape[0], selection.rows
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
     if rows not in (hq, hkv) or hq % rows:
         raise ValueError(f"selection has {rows} rows; expected Hq={hq} or Hkv={hkv}")
     if selection.num_keys > k.shape[1]:

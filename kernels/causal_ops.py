@@ -13,7 +13,7 @@ import numbers
 import torch
 import triton
 
-from kernels.attention_ops import LOG2E, SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
+from kernels.checks import LOG2E, check_qkv
 from kernels.jit.causal import causal_attn_fwd_kernel
 
 POSITION_DTYPES = (torch.int32, torch.int64)
@@ -51,19 +51,7 @@ def _blocks(num_m: int, head_dim: int, elem_bytes: int) -> tuple[int, int]:
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_start: int,
            window: int | None) -> None:
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"expected q [Hq, Lq, D], k/v [Hkv, Lk, D]; got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
-    if k.shape != v.shape or q.shape[2] != k.shape[2]:
-        raise ValueError(f"shape mismatch: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
-    if k.dtype not in SUPPORTED_DTYPES or v.dtype != k.dtype or q.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"k and v must share one of {SUPPORTED_DTYPES} (q any of them); got {q.dtype}, {k.dtype}, "
-                        f"{v.dtype}")
-    if q.shape[2] not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head_dim {q.shape[2]} not supported; expected one of {SUPPORTED_HEAD_DIMS}")
-    hq, hkv = q.shape[0], k.shape[0]
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+    check_qkv(q, k, v)
     if not isinstance(q_pos, torch.Tensor) or q_pos.dtype not in POSITION_DTYPES:
         kind = q_pos.dtype if isinstance(q_pos, torch.Tensor) else type(q_pos).__name__
         raise TypeError(f"q_pos must be an int32/int64 tensor on the device (never host values); got {kind}")

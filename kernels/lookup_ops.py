@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from kernels.checks import LOG2E
 from kernels.compact_ops import expand_block_sums
 from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel, centroid_score_prefill_kernel
 from kernels.selection import Selection
@@ -36,7 +37,6 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_DOT_DIM = 16  # tl.dot needs every block dimension >= 16
 PROGRAMS_PER_SM = 4  # the denominator pass splits the centroids until it has about this many programs per SM
 CPU_PROGRAMS = 4  # the same target in Triton's interpreter (programs run one after the other there)
-LOG2E = 1.4426950408889634
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
 
 

@@ -23,6 +23,8 @@ import torch
 from kernels import reference
 from kernels.causal_ops import causal_attention
 
+from test_sparse_kernels import make_qkv  # the same inputs: q scaled up so that a wrong key shows
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -34,15 +36,6 @@ LK = 203  # not a multiple of any block size
 GQA = [(2, 2), (4, 2), (8, 2)]  # (Hq, Hkv): ratios 1, 2, 4
 CONTEXT_START = 500  # q_pos of the first query in the context layout
 GARBAGE = 1e3  # magnitude of the unwritten slots: finite (the reference multiplies them by 0) but loud if read
-
-
-def make_qkv(hq: int, hkv: int, lq: int, lk: int, d: int, dtype: torch.dtype, seed: int = 0):
-    """q [Hq, Lq, D], k/v [Hkv, Lk, D] on DEVICE. q is scaled up so that softmax is peaky: a wrong key shows."""
-    g = torch.Generator().manual_seed(seed)
-    q = (2.0 * torch.randn(hq, lq, d, generator=g)).to(dtype)
-    k = torch.randn(hkv, lk, d, generator=g).to(dtype)
-    v = torch.randn(hkv, lk, d, generator=g).to(dtype)
-    return q.to(DEVICE), k.to(DEVICE), v.to(DEVICE)
 
 
 def layout(case: str, lq: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, int]:
