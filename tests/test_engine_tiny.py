@@ -156,6 +156,18 @@ def test_session_turns_leave_fixed_context_unchanged(ctx):
         assert torch.equal(layer.fixed_keys, keys)
 
 
+def test_session_takes_over_the_fixed_kv(ctx):
+    """The session pops the fixed K/V out of the artifacts: one copy of the context on the device. A layer that is
+    not permuted by cluster (a sliding window's) keeps the ingest's very tensor."""
+    artifacts = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE).artifacts
+    made = {i: artifacts[f"layer{i}.keys"].data_ptr() for i in range(ctx.lm.num_layers)}
+    session = ContextSession(ctx.lm, artifacts, SETTINGS, REFERENCE)
+    assert not [name for name in artifacts if name.endswith((".keys", ".values"))]
+    for i, layer in enumerate(session.cache.layers):
+        if not layer.index:
+            assert layer.fixed_keys.data_ptr() == made[i]
+
+
 # --------------------------------------------------------------------------- sparse methods
 
 
