@@ -32,63 +32,66 @@ def greedy_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_
 
     Stops after an end-of-sequence token (which is yielded) or `max_new_tokens` tokens. The caller may stop early
     by closing the generator (close it before reading the step's recorder: replayed steps' statistics are handed
-    to it when the generator ends). New tokens take positions after the fixed context.
+    to it when the generator ends). New tokens take positions after the fixed context. Inference mode is entered
+    around each step, never held across a yield: a caller may resume the generator from another thread (Gradio
+    does), and torch's inference mode is per thread.
     """
     cache = step.cache
-    cache.reset_dynamic()
-    cache.reserve(prompt.numel() + max_new_tokens)
     eos = lm.eos_ids()
-    position = cache.get_seq_length()
     with torch.inference_mode():
+        cache.reset_dynamic()
+        cache.reserve(prompt.numel() + max_new_tokens)
+        position = cache.get_seq_length()
         next_ids = _next(lm, step, prompt.to(lm.device), position)
-        position += prompt.numel()
         token = int(next_ids)
-        yield token
-        if token in eos or max_new_tokens <= 1:
-            return
-        if step.graphs is None:
-            for _ in range(max_new_tokens - 1):
-                next_ids = _next(lm, step, next_ids, position)
-                position += 1
-                token = int(next_ids)
-                yield token
-                if token in eos:
-                    return
-            return
+    position += prompt.numel()
+    yield token
+    if token in eos or max_new_tokens <= 1:
+        return
+    if step.graphs is not None:
         yield from _replayed(step, next_ids, position, max_new_tokens - 1, eos)
+        return
+    for _ in range(max_new_tokens - 1):
+        with torch.inference_mode():
+            next_ids = _next(lm, step, next_ids, position)
+            token = int(next_ids)
+        position += 1
+        yield token
+        if token in eos:
+            return
 
 
 def _replayed(step: StepContext, token: torch.Tensor, position: int, steps: int, eos: set[int]) -> Iterator[int]:
     """Decode steps from the session's captured graph (captured on first use: one eager step, then the capture)."""
-    graph, captured = step.graphs.get(step)
-    if graph.totals is not None:
-        graph.totals.reset()
-    graph.set_input(token, position)
+    with torch.inference_mode():
+        graph, captured = step.graphs.get(step)
+        if graph.totals is not None:
+            graph.totals.reset()
+        graph.set_input(token, position)
     done = 0
     try:
         while done < steps:
-            if captured:
-                token_id = graph.replay()
-            else:
-                token_id = graph.warm_and_capture(step)
-                captured = True
+            with torch.inference_mode():
+                token_id = graph.replay() if captured else graph.warm_and_capture(step)
+            captured = True
             done += 1
             yield token_id
             if token_id in eos:
                 return
     finally:
         if step.recorder is not None and graph.totals is not None:
-            step.recorder.add_decode(graph.totals, done)
+            with torch.inference_mode():
+                step.recorder.add_decode(graph.totals, done)
 
 
 def full_logits(lm: LoadedModel, step: StepContext, prompt: torch.Tensor) -> torch.Tensor:
     """Logits of every prompt token over the fixed context (for equivalence tests). prompt: [Lq] -> [Lq, V]."""
     cache = step.cache
-    cache.reset_dynamic()
-    cache.reserve(prompt.numel())
-    start = cache.get_seq_length()
-    step.positions = torch.arange(start, start + prompt.numel(), device=lm.device)
     with torch.inference_mode():
+        cache.reset_dynamic()
+        cache.reserve(prompt.numel())
+        start = cache.get_seq_length()
+        step.positions = torch.arange(start, start + prompt.numel(), device=lm.device)
         out = lm.model(input_ids=prompt.to(lm.device)[None], position_ids=step.positions[None], past_key_values=cache,
                        use_cache=True, squeeze_step=step)
     cache.reset_dynamic()

@@ -168,6 +168,29 @@ def test_session_takes_over_the_fixed_kv(ctx):
             assert layer.fixed_keys.data_ptr() == made[i]
 
 
+def test_stream_resumed_from_other_threads(ctx):
+    """Gradio resumes a streaming handler on any of its worker threads; torch's inference mode is per thread, so
+    generation must not hold it across a yield (a step resumed elsewhere ran with autograd on and failed on the
+    inference tensors of the cache). Each next() here runs on a new thread, and one turn is closed midway."""
+    import threading  # noqa: PLC0415
+
+    def drive(stop_after: int | None) -> list[str]:
+        events, stream = [], ctx.session.stream(QUESTION, "squeeze", HIGH_SPARSITY, max_new_tokens=NEW_TOKENS)
+        while stop_after is None or len(events) < stop_after:
+            box: dict = {}
+            thread = threading.Thread(target=lambda: box.update(event=next(stream, None)))
+            thread.start()
+            thread.join()
+            if box["event"] is None:
+                return events
+            events.append(type(box["event"]).__name__)
+        stream.close()
+        return events
+
+    assert len(drive(stop_after=1)) == 1
+    assert drive(stop_after=None)[-1] == "Answer"
+
+
 # --------------------------------------------------------------------------- sparse methods
 
 
