@@ -40,6 +40,27 @@ def weighted_thresholds(scores: torch.Tensor, weights: torch.Tensor, sparsities:
     return torch.tensor(out, dtype=torch.float64)
 
 
+def pooled_thresholds(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], sparsities: Sequence[float],
+                      max_samples: int = MAX_CALIBRATION_SCORES) -> torch.Tensor:
+    """`weighted_thresholds` of the concatenated (scores, weights) parts (one per layer), without concatenating
+    them when they hold more than `max_samples` scores: each part then gives a uniform sample (with replacement,
+    drawn where it lies) in proportion to its size, and only the samples are joined. At 128K tokens the parts of
+    one calibration hold ~170M scores (the Llama-3-8B shape), whose concatenation cost gigabytes of GPU memory
+    at the ingest's peak. Parts under the limit are used whole, as before."""
+    total = sum(scores.numel() for scores, _ in parts)
+    if total <= max_samples:
+        return weighted_thresholds(torch.cat([s.reshape(-1) for s, _ in parts]),
+                                   torch.cat([w.reshape(-1) for _, w in parts]), sparsities)
+    picked_scores, picked_weights = [], []
+    for i, (scores, weights) in enumerate(parts):
+        n = scores.numel() * max_samples // total
+        gen = torch.Generator(device=scores.device).manual_seed(i)
+        pick = torch.randint(scores.numel(), (n,), generator=gen, device=scores.device)
+        picked_scores.append(scores.reshape(-1)[pick])
+        picked_weights.append(weights.reshape(-1)[pick])
+    return weighted_thresholds(torch.cat(picked_scores), torch.cat(picked_weights), sparsities)
+
+
 def threshold_at(thresholds: torch.Tensor, sparsity: float, grid: Sequence[float] = SPARSITY_GRID) -> float:
     """Map a sparsity to its threshold by interpolating the calibrated grid (log-linear between positive points)."""
     if not 0.0 <= sparsity <= grid[-1]:

@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.calibrate import prefill_windows, threshold_at, weighted_thresholds, window_scores
+from engine.calibrate import pooled_thresholds, prefill_windows, threshold_at, window_scores
 from engine.config import SPARSITY_GRID, IndexSettings
 from engine.kmeans import spherical_kmeans
 from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows, step_thresholds
@@ -106,8 +106,8 @@ class HierarchicalSqueezePolicy(Policy):
                 sample, weight = prefill_samples(s1, layer.index["l1_counts"], rows, prefill_windows(s1.shape[1]))
                 p1_all.append(sample)
                 pw1_all.append(weight)
-        t1 = weighted_thresholds(torch.cat(s1_all), torch.cat(w1_all), l1_sparsities)
-        t1p = weighted_thresholds(torch.cat(p1_all), torch.cat(pw1_all), l1_sparsities) if prefill else None
+        t1 = pooled_thresholds(list(zip(s1_all, w1_all)), l1_sparsities)
+        t1p = pooled_thresholds(list(zip(p1_all, pw1_all)), l1_sparsities) if prefill else None
         # Level 2: for each grid point, the threshold over the survivors' scores (pruned clusters count as 0).
         t2, t2p = [], []
         for i, sparsity in enumerate(SPARSITY_GRID):
@@ -128,9 +128,9 @@ class HierarchicalSqueezePolicy(Policy):
                                                   rows, window_weights)
                 p_scores.append(sample)
                 p_weights.append(weight)
-            t2.append(float(weighted_thresholds(torch.cat(scores), torch.cat(weights), [sparsity])[0]))
+            t2.append(float(pooled_thresholds(list(zip(scores, weights)), [sparsity])[0]))
             if prefill:
-                t2p.append(float(weighted_thresholds(torch.cat(p_scores), torch.cat(p_weights), [sparsity])[0]))
+                t2p.append(float(pooled_thresholds(list(zip(p_scores, p_weights)), [sparsity])[0]))
         out = {"threshold_l1": t1, "threshold_l2": torch.tensor(t2, dtype=torch.float64)}
         if prefill:
             out.update(threshold_l1_prefill=t1p, threshold_l2_prefill=torch.tensor(t2p, dtype=torch.float64))

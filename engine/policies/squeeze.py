@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.calibrate import prefill_windows, threshold_at, weighted_thresholds, window_scores
+from engine.calibrate import pooled_thresholds, prefill_windows, threshold_at, window_scores
 from engine.config import SPARSITY_GRID, IndexSettings
 from engine.kmeans import spherical_kmeans
 from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows, step_thresholds
@@ -84,9 +84,9 @@ class SqueezePolicy(Policy):
                 sample, weight = prefill_samples(s, layer.index["counts"], rows, prefill_windows(s.shape[1]))
                 p_scores.append(sample)
                 p_weights.append(weight)
-        out = {"threshold": weighted_thresholds(torch.cat(scores), torch.cat(weights), SPARSITY_GRID)}
+        out = {"threshold": pooled_thresholds(list(zip(scores, weights)), SPARSITY_GRID)}
         if p_scores:
-            out["threshold_prefill"] = weighted_thresholds(torch.cat(p_scores), torch.cat(p_weights), SPARSITY_GRID)
+            out["threshold_prefill"] = pooled_thresholds(list(zip(p_scores, p_weights)), SPARSITY_GRID)
         return out
 
     def thresholds(self, calibration: dict[str, torch.Tensor], sparsity: float) -> tuple[float, ...]:
