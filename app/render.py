@@ -172,6 +172,10 @@ def budget_html(stats: dict, thresholds: Sequence[float] = ()) -> str:
         for i, (n, v) in enumerate(parts))
     keys = "".join(f'<span class="sq-key"><i class="sq-seg-{i}"></i>{esc(n)} {v:.2f} s</span>'
                    for i, (n, v) in enumerate(parts))
+    timed, steps = int(t.get("timed_steps", stats.get("steps", 0))), int(stats.get("steps", 0))
+    if timed < steps:  # decode steps replayed from a CUDA graph run as one launch: their parts are not timed
+        keys += (f'<span class="sq-key sq-note">lookup and attention timed over {timed} of {steps} steps; the '
+                 f'{steps - timed} replayed from a CUDA graph count in the rest</span>')
     budget, prefill = float(stats.get("kv_budget", 0.0)), float(stats.get("kv_budget_prefill", 0.0))
     method = stats.get("method", "?")
     sparsity = stats.get("sparsity", 0.0)

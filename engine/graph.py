@@ -70,6 +70,7 @@ class DecodeGraph:
         warm = replace(self._step, recorder=recorder)
         if recorder is not None:
             recorder.current = self.totals
+            recorder.timing = False  # counted like the replays it stands for: not in the lookup/attention split
         self._stream.wait_stream(torch.cuda.current_stream(self.lm.device))
         with torch.cuda.stream(self._stream):
             self._forward(warm)
@@ -80,6 +81,7 @@ class DecodeGraph:
             self._forward(warm)  # recorded, not run: the inputs stay as the warm step left them
         if recorder is not None:
             recorder.current = None
+            recorder.timing = True
         self._step = None  # the capture holds what it needs; drop the turn's recorder
         self.ready = True
         return token

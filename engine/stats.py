@@ -93,6 +93,8 @@ class TurnRecorder:
         self.seconds = {"lookup": 0.0, "attention": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._step = -1
+        self.timing = True  # time lookup and attention (off for steps that are not counted in timed_steps)
+        self.timed_steps = 0  # eager steps whose lookup and attention were timed (replayed ones cannot be)
 
     def totals(self, device: torch.device) -> StepTotals:
         """Fresh totals for a phase on `device`."""
@@ -101,6 +103,7 @@ class TurnRecorder:
     def begin_step(self) -> None:
         """Called by the host before each eager step (replayed steps are handed over with add_decode)."""
         self._step += 1
+        self.timed_steps += 1
         self.current = None
         if self._step > 0 and self.decode is not None:
             self.decode.steps += 1
@@ -119,7 +122,7 @@ class TurnRecorder:
 
     @contextmanager
     def timed(self, kind: str):
-        if _capturing():  # a captured step is timed as a whole by its caller
+        if not self.timing or _capturing():  # a captured step is timed as a whole by its caller
             yield
             return
         if self.cuda:
@@ -232,7 +235,8 @@ class TurnRecorder:
             kv_budget=round(self._budget(prefill + decode), 6),
             kv_budget_prefill=round(self._budget(prefill), 6),
             clusters=self._clusters(),
-            timings={**{f"{k}_s": round(v, 6) for k, v in self.seconds.items()}, **timings},
+            timings={**{f"{k}_s": round(v, 6) for k, v in self.seconds.items()}, "timed_steps": self.timed_steps,
+                     **timings},
             steps=sum(t.steps for t in prefill + decode),
             new_tokens=new_tokens,
         )

@@ -137,7 +137,9 @@ def test_heatmap_and_budget_markup():
     assert render._colour(0.0) == "rgb(247,251,255)" and render._colour(1.0) == "rgb(8,48,107)"
     budget = render.budget_html(stats, (0.000265,))
     assert "20.0%" in budget and "26.0%" in budget and "threshold 0.000265" in budget
-    assert "rest of the model 0.60 s" in budget
+    assert "rest of the model 0.60 s" in budget and "replayed" not in budget  # old turns: no timed_steps
+    replayed = {**stats, "timings": {**stats["timings"], "timed_steps": 2}}  # 2 eager steps timed, 3 replayed
+    assert "lookup and attention timed over 2 of 5 steps; the 3 replayed from a CUDA graph" in render.budget_html(replayed)
     # decode's threshold(s), then the question prefill's where it has its own (IndexSettings.prefill_threshold)
     assert "threshold 0.000265 (prefill 0.000301)" in render.budget_html(stats, (0.000265, 0.000301))
     assert "threshold 0.1, 0.2 (prefill 0.3, 0.4)" in render.budget_html({**stats, "method": "hsqueeze"}, (0.1, 0.2, 0.3, 0.4))

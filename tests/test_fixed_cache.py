@@ -85,7 +85,7 @@ def test_recorder_totals_by_phase():
     replayed.dense.add(1)
     rec.add_decode(replayed, 2)
     stats = rec.finish("squeeze", 0.9, 5, {})
-    assert stats.steps == 5
+    assert stats.steps == 5 and stats.timings["timed_steps"] == 3  # the replayed two were not split
     assert stats.kept_fraction_prefill == [[0.2, 0.2, 0.4, 0.4], [1.0] * 4]
     decode_row0 = [(2 * 10 + 2 * 50) / 4 / fixed] * 2 + [(2 * 30 + 2 * 10) / 4 / fixed] * 2
     assert stats.kept_fraction_decode == [pytest.approx(decode_row0), [1.0] * 4]
