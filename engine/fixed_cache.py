@@ -14,6 +14,11 @@ from transformers.cache_utils import Cache, DynamicLayer
 MIN_NEW_CAPACITY = 64  # new-token slots allocated at least (a turn that needs more grows them before it starts)
 
 
+def capturing() -> bool:
+    """Whether the current CUDA stream is capturing a graph (the call is recorded, not run)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class FixedContextLayer(DynamicLayer):
     """One decoder layer's cache: a fixed part that turns never change, and a static buffer for new tokens.
 
@@ -56,7 +61,7 @@ class FixedContextLayer(DynamicLayer):
         hkv, d = like.shape[-3], like.shape[-1]
         if self.new_keys is not None and self.new_keys.shape[1] >= slots:
             return
-        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        if capturing():
             raise RuntimeError("new-token buffers must be reserved before a CUDA graph is captured")
         cap = max(1 << (slots - 1).bit_length(), MIN_NEW_CAPACITY)  # a power of two: a few more tokens fit next time
         keys = like.new_zeros(hkv, cap, d)
@@ -79,7 +84,7 @@ class FixedContextLayer(DynamicLayer):
         self.new_keys.index_copy_(1, slots, key_states[0].to(self.new_keys.dtype))
         self.new_values.index_copy_(1, slots, value_states[0].to(self.new_values.dtype))
         self.new_len.add_(n)
-        if not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        if not capturing():
             self.host_new += n
         return key_states, value_states
 

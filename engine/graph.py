@@ -35,14 +35,14 @@ class DecodeGraph:
     totals: where the step adds its statistics (None: recorded nothing); zeroed by the caller at a turn's start.
     """
 
-    def __init__(self, lm: LoadedModel, step: StepContext, record: bool):
+    def __init__(self, lm: LoadedModel, step: StepContext):
         self.lm = lm
         self.ids = torch.zeros(1, 1, dtype=torch.int64, device=lm.device)
         self.positions = torch.zeros(1, dtype=torch.int64, device=lm.device)
         self.next_token = torch.zeros(1, dtype=torch.int64, device=lm.device)
         self.logits: torch.Tensor | None = None
         self.totals: StepTotals | None = None
-        if record:
+        if step.recorder is not None:  # the capture records statistics
             self.totals = StepTotals.zeros(len(lm.global_layers), lm.num_heads, lm.device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.ready = False  # captured completely (a capture that raised is redone at the next turn)
@@ -114,7 +114,7 @@ class DecodeGraphs:
         self._graphs.pop(key, None)
         while len(self._graphs) >= MAX_GRAPHS:
             self._graphs.popitem(last=False)
-        graph = DecodeGraph(self.lm, step, record=step.recorder is not None)
+        graph = DecodeGraph(self.lm, step)
         self._graphs[key] = graph
         return graph, False
 

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from engine.fixed_cache import capturing
 from engine.policies.base import Lookup
 
 
@@ -68,10 +69,6 @@ class StepTotals:
         self.steps = 0
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 class TurnRecorder:
     """Collects per-step statistics into device buffers without host synchronisation (two or three small kernels
     per layer and step); `finish()` reads them once and turns them into a TurnStats. The first step is the
@@ -122,7 +119,7 @@ class TurnRecorder:
 
     @contextmanager
     def timed(self, kind: str):
-        if not self.timing or _capturing():  # a captured step is timed as a whole by its caller
+        if not self.timing or capturing():  # a captured step is timed as a whole by its caller
             yield
             return
         if self.cuda:
@@ -168,37 +165,36 @@ class TurnRecorder:
         if totals is self.prefill and lookup.clusters is not None and counts is not None:
             self.prefill_clusters[layer_idx] = (lookup.clusters, counts)
 
-    def _per_layer(self, totals: list[StepTotals]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """Summed over the phases: kept keys per query head [layers, Hq] and elements read [layers] (CPU, float64),
-        and the steps."""
+    def _per_layer(self, totals: StepTotals) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """One phase's sums on the CPU: kept keys per query head [layers, Hq] and elements read [layers] (float64),
+        and its steps."""
         kept = torch.zeros(len(self.global_layers), self.hq, dtype=torch.float64)
         read = torch.zeros(len(self.global_layers), dtype=torch.float64)
         dense_kv = 2 * self.head_dim * self.hkv * self.fixed_len
-        for t in totals:
-            t_kept, t_read = t.kept.double().cpu(), t.read.double().cpu()
-            for layer, i in self._index.items():
-                if layer in t.dense:
-                    kept[i] += self.fixed_len * t.steps
-                    read[i] += dense_kv * t.steps
-                elif layer in t.rows:
-                    rows = t.rows[layer]
-                    kept[i] += t_kept[i, :rows].repeat_interleave(self.hq // rows)
-                    read[i] += t_read[i] + (t_kept[i, :rows].sum() * 2 * self.head_dim if rows == self.hkv else 0.0)
-        return kept, read, sum(t.steps for t in totals)
+        t_kept, t_read = totals.kept.double().cpu(), totals.read.double().cpu()
+        for layer, i in self._index.items():
+            if layer in totals.dense:
+                kept[i] += self.fixed_len * totals.steps
+                read[i] += dense_kv * totals.steps
+            elif layer in totals.rows:
+                rows = totals.rows[layer]
+                kept[i] += t_kept[i, :rows].repeat_interleave(self.hq // rows)
+                read[i] += t_read[i] + (t_kept[i, :rows].sum() * 2 * self.head_dim if rows == self.hkv else 0.0)
+        return kept, read, totals.steps
 
-    def _kept_matrix(self, totals: list[StepTotals]) -> list[list[float]]:
-        kept, _, steps = self._per_layer(totals)
+    def _kept_matrix(self, phases: list[tuple[torch.Tensor, torch.Tensor, int]]) -> list[list[float]]:
+        steps = sum(n for _, _, n in phases)
         if not steps:
             return []
-        mean = kept / steps / max(1, self.fixed_len)  # [layers, Hq]
+        mean = sum(kept for kept, _, _ in phases) / steps / max(1, self.fixed_len)  # [layers, Hq]
         return [[round(float(x), 6) for x in row] for row in mean]
 
-    def _budget(self, totals: list[StepTotals]) -> float:
-        _, read, steps = self._per_layer(totals)
+    def _budget(self, phases: list[tuple[torch.Tensor, torch.Tensor, int]]) -> float:
+        steps = sum(n for _, _, n in phases)
         if not steps or not self.global_layers:
             return 0.0
         dense = len(self.global_layers) * self.hkv * self.fixed_len * 2 * self.head_dim
-        return float(read.sum()) / dense / steps
+        return float(sum(read.sum() for _, read, _ in phases)) / dense / steps
 
     def _clusters(self) -> list[dict]:
         out = []
@@ -222,8 +218,8 @@ class TurnRecorder:
             for kind, start, end in self._events:
                 self.seconds[kind] += start.elapsed_time(end) / 1e3
             self._events.clear()
-        prefill = [self.prefill] if self.prefill is not None else []
-        decode = [self.decode] if self.decode is not None and self.decode.steps else []
+        prefill = [self._per_layer(self.prefill)] if self.prefill is not None else []  # read back once per phase
+        decode = [self._per_layer(self.decode)] if self.decode is not None and self.decode.steps else []
         return TurnStats(
             method=method,
             sparsity=sparsity,
@@ -237,6 +233,6 @@ class TurnRecorder:
             clusters=self._clusters(),
             timings={**{f"{k}_s": round(v, 6) for k, v in self.seconds.items()}, "timed_steps": self.timed_steps,
                      **timings},
-            steps=sum(t.steps for t in prefill + decode),
+            steps=sum(n for _, _, n in prefill + decode),
             new_tokens=new_tokens,
         )
