@@ -39,10 +39,13 @@ class Answer:
 class ContextSession:
     """Answers questions over one fixed context. Built from a context's artifacts (see engine.ingest)."""
 
-    def __init__(self, lm: LoadedModel, artifacts: dict[str, torch.Tensor], settings: IndexSettings, backend: Backend):
+    def __init__(self, lm: LoadedModel, artifacts: dict[str, torch.Tensor], settings: IndexSettings, backend: Backend,
+                 graphs: bool = True):
         """artifacts: a context's tensors by name (engine.ingest). The fixed K/V are taken out of the dict (popped)
         layer by layer as they move into the session's cache, so that the session holds the only copy of the
-        fixed context on the device (an ingest's K/V are reused in place where they sit on the right device)."""
+        fixed context on the device (an ingest's K/V are reused in place where they sit on the right device).
+        graphs: replay decode steps from CUDA graphs where the model allows (engine.graph); False: every step
+        eager (benchmarks compare the two)."""
         self.lm, self.backend = lm, backend
         self.tokens = artifacts["tokens"]
         self.fixed_len = int(self.tokens.numel())
@@ -63,7 +66,7 @@ class ContextSession:
             layers.append(FixedContextLayer(fixed_keys=keys, fixed_values=values, fixed_len=self.fixed_len,
                                             sliding_window=window, index=index))
         self.cache = FixedContextCache(layers)
-        self.graphs = DecodeGraphs(lm) if backend.name == "triton" and graphs_supported(lm) else None
+        self.graphs = DecodeGraphs(lm) if graphs and backend.name == "triton" and graphs_supported(lm) else None
 
     def thresholds(self, method: str, sparsity: float) -> tuple[float, ...]:
         policy = get_policy(method)

@@ -10,8 +10,9 @@ import json
 
 import pytest
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.bench.e2e import SHAPES, build_shape, main, measure_peer, peer_model
+from engine.bench.e2e import SHAPES, build_shape, even_device_map, main, measure_peer, peer_model
 from engine.config import IndexSettings
 from engine.generate import full_logits
 from engine.ingest import ingest_tokens
@@ -119,3 +120,42 @@ def test_peer_is_the_engine_model(one_thread):
     assert report["prefill_s"] > 0 and report["question_prefill_ms"] > 0
     assert report["best_decode"] == "eager" and report["best_decode_ms"] == report["eager_decode_ms_median"] > 0
     assert report["max_cache_len"] >= ids.numel() + prompt.numel() + 3
+
+
+@pytest.mark.parametrize("shape", ["llama3-8b", "gemma3-270m"])
+@pytest.mark.parametrize("gpus", [2, 3])
+def test_even_device_map(shape, gpus):
+    """--gpus N: the decoder layers in N equal runs in order; embeddings first, the head last (or with its tied
+    embeddings), every module of the model placed."""
+    fields_ = dict(SHAPES[shape])
+    config = AutoConfig.for_model(fields_.pop("model_type"), **fields_)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    device_map = even_device_map(model, gpus)
+    layers = [device_map[f"model.layers.{i}"] for i in range(config.num_hidden_layers)]
+    assert layers == sorted(layers) and set(layers) == set(range(gpus))
+    runs = [layers.count(g) for g in range(gpus)]
+    assert max(runs) - min(runs) <= 1, runs
+    assert device_map["model.embed_tokens"] == 0 and device_map["model.norm"] == gpus - 1
+    assert device_map["lm_head"] == (0 if config.tie_word_embeddings else gpus - 1)
+    placed = {name for name, module in model.named_modules()
+              if any(name == k or name.startswith(k + ".") for k in device_map)}
+    assert placed | {"", "model", "model.layers"} == {name for name, _ in model.named_modules()}
+    with pytest.raises(ValueError, match="cannot split"):
+        even_device_map(model, config.num_hidden_layers + 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_split_over_two_gpus(tmp_path):
+    """--gpus 2 on CUDA: the tiny shape's two layers on two GPUs, every method timed eagerly (no CUDA graphs across
+    devices), the peer skipped."""
+    out_file = tmp_path / "e2e.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(["--shape", "tiny", "--gpus", "2", "--context", str(CONTEXT), "--steps", str(STEPS),
+                     "--questions", QUESTIONS[0], "--out", str(out_file)])
+    doc = json.loads(out_file.read_text())
+    assert code == 0, doc
+    assert doc["gpus"] == 2 and doc["layers_per_device"] == {"cuda:0": 1, "cuda:1": 1}
+    assert doc["session"]["graphs"] is False and "skipped" in doc["peer"]
+    assert all(row["decode_ms_median"] > 0 for row in doc["methods"].values())

@@ -21,7 +21,7 @@ import torch
 from tiny_models import tiny_model_path  # noqa: F401 (fixture)
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.generate import greedy_tokens
+from engine.generate import forward_step, greedy_tokens
 from engine.ingest import ingest_tokens
 from engine.model import LoadedModel, load_model
 from engine.prompt import question_ids, tokenize_document
@@ -103,14 +103,11 @@ def forced_step_logits(session: ContextSession, method: str, sparsity: float, pr
     lm, step = session.lm, session.step_context(method, sparsity, None)
     cache = step.cache
     cache.reset_dynamic()
+    cache.reserve(prompt.numel() + len(answer))
     ids, rows = prompt.to(lm.device), []
     with torch.inference_mode():
         for token in [*answer, None]:
-            start = cache.get_seq_length()
-            positions = torch.arange(start, start + ids.numel(), device=lm.device)
-            out = lm.model(input_ids=ids[None], position_ids=positions[None], past_key_values=cache, use_cache=True,
-                           logits_to_keep=1, squeeze_step=step)
-            rows.append(out.logits[0, -1].float().cpu())
+            rows.append(forward_step(lm, step, ids, cache.get_seq_length())[0].float().cpu())
             if token is not None:
                 ids = torch.tensor([token], device=lm.device)
     cache.reset_dynamic()
@@ -178,14 +175,15 @@ def test_fixed_context_sits_on_its_layers_gpu(pair):
         tokens = greedy_tokens(split, session.step_context("squeeze", 0.7, None), prompt, 2)
         next(tokens)  # the question's prefill has run: its K/V are the dynamic part of every layer
         for layer, device in zip(session.cache.layers, split.layer_devices):
-            assert layer.dynamic_length() == prompt.numel() and layer.keys.device == layer.values.device == device
+            assert layer.dynamic_length() == prompt.numel() and layer.new_keys.device == layer.new_values.device == device
         tokens.close()
         session.cache.reset_dynamic()
 
 
 def test_kernels_run_on_their_layers_gpu(pair):
     """Every kernel call gets tensors of one GPU, and that GPU is the current device (Triton launches on the current
-    device and stream, whatever its tensors' device); the Triton kernels themselves run on cuda:1's layers."""
+    device and stream, whatever its tensors' device): the new tokens' attention on both GPUs, the index's lookup
+    and sparse attention on the GPUs of the global layers (both for Llama, cuda:1 for the Gemma 3 hybrid)."""
     split = pair.split
     backend = backend_for(split.device)
     assert backend.name == "triton"
@@ -202,7 +200,9 @@ def test_kernels_run_on_their_layers_gpu(pair):
     triton = {f.name for f in fields(Backend)
               if f.name != "name" and getattr(backend, f.name) is not getattr(REFERENCE, f.name)}  # its own kernels
     on_gpu = {current for name, current, _ in calls if name in triton}
-    assert on_gpu == ({0, 1} if pair.arch == "llama_gqa" else {1}), f"Triton kernels ran on {on_gpu}: {triton}"
+    assert on_gpu == {0, 1}, f"Triton kernels ran on {on_gpu}: {triton}"  # every layer attends to its new tokens
+    lookup = {current for name, current, _ in calls if name.startswith("cluster_") or name == "sparse_attention"}
+    assert lookup == {split.layer_devices[i].index for i in split.global_layers}  # the index's kernels: global layers
 
 
 # --------------------------------------------------------------------------- the same numbers as one GPU

@@ -2,6 +2,7 @@
 
     python -m engine.bench.e2e [--shape llama3-8b | --model M] [--context 131072] [--methods full,squeeze,hsqueeze]
                                [--sparsity 0.9] [--steps 32] [--questions 64,1024] [--peer/--no-peer] [--out FILE]
+                               [--gpus 1] [--graphs/--no-graphs] [--profile FILE]
 
 A random-weight model of a named shape (SHAPES; bf16 on CUDA, fp32 on the CPU, seed 0) or a real one (`--model`)
 reads `--context` random token ids (or `--document`, tokenized with the model's tokenizer) through
@@ -100,8 +101,34 @@ def _error(exc: BaseException) -> str:
 
 
 def _sync(device: torch.device) -> None:
+    """Wait for the GPUs (all of them: a model split over several runs its layers on each) or nothing on the CPU."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.synchronize(index)
+
+
+def model_gpus(lm: LoadedModel) -> list[torch.device]:
+    """The CUDA devices holding the model's embeddings or layers, in index order."""
+    devices = {torch.device(d) for d in [lm.device, *lm.layer_devices]}
+    return sorted((d for d in devices if d.type == "cuda"), key=lambda d: d.index or 0)
+
+
+def reset_peaks(lm: LoadedModel) -> None:
+    for device in model_gpus(lm):
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_gib(lm: LoadedModel) -> float | None:
+    """Peak allocated GPU memory since reset_peaks, summed over the model's GPUs (None on the CPU)."""
+    gpus = model_gpus(lm)
+    return _gib(sum(torch.cuda.max_memory_allocated(d) for d in gpus)) if gpus else None
+
+
+def layers_per_device(lm: LoadedModel) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for device in lm.layer_devices:
+        out[str(device)] = out.get(str(device), 0) + 1
+    return out
 
 
 def _gib(n_bytes: float) -> float:
@@ -112,9 +139,44 @@ def _median_ms(seconds: list[float]) -> float:
     return round(statistics.median(seconds) * 1e3, 3)
 
 
-def build_shape(name: str, device: str) -> BenchModel:
+def even_device_map(model: torch.nn.Module, gpus: int) -> dict[str, int]:
+    """accelerate's device_map that runs the decoder layers in `gpus` equal runs, in order, on cuda:0 .. gpus-1:
+    the input embeddings (and an output head tied to them) on cuda:0; the decoder's other modules (final norm,
+    rotary embedding) and the output head on the last GPU."""
+    decoder = model.get_decoder()
+    prefix = next(name for name, module in model.named_modules() if module is decoder)
+    layers = len(decoder.layers)
+    if not 2 <= gpus <= layers:
+        raise ValueError(f"cannot split {layers} decoder layers over {gpus} GPUs")
+    last = gpus - 1
+    out = {f"{prefix}.layers.{i}": i * gpus // layers for i in range(layers)}
+    embedding = model.get_input_embeddings()
+    for name, child in decoder.named_children():
+        if name != "layers":
+            out[f"{prefix}.{name}"] = 0 if child is embedding else last
+    parts = prefix.split(".")  # the decoder's siblings along its path (the output head)
+    for depth in range(len(parts)):
+        parent = ".".join(parts[:depth])
+        for name, child in model.get_submodule(parent).named_children():
+            full = f"{parent}.{name}" if parent else name
+            if full != ".".join(parts[: depth + 1]):
+                tied = getattr(child, "weight", None) is embedding.weight
+                out[full] = 0 if tied else last
+    return out
+
+
+def spread(model: torch.nn.Module, gpus: int) -> None:
+    """Dispatch a model built on cuda:0 over cuda:0 .. cuda:gpus-1 with accelerate's hooks (as `load_model(device=
+    "auto")` places a real one, but in equal runs of layers: even_device_map); each layer's inputs move to its GPU."""
+    from accelerate import dispatch_model
+
+    dispatch_model(model, even_device_map(model, gpus))
+
+
+def build_shape(name: str, device: str, gpus: int = 1) -> BenchModel:
     """The random-weight model of SHAPES[name], built on `device` (bf16 on CUDA, fp32 on the CPU), seed SEED,
-    with the engine's attention. No tokenizer: its ids are random."""
+    with the engine's attention; with gpus > 1 spread over that many GPUs (spread). No tokenizer: its ids are
+    random."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.attention import register
@@ -124,17 +186,24 @@ def build_shape(name: str, device: str) -> BenchModel:
     cfg._attn_implementation = register()
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     torch.manual_seed(SEED)
-    with torch.device(device):
+    with torch.device(device if gpus == 1 else "cuda:0"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    if gpus > 1:
+        spread(model, gpus)
     layers = model.get_decoder().layers
-    return BenchModel(model=model, tokenizer=None, model_id=f"random-{name}", device=torch.device(device),
-                      dtype=dtype, layer_devices=[next(layer.parameters()).device for layer in layers])
+    return BenchModel(model=model, tokenizer=None, model_id=f"random-{name}",
+                      device=model.get_input_embeddings().weight.device, dtype=dtype,
+                      layer_devices=[next(layer.parameters()).device for layer in layers])
 
 
-def open_model(shape: str | None, model: str | None, device: str) -> BenchModel:
+def open_model(shape: str | None, model: str | None, device: str, gpus: int = 1) -> BenchModel:
+    """The named random-weight shape or the real model `model`, on one device or split over `gpus` GPUs."""
     if model is None:
-        return build_shape(shape, device)
+        return build_shape(shape, device, gpus)
     lm = load_model(model, device)
+    if gpus > 1:
+        spread(lm.model, gpus)
+        lm.layer_devices = [next(layer.parameters()).device for layer in lm.model.get_decoder().layers]
     return BenchModel(**{f.name: getattr(lm, f.name) for f in fields(lm)})
 
 
@@ -205,9 +274,7 @@ def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings,
                backend: Backend) -> tuple[IngestOutput | None, dict]:
     """engine.ingest.ingest_tokens, timed; the report has the error (an OOM, say) and the peak memory either way."""
     clock = StageClock(lm.device)
-    cuda = lm.device.type == "cuda"
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(lm.device)
+    reset_peaks(lm)
     report: dict = {}
     ingest = None
     start = time.perf_counter()
@@ -220,7 +287,7 @@ def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings,
         clock.close(sync=False)
     report["seconds"] = round(time.perf_counter() - start, 3)
     report["stages"] = clock.rounded()
-    report["peak_gib"] = _gib(torch.cuda.max_memory_allocated(lm.device)) if cuda else None
+    report["peak_gib"] = peak_gib(lm)
     return ingest, report
 
 
@@ -398,7 +465,7 @@ def measure_peer(lm: LoadedModel, ids: torch.Tensor, prompt: torch.Tensor, steps
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+        reset_peaks(lm)
     cache = StaticCache(config=cfg, max_cache_len=max_len)
     with torch.inference_mode():
         out["prefill_s"] = round(_peer_prefill(peer, ids, cache, chunk, with_cp), 3)
@@ -439,7 +506,7 @@ def measure_peer(lm: LoadedModel, ids: torch.Tensor, prompt: torch.Tensor, steps
     out["best_decode"] = min(decodes, key=decodes.get)
     out["best_decode_ms"] = decodes[out["best_decode"]]
     if device.type == "cuda":
-        out["peak_gib"] = _gib(torch.cuda.max_memory_allocated(device))
+        out["peak_gib"] = peak_gib(lm)
     return out
 
 
@@ -458,9 +525,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, backend: Backend, methods: list[str],
-                   sparsity: float, prompts: dict[int, torch.Tensor], steps: int, profile: str | None = None) -> dict:
+                   sparsity: float, prompts: dict[int, torch.Tensor], steps: int, profile: str | None = None,
+                   graphs: bool = True) -> dict:
     """The engine's phases: the ingest (after an untimed one of the first WARMUP_CONTEXT tokens), the session's
     opening, each method's turns (and, with `profile` on CUDA, a profile of its decode steps written there).
+    graphs: the session replays decode steps from CUDA graphs where it can (False: every step eager).
     Returns the report's "ingest", "session" and "methods"; the session and its K/V are freed before returning."""
     cuda = lm.device.type == "cuda"
     warmup = ids[:WARMUP_CONTEXT]
@@ -485,16 +554,16 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, 
     if ingest is not None:
         try:
             start = time.perf_counter()
-            session = ContextSession(lm, ingest.artifacts, settings, backend)  # may take the artifacts' tensors
+            session = ContextSession(lm, ingest.artifacts, settings, backend, graphs)  # takes the artifacts' K/V
             _sync(lm.device)
-            out["session"] = {"open_s": round(time.perf_counter() - start, 3)}
+            out["session"] = {"open_s": round(time.perf_counter() - start, 3), "graphs": session.graphs is not None}
         except Exception as exc:  # noqa: BLE001
             out["session"] = {"error": _error(exc)}
     del ingest  # the session holds what it needs; the artifacts must not outlive it
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-        out["session"]["memory_gib"] = _gib(torch.cuda.memory_allocated(lm.device))
+        out["session"]["memory_gib"] = _gib(sum(torch.cuda.memory_allocated(d) for d in model_gpus(lm)))
     if session is None:
         return out
     for method in methods:
@@ -570,10 +639,10 @@ def run(args: argparse.Namespace) -> dict:
     methods = args.methods.split(",") if args.methods else list(METHODS)
     questions = [int(x) for x in args.questions.split(",") if x]
     settings = IndexSettings()
-    out: dict = {"bench": "e2e", "device": torch.cuda.get_device_name(device) if cuda else "cpu", **_versions(),
-                 "shape": args.shape if args.model is None else None, "model": args.model}
-    _log(f"building {args.model or args.shape} on {device}")
-    lm = open_model(args.shape, args.model, args.device)
+    out: dict = {"bench": "e2e", "device": torch.cuda.get_device_name(device) if cuda else "cpu", "gpus": args.gpus,
+                 **_versions(), "shape": args.shape if args.model is None else None, "model": args.model}
+    _log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
+    lm = open_model(args.shape, args.model, args.device, args.gpus)
     backend = backend_for(lm.device)
     ids = context_ids(lm, args.context, args.document)
     fixed_len = int(ids.numel())
@@ -581,10 +650,11 @@ def run(args: argparse.Namespace) -> dict:
                config={"layers": lm.num_layers, "global_layers": lm.global_layers, "heads": lm.num_heads,
                        "kv_heads": lm.num_kv_heads, "head_dim": lm.head_dim, "vocab": lm.config.vocab_size,
                        "sliding_window": max((w for w in lm.sliding_windows if w is not None), default=None)},
-               context=fixed_len,
+               layers_per_device=layers_per_device(lm), context=fixed_len,
                settings={"sparsity": args.sparsity, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
-                         "document": args.document, "peer_chunk": args.chunk, "index": settings.as_dict()})
+                         "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs,
+                         "index": settings.as_dict()})
     try:
         _log("copy bandwidth")
         out["bandwidth_gbs"] = round(copy_bandwidth(device), 1)
@@ -597,9 +667,12 @@ def run(args: argparse.Namespace) -> dict:
     prompts = question_prompts(lm, questions)
     new_tokens = questions[0] + (WARMUP_STEPS + 1 + args.steps) / 2  # mean over the timed decode steps
     out["bound"] = byte_bound(lm, fixed_len, new_tokens)
-    out.update(measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps, args.profile))
+    out.update(measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps, args.profile,
+                              args.graphs))
     if not args.peer:
         out["peer"] = {"skipped": "--no-peer"}
+    elif args.gpus > 1:
+        out["peer"] = {"skipped": "--gpus > 1: the peer runs on one GPU (torch.compile with CUDA graphs)"}
     elif not cuda:
         out["peer"] = {"skipped": "the peer runs on CUDA only (torch.compile with CUDA graphs)"}
     else:
@@ -607,7 +680,7 @@ def run(args: argparse.Namespace) -> dict:
         try:
             out["peer"] = measure_peer(lm, ids, prompts[questions[0]], args.steps, args.chunk)
         except Exception as exc:  # noqa: BLE001
-            out["peer"] = {"error": _error(exc), "peak_gib": _gib(torch.cuda.max_memory_allocated(device))}
+            out["peer"] = {"error": _error(exc), "peak_gib": peak_gib(lm)}
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -637,6 +710,10 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"decode steps per turn; the first {WARMUP_STEPS} are warm-up, the median of the rest")
     parser.add_argument("--questions", default="64,1024", help="question prefill lengths; decode follows the first")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--gpus", type=int, default=1, help="CUDA: split the model's layers evenly over this many "
+                                                            "GPUs with accelerate (as --device auto does)")
+    parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
+                        help="replay decode steps from CUDA graphs where the model allows (one GPU)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time plain transformers (CUDA only)")
     parser.add_argument("--chunk", type=int, default=4096, help="the peer's prefill chunk")
@@ -655,6 +732,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--document needs --model: a random-weight shape has no tokenizer")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: CUDA is not available here")
+    if args.gpus < 1 or (args.gpus > 1 and (args.device != "cuda" or torch.cuda.device_count() < args.gpus)):
+        parser.error(f"--gpus {args.gpus}: needs --device cuda and that many GPUs "
+                     f"({torch.cuda.device_count()} here)")
     result = run(args)
     text = json.dumps(result)
     if args.out:
