@@ -16,9 +16,14 @@ from kernels.dispatch import Backend
 
 PREFILL_CHUNK = 1024  # context tokens per forward call of the prefill
 Progress = Callable[[str, int, int], None]  # (stage, done, total)
+OnArtifact = Callable[[str, torch.Tensor], None]  # (name, tensor): called once per artifact as soon as it is final
 
 
 def _no_progress(stage: str, done: int, total: int) -> None:
+    return None
+
+
+def _no_artifact(name: str, tensor: torch.Tensor) -> None:
     return None
 
 
@@ -70,15 +75,25 @@ def attention_scale(lm: LoadedModel, layer_idx: int) -> float:
     return lm.head_dim ** -0.5
 
 
+def kv_artifacts(layer_idx: int, layer) -> dict[str, torch.Tensor]:
+    """A layer's fixed K/V as artifacts: `layer{i}.keys` / `.values` [Hkv, Lkept, D]."""
+    return {f"layer{layer_idx}.keys": layer.fixed_keys, f"layer{layer_idx}.values": layer.fixed_values}
+
+
 def build_indexes(lm: LoadedModel, cache: FixedContextCache, capture: QueryCapture, settings: IndexSettings,
-                  progress: Progress = _no_progress) -> dict[str, torch.Tensor]:
-    """Every sparse method's index per global layer, then their calibrations. Returns artifacts by name."""
+                  progress: Progress = _no_progress, on_artifact: OnArtifact = _no_artifact) -> dict[str, torch.Tensor]:
+    """Every sparse method's index per global layer, then their calibrations. Returns the index and calibration
+    artifacts by name, each handed to `on_artifact` when made (a layer's index after its clustering, the
+    calibrations at the end); each global layer's K/V are handed over just before its clustering, so that saving
+    them overlaps the next layers' clustering."""
     artifacts: dict[str, torch.Tensor] = {}
     sets: list[CalibrationSet] = []
     global_layers = lm.global_layers
     for n, layer_idx in enumerate(global_layers):
         progress("clustering", n, len(global_layers))
         layer = cache.layers[layer_idx]
+        for name, t in kv_artifacts(layer_idx, layer).items():
+            on_artifact(name, t)
         clustered = layer.fixed_keys[:, : layer.fixed_len - settings.dense_tail]  # [Hkv, Lc, D]
         index: dict[str, torch.Tensor] = {}
         for policy in POLICIES.values():
@@ -86,27 +101,39 @@ def build_indexes(lm: LoadedModel, cache: FixedContextCache, capture: QueryCaptu
         queries = torch.cat(capture.queries[layer_idx], dim=1)  # [Hq, dense_tail, D]
         # one threshold pools every global layer's scores: with device_map="auto" the layers sit on several GPUs
         sets.append(CalibrationSet(index={k: t.to(lm.device) for k, t in index.items()}, queries=queries.to(lm.device)))
-        artifacts.update({f"layer{layer_idx}.{name}": t for name, t in index.items()})
-        artifacts[f"layer{layer_idx}.calib_queries"] = queries
+        made = {f"layer{layer_idx}.{name}": t for name, t in index.items()}
+        made[f"layer{layer_idx}.calib_queries"] = queries
+        for name, t in made.items():
+            on_artifact(name, t)
+        artifacts.update(made)
     progress("clustering", len(global_layers), len(global_layers))
     progress("calibrating", 0, 1)
     scale = attention_scale(lm, global_layers[0]) if global_layers else 1.0
     for policy in POLICIES.values():
         for name, t in policy.calibrate(sets, scale, settings).items():
             artifacts[f"calib.{policy.name}.{name}"] = t
+            on_artifact(f"calib.{policy.name}.{name}", t)
     progress("calibrating", 1, 1)
     return artifacts
 
 
 def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, backend: Backend,
-                  progress: Progress = _no_progress) -> IngestOutput:
+                  progress: Progress = _no_progress, on_artifact: OnArtifact = _no_artifact) -> IngestOutput:
     """From token ids to every artifact of a context: per layer `layer{i}.keys` / `.values` [Hkv, Lkept, D],
-    per global layer the methods' index tensors and `.calib_queries` [Hq, tail, D], and `calib.{method}.{name}`."""
+    per global layer the methods' index tensors and `.calib_queries` [Hq, tail, D], and `calib.{method}.{name}`.
+
+    on_artifact: called once per artifact as soon as it is final, so that a caller can save it while the rest is
+    made (engine.writer): `tokens` and the sliding layers' K/V right after the prefill, each global layer's K/V
+    before its clustering and its index after, the calibrations last. The tensor must not be modified by the callee."""
     settings = effective_settings(settings, ids.numel())
     cache, capture = prefill(lm, ids, settings, backend, progress)
-    artifacts = build_indexes(lm, cache, capture, settings, progress)
+    artifacts: dict[str, torch.Tensor] = {"tokens": ids.cpu()}
+    on_artifact("tokens", artifacts["tokens"])
     for i, layer in enumerate(cache.layers):
-        artifacts[f"layer{i}.keys"] = layer.fixed_keys
-        artifacts[f"layer{i}.values"] = layer.fixed_values
-    artifacts["tokens"] = ids.cpu()
+        made = kv_artifacts(i, layer)
+        if i not in lm.global_layers:  # build_indexes hands the global layers' over, one before each clustering
+            for name, t in made.items():
+                on_artifact(name, t)
+        artifacts.update(made)
+    artifacts.update(build_indexes(lm, cache, capture, settings, progress, on_artifact))
     return IngestOutput(artifacts=artifacts, tokens=ids.numel(), dense_tail=settings.dense_tail)

@@ -3,16 +3,20 @@
 Determinism: the only reduction is `segment_sum`, which sorts by cluster and sums each cluster's run in float64
 with `torch.segment_reduce` (one sequential sum per segment and column on either device, no atomics). The
 assignment's similarities are computed in the points' dtype: float32 on the CPU, bfloat16/float16 tensor cores on
-a GPU (the labels are then those of the rounded vectors; the centroids are always float32 means).
+a GPU (the labels are then those of the rounded vectors; the centroids are always float32 means). On a GPU the
+assignment is a Triton kernel (kernels.assign_ops) that keeps a running best per point instead of writing the
+points x centroids similarities (no atomics either).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
-ASSIGN_CHUNK_ELEMENTS = 1 << 26  # points x centroids scores computed at once per head group
+from kernels.dispatch import backend_for
+
 # k-means++ draws its centres one after another: k passes over every point. Past this many clusters (a context
 # of ~10K tokens at 5%) the seeding would cost more than the iterations (seconds for a 128K-token layer on a GPU),
 # so the centres start as k distinct points drawn uniformly (as faiss does), from the same seeded generator.
@@ -39,23 +43,6 @@ def segment_sum(values: torch.Tensor, segments: torch.Tensor, num_segments: int)
     lengths = torch.bincount(segments, minlength=num_segments)
     sums = torch.segment_reduce(values[order].double(), "sum", lengths=lengths, axis=0, unsafe=True)
     return sums.to(values.dtype)
-
-
-def _assign(xn: torch.Tensor, cn: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """xn [H, N, D], cn [H, K, D] unit vectors -> (labels [H, N] int64, best cosine [H, N] float32).
-
-    The similarities are computed in `dtype` (the points' own dtype: 16-bit runs on tensor cores)."""
-    h, n, _ = xn.shape
-    k = cn.shape[1]
-    step = max(1, ASSIGN_CHUNK_ELEMENTS // max(1, h * k))
-    ct = cn.to(dtype).transpose(1, 2)  # [H, D, K]
-    labels, best = [], []
-    for start in range(0, n, step):
-        sims = torch.matmul(xn[:, start : start + step].to(dtype), ct)  # [H, n, K]
-        b, lab = sims.max(dim=-1)
-        labels.append(lab)
-        best.append(b.float())
-    return torch.cat(labels, dim=1), torch.cat(best, dim=1)
 
 
 def _head_segments(labels: torch.Tensor, k: int) -> torch.Tensor:
@@ -115,11 +102,14 @@ def spherical_kmeans(
     iters: int = 20,
     seed: int = 0,
     weights: torch.Tensor | None = None,
+    assign: Callable | None = None,
 ) -> KMeansResult:
     """Cluster each head's points by cosine similarity.
 
     x: [H, N, D] points (any float dtype); k: clusters per head (1 <= k <= N)
     weights: optional [H, N] non-negative point weights (used when clustering centroids by their counts)
+    assign: the assignment step, `kernels.reference.nearest_centroid`'s signature (None: the kernel backend of x's
+        device: a Triton kernel on CUDA that never writes the points x centroids similarities)
     Clusters are assigned on L2-normalised points; returned centroids are the (weighted) means of the
     unnormalised members, as Squeezed Attention uses them for the lookup.
     """
@@ -129,13 +119,15 @@ def spherical_kmeans(
     xf = x.float()
     sim_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) and x.is_cuda else torch.float32
     xn = torch.nn.functional.normalize(xf, dim=-1)
+    xs = xn.to(sim_dtype)  # what the assignment reads
+    assign = assign or backend_for(x.device).nearest_centroid
     w = torch.ones(h, n, device=x.device) if weights is None else weights.float()
     gen = torch.Generator(device="cpu").manual_seed(seed)
     cn = _kmeans_plus_plus(xn, k, gen) if k <= KMEANS_PP_MAX_CLUSTERS else _random_centres(xn, k, gen)
     labels = torch.full((h, n), -1, dtype=torch.int64, device=x.device)
     done = 0
     for done in range(1, iters + 1):
-        new_labels, best = _assign(xn, cn, sim_dtype)
+        new_labels, best = assign(xs, cn)
         if torch.equal(new_labels, labels):
             break
         labels = new_labels
@@ -144,7 +136,7 @@ def spherical_kmeans(
         counts = segment_sum(w.reshape(h * n, 1), seg, h * k).reshape(h, k)
         cn = torch.nn.functional.normalize(sums, dim=-1)
         cn = _reseed_empty(cn, counts, xn, best)
-    labels, _ = _assign(xn, cn, sim_dtype)
+    labels, _ = assign(xs, cn)
     seg = _head_segments(labels, k)
     sums = segment_sum((xf * w[..., None]).reshape(h * n, d), seg, h * k).reshape(h, k, d)
     wsum = segment_sum(w.reshape(h * n, 1), seg, h * k).reshape(h, k)

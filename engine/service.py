@@ -14,6 +14,7 @@ from engine.ingest import ingest_tokens
 from engine.model import LoadedModel, load_model, model_id_for
 from engine.prompt import tokenize_document
 from engine.session import Answer, ContextSession, Delta
+from engine.writer import ArtifactWriter
 from kernels.dispatch import Backend, backend_for
 from storage import Document, Store, load_document
 
@@ -103,13 +104,10 @@ class Engine:
             tracked("tokenizing", 0, 1)
             lm = self.lm
             fixed = tokenize_document(lm.tokenizer, doc.text, lm.max_context, truncate=truncate)
-            out = ingest_tokens(lm, fixed.ids, settings, self.backend, tracked)
-            out.artifacts["offsets"] = fixed.offsets
-            names = sorted(out.artifacts)
-            for i, name in enumerate(names):
-                tracked("saving", i, len(names))
-                self.store.save_artifact(ctx["id"], name, out.artifacts[name].detach().cpu())
-            tracked("saving", len(names), len(names))
+            with ArtifactWriter(self.store, ctx["id"]) as writer:  # saves each artifact while the rest is made
+                writer.put("offsets", fixed.offsets)
+                out = ingest_tokens(lm, fixed.ids, settings, self.backend, tracked, on_artifact=writer.put)
+                writer.close(lambda written, handed: tracked("saving", written, handed))
             self.store.mark_ready(ctx["id"], out.tokens)
             self.store.update_job(job, status="done", progress=1.0, message="ready")
         except BaseException as exc:  # noqa: BLE001 - also Ctrl-C: the context must not stay "running"

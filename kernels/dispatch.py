@@ -26,6 +26,7 @@ class Backend:
     cluster_keep_among: Callable
     expand_groups: Callable
     cluster_select: Callable  # cluster_keep, then expand_groups of its keep (one fused call on the GPU)
+    nearest_centroid: Callable  # k-means' assignment step (engine.kmeans)
 
 
 REFERENCE = Backend(
@@ -39,6 +40,7 @@ REFERENCE = Backend(
     cluster_keep_among=reference.cluster_keep_among,
     expand_groups=layout.expand_groups,
     cluster_select=reference.cluster_select,
+    nearest_centroid=reference.nearest_centroid,
 )
 
 

@@ -6,7 +6,7 @@ The log-sum-exp merge of two parts is one kernel that writes the layer's output 
 
 from __future__ import annotations
 
-from kernels import attention_ops, causal_ops, compact_ops, lookup_ops, merge_ops, reference
+from kernels import assign_ops, attention_ops, causal_ops, compact_ops, lookup_ops, merge_ops, reference
 from kernels.dispatch import Backend
 from kernels.selection import Selection
 
@@ -34,4 +34,5 @@ BACKEND = Backend(
     cluster_keep_among=_cluster_keep_among,
     expand_groups=compact_ops.expand_groups,
     cluster_select=lookup_ops.cluster_select,
+    nearest_centroid=assign_ops.nearest_centroid,
 )

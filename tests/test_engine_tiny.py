@@ -229,6 +229,23 @@ def test_prefill_threshold_option_end_to_end(ctx):
     assert "prefill_threshold" not in SETTINGS.as_dict() and settings.as_dict()["prefill_threshold"] == "calibrated"
 
 
+def test_ingest_hands_each_artifact_over_once_when_final(ctx):
+    """on_artifact (engine.writer saves through it): every artifact once, the very tensors returned; each global
+    layer's K/V before its clustering (ahead of its index), every index before the calibrations."""
+    handed: list[tuple[str, torch.Tensor]] = []
+    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, on_artifact=lambda n, t: handed.append((n, t)))
+    names = [n for n, _ in handed]
+    assert sorted(names) == sorted(out.artifacts) and len(set(names)) == len(names)
+    assert all(t is out.artifacts[n] for n, t in handed)
+    order = {n: i for i, n in enumerate(names)}
+    for layer in ctx.lm.global_layers:
+        index = [n for n in names if n.startswith(f"layer{layer}.") and n not in (f"layer{layer}.keys",
+                                                                                  f"layer{layer}.values")]
+        assert index and order[f"layer{layer}.keys"] < min(order[n] for n in index)
+    calibrations = [order[n] for n in names if n.startswith("calib.")]
+    assert calibrations and min(calibrations) > max(order[n] for n in names if not n.startswith("calib."))
+
+
 # --------------------------------------------------------------------------- sliding windows
 
 
