@@ -8,13 +8,13 @@ from app.config import AppConfig
 
 
 def serve(host: str = "127.0.0.1", port: int = 7860, model: str | None = None, cache_dir: str | Path | None = None,
-          device: str = "auto", config: AppConfig | None = None) -> None:
+          device: str = "auto", config: AppConfig | None = None, compile: bool = False) -> None:
     """Build the engine and its ingest worker (which loads the model in the background), then serve until Ctrl-C."""
     from app.demo import build_demo, launch_kwargs  # noqa: PLC0415 - gradio is slow to import
     from engine.service import Engine  # noqa: PLC0415
 
     config = config or AppConfig()
-    engine = Engine(cache_dir, model=model, device=device)
+    engine = Engine(cache_dir, model=model, device=device, compile=compile)
     demo = build_demo(engine, engine.store, config=config)
     print(f"squeeze-chat: model {engine.model_id}, cache {engine.store.root}", flush=True)
     try:

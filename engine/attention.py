@@ -79,6 +79,7 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
         return step.backend.sparse_attention(q, kf, vf, lookup.selection, scale)
 
 
+@torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.compiled): host logic, our own kernels
 def squeeze_attention(
     module: torch.nn.Module,
     query: torch.Tensor,

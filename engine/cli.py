@@ -30,7 +30,7 @@ def _progress(enabled: bool):
 def _engine(args):
     from engine.service import Engine  # noqa: PLC0415 - keep `squeeze --help` fast
 
-    return Engine(args.cache_dir, model=args.model, device=args.device)
+    return Engine(args.cache_dir, model=args.model, device=args.device, compile=args.compile)
 
 
 INDEX_OPTIONS = ("centroid_ratio", "level1_ratio", "level1_prune", "prefill_threshold")
@@ -120,7 +120,7 @@ def cmd_serve(args) -> int:
     from app.serve import serve  # noqa: PLC0415
 
     serve(args.host, args.port, model=args.model, cache_dir=args.cache_dir, device=args.device,
-          config=AppConfig(max_upload_mb=args.max_upload_mb))
+          config=AppConfig(max_upload_mb=args.max_upload_mb), compile=args.compile)
     return 0
 
 
@@ -146,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--cache-dir", default=None, help="where contexts are cached (default: $SQUEEZE_CACHE_DIR or ~/.cache/squeeze)")
     common.add_argument("--model", default=EMBEDDED_MODEL, help="transformers model id or local path (default: the embedded Gemma 3 270M)")
     common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    common.add_argument("--compile", action="store_true",
+                        help="torch.compile the model's layers around the engine's attention: faster decode steps on "
+                             "a GPU after a one-time compilation at the first calls (README: End to end on a GPU)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
     common.add_argument("--quiet", action="store_true", help="no progress on stderr")
     common.add_argument("--debug", action="store_true", help="show tracebacks")

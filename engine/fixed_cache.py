@@ -153,6 +153,12 @@ class FixedContextCache(Cache):
         for i, layer in enumerate(layers):
             layer.layer_idx = i
 
+    @torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.compiled): it moves host-side counters
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """Cache.update without offloading or lazily added layers (this cache has one layer per decoder layer)."""
+        return self.layers[layer_idx].update(key_states, value_states, *args, **kwargs)
+
     @classmethod
     def empty(cls, sliding_windows: list[int | None], capacity: int = 0) -> "FixedContextCache":
         """A cache with no fixed context yet (the start of an ingest). sliding_windows: per layer, None = global;

@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields
 from pathlib import Path
 
+from engine.compiled import compile_layers
 from engine.config import IndexSettings
 from engine.ingest import ingest_tokens
 from engine.model import LoadedModel, load_model, model_id_for
@@ -55,10 +56,11 @@ class Engine:
     """
 
     def __init__(self, cache_dir: str | Path | None = None, model: str | None = None, device: str = "auto",
-                 backend: str | None = None, lm: LoadedModel | None = None):
+                 backend: str | None = None, lm: LoadedModel | None = None, compile: bool = False):
         self.store = Store(Path(cache_dir) if cache_dir else default_cache_dir())
         self.store.recover_interrupted()
         self.model_name, self.device_name, self.backend_name = model, device, backend
+        self.compile = compile  # torch.compile the decoder layers once loaded (engine.compiled)
         self.model_id = lm.model_id if lm is not None else model_id_for(model)
         self._lm = lm
         self._lm_lock = threading.Lock()  # the app loads the model from a worker thread and from request threads
@@ -69,7 +71,10 @@ class Engine:
         if self._lm is None:
             with self._lm_lock:
                 if self._lm is None:
-                    self._lm = load_model(self.model_name, self.device_name, convert_dir=self.store.root / "models")
+                    lm = load_model(self.model_name, self.device_name, convert_dir=self.store.root / "models")
+                    if self.compile:
+                        compile_layers(lm)
+                    self._lm = lm
         return self._lm
 
     @property

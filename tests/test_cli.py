@@ -84,3 +84,16 @@ def test_ask_with_index_options_uses_or_builds_that_context(tiny, capsys, tmp_pa
     code, out, _ = run(capsys, "ask", str(root / "doc.txt"), *ask, "--centroid-ratio", "0.1", "--prefill-threshold",
                        "calibrated")
     assert code == 0 and json.loads(out)["context_id"] == other
+
+
+def test_compile_gives_the_same_answer(tiny, capsys, tmp_path):
+    """`--compile` (engine.compiled): the decoder layers under torch.compile answer as the eager model does."""
+    model, root = tiny
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path), "--quiet", "--json"]
+    ask = ["ask", str(root / "doc.txt"), "What was rebuilt?", "--method", "squeeze", "--sparsity", "0.5",
+           "--max-new-tokens", "4"]
+    code, eager, _ = run(capsys, *ask, *common)
+    assert code == 0
+    code, compiled, _ = run(capsys, *ask, *common, "--compile")
+    assert code == 0
+    assert json.loads(compiled)["answer"] == json.loads(eager)["answer"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from tiny_models import tiny_model_path  # noqa: F401 (fixture)
 
+from engine.compiled import compile_layers
 from engine.generate import forward_step, greedy_tokens
 from engine.ingest import ingest_tokens
 from engine.model import load_model
@@ -29,6 +30,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 # step attends to the written new-token slots and the captured one to every slot, masked by position (the same
 # keys, in blocks cut differently): bf16 logits agree to a few bf16 ulps of their magnitude.
 LOGIT_TOL = dict(atol=3e-2, rtol=3e-2)
+COMPILED_TOL = dict(atol=5e-2, rtol=5e-2)
+COMPILED_SELECTION_FLIPS = 0.02  # share of logits that may miss COMPILED_TOL at a sparsity above 0
 STEPS = 6
 CASES = [(name, 0.0 if not POLICIES[name].sparse else 0.7) for name in POLICIES]
 
@@ -45,10 +48,10 @@ def _prompt(session):
     return question_ids(session.lm.tokenizer, QUESTION).to(session.lm.device)
 
 
-@pytest.mark.parametrize("method,sparsity", CASES)
-def test_replayed_decode_matches_eager(session, method, sparsity):
+def replayed_turn(session, method: str, sparsity: float) -> tuple[list[int], list[torch.Tensor]]:
+    """The question's prefill eagerly, a warm step and its capture, then STEPS replays. Returns the tokens (the
+    prefill's, the warm step's, then one per replay) and each replay's logits [1, V] float32."""
     lm, cache = session.lm, session.cache
-    assert session.graphs is not None
     step = session.step_context(method, sparsity)
     prompt = _prompt(session)
     start = cache.fixed_len
@@ -64,18 +67,64 @@ def test_replayed_decode_matches_eager(session, method, sparsity):
         for _ in range(STEPS):
             tokens.append(graph.replay())
             replayed.append(graph.logits.float().clone())
-        # the same tokens, every step eager
-        eager = replace(step, graphs=None)
+    cache.reset_dynamic()
+    return tokens, replayed
+
+
+def check_against_eager(session, method: str, sparsity: float, tokens: list[int], replayed: list[torch.Tensor],
+                        tol: dict, max_mismatch: float = 0.0) -> None:
+    """`session`'s eager steps fed `tokens` give each replay's logits (within tol; with max_mismatch, all but that
+    fraction of them) and its token (or a bf16 tie)."""
+    lm, cache = session.lm, session.cache
+    eager = replace(session.step_context(method, sparsity), graphs=None)
+    prompt = _prompt(session)
+    with torch.inference_mode():
         cache.reset_dynamic()
-        forward_step(lm, eager, prompt, start)
-        position = start + prompt.numel()
+        cache.reserve(prompt.numel() + len(tokens))
+        forward_step(lm, eager, prompt, cache.fixed_len)
+        position = cache.fixed_len + prompt.numel()
         for i in range(1, len(tokens)):
             logits = forward_step(lm, eager, torch.tensor(tokens[i - 1 : i], device=lm.device), position)
             position += 1
             if i >= 2:  # tokens[i] came from replay i - 2 (tokens[1] from the warm step)
-                torch.testing.assert_close(replayed[i - 2], logits.float(), **LOGIT_TOL)
+                if max_mismatch:
+                    off = ~torch.isclose(replayed[i - 2], logits.float(), **tol)
+                    assert off.float().mean() <= max_mismatch, f"step {i}: {int(off.sum())} logits off"
+                else:
+                    torch.testing.assert_close(replayed[i - 2], logits.float(), **tol)
                 assert int(logits.argmax()) == tokens[i] or _tie(logits, tokens[i])
-        cache.reset_dynamic()
+    cache.reset_dynamic()
+
+
+@pytest.mark.parametrize("method,sparsity", CASES)
+def test_replayed_decode_matches_eager(session, method, sparsity):
+    assert session.graphs is not None
+    tokens, replayed = replayed_turn(session, method, sparsity)
+    check_against_eager(session, method, sparsity, tokens, replayed, LOGIT_TOL)
+
+
+@pytest.fixture(scope="module")
+def compiled_session(tiny_model_path, session):  # noqa: F811
+    """A second copy of the model with its decoder layers compiled (engine.compiled), over a context ingested by
+    the eager copy."""
+    lm = load_model(str(tiny_model_path), device="cuda")
+    compile_layers(lm)
+    ids = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context).ids
+    artifacts = ingest_tokens(session.lm, ids, SETTINGS, session.backend).artifacts
+    return ContextSession(lm, artifacts, SETTINGS, session.backend)
+
+
+@pytest.mark.parametrize("method,sparsity", CASES)
+def test_compiled_replayed_decode_matches_eager(compiled_session, session, method, sparsity):
+    """Compiled layers captured in the decode graph (inductor's kernels between the engine's): the eager,
+    uncompiled model's logits. The fused element-wise kernels skip some intermediate bf16 roundings, so the
+    tolerance is the two-GPU test's (a few bf16 ulps of logits of order 1, over the layers). A sparse method's
+    queries then differ by those roundings too, which may flip a cluster whose score sits at the threshold (seen:
+    1 logit of 258 off by 0.07 with hsqueeze at 0.7): there, 2% of the logits may miss; the token must not."""
+    assert compiled_session.graphs is not None
+    tokens, replayed = replayed_turn(compiled_session, method, sparsity)
+    check_against_eager(session, method, sparsity, tokens, replayed, COMPILED_TOL,
+                        max_mismatch=COMPILED_SELECTION_FLIPS if sparsity > 0 else 0.0)
 
 
 def _tie(logits: torch.Tensor, token: int) -> bool:
@@ -83,10 +132,13 @@ def _tie(logits: torch.Tensor, token: int) -> bool:
     return float(logits.max() - logits[0, token]) <= 2e-2 * float(logits.abs().max())
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("method,sparsity", CASES)
-def test_no_host_sync_inside_a_step(session, method, sparsity):
+def test_no_host_sync_inside_a_step(session, compiled_session, method, sparsity, compiled):
     """The question's prefill and an eager decode step launch everything without waiting for the GPU (after a
-    warm-up: the first call compiles the kernels)."""
+    warm-up: the first call compiles the kernels, and with compiled layers the model's code), with the decoder
+    layers eager and compiled."""
+    session = compiled_session if compiled else session
     lm, cache = session.lm, session.cache
     prompt = _prompt(session)
     recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,

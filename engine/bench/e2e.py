@@ -2,7 +2,7 @@
 
     python -m engine.bench.e2e [--shape llama3-8b | --model M] [--context 131072] [--methods full,squeeze,hsqueeze]
                                [--sparsity 0.9] [--steps 32] [--questions 64,1024] [--peer/--no-peer] [--out FILE]
-                               [--gpus 1] [--graphs/--no-graphs] [--profile FILE]
+                               [--gpus 1] [--graphs/--no-graphs] [--compile] [--profile FILE]
 
 A random-weight model of a named shape (SHAPES; bf16 on CUDA, fp32 on the CPU, seed 0) or a real one (`--model`)
 reads `--context` random token ids (or `--document`, tokenized with the model's tokenizer) through
@@ -36,6 +36,7 @@ from dataclasses import fields
 
 import torch
 
+from engine.compiled import compile_layers
 from engine.config import IndexSettings
 from engine.generate import greedy_tokens
 from engine.ingest import IngestOutput, ingest_tokens
@@ -643,6 +644,8 @@ def run(args: argparse.Namespace) -> dict:
                  **_versions(), "shape": args.shape if args.model is None else None, "model": args.model}
     _log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
     lm = open_model(args.shape, args.model, args.device, args.gpus)
+    if args.compile:
+        compile_layers(lm)  # each shape compiles at its first call: in the warm-up ingest and the untimed turns
     backend = backend_for(lm.device)
     ids = context_ids(lm, args.context, args.document)
     fixed_len = int(ids.numel())
@@ -653,7 +656,7 @@ def run(args: argparse.Namespace) -> dict:
                layers_per_device=layers_per_device(lm), context=fixed_len,
                settings={"sparsity": args.sparsity, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
-                         "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs,
+                         "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs, "compile": args.compile,
                          "index": settings.as_dict()})
     try:
         _log("copy bandwidth")
@@ -714,6 +717,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             "GPUs with accelerate (as --device auto does)")
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="replay decode steps from CUDA graphs where the model allows (one GPU)")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the decoder layers around the engine's attention (engine.compiled)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time plain transformers (CUDA only)")
     parser.add_argument("--chunk", type=int, default=4096, help="the peer's prefill chunk")
