@@ -9,7 +9,7 @@ import torch
 
 from engine.attention import QueryCapture, StepContext
 from engine.config import IndexSettings
-from engine.fixed_cache import FixedContextCache
+from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.model import LoadedModel
 from engine.policies import POLICIES, CalibrationSet, get_policy
 from kernels.dispatch import Backend
@@ -75,7 +75,7 @@ def attention_scale(lm: LoadedModel, layer_idx: int) -> float:
     return lm.head_dim ** -0.5
 
 
-def kv_artifacts(layer_idx: int, layer) -> dict[str, torch.Tensor]:
+def kv_artifacts(layer_idx: int, layer: FixedContextLayer) -> dict[str, torch.Tensor]:
     """A layer's fixed K/V as artifacts: `layer{i}.keys` / `.values` [Hkv, Lkept, D]."""
     return {f"layer{layer_idx}.keys": layer.fixed_keys, f"layer{layer_idx}.values": layer.fixed_values}
 
