@@ -19,7 +19,7 @@ from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.policies.base import Policy
 from engine.policies.full import FullPolicy
 from engine.stats import TurnRecorder
-from kernels.dispatch import Backend
+from kernels.backend import Backend
 
 ATTN_NAME = "squeeze"
 DENSE = FullPolicy()

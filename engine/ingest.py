@@ -12,7 +12,7 @@ from engine.config import IndexSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.model import LoadedModel
 from engine.policies import POLICIES, CalibrationSet, get_policy
-from kernels.dispatch import Backend
+from kernels.backend import Backend
 
 PREFILL_CHUNK = 1024  # context tokens per forward call of the prefill
 Progress = Callable[[str, int, int], None]  # (stage, done, total)

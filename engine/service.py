@@ -16,7 +16,8 @@ from engine.model import LoadedModel, load_model, model_id_for
 from engine.prompt import tokenize_document
 from engine.session import Answer, ContextSession, Delta
 from engine.writer import ArtifactWriter
-from kernels.dispatch import Backend, backend_for
+from kernels.backend import Backend
+from kernels.dispatch import backend_for
 from storage import Document, Store, load_document
 
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")

@@ -17,7 +17,7 @@ from engine.model import LoadedModel
 from engine.policies import get_policy
 from engine.prompt import STOP_STRINGS, question_ids
 from engine.stats import TurnRecorder, TurnStats
-from kernels.dispatch import Backend
+from kernels.backend import Backend
 from kernels.layout import ClusterLayout
 
 

@@ -7,7 +7,7 @@ The log-sum-exp merge of two parts is one kernel that writes the layer's output 
 from __future__ import annotations
 
 from kernels import assign_ops, attention_ops, causal_ops, compact_ops, lookup_ops, merge_ops, reference
-from kernels.dispatch import Backend
+from kernels.backend import Backend
 from kernels.selection import Selection
 
 

@@ -18,7 +18,7 @@ from engine.generate import full_logits
 from engine.ingest import ingest_tokens
 from engine.policies import POLICIES
 from engine.session import ContextSession
-from kernels.dispatch import REFERENCE
+from kernels.backend import REFERENCE
 
 CONTEXT, STEPS, QUESTIONS = 300, 4, ("8", "16")
 STAGES = {"prefill", "clustering", "calibrating"}  # engine.ingest's progress stages

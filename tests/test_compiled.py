@@ -16,7 +16,7 @@ from engine.ingest import ingest_tokens
 from engine.model import load_model
 from engine.prompt import question_ids, tokenize_document
 from engine.session import ContextSession
-from kernels.dispatch import REFERENCE
+from kernels.backend import REFERENCE
 
 from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS
 

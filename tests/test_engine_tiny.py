@@ -21,7 +21,7 @@ from engine.ingest import effective_settings, ingest_tokens, prefill
 from engine.model import LoadedModel, load_model
 from engine.prompt import ANSWER_RESERVE, STOP_STRINGS, DocumentTooLongError, question_ids, tokenize_document
 from engine.session import ContextSession
-from kernels.dispatch import REFERENCE
+from kernels.backend import REFERENCE
 
 # ~600 characters of varied text: digits, punctuation, capitals, one non-ASCII word (several bytes per char).
 DOCUMENT = (

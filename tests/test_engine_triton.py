@@ -18,7 +18,8 @@ from engine.model import load_model
 from engine.prompt import tokenize_document
 from engine.session import ContextSession
 from kernels import reference
-from kernels.dispatch import REFERENCE, backend_for
+from kernels.backend import REFERENCE
+from kernels.dispatch import backend_for
 
 from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS  # the same document and index settings
 

@@ -26,7 +26,8 @@ from engine.ingest import ingest_tokens
 from engine.model import LoadedModel, load_model
 from engine.prompt import question_ids, tokenize_document
 from engine.session import ContextSession
-from kernels.dispatch import REFERENCE, Backend, backend_for
+from kernels.backend import REFERENCE, Backend
+from kernels.dispatch import backend_for
 
 from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS  # the same document and index settings
 

@@ -17,7 +17,7 @@ from engine.policies.base import step_thresholds
 from engine.policies.full import FullPolicy
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
 from engine.policies.squeeze import SqueezePolicy, per_token_scores, weighted_samples
-from kernels.dispatch import REFERENCE
+from kernels.backend import REFERENCE
 from kernels.layout import ClusterLayout
 from kernels.reference import centroid_log_scores, reduce_scores
 

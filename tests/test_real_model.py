@@ -15,7 +15,7 @@ from engine.ingest import ingest_tokens
 from engine.passkey import PASSKEY_QUESTION, insert_passkey
 from engine.prompt import question_ids, tokenize_document
 from engine.session import ContextSession
-from kernels.dispatch import REFERENCE
+from kernels.backend import REFERENCE
 
 pytestmark = pytest.mark.slow
 SAMPLE = Path(__file__).resolve().parents[1] / "assets" / "sample.md"

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from engine.config import IndexSettings
 from engine.ingest import prefill
 from engine.model import LoadedModel
-from kernels.dispatch import REFERENCE
+from kernels.backend import REFERENCE
 
 
 def rope_theta(lm: LoadedModel) -> float:

@@ -44,7 +44,8 @@ from engine.model import LoadedModel, load_model
 from engine.policies import METHODS, get_policy
 from engine.session import ContextSession
 from engine.stats import TurnRecorder, TurnStats
-from kernels.dispatch import Backend, backend_for
+from kernels.backend import Backend
+from kernels.dispatch import backend_for
 
 GiB = 1 << 30
 MiB = 1 << 20

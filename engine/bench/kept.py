@@ -32,7 +32,7 @@ from engine.config import IndexSettings
 from engine.policies.base import CalibrationSet
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
 from engine.policies.squeeze import SqueezePolicy
-from kernels.dispatch import REFERENCE
+from kernels.backend import REFERENCE
 
 POLICIES = {"squeeze": SqueezePolicy(), "hsqueeze": HierarchicalSqueezePolicy()}
 

@@ -24,7 +24,8 @@ from engine.config import PREFILL_THRESHOLDS, IndexSettings
 from engine.policies.base import CalibrationSet
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
 from engine.policies.squeeze import SqueezePolicy
-from kernels.dispatch import Backend, backend_for
+from kernels.backend import Backend
+from kernels.dispatch import backend_for
 from kernels.layout import ClusterLayout
 
 DENSE_TAIL = 100  # the engine's default: the last context tokens stay dense and calibrate the threshold

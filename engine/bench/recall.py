@@ -39,7 +39,7 @@ from engine.bench.kept import POLICIES, build_index
 from engine.bench.kernels import DENSE_TAIL, HEAD_DIM
 from engine.config import IndexSettings
 from engine.policies.base import CalibrationSet
-from kernels.dispatch import REFERENCE
+from kernels.backend import REFERENCE
 from kernels.layout import ClusterLayout
 
 MODES = ("kv", "query", "union")

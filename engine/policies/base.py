@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from engine.config import IndexSettings
-from kernels.dispatch import Backend
+from kernels.backend import Backend
 from kernels.selection import Selection
 
 LayerIndex = dict[str, torch.Tensor]  # one global-attention layer's artifacts, by name

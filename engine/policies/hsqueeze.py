@@ -88,7 +88,7 @@ class HierarchicalSqueezePolicy(Policy):
         = "calibrated" also the question prefill's "threshold_l1_prefill" / "threshold_l2_prefill" from the prefill
         score of windows of the calibration tokens (engine.calibrate.prefill_windows), each level as squeeze
         calibrates its two."""
-        from kernels.dispatch import REFERENCE
+        from kernels.backend import REFERENCE
 
         # Level 1: the threshold that rules out min(s, settings.level1_prune) of the keys.
         l1_sparsities = [level1_prune(s, settings) for s in SPARSITY_GRID]

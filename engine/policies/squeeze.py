@@ -10,7 +10,7 @@ from engine.calibrate import pooled_thresholds, prefill_windows, threshold_at, w
 from engine.config import SPARSITY_GRID, IndexSettings
 from engine.kmeans import spherical_kmeans
 from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows, step_thresholds
-from kernels.dispatch import Backend
+from kernels.backend import Backend
 from kernels.layout import group_starts
 from kernels.reference import row_scores
 
@@ -70,7 +70,7 @@ class SqueezePolicy(Policy):
         score (max of the token mean and the last token) of windows of the calibration tokens
         (engine.calibrate.prefill_windows), so that a question keeps about 1 - s of the keys too, not the union of
         what its mean and its last token pass at decode's."""
-        from kernels.dispatch import REFERENCE  # calibration runs once; the reference is exact
+        from kernels.backend import REFERENCE  # calibration runs once; the reference is exact
 
         scores, weights, p_scores, p_weights = [], [], [], []
         for layer in layers:
