@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from engine.cli import main
+from app.cli import main
 from tiny_models import make_tiny_model
 
 DOC = "The harbour wall was rebuilt after the storm. " * 30

@@ -1,5 +1,6 @@
 """The rooms' import rules, read from the source: kernels/ and storage/ import nothing of the project but
-themselves, and the modules of kernels/ import each other without a cycle (lazy imports inside functions count)."""
+themselves, engine/ does not import app/, and the modules of kernels/ import each other without a cycle (lazy
+imports inside functions count)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,12 @@ def test_lower_rooms_import_only_themselves(room):
     for name, path in modules(room).items():
         foreign = {m for m in project_imports(path) if m.split(".")[0] != room}
         assert not foreign, f"{name} imports {sorted(foreign)}"
+
+
+def test_engine_does_not_import_the_app():
+    for name, path in modules("engine").items():
+        upward = {m for m in project_imports(path) if m.split(".")[0] == "app"}
+        assert not upward, f"{name} imports {sorted(upward)}"
 
 
 def test_kernels_have_no_import_cycle():
