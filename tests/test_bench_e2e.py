@@ -159,3 +159,22 @@ def test_split_over_two_gpus(tmp_path):
     assert doc["gpus"] == 2 and doc["layers_per_device"] == {"cuda:0": 1, "cuda:1": 1}
     assert doc["session"]["graphs"] is False and "skipped" in doc["peer"]
     assert all(row["decode_ms_median"] > 0 for row in doc["methods"].values())
+
+
+def test_compile_both_measures_the_engine_twice_in_one_run(one_thread, tmp_path):
+    """--compile both: the engine's phases without, then with compiled decoder layers (engine.compiled), each with
+    its ratios, and the compiled decode's speedup over the uncompiled one of the same run."""
+    out_file = tmp_path / "e2e.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        code = main(["--shape", "tiny", "--device", "cpu", "--context", str(CONTEXT), "--steps", str(STEPS),
+                     "--questions", QUESTIONS[0], "--methods", "full,squeeze", "--no-peer", "--compile", "both",
+                     "--out", str(out_file)])
+    doc = json.loads(out_file.read_text())
+    assert code == 0 and doc["settings"]["compile"] == "both"
+    compiled = doc["compiled"]
+    assert set(compiled) == {"ingest", "session", "methods"} and set(compiled["ingest"]["stages"]) == STAGES
+    for method, row in compiled["methods"].items():
+        assert row["decode_ms_median"] > 0 and row["bound_ms"] > 0
+        assert row["speedup_vs_uncompiled"] == pytest.approx(
+            doc["methods"][method]["decode_ms_median"] / row["decode_ms_median"], rel=1e-2)
+    assert compiled["methods"]["full"]["speedup_vs_full"] == 1.0

@@ -2,7 +2,7 @@
 
     python -m engine.bench.e2e [--shape llama3-8b | --model M] [--context 131072] [--methods full,squeeze,hsqueeze]
                                [--sparsity 0.9] [--steps 32] [--questions 64,1024] [--peer/--no-peer] [--out FILE]
-                               [--gpus 1] [--graphs/--no-graphs] [--compile] [--profile FILE]
+                               [--gpus 1] [--graphs/--no-graphs] [--compile [both]] [--profile FILE]
 
 A random-weight model of a named shape (SHAPES; bf16 on CUDA, fp32 on the CPU, seed 0) or a real one (`--model`)
 reads `--context` random token ids (or `--document`, tokenized with the model's tokenizer) through
@@ -528,10 +528,11 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, backend: Backend, methods: list[str],
                    sparsity: float, prompts: dict[int, torch.Tensor], steps: int, profile: str | None = None,
-                   graphs: bool = True) -> dict:
+                   graphs: bool = True, tag: str = "") -> dict:
     """The engine's phases: the ingest (after an untimed one of the first WARMUP_CONTEXT tokens), the session's
     opening, each method's turns (and, with `profile` on CUDA, a profile of its decode steps written there).
-    graphs: the session replays decode steps from CUDA graphs where it can (False: every step eager).
+    graphs: the session replays decode steps from CUDA graphs where it can (False: every step eager); tag: a prefix
+    of the profile's section titles.
     Returns the report's "ingest", "session" and "methods"; the session and its K/V are freed before returning."""
     cuda = lm.device.type == "cuda"
     warmup = ids[:WARMUP_CONTEXT]
@@ -569,12 +570,12 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, 
     if session is None:
         return out
     for method in methods:
-        _log(f"method {method}")
+        _log(f"method {tag}{method}")
         try:
             out["methods"][method] = measure_method(lm, session, method, sparsity, prompts, steps)
             if profile and cuda:
                 out["methods"][method]["profile"] = profile_decode(lm, session, method, sparsity,
-                                                                   next(iter(prompts.values())), profile)
+                                                                   next(iter(prompts.values())), profile, tag)
         except Exception as exc:  # noqa: BLE001
             out["methods"][method] = {"error": _error(exc)}
             session.cache.reset_dynamic()
@@ -589,7 +590,7 @@ PROFILE_STEPS = 4  # replayed decode steps under torch.profiler (--profile)
 
 
 def profile_decode(lm: LoadedModel, session: ContextSession, method: str, sparsity: float, prompt: torch.Tensor,
-                   path: str) -> dict:
+                   path: str, tag: str = "") -> dict:
     """torch.profiler over PROFILE_STEPS decode steps of one turn (after WARMUP_STEPS), appending the GPU kernels'
     table to `path`. Returns the GPU time per step and the kernels a step runs."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
@@ -610,7 +611,7 @@ def profile_decode(lm: LoadedModel, session: ContextSession, method: str, sparsi
         session.cache.reset_dynamic()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     with open(path, "a") as f:
-        f.write(f"== {method}, {PROFILE_STEPS} decode steps\n")
+        f.write(f"== {tag}{method}, {PROFILE_STEPS} decode steps\n")
         f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30) + "\n")
     return {"kernels_per_step": sum(e.count for e in events) / PROFILE_STEPS,
             "gpu_ms_per_step": round(sum(e.self_device_time_total for e in events) / PROFILE_STEPS / 1e3, 3)}
@@ -645,7 +646,7 @@ def run(args: argparse.Namespace) -> dict:
                  **_versions(), "shape": args.shape if args.model is None else None, "model": args.model}
     _log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
     lm = open_model(args.shape, args.model, args.device, args.gpus)
-    if args.compile:
+    if args.compile == "on":
         compile_layers(lm)  # each shape compiles at its first call: in the warm-up ingest and the untimed turns
     backend = backend_for(lm.device)
     ids = context_ids(lm, args.context, args.document)
@@ -687,16 +688,28 @@ def run(args: argparse.Namespace) -> dict:
             out["peer"] = {"error": _error(exc), "peak_gib": peak_gib(lm)}
         gc.collect()
         torch.cuda.empty_cache()
-
     add_ratios(out)
+
+    if args.compile == "both":  # the same phases again with compiled layers, in this run (same-run ratios)
+        _log("compiling the decoder layers (engine.compiled); the engine's phases again")
+        compile_layers(lm)
+        compiled = measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps,
+                                  args.profile, args.graphs, tag="compiled ")
+        add_ratios({**compiled, "peer": out["peer"], "bound": out["bound"], "bandwidth_gbs": out["bandwidth_gbs"]})
+        for method, row in compiled["methods"].items():
+            row["speedup_vs_uncompiled"] = _ratio(out["methods"].get(method, {}).get("decode_ms_median"),
+                                                  row.get("decode_ms_median"))
+        out["compiled"] = compiled
     return out
 
 
 def failed(result: dict) -> bool:
     """Whether a phase failed: the bandwidth, the ingest, the session, a method or the peer (a peer whose compile
     failed but whose eager decode was timed has not)."""
+    compiled = result.get("compiled", {})
     phases = [result.get("ingest", {}), result.get("session", {}), result.get("peer", {}),
-              *result.get("methods", {}).values()]
+              *result.get("methods", {}).values(), compiled.get("ingest", {}), compiled.get("session", {}),
+              *compiled.get("methods", {}).values()]
     return "bandwidth_error" in result or any("error" in phase for phase in phases)
 
 
@@ -718,8 +731,9 @@ def main(argv: list[str] | None = None) -> int:
                                                             "GPUs with accelerate (as --device auto does)")
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="replay decode steps from CUDA graphs where the model allows (one GPU)")
-    parser.add_argument("--compile", action="store_true",
-                        help="torch.compile the decoder layers around the engine's attention (engine.compiled)")
+    parser.add_argument("--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
+                        help="torch.compile the decoder layers around the engine's attention (engine.compiled); "
+                             "'both': the engine's phases without, then with compiled layers, in one run")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time plain transformers (CUDA only)")
     parser.add_argument("--chunk", type=int, default=4096, help="the peer's prefill chunk")
