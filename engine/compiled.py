@@ -25,11 +25,16 @@ def compile_layers(lm: LoadedModel) -> int:
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     compiled = 0
     for layer in lm.model.get_decoder().layers:
-        if getattr(layer, "_compiled_call_impl", None) is None:
+        if not _compiled(layer):
             layer.compile()
             compiled += 1
     return compiled
 
 
 def layers_compiled(lm: LoadedModel) -> bool:
-    return all(getattr(layer, "_compiled_call_impl", None) is not None for layer in lm.model.get_decoder().layers)
+    return all(_compiled(layer) for layer in lm.model.get_decoder().layers)
+
+
+def _compiled(module: torch.nn.Module) -> bool:
+    """Whether nn.Module.compile() was called on `module` (it sets the compiled call PyTorch's __call__ uses)."""
+    return getattr(module, "_compiled_call_impl", None) is not None

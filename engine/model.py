@@ -149,6 +149,11 @@ def _convert_embedded(gguf: Path, target: Path) -> None:
         raise
 
 
+def layer_devices(model: torch.nn.Module) -> list[torch.device]:
+    """Per decoder layer, the device of its weights (accelerate's device_map may spread them over several)."""
+    return [next(layer.parameters()).device for layer in model.get_decoder().layers]
+
+
 def load_model(name: str | None = None, device: str = "auto", convert_dir: Path | None = None,
                max_memory: dict[int | str, int | str] | None = None) -> LoadedModel:
     """Load `name` (a transformers model id or local path; None or "embedded" = the embedded Gemma 3 270M).
@@ -189,13 +194,11 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
     if device == "cuda":
         model = model.to("cuda")
     model.eval()
-    layers = model.get_decoder().layers
-    layer_devices = [next(layer.parameters()).device for layer in layers]
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,
         model_id=model_id,
         device=model.get_input_embeddings().weight.device,
         dtype=dtype,
-        layer_devices=layer_devices,
+        layer_devices=layer_devices(model),
     )

@@ -40,7 +40,7 @@ from engine.compiled import compile_layers
 from engine.config import IndexSettings
 from engine.generate import greedy_tokens
 from engine.ingest import IngestOutput, ingest_tokens
-from engine.model import LoadedModel, load_model
+from engine.model import LoadedModel, layer_devices, load_model
 from engine.policies import METHODS, get_policy
 from engine.session import ContextSession
 from engine.stats import TurnRecorder, TurnStats
@@ -192,10 +192,9 @@ def build_shape(name: str, device: str, gpus: int = 1) -> BenchModel:
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     if gpus > 1:
         spread(model, gpus)
-    layers = model.get_decoder().layers
     return BenchModel(model=model, tokenizer=None, model_id=f"random-{name}",
                       device=model.get_input_embeddings().weight.device, dtype=dtype,
-                      layer_devices=[next(layer.parameters()).device for layer in layers])
+                      layer_devices=layer_devices(model))
 
 
 def open_model(shape: str | None, model: str | None, device: str, gpus: int = 1) -> BenchModel:
@@ -205,7 +204,7 @@ def open_model(shape: str | None, model: str | None, device: str, gpus: int = 1)
     lm = load_model(model, device)
     if gpus > 1:
         spread(lm.model, gpus)
-        lm.layer_devices = [next(layer.parameters()).device for layer in lm.model.get_decoder().layers]
+        lm.layer_devices = layer_devices(lm.model)
     return BenchModel(**{f.name: getattr(lm, f.name) for f in fields(lm)})
 
 
