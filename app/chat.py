@@ -6,29 +6,21 @@ from __future__ import annotations
 import gradio as gr
 
 from app import render
-from app.config import CENTROID_RATIOS, LEVEL1_RATIOS, SPARSITY_MAX, SPARSITY_MIN, index_settings
+from app.config import CENTROID_RATIOS, LEVEL1_RATIOS, SPARSITY_MAX, SPARSITY_MIN, method_settings
 from app.services import Services, doc_choices, doc_status, library_rows
 from app.views import TurnViews
-from engine.explain import explain_turn
-from engine.jobs import plain_error
-from engine.policies import METHODS, get_policy
-from engine.session import Answer, Delta
+from engine.config import ContextSettings
+from engine.policies import METHODS, REGISTRY, build_order
+from engine.serve.jobs import plain_error
+from engine.session import Delta
 from storage import NotFoundError, StorageError
 
-STOPPED_MARK = " [stopped]"
 
 
 def new_state(config) -> dict:
-    """A browser session's state: the open document and chat, and the index settings the controls ask for."""
+    """A browser session's state: the open document and chat, and the methods' settings the sliders ask for."""
     return {"doc_id": None, "chat_id": None, "centroid_ratio": config.centroid_ratio,
             "level1_ratio": config.level1_ratio, "library": None}
-
-
-def same_answer(a: str, b: str) -> bool:
-    """Whether two answers say the same, ignoring case, spacing and trailing punctuation."""
-    def norm(s: str) -> str:
-        return " ".join(s.lower().split()).rstrip(" .!")
-    return norm(a) == norm(b)
 
 
 def turn_messages(turn: dict) -> list[dict]:
@@ -38,6 +30,11 @@ def turn_messages(turn: dict) -> list[dict]:
     if compare:
         out.append({"role": "assistant", "content": compare_message(compare)})
     return out
+
+
+def has_setting(method: str, name: str) -> bool:
+    """Whether `method` or a method it builds on has the setting `name` (which index sliders apply to it)."""
+    return any(name in REGISTRY[m].Settings.__dataclass_fields__ for m in build_order([method]))
 
 
 def compare_message(compare: dict) -> str:
@@ -77,9 +74,10 @@ class ChatTab:
                     with gr.Row():
                         self.centroid = gr.Slider(*CENTROID_RATIOS, value=cfg.centroid_ratio, step=0.01,
                                                   label="Centroid ratio (changing it re-indexes in the background)",
+                                                  visible=has_setting(cfg.method, "centroid_ratio"),
                                                   elem_id="sq-centroid")
                         self.level1 = gr.Slider(*LEVEL1_RATIOS, value=cfg.level1_ratio, step=0.002,
-                                                label="Level-1 ratio (hsqueeze)", visible=cfg.method == "hsqueeze",
+                                                label="Level-1 ratio", visible=has_setting(cfg.method, "level1_ratio"),
                                                 elem_id="sq-level1")
                     with gr.Row():
                         self.compare = gr.Checkbox(False, label="Compare with full attention", elem_id="sq-compare")
@@ -117,8 +115,9 @@ class ChatTab:
         for dd in (self.views.layer, self.views.head):
             dd.input(self.show_projection, proj_inputs, [self.views.projection], api_name="show_projection",
                      api_visibility="public" if dd is self.views.layer else "private")
-        self.method.change(lambda m: gr.update(visible=m == "hsqueeze"), [self.method], [self.level1],
-                           api_visibility="private")
+        self.method.change(lambda m: [gr.update(visible=has_setting(m, "centroid_ratio")),
+                                      gr.update(visible=has_setting(m, "level1_ratio"))],
+                           [self.method], [self.centroid, self.level1], api_visibility="private")
         self.sparsity.change(self.show_threshold, [self.state, *controls], [self.threshold], api_name="threshold",
                              show_progress="hidden")
         self.method.change(self.show_threshold, [self.state, *controls], [self.threshold],
@@ -141,13 +140,13 @@ class ChatTab:
             state.update(doc_id=None, chat_id=None)
             return [state, gr.update(value=None), render.notice_html("No document open."), [],
                     gr.update(choices=[], value=None), "", *self.views.empty(), None]
-        settings = index_settings(state["centroid_ratio"], state["level1_ratio"])
-        status = doc_status(self.services, doc_id, settings)
+        self.services.engine.configure(method_settings(state["centroid_ratio"], state["level1_ratio"]))
+        status = doc_status(self.services, doc_id, method)
         try:
-            chats = store.list_chats(doc_id)
+            chats = store.chats.list(doc_id)
         except StorageError:
             chats = []
-        turns = store.get_turns(chats[0]["id"]) if chats else []
+        turns = store.chats.turns(chats[0]["id"]) if chats else []
         state.update(doc_id=doc_id, chat_id=chats[0]["id"] if chats else None)
         history = [m for t in turns for m in turn_messages(t)]
         last = turns[-1] if turns else None
@@ -187,8 +186,8 @@ class ChatTab:
         if not question:
             yield refuse("Type a question first.")
             return
-        settings = index_settings(centroid, level1)
-        status = doc_status(services, state["doc_id"], settings)
+        services.engine.configure(method_settings(centroid, level1))
+        status = doc_status(services, state["doc_id"], method)
         if status.state != "ready":
             if status.state == "preparing":
                 text = f"{status.name} is not ready yet: {status.message}. Ask again when it is ready."
@@ -196,76 +195,36 @@ class ChatTab:
                 text = f"{status.name} cannot be asked: {status.message}."
             yield [*refuse(text)[:3], self.status_html(status), gr.skip(), *skip_views]
             return
-        if not status.exact and (status.job is None or status.job.status not in ("queued", "running")):
-            services.worker.submit_document(state["doc_id"], settings)  # the controls ask for another index
         ctx = status.context_id
-        sparse = get_policy(method).sparse
-        sparsity = sparsity_pct / 100.0 if sparse else 0.0
+        sparsity = sparsity_pct / 100.0 if REGISTRY[method].sparse else 0.0
         if state.get("chat_id") is None:
-            state["chat_id"] = store.create_chat(state["doc_id"], ctx)
+            state["chat_id"] = store.chats.create(state["doc_id"], ctx)
         stop = services.stops.flag(request.session_hash if request is not None else "-")
         stop.clear()
         history += [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
         yield [history, "", state, self.status_html(status), gr.skip(), *skip_views]
 
-        answer, text, stopped = None, "", False
-        stream = services.engine.stream(ctx, question, method, sparsity, int(max_new))
+        text, recorded = "", None
+        turn = services.turns.answer(state["chat_id"], ctx, question, method, sparsity, int(max_new), compare, stop)
         try:
-            for event in stream:
+            for event in turn:
                 if isinstance(event, Delta):
                     text += event.text
                     history[-1] = {"role": "assistant", "content": text}
                     yield [history, gr.skip(), gr.skip(), gr.skip(), gr.skip(), *skip_views]
-                elif isinstance(event, Answer):
-                    answer = event
-                if stop.is_set():
-                    stopped = answer is None
-                    break
+                else:
+                    recorded = event
         except Exception as exc:  # noqa: BLE001 - shown in plain words, the app keeps running
             history[-1] = {"role": "assistant", "content": f"*Could not answer: {plain_error(exc)}*"}
             yield [history, gr.skip(), state, render.notice_html(plain_error(exc), "error"), gr.skip(), *skip_views]
             return
         finally:
-            stream.close()
-
-        if stopped:
-            text = text.strip()
-            history[-1] = {"role": "assistant", "content": (text or "…") + STOPPED_MARK}
-            stats = {"stopped": True, "context_id": ctx, "method": method, "sparsity": sparsity}
-            store.add_turn(state["chat_id"], question, text + STOPPED_MARK, method, sparsity, stats)
-        else:
-            history[-1] = {"role": "assistant", "content": answer.text or "…"}
-            stats = self._turn_stats(ctx, question, answer, method, sparsity, sparsity_pct / 100.0)
-            if compare and get_policy(method).sparse:
-                stats = self.ask_compare(stats, ctx, question, answer, int(max_new))
-            if stats.get("compare"):
-                history.append({"role": "assistant", "content": compare_message(stats["compare"])})
-            store.add_turn(state["chat_id"], question, answer.text, method, sparsity, stats)
-        turns = store.get_turns(state["chat_id"])
-        last = turns[-1]
-        yield [history, gr.skip(), state, self.status_html(status),
-               gr.update(choices=self.views.turn_choices(turns), value=last["idx"]), *self.views.show(last)]
-
-    def _turn_stats(self, ctx: str, question: str, answer: Answer, method: str, sparsity: float,
-                    shown_sparsity: float) -> dict:
-        """The statistics saved with a turn: TurnStats, the thresholds, the context, and the retrieval report
-        (engine.explain) the views are drawn from."""
-        stats = answer.stats.to_json()
-        stats["context_id"] = ctx
-        session = self.services.engine.session(ctx)
-        if get_policy(method).sparse:
-            stats["thresholds"] = [float(t) for t in session.thresholds(method, sparsity)]
-        try:
-            stats["retrieval"] = explain_turn(session, question, answer.text, stats["clusters"], shown_sparsity)
-        except Exception as exc:  # noqa: BLE001 - the answer stands; the views say what is missing
-            stats["retrieval"] = {"layers": [], "error": plain_error(exc)}
-        return stats
-
-    def ask_compare(self, stats: dict, ctx: str, question: str, answer: Answer, max_new: int) -> dict:
-        full = self.services.engine.ask(ctx, question, "full", 0.0, max_new)
-        return {**stats, "compare": {"answer": full.text, "agree": same_answer(full.text, answer.text),
-                                     "total_s": full.stats.timings.get("total_s", 0.0),
-                                     "first_token_s": full.stats.timings.get("first_token_s", 0.0)}}
+            turn.close()
+        history[-1:] = turn_messages(recorded.row)[1:]
+        turns = store.chats.turns(state["chat_id"])
+        yield [history, gr.skip(), state, self.status_html(doc_status(services, state["doc_id"], method)),
+               gr.update(choices=self.views.turn_choices(turns), value=recorded.row["idx"]),
+               *self.views.show(recorded.row)]
 
     def stop(self, request: gr.Request) -> None:
         self.services.stops.stop(request.session_hash if request is not None else "-")
@@ -280,7 +239,7 @@ class ChatTab:
         if state.get("chat_id") is None or idx is None:
             return None
         try:
-            turns = self.services.store.get_turns(state["chat_id"])
+            turns = self.services.store.chats.turns(state["chat_id"])
         except NotFoundError:
             return None
         return next((t for t in turns if t["idx"] == int(idx)), None)
@@ -297,38 +256,38 @@ class ChatTab:
 
     def threshold_text(self, state: dict, method: str, sparsity_pct: float, centroid: float | None = None,
                        level1: float | None = None) -> str:
-        if not state.get("doc_id") or not get_policy(method).sparse:
+        if not state.get("doc_id") or not REGISTRY[method].sparse:
             return "Full attention reads every key." if state.get("doc_id") else ""
-        settings = index_settings(centroid if centroid is not None else state["centroid_ratio"],
-                                  level1 if level1 is not None else state["level1_ratio"])
-        status = doc_status(self.services, state["doc_id"], settings)
+        self.services.engine.configure(method_settings(centroid if centroid is not None else state["centroid_ratio"],
+                                                       level1 if level1 is not None else state["level1_ratio"]))
+        status = doc_status(self.services, state["doc_id"], method)
         if status.context_id is None:
             return ""
+        if not status.exact:
+            return f"The {method} index is built at the first question (or in the background after a slider change)."
         try:
-            ts = self.services.inspector.thresholds(status.context_id, method, sparsity_pct / 100.0)
+            plan = self.services.inspector.plan_text(status.context_id, method, sparsity_pct / 100.0)
         except (StorageError, ValueError):
             return ""
-        levels = get_policy(method).levels
-        names = ("T",) if levels == 1 else ("T₁ (level 1)", "T₂ (level 2)")
-        shown = ", ".join(f"{n} = {t:.3g}" for n, t in zip(names, ts[:levels]))
-        if len(ts) >= 2 * levels:  # the question's prefill has its own (index version >= 4)
-            short = ("T",) if levels == 1 else ("T₁", "T₂")
-            shown += " (question prefill: " + ", ".join(f"{n} = {t:.3g}" for n, t in zip(short, ts[levels:])) + ")"
-        return f"Calibrated threshold at {sparsity_pct:.0f}% sparsity: {shown} (interpolated on the calibration grid)"
+        return f"At {sparsity_pct:.0f}% sparsity, {method} uses: {plan}" if plan else ""
 
     def show_threshold(self, state, method, sparsity_pct, centroid, level1) -> str:
         return self.threshold_text(state, method, sparsity_pct, centroid, level1)
 
     def reindex(self, state: dict, centroid: float, level1: float) -> list:
-        """Ask for the index the sliders describe; it is built in the background if it does not exist."""
+        """Apply the index sliders: the methods already built for the open document whose settings they change are
+        rebuilt in the background (the others when first asked for)."""
         state = {**state, "centroid_ratio": float(centroid), "level1_ratio": float(level1)}
         if not state.get("doc_id"):
             return [state, gr.skip()]
-        settings = index_settings(centroid, level1)
-        status = doc_status(self.services, state["doc_id"], settings)
-        if not status.exact and status.state != "unknown":
+        engine = self.services.engine
+        engine.configure(method_settings(centroid, level1))
+        status = doc_status(self.services, state["doc_id"])
+        if status.context_id is not None:
+            built = [b["method"] for b in self.services.store.methods.list(status.context_id)]
+            stale = engine.stale_methods(status.context_id, built)
             job = status.job
-            if job is None or job.status not in ("queued", "running") or job.settings != settings.as_dict():
-                self.services.worker.submit_document(state["doc_id"], settings)
-            status = doc_status(self.services, state["doc_id"], settings)
+            if stale and (job is None or job.status not in ("queued", "running")):
+                self.services.worker.submit_document(state["doc_id"], ContextSettings(), methods=tuple(stale))
+            status = doc_status(self.services, state["doc_id"], stale[-1] if stale else None)
         return [state, self.status_html(status)]

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 
-from engine.config import LEVEL1_PRUNE, PREFILL_THRESHOLDS, IndexSettings
 from engine.model import EMBEDDED_MODEL
-from engine.policies import METHODS
+from engine.policies import METHODS, REGISTRY, SPARSE_METHODS
 from engine.session import Answer, Delta
 
 
@@ -28,45 +28,54 @@ def _progress(enabled: bool):
 
 
 def _engine(args):
-    from engine.service import Engine  # noqa: PLC0415 - keep `squeeze --help` fast
+    from engine.serve.service import Engine  # noqa: PLC0415 - keep `squeeze --help` fast
 
-    return Engine(args.cache_dir, model=args.model, device=args.device, compile=args.compile)
-
-
-INDEX_OPTIONS = ("centroid_ratio", "level1_ratio", "level1_prune", "prefill_threshold")
+    return Engine(args.cache_dir, model=args.model, device=args.device, compile=args.compile,
+                  methods=_method_settings(args))
 
 
-def _settings(args) -> IndexSettings | None:
-    """The index settings named on the command line (the others at their defaults); None when none is named."""
-    given = {name: getattr(args, name) for name in INDEX_OPTIONS if getattr(args, name) is not None}
-    if not given:
-        return None
-    defaults = IndexSettings()
-    values = {name: given.get(name, getattr(defaults, name)) for name in INDEX_OPTIONS}
-    values["level1_ratio"] = min(values["level1_ratio"], values["centroid_ratio"])
-    return IndexSettings(**values)
+# Short names kept for the settings that had them before each method had its own (--squeeze-centroid-ratio, ...).
+ALIASES = {("squeeze", "centroid_ratio"): "--centroid-ratio", ("hsqueeze", "level1_ratio"): "--level1-ratio",
+           ("hsqueeze", "level1_prune"): "--level1-prune"}
 
 
-def _index_options() -> argparse.ArgumentParser:
-    """The index settings of `ingest` and `ask` (no defaults here: unset means IndexSettings' default)."""
+def _dest(method: str, name: str) -> str:
+    return f"setting__{method}__{name}"
+
+
+def _method_settings(args) -> dict[str, dict]:
+    """Each method's settings named on the command line (method -> {field: value}); the others stay at defaults."""
+    out: dict[str, dict] = {}
+    for method, cls in REGISTRY.items():
+        for f in dataclasses.fields(cls.Settings):
+            value = getattr(args, _dest(method, f.name), None)
+            if value is not None:
+                out.setdefault(method, {})[f.name] = value
+    return out
+
+
+def _method_options() -> argparse.ArgumentParser:
+    """Every registered method's settings as options `--{method}-{setting}` (unset: the method's default); a
+    method's index is built, or rebuilt, with them when a question asks for the method."""
     p = argparse.ArgumentParser(add_help=False)
-    defaults = IndexSettings()
-    p.add_argument("--centroid-ratio", type=float, default=None,
-                   help=f"centroids per key of each global layer and KV head (default {defaults.centroid_ratio})")
-    p.add_argument("--level1-ratio", type=float, default=None,
-                   help=f"hsqueeze: level-1 centroids per key (default {defaults.level1_ratio})")
-    p.add_argument("--level1-prune", type=float, default=None,
-                   help=f"hsqueeze: fraction of the keys the level-1 threshold rules out (default {LEVEL1_PRUNE})")
-    p.add_argument("--prefill-threshold", choices=PREFILL_THRESHOLDS, default=None,
-                   help="the question prefill's threshold: decode's (default; keeps up to twice 1 - s) or its own, "
-                        "calibrated to keep about 1 - s (lost the passkey at 90%% in 2/15 draws)")
+    group = p.add_argument_group("method settings (each method's index is built with its own)")
+    for method, cls in REGISTRY.items():
+        defaults = cls.Settings()
+        for f in dataclasses.fields(cls.Settings):
+            default = getattr(defaults, f.name)
+            flags = [f"--{method}-{f.name.replace('_', '-')}"] + [a for a in [ALIASES.get((method, f.name))] if a]
+            group.add_argument(*flags, dest=_dest(method, f.name), type=type(default), default=None,
+                               metavar=type(default).__name__.upper(), help=f"default {default}")
     return p
 
 
 def cmd_ingest(args) -> int:
     engine = _engine(args)
-    settings = _settings(args) or IndexSettings()
-    report = engine.ingest(args.path, settings, truncate=args.truncate, progress=_progress(not args.quiet))
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in methods if m not in SPARSE_METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(SPARSE_METHODS)}")
+    report = engine.ingest(args.path, truncate=args.truncate, progress=_progress(not args.quiet), methods=methods)
     out = report.to_json()
     print(json.dumps(out) if args.json else
           f"{out['doc_id']}  {out['tokens']} tokens, {out['pages']} page(s), context {out['context_id']}"
@@ -76,10 +85,11 @@ def cmd_ingest(args) -> int:
 
 def cmd_ask(args) -> int:
     engine = _engine(args)
-    context_id = engine.resolve(args.doc, truncate=args.truncate, progress=_progress(not args.quiet),
-                                settings=_settings(args))
+    progress = _progress(not args.quiet)
+    context_id = engine.resolve(args.doc, truncate=args.truncate, progress=progress)
     answer = None
-    for event in engine.stream(context_id, args.question, args.method, args.sparsity, args.max_new_tokens):
+    for event in engine.stream(context_id, args.question, args.method, args.sparsity, args.max_new_tokens,
+                               progress=progress):
         if isinstance(event, Delta) and not args.json:
             print(event.text, end="", flush=True)
         elif isinstance(event, Answer):
@@ -96,7 +106,7 @@ def cmd_ask(args) -> int:
 
 
 def cmd_list(args) -> int:
-    from engine.service import Engine  # noqa: PLC0415
+    from engine.serve.service import Engine  # noqa: PLC0415
 
     docs = Engine(args.cache_dir, model=args.model, device="cpu").list_documents()
     if args.json:
@@ -108,7 +118,7 @@ def cmd_list(args) -> int:
 
 
 def cmd_delete(args) -> int:
-    from engine.service import Engine  # noqa: PLC0415
+    from engine.serve.service import Engine  # noqa: PLC0415
 
     doc_id = Engine(args.cache_dir, model=args.model, device="cpu").delete_document(args.doc_id)
     print(f"deleted {doc_id}")
@@ -154,13 +164,17 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="show tracebacks")
     parser = argparse.ArgumentParser(prog="squeeze", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    index_options = _index_options()
-    p = sub.add_parser("ingest", parents=[common, index_options], help="prefill a document and build its indexes")
+    method_options = _method_options()
+    p = sub.add_parser("ingest", parents=[common, method_options], help="prefill a document and build its indexes")
     p.add_argument("path")
+    p.add_argument("--methods", default="squeeze",
+                   help=f"comma-separated methods whose indexes are built now (of {', '.join(SPARSE_METHODS)}; the "
+                        "others are built when first asked for)")
     p.add_argument("--truncate", action="store_true", help="keep the start of a document longer than the context")
     p.set_defaults(func=cmd_ingest)
-    p = sub.add_parser("ask", parents=[common, index_options],
-                       help="answer a question about a document (index options: use, or build, a context with them)")
+    p = sub.add_parser("ask", parents=[common, method_options],
+                       help="answer a question about a document (the method's index is built first if missing, or "
+                            "rebuilt when its settings differ)")
     p.add_argument("doc", metavar="DOC_ID_OR_PATH")
     p.add_argument("question")
     p.add_argument("--method", choices=METHODS, default="squeeze")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import IndexSettings
+from engine.policies import make_method
+from engine.policies.hsqueeze import HierarchicalSettings
+from engine.policies.squeeze import SqueezeSettings
 
 SPARSITY_MIN, SPARSITY_MAX = 50, 99  # the slider's range, in percent
 CENTROID_RATIOS = (0.01, 0.2)  # the centroid-ratio slider's range
@@ -24,8 +26,8 @@ class AppConfig:
     sparsity_pct: int = 80
     max_new_tokens: int = 64
     max_new_tokens_limit: int = 512
-    centroid_ratio: float = IndexSettings.centroid_ratio
-    level1_ratio: float = IndexSettings.level1_ratio
+    centroid_ratio: float = SqueezeSettings.centroid_ratio
+    level1_ratio: float = HierarchicalSettings.level1_ratio
     title: str = "squeeze-chat"
 
     def __post_init__(self) -> None:
@@ -41,14 +43,18 @@ class AppConfig:
             raise ValueError(f"sparsity_pct must be in [{SPARSITY_MIN}, {SPARSITY_MAX}], got {self.sparsity_pct}")
         if not 1 <= self.max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError(f"max_new_tokens must be in [1, {self.max_new_tokens_limit}], got {self.max_new_tokens}")
-        IndexSettings(centroid_ratio=self.centroid_ratio, level1_ratio=self.level1_ratio)  # validates both
+        method_settings(self.centroid_ratio, self.level1_ratio)  # validates both
+        make_method(self.method)  # a registered method
 
     @property
     def max_upload_bytes(self) -> int:
         return int(self.max_upload_mb * 1024 * 1024)
 
 
-def index_settings(centroid_ratio: float, level1_ratio: float) -> IndexSettings:
-    """The settings the controls ask for (level 1 never above level 2); the rest stays at the defaults."""
+def method_settings(centroid_ratio: float, level1_ratio: float) -> dict:
+    """The methods' settings the index sliders ask for (level 1 never above level 2; the rest at the defaults):
+    method name -> its settings, for Engine.configure."""
     centroid_ratio = round(float(centroid_ratio), 4)
-    return IndexSettings(centroid_ratio=centroid_ratio, level1_ratio=min(round(float(level1_ratio), 4), centroid_ratio))
+    level1 = min(round(float(level1_ratio), 4), centroid_ratio)
+    return {"squeeze": SqueezeSettings(centroid_ratio=centroid_ratio),
+            "hsqueeze": HierarchicalSettings(level1_ratio=level1)}

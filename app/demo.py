@@ -10,9 +10,9 @@ from app.chat import ChatTab, new_state
 from app.config import AppConfig
 from app.library import LibraryTab
 from app.services import Services
-from engine.explain import ContextInspector
-from engine.jobs import IngestWorker
-from engine.service import Engine
+from engine.serve.explain import ContextInspector
+from engine.serve.jobs import IngestWorker
+from engine.serve.service import Engine
 from storage import Store
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "app.css"
@@ -74,7 +74,7 @@ def build_demo(engine: Engine, store: Store | None = None, *, worker: IngestWork
 
 def _exists(services: Services, doc_id: str) -> bool:
     try:
-        services.store.find_document(doc_id)
+        services.store.documents.find(doc_id)
         return True
     except Exception:  # noqa: BLE001 - gone, or an id prefix that is now ambiguous
         return False

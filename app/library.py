@@ -10,9 +10,9 @@ import gradio as gr
 
 from app import render
 from app.chat import ChatTab
-from app.config import index_settings
+from engine.config import ContextSettings
 from app.services import Services, doc_choices, doc_status, error_text, library_rows, library_table
-from engine.jobs import document_id
+from engine.serve.jobs import document_id
 from storage import NotFoundError
 from storage.documents import KIND_BY_SUFFIX, UnsupportedTypeError, document_kind
 
@@ -85,7 +85,7 @@ class LibraryTab:
             lines.append((f"Only the first {cfg.max_files} files were taken (at most {cfg.max_files} per upload).",
                           "error"))
             paths = paths[: cfg.max_files]
-        settings = index_settings(state["centroid_ratio"], state["level1_ratio"])
+        settings = ContextSettings()
         for path in paths:
             name = path.name  # Gradio keeps an upload under its own name, in a folder of its own
             try:
@@ -99,14 +99,14 @@ class LibraryTab:
                               "error"))
                 continue
             data = path.read_bytes()
-            cached = doc_status(self.services, document_id(data), settings)
+            cached = doc_status(self.services, document_id(data))
             if cached.state == "ready" and cached.exact:  # the same bytes were prepared before: open it now
                 opened = cached.doc_id
                 lines.append((f"{name}: already in the library, ready", "ok"))
                 continue
             job = self.services.worker.submit_bytes(data, name, settings, truncate=bool(truncate))
             opened = job.doc_id
-            view = self.services.worker.view(job.key)
+            view = self.services.worker.view(job.id)
             if view.status == "failed":
                 lines.append((f"{name}: {error_text(view)}", "error"))
             else:
@@ -144,7 +144,7 @@ class LibraryTab:
             return [render.notice_html(f"{job.name} is being prepared; delete it when that has finished.", "error"),
                     *self.refresh(state)[:-1], state]
         try:
-            name = self.services.store.find_document(doc_id)["name"]
+            name = self.services.store.documents.find(doc_id)["name"]
             self.services.engine.delete_document(doc_id)
         except NotFoundError:
             return [render.notice_html("That document is not in the library any more.", "error"),
@@ -170,14 +170,13 @@ class LibraryTab:
         views = self.services.worker.views()
         active = [v for v in views if v.status in ("queued", "running")]
         recent = active + [v for v in views if v.status == "failed"][-3:]
-        jobs = render.jobs_html(sorted(recent, key=lambda v: v.key),
-                                {v.key: error_text(v) for v in recent if v.status == "failed"})
+        jobs = render.jobs_html(sorted(recent, key=lambda v: v.id),
+                                {v.id: error_text(v) for v in recent if v.status == "failed"})
         signature = [[r["id"], r["status"], r["tokens"]] for r in rows]
         choices = doc_choices(rows)
         status = gr.skip()
         if state.get("doc_id"):
-            settings = index_settings(state["centroid_ratio"], state["level1_ratio"])
-            status = self.chat.status_html(doc_status(self.services, state["doc_id"], settings))
+            status = self.chat.status_html(doc_status(self.services, state["doc_id"]))
         if skip_unchanged and signature == state.get("library"):
             return [jobs, gr.skip(), gr.skip(), gr.skip(), status, gr.skip()]
         state["library"] = signature

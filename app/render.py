@@ -10,8 +10,7 @@ import html
 import math
 from collections.abc import Sequence
 
-from engine.jobs import LOADING, STAGES
-from engine.policies import POLICIES
+from engine.serve.jobs import LOADING, STAGES
 
 STAGE_LABELS = {
     LOADING: "loading model",
@@ -94,7 +93,7 @@ def jobs_html(views: Sequence, errors: dict[str, str] | None = None) -> str:
     if not views:
         return '<div class="sq-jobs sq-empty">No document is being prepared.</div>'
     errors = errors or {}
-    return '<div class="sq-jobs">' + "".join(job_html(v, errors.get(v.key)) for v in reversed(views)) + "</div>"
+    return '<div class="sq-jobs">' + "".join(job_html(v, errors.get(v.id)) for v in reversed(views)) + "</div>"
 
 
 def notice_html(text: str, kind: str = "info") -> str:
@@ -159,8 +158,8 @@ def heatmaps_html(stats: dict) -> str:
 # ---------------------------------------------------------------------- (c) budget and time split
 
 
-def budget_html(stats: dict, thresholds: Sequence[float] = ()) -> str:
-    """(c) The KV budget (turn and prefill) and where the turn's time went."""
+def budget_html(stats: dict) -> str:
+    """(c) The KV budget (turn and prefill), the plan the method used, and where the turn's time went."""
     t = stats.get("timings", {})
     total = float(t.get("total_s", 0.0))
     lookup, attention = float(t.get("lookup_s", 0.0)), float(t.get("attention_s", 0.0))
@@ -179,14 +178,11 @@ def budget_html(stats: dict, thresholds: Sequence[float] = ()) -> str:
     budget, prefill = float(stats.get("kv_budget", 0.0)), float(stats.get("kv_budget_prefill", 0.0))
     method = stats.get("method", "?")
     sparsity = stats.get("sparsity", 0.0)
-    levels = POLICIES[method].levels if method in POLICIES else len(thresholds)
-    th = ", ".join(f"{x:.3g}" for x in thresholds[:levels])
-    if levels and len(thresholds) >= 2 * levels:  # decode's, then the question prefill's
-        th += " (prefill " + ", ".join(f"{x:.3g}" for x in thresholds[levels : 2 * levels]) + ")"
+    plan = (stats.get("extra") or {}).get("plan", "") if sparsity else ""
     return (
         '<div class="sq-budget" id="sq-budget">'
         f'<div class="sq-row"><b>{esc(method)}</b>{f" at {100 * sparsity:.0f}% sparsity" if sparsity else ""}'
-        f'{f" · threshold {esc(th)}" if th else ""}</div>'
+        f'{f" · {esc(plan)}" if plan else ""}</div>'
         f'<div class="sq-row">KV budget <b class="sq-kv">{100 * budget:.1f}%</b> of the fixed context\'s K/V bytes per '
         f'step (question prefill {100 * prefill:.1f}%)</div>'
         f'<div class="sq-bar sq-kvbar"><div class="sq-fill" style="width:{min(100.0, 100 * budget):.1f}%"></div></div>'

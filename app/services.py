@@ -9,10 +9,11 @@ from datetime import datetime
 
 from app.config import AppConfig
 from app.render import stage_text, time_left
-from engine.config import IndexSettings
-from engine.explain import ContextInspector
-from engine.jobs import IngestWorker, JobView
-from engine.service import Engine
+from engine.config import ContextSettings
+from engine.serve.explain import ContextInspector
+from engine.serve.jobs import IngestWorker, JobView
+from engine.serve.service import Engine
+from engine.serve.turns import Turns
 from storage import NotFoundError, Store
 
 STATUS_CHARS = 60  # a library row's status is cut to this
@@ -42,6 +43,11 @@ class Services:
     inspector: ContextInspector
     config: AppConfig
     stops: StopFlags = field(default_factory=StopFlags)
+    turns: Turns | None = None  # made from the engine when not given
+
+    def __post_init__(self) -> None:
+        if self.turns is None:
+            self.turns = Turns(self.engine)
 
     @property
     def model_id(self) -> str:
@@ -53,7 +59,8 @@ class DocStatus:
     """Where a document stands for the model and the settings the controls ask for.
 
     state: "ready" | "preparing" | "failed" | "unknown"
-    context_id: the context that answers now (the asked-for one, or else a ready one with other settings)
+    context_id: the ready context that answers (None while there is none)
+    exact: the context has the asked method's index with the engine's settings
     job: the newest job of the document, if the worker knows one
     """
 
@@ -74,35 +81,38 @@ def error_text(view: JobView) -> str:
 
 
 def model_contexts(services: Services, doc_id: str) -> list[dict]:
-    return [c for c in services.store.list_contexts(doc_id) if c["model"] == services.model_id]
+    return [c for c in services.store.contexts.list(doc_id) if c["model"] == services.model_id]
 
 
-def doc_status(services: Services, doc_id: str, settings: IndexSettings) -> DocStatus:
-    """Which context answers a question about `doc_id` now, or why none does and how long is left."""
-    wanted = settings.as_dict()
+def doc_status(services: Services, doc_id: str, method: str | None = None) -> DocStatus:
+    """Which context answers a question about `doc_id` now, or why none does and how long is left. `exact`: the
+    context has `method`'s index with the engine's settings (else the first question builds it)."""
     try:
-        name = services.store.find_document(doc_id)["name"]
+        name = services.store.documents.find(doc_id)["name"]
         contexts = model_contexts(services, doc_id)
     except NotFoundError:
         name, contexts = None, []
     job = services.worker.latest_for_document(doc_id)
     if name is None and job is not None:
         name = job.name
-    exact = next((c for c in contexts if c["settings"] == wanted and c["status"] == "ready"), None)
-    if exact is not None:
-        return DocStatus(doc_id, name, "ready", exact["id"], True, job, "ready")
-    fallback = next((c for c in contexts if c["status"] == "ready"), None)
-    if job is not None and job.status in ("queued", "running"):
+    wanted = ContextSettings().as_dict()
+    ready = next((c for c in contexts if c["settings"] == wanted and c["status"] == "ready"), None)
+    active = job is not None and job.status in ("queued", "running")
+    if ready is not None:
+        stale = services.engine.stale_methods(ready["id"], [method]) if method else []
+        if not stale:
+            return DocStatus(doc_id, name, "ready", ready["id"], True, job, "ready")
+        indexes = f"the {' and '.join(stale)} index{'es' if len(stale) > 1 else ''}"
+        if active:
+            return DocStatus(doc_id, name, "ready", ready["id"], False, job,
+                             f"building {indexes} in the background "
+                             f"({stage_text(job)}, {time_left(job.eta_s, job.stage)})")
+        return DocStatus(doc_id, name, "ready", ready["id"], False, job,
+                         f"ready; {indexes} {'are' if len(stale) > 1 else 'is'} built at the first question with "
+                         f"{method}")
+    if active:
         progress = f"{stage_text(job)}, {time_left(job.eta_s, job.stage)}"
-        if fallback is not None:
-            msg = (f"re-indexing with centroid ratio {job.settings['centroid_ratio']:g} in the background "
-                   f"({progress}); answers use the ready index (centroid ratio "
-                   f"{fallback['settings']['centroid_ratio']:g}) until then")
-            return DocStatus(doc_id, name, "ready", fallback["id"], False, job, msg)
         return DocStatus(doc_id, name, "preparing", None, False, job, f"still being prepared: {progress}")
-    if fallback is not None:
-        return DocStatus(doc_id, name, "ready", fallback["id"], False, job,
-                         f"ready with centroid ratio {fallback['settings']['centroid_ratio']:g}")
     if job is not None and job.status == "failed":
         return DocStatus(doc_id, name, "failed", None, False, job, f"could not be prepared: {error_text(job)}")
     failed = next((c for c in contexts if c["status"] == "failed"), None)
@@ -119,7 +129,7 @@ def library_rows(services: Services) -> list[dict]:
     rows = []
     seen = set()
     jobs = {v.doc_id: v for v in services.worker.views()}  # the newest job per document wins
-    for doc in services.store.list_documents():
+    for doc in services.store.documents.list():
         seen.add(doc["id"])
         contexts = model_contexts(services, doc["id"])
         ready = next((c for c in contexts if c["status"] == "ready"), None)

@@ -64,7 +64,7 @@ class TurnViews:
         return [(turn_label(t), t["idx"]) for t in turns]
 
     def show(self, turn: dict | None, layer: int | None = None, kv_head: int | None = None) -> list:
-        """The views of one saved turn (a row of Store.get_turns)."""
+        """The views of one saved turn (a row of store.chats.turns)."""
         if turn is None:
             return self.empty()
         stats = turn["stats"]
@@ -76,7 +76,7 @@ class TurnViews:
         except (StorageError, KeyError, TypeError) as exc:
             out = self.empty(f"The index of this turn is gone ({exc}); its numbers are below.")
             out[0] = render.heatmaps_html(stats)
-            out[1] = render.budget_html(stats, stats.get("thresholds", ()))
+            out[1] = render.budget_html(stats)
             return out
         report = stats.get("retrieval") or {"layers": []}
         inspector = self.services.inspector
@@ -90,7 +90,7 @@ class TurnViews:
         kv_head = kv_head if kv_head in heads else 0
         return [
             render.heatmaps_html(stats),
-            render.budget_html(stats, stats.get("thresholds", ())),
+            render.budget_html(stats),
             render.compare_html(stats.get("compare")),
             self._cluster_rows(ctx, report),
             render.notice_html(f"The retrieved passages could not be worked out: {report['error']}", "error")
@@ -107,7 +107,7 @@ class TurnViews:
         retrieved = sorted({cid for entry in report.get("layers", []) if entry["layer"] == layer
                             for row in entry["rows"] if row["kv_head"] == kv_head for cid in row["ids"]})
         try:
-            proj = self.services.inspector.projection(ctx, layer, kv_head, retrieved)
+            proj = self.services.inspector.projection(ctx, report.get("method", "squeeze"), layer, kv_head, retrieved)
         except (StorageError, ValueError) as exc:
             return render.notice_html(f"No projection: {exc}", "error")
         return render.projection_svg(proj)
@@ -115,6 +115,7 @@ class TurnViews:
     def _cluster_rows(self, ctx: str, report: dict) -> list[list]:
         """The retrieved clusters, largest S first: at the question's prefill (exact) or by the answer's tokens."""
         inspector = self.services.inspector
+        method = report.get("method", "squeeze")
         rows = []
         for entry in report.get("layers", []):
             for row in entry["rows"]:
@@ -125,7 +126,7 @@ class TurnViews:
         rows.sort(key=lambda r: -r[0])
         out = []
         for _, layer, head, cid, size, sq, sa, prefill in rows[:CLUSTER_ROWS]:
-            pages = inspector.cluster_pages(ctx, layer, head, [cid])[cid]
+            pages = inspector.cluster_pages(ctx, method, layer, head, [cid])[cid]
             out.append([layer, head, cid, size, f"{sq:.4f}", f"{sa:.4f}", "yes" if prefill else "-",
-                        render.pages_text(pages), inspector.cluster_preview(ctx, layer, head, cid)])
+                        render.pages_text(pages), inspector.cluster_preview(ctx, method, layer, head, cid)])
         return out

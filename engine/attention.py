@@ -14,15 +14,12 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine.config import IndexSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
-from engine.policies.base import Policy
-from engine.policies.full import FullPolicy
+from engine.policies.base import Method, StepPlan
 from engine.stats import TurnRecorder
 from kernels.backend import Backend
 
 ATTN_NAME = "squeeze"
-DENSE = FullPolicy()
 
 
 @dataclass
@@ -49,9 +46,8 @@ class StepContext:
     """
 
     cache: FixedContextCache
-    policy: Policy
-    thresholds: tuple[float, ...]
-    settings: IndexSettings
+    method: Method
+    plan: StepPlan
     backend: Backend
     recorder: TurnRecorder | None = None
     capture: QueryCapture | None = None
@@ -65,18 +61,21 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
     kf, vf = layer.fixed_keys, layer.fixed_values
     if layer.sliding_window is not None:  # the last window of the document, dense, masked by distance
         k_start = layer.fixed_len - kf.shape[1]
-        return step.backend.causal_attention(q, kf, vf, scale, q_pos, k_start, layer.sliding_window)
+        return step.backend.kernel("causal").causal_attention(q, kf, vf, scale, q_pos, k_start, layer.sliding_window)
     recorder = step.recorder
     timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
-    policy = step.policy if layer.index else DENSE  # a layer without an index attends densely
+    method = step.method
+    index = layer.indexes.get(method.name)
+    if index is None and method.sparse:
+        raise RuntimeError(f"layer {layer.layer_idx} has no {method.name} index: build the method for this context")
     with timed("lookup"):
-        lookup = policy.lookup(q, layer.index, step.thresholds, scale, step.settings, step.backend)
+        lookup = method.lookup(q, index, step.plan, scale, step.backend)
     if recorder is not None:
-        recorder.record(layer.layer_idx, lookup, layer.index.get("counts"))
+        recorder.record(layer.layer_idx, lookup)
     with timed("attention"):
         if lookup.selection is None:
-            return step.backend.attention_with_lse(q, kf, vf, scale)
-        return step.backend.sparse_attention(q, kf, vf, lookup.selection, scale)
+            return step.backend.kernel("sparse").attention_with_lse(q, kf, vf, scale)
+        return step.backend.kernel("sparse").sparse_attention(q, kf, vf, lookup.selection, scale)
 
 
 @torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.compiled): host logic, our own kernels
@@ -114,7 +113,7 @@ def squeeze_attention(
     with _current_device(q.device):
         q_pos = squeeze_step.positions.to(q.device)  # [Lq]; a no-op unless layers sit on several devices
         k_new, v_new = layer.new_kv(squeeze_step.static)  # [Hkv, n, D], slot i at position fixed_len + i
-        parts = [squeeze_step.backend.causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
+        parts = [squeeze_step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
                                                        layer.sliding_window)]
         if layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0:
             parts.append(_fixed_part(layer, q, q_pos, scale, squeeze_step))
@@ -122,7 +121,7 @@ def squeeze_attention(
             squeeze_step.capture.take(module.layer_idx, q, q_pos)
         out = torch.empty(q.shape[1], q.shape[0], q.shape[2], device=q.device, dtype=query.dtype)  # [Lq, Hq, D]
         if len(parts) > 1:  # merged straight into the layout the model reads next
-            squeeze_step.backend.merge_attention(parts, out.transpose(0, 1))
+            squeeze_step.backend.kernel("merge").merge_attention(parts, out.transpose(0, 1))
         else:
             out.transpose(0, 1).copy_(parts[0][0])
     return out.unsqueeze(0), None

@@ -25,7 +25,8 @@ class FixedContextLayer(DynamicLayer):
     fixed_keys, fixed_values: [Hkv, Lkept, D] the fixed context's K/V (a sliding-window layer keeps only its
         last `sliding_window` tokens, so Lkept <= fixed_len); views of a preallocated store during an ingest
     fixed_len: tokens in the whole fixed context; new tokens take positions fixed_len, fixed_len + 1, ...
-    index: the layer's sparse-attention artifacts (global layers only)
+    indexes: method name -> the layer's index of that method (engine.policies.LayerIndex; global layers only);
+        the fixed K/V are in the layout of one of them, or in original order (engine.session.ContextSession.arrange)
     new_keys, new_values: [Hkv, capacity, D] the turn's new tokens (slot i = position fixed_len + i)
     new_len: [1] int64 on the device, slots written so far (advanced in place: graph-replayable)
     """
@@ -36,7 +37,7 @@ class FixedContextLayer(DynamicLayer):
         fixed_values: torch.Tensor | None = None,
         fixed_len: int = 0,
         sliding_window: int | None = None,
-        index: dict[str, torch.Tensor] | None = None,
+        indexes: dict | None = None,
         fixed_capacity: int = 0,
     ):
         super().__init__()
@@ -45,7 +46,7 @@ class FixedContextLayer(DynamicLayer):
         self.fixed_len = fixed_len
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
-        self.index = index or {}
+        self.indexes = indexes or {}
         self.fixed_capacity = fixed_capacity  # ingest: the global layers' K/V are preallocated for this many tokens
         self._store: tuple[torch.Tensor, torch.Tensor] | None = None
         self.new_keys: torch.Tensor | None = None

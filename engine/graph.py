@@ -3,7 +3,7 @@
 A captured step reads everything that changes between tokens from device buffers: its input token and position
 (`DecodeGraph.ids`, `.positions`, advanced by the step itself, so replays chain without the host), the new-token
 K/V slots and their count (engine.fixed_cache), and it adds its statistics into device totals (engine.stats).
-What a capture fixes: the method and its thresholds (a sparsity), whether statistics are recorded, and the
+What a capture fixes: the method and its plan (a budget), whether statistics are recorded, and the
 new-token buffers; `DecodeGraphs` keeps the last few captures of a session and drops them when the buffers move.
 """
 
@@ -93,7 +93,7 @@ class DecodeGraph:
 
 
 class DecodeGraphs:
-    """The captured decode steps of one session, by (method, thresholds, recording), most recent last."""
+    """The captured decode steps of one session, by (method, plan, recording), most recent last."""
 
     def __init__(self, lm: LoadedModel):
         self.lm = lm
@@ -106,7 +106,7 @@ class DecodeGraphs:
         if buffers != self._buffers:  # the new-token buffers were reallocated: every capture points at old ones
             self._graphs.clear()
             self._buffers = buffers
-        key = (step.policy.name, step.thresholds, step.recorder is not None)
+        key = (step.method.name, step.plan, step.recorder is not None)
         graph = self._graphs.get(key)
         if graph is not None and graph.ready:
             self._graphs.move_to_end(key)

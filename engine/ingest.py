@@ -1,17 +1,19 @@
-"""Ingest: chunked prefill of the fixed context, then each method's index and calibration, as named tensors."""
+"""Ingest: chunked prefill of the fixed context, then the asked methods' indexes and calibrations, as named
+tensors (engine.artifacts names them). `build_methods` also builds a method later, from a stored context."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from engine import artifacts as names
 from engine.attention import QueryCapture, StepContext
-from engine.config import IndexSettings
+from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.model import LoadedModel
-from engine.policies import POLICIES, CalibrationSet, get_policy
+from engine.policies import CalibrationSet, LayerIndex, LayerKeys, Method, StepPlan, Tensors, build_order, make_method
 from kernels.backend import Backend
 
 PREFILL_CHUNK = 1024  # context tokens per forward call of the prefill
@@ -29,31 +31,31 @@ def _no_artifact(name: str, tensor: torch.Tensor) -> None:
 
 @dataclass
 class IngestOutput:
-    """artifacts: name -> tensor, ready for storage (see `artifact names` below); tokens: fixed-context length."""
+    """artifacts: name -> tensor, ready for storage (engine.artifacts); tokens: fixed-context length."""
 
     artifacts: dict[str, torch.Tensor]
     tokens: int
     dense_tail: int
 
 
-def effective_settings(settings: IndexSettings, tokens: int) -> IndexSettings:
-    """The dense tail cannot cover the whole context: keep at least one clustered key."""
+def effective_tail(settings: ContextSettings, tokens: int) -> int:
+    """The dense tail cannot cover the whole context: keep at least one indexed key."""
     if tokens < 2:
         raise ValueError(f"the document has {tokens} token(s); at least 2 are needed")
-    return replace(settings, dense_tail=min(settings.dense_tail, tokens - 1))
+    return min(settings.dense_tail, tokens - 1)
 
 
-def prefill(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, backend: Backend,
+def prefill(lm: LoadedModel, ids: torch.Tensor, tail: int, backend: Backend,
             progress: Progress = _no_progress, chunk: int = PREFILL_CHUNK) -> tuple[FixedContextCache, QueryCapture]:
     """Run the fixed context through the model in chunks. ids: [L] int64.
 
     Returns the cache (fixed K/V of every layer, sliding layers trimmed to their window) and the captured queries
-    of the last `settings.dense_tail` positions at the global layers.
+    of the last `tail` positions at the global layers.
     """
     total = ids.numel()
     cache = FixedContextCache.empty(lm.sliding_windows, capacity=total)  # global layers' K/V allocated once
-    capture = QueryCapture(start=total - settings.dense_tail, queries={})
-    step = StepContext(cache=cache, policy=get_policy("full"), thresholds=(), settings=settings, backend=backend, capture=capture)
+    capture = QueryCapture(start=total - tail, queries={})
+    step = StepContext(cache=cache, method=make_method("full"), plan=StepPlan(1.0), backend=backend, capture=capture)
     progress("prefill", 0, total)
     with torch.inference_mode():
         for start in range(0, total, chunk):
@@ -75,65 +77,107 @@ def attention_scale(lm: LoadedModel, layer_idx: int) -> float:
     return lm.head_dim ** -0.5
 
 
+def global_scale(lm: LoadedModel) -> float:
+    """The softmax scale of the global layers (the calibrations pool them)."""
+    return attention_scale(lm, lm.global_layers[0]) if lm.global_layers else 1.0
+
+
 def kv_artifacts(layer_idx: int, layer: FixedContextLayer) -> dict[str, torch.Tensor]:
     """A layer's fixed K/V as artifacts: `layer{i}.keys` / `.values` [Hkv, Lkept, D]."""
-    return {f"layer{layer_idx}.keys": layer.fixed_keys, f"layer{layer_idx}.values": layer.fixed_values}
+    return {names.layer_name(layer_idx, "keys"): layer.fixed_keys, names.layer_name(layer_idx, "values"): layer.fixed_values}
 
 
-def build_indexes(lm: LoadedModel, cache: FixedContextCache, capture: QueryCapture, settings: IndexSettings,
-                  progress: Progress = _no_progress, on_artifact: OnArtifact = _no_artifact) -> dict[str, torch.Tensor]:
-    """Every sparse method's index per global layer, then their calibrations. Returns the index and calibration
-    artifacts by name, each handed to `on_artifact` when made (a layer's index after its clustering, the
-    calibrations at the end); each global layer's K/V are handed over just before its clustering, so that saving
-    them overlaps the next layers' clustering."""
-    artifacts: dict[str, torch.Tensor] = {}
-    sets: list[CalibrationSet] = []
-    global_layers = lm.global_layers
-    for n, layer_idx in enumerate(global_layers):
-        progress("clustering", n, len(global_layers))
-        layer = cache.layers[layer_idx]
-        for name, t in kv_artifacts(layer_idx, layer).items():
-            on_artifact(name, t)
-        clustered = layer.fixed_keys[:, : layer.fixed_len - settings.dense_tail]  # [Hkv, Lc, D]
-        index: dict[str, torch.Tensor] = {}
-        for policy in POLICIES.values():
-            index.update(policy.build(clustered, settings, index))
-        queries = torch.cat(capture.queries[layer_idx], dim=1)  # [Hq, dense_tail, D]
-        # one threshold pools every global layer's scores: with device_map="auto" the layers sit on several GPUs
-        sets.append(CalibrationSet(index={k: t.to(lm.device) for k, t in index.items()}, queries=queries.to(lm.device)))
-        made = {f"layer{layer_idx}.{name}": t for name, t in index.items()}
-        made[f"layer{layer_idx}.calib_queries"] = queries
-        for name, t in made.items():
-            on_artifact(name, t)
-        artifacts.update(made)
-    progress("clustering", len(global_layers), len(global_layers))
-    progress("calibrating", 0, 1)
-    scale = attention_scale(lm, global_layers[0]) if global_layers else 1.0
-    for policy in POLICIES.values():
-        for name, t in policy.calibrate(sets, scale, settings).items():
-            artifacts[f"calib.{policy.name}.{name}"] = t
-            on_artifact(f"calib.{policy.name}.{name}", t)
-    progress("calibrating", 1, 1)
-    return artifacts
+def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor], tail: int, methods: list[Method],
+                  scale: float, device: torch.device, progress: Progress = _no_progress, on_artifact: OnArtifact = _no_artifact,
+                  before_layer: Callable[[int], None] | None = None, prepared: dict[str, Tensors] | None = None,
+                  required: dict[str, dict[int, Tensors]] | None = None) -> dict[str, torch.Tensor]:
+    """Each method's index of every global layer, then its calibration, as named artifacts.
+
+    keys: global layer -> its fixed keys [Hkv, L, D] (original order; the last `tail` rows are the dense tail);
+    queries: global layer -> its calibration queries [Hq, n, D]; methods: in build order (each after what it
+    requires: engine.policies.build_order); scale: the layers' softmax scale; device: where the calibrations run
+    (one pools every global layer: with device_map="auto" the layers sit on several GPUs); prepared: method -> its model-level artifacts (`layer{i}.{name}`);
+    required: indexes built before (method -> global layer -> artifacts) that `methods` may require (not made again).
+    Each artifact goes to `on_artifact` when made (a layer's indexes after its layer, calibrations at the end);
+    `before_layer(i)` runs before layer i is indexed (the ingest saves its K/V then, overlapping the next layers).
+    """
+    prepared = prepared or {}
+    out: dict[str, torch.Tensor] = {}
+    built: dict[str, dict[int, Tensors]] = {**(required or {}), **{m.name: {} for m in methods}}
+    layers = sorted(keys)
+    for n, layer_idx in enumerate(layers):
+        progress("clustering", n, len(layers))
+        if before_layer is not None:
+            before_layer(layer_idx)
+        full = keys[layer_idx]
+        layer = LayerKeys(layer_idx=layer_idx, keys=full[:, : full.shape[1] - tail], tail=tail)
+        for method in methods:
+            missing = [r for r in method.requires if r not in built]
+            if missing:
+                raise ValueError(f"{method.name} requires {', '.join(missing)} to be built with it")
+            required = {r: built[r][layer_idx] for r in method.requires}
+            mine = _layer_part(prepared.get(method.name, {}), layer_idx)
+            index = method.build(layer, required, mine)
+            built[method.name][layer_idx] = index
+            for name, t in index.items():
+                full_name = names.method_layer_name(method.name, layer_idx, name)
+                out[full_name] = t
+                on_artifact(full_name, t)
+    progress("clustering", len(layers), len(layers))
+    progress("calibrating", 0, len(methods))
+    for n, method in enumerate(methods):
+        sets = [CalibrationSet(index=LayerIndex(tensors={k: t.to(device) for k, t in built[method.name][i].items()},
+                                                num_keys=keys[i].shape[1], tail=tail),
+                               queries=queries[i].to(device)) for i in layers]
+        for name, t in method.calibrate(sets, scale).items():
+            full_name = names.method_calib_name(method.name, name)
+            out[full_name] = t
+            on_artifact(full_name, t)
+        progress("calibrating", n + 1, len(methods))
+    return out
 
 
-def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, backend: Backend,
-                  progress: Progress = _no_progress, on_artifact: OnArtifact = _no_artifact) -> IngestOutput:
-    """From token ids to every artifact of a context: per layer `layer{i}.keys` / `.values` [Hkv, Lkept, D],
-    per global layer the methods' index tensors and `.calib_queries` [Hq, tail, D], and `calib.{method}.{name}`.
+def _layer_part(artifacts: Tensors, layer_idx: int) -> Tensors:
+    """The `layer{i}.` artifacts of one layer, by their short names."""
+    out = {}
+    for name, t in artifacts.items():
+        parsed = names.split_layer(name)
+        if parsed is not None and parsed[0] == layer_idx:
+            out[parsed[1]] = t
+    return out
+
+
+def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, backend: Backend,
+                  methods: list[Method] | None = None, progress: Progress = _no_progress,
+                  on_artifact: OnArtifact = _no_artifact, prepared: dict[str, Tensors] | None = None) -> IngestOutput:
+    """From token ids to a context's artifacts: per layer `layer{i}.keys` / `.values` [Hkv, Lkept, D], per global
+    layer `.calib_queries` [Hq, tail, D], and the indexes and calibrations of `methods` (in build order;
+    engine.policies.build_order; None: none, a context that full attention reads).
 
     on_artifact: called once per artifact as soon as it is final, so that a caller can save it while the rest is
-    made (engine.writer): `tokens` and the sliding layers' K/V right after the prefill, each global layer's K/V
-    before its clustering and its index after, the calibrations last. The tensor must not be modified by the callee."""
-    settings = effective_settings(settings, ids.numel())
-    cache, capture = prefill(lm, ids, settings, backend, progress)
-    artifacts: dict[str, torch.Tensor] = {"tokens": ids.cpu()}
-    on_artifact("tokens", artifacts["tokens"])
+    made (engine.serve.writer): `tokens` and the sliding layers' K/V right after the prefill, each global layer's K/V
+    before its indexing and its indexes after, the calibrations last. The tensor must not be modified by the callee."""
+    tail = effective_tail(settings, ids.numel())
+    cache, capture = prefill(lm, ids, tail, backend, progress)
+    artifacts: dict[str, torch.Tensor] = {names.TOKENS: ids.cpu()}
+    on_artifact(names.TOKENS, artifacts[names.TOKENS])
     for i, layer in enumerate(cache.layers):
         made = kv_artifacts(i, layer)
-        if i not in lm.global_layers:  # build_indexes hands the global layers' over, one before each clustering
+        if i not in lm.global_layers:  # the global layers' go over one before each layer's indexing
             for name, t in made.items():
                 on_artifact(name, t)
         artifacts.update(made)
-    artifacts.update(build_indexes(lm, cache, capture, settings, progress, on_artifact))
-    return IngestOutput(artifacts=artifacts, tokens=ids.numel(), dense_tail=settings.dense_tail)
+    queries = {i: torch.cat(capture.queries[i], dim=1) for i in lm.global_layers}  # [Hq, tail, D]
+
+    def hand_over(layer_idx: int) -> None:
+        for name, t in kv_artifacts(layer_idx, cache.layers[layer_idx]).items():
+            on_artifact(name, t)
+        name = names.layer_name(layer_idx, names.CALIB_QUERIES)
+        artifacts[name] = queries[layer_idx]
+        on_artifact(name, queries[layer_idx])
+
+    keys = {i: cache.layers[i].fixed_keys for i in lm.global_layers}
+    scale = global_scale(lm)
+    artifacts.update(build_methods(keys, queries, tail, methods or [], scale, lm.device, progress, on_artifact,
+                                   hand_over, prepared))
+    return IngestOutput(artifacts=artifacts, tokens=ids.numel(), dense_tail=tail)

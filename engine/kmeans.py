@@ -120,7 +120,7 @@ def spherical_kmeans(
     sim_dtype = x.dtype if x.dtype in (torch.float16, torch.bfloat16) and x.is_cuda else torch.float32
     xn = torch.nn.functional.normalize(xf, dim=-1)
     xs = xn.to(sim_dtype)  # what the assignment reads
-    assign = assign or backend_for(x.device).nearest_centroid
+    assign = assign or backend_for(x.device).kernel("assign").nearest_centroid
     w = torch.ones(h, n, device=x.device) if weights is None else weights.float()
     gen = torch.Generator(device="cpu").manual_seed(seed)
     cn = _kmeans_plus_plus(xn, k, gen) if k <= KMEANS_PP_MAX_CLUSTERS else _random_centres(xn, k, gen)

@@ -1,24 +1,26 @@
-"""A ready context on the device: the fixed-context cache with its indexes, answering questions turn by turn."""
+"""A ready context on the device: the fixed-context cache with its methods' indexes, answering questions turn by
+turn."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
+from engine import artifacts as names
 from engine.attention import StepContext
-from engine.config import IndexSettings
+from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.generate import full_logits, greedy_tokens
 from engine.graph import DecodeGraphs, graphs_supported
+from engine.ingest import Progress, _no_progress, build_methods, global_scale
 from engine.model import LoadedModel
-from engine.policies import get_policy
+from engine.policies import REGISTRY, LayerIndex, Method, build_order, make_method
 from engine.prompt import STOP_STRINGS, question_ids
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
-from kernels.layout import ClusterLayout
 
 
 @dataclass
@@ -37,45 +39,109 @@ class Answer:
 
 
 class ContextSession:
-    """Answers questions over one fixed context. Built from a context's artifacts (see engine.ingest)."""
+    """Answers questions over one fixed context with any method built for it. Built from a context's artifacts
+    (engine.artifacts names them; engine.ingest makes them)."""
 
-    def __init__(self, lm: LoadedModel, artifacts: dict[str, torch.Tensor], settings: IndexSettings, backend: Backend,
-                 graphs: bool = True):
-        """artifacts: a context's tensors by name (engine.ingest). The fixed K/V are taken out of the dict (popped)
-        layer by layer as they move into the session's cache, so that the session holds the only copy of the
-        fixed context on the device (an ingest's K/V are reused in place where they sit on the right device).
+    def __init__(self, lm: LoadedModel, artifacts: dict[str, torch.Tensor], settings: ContextSettings,
+                 backend: Backend, methods: dict[str, Method] | None = None, graphs: bool = True):
+        """artifacts: a context's tensors by name. The fixed K/V are taken out of the dict (popped) layer by layer
+        as they move into the session's cache, so that the session holds the only copy of the fixed context on the
+        device (an ingest's K/V are reused in place where they sit on the right device).
+        methods: the methods to open, with the settings they were built with, by name (the artifacts of others
+            are ignored); None: every method whose artifacts are there, with its default settings. "full" is always
+            there.
         graphs: replay decode steps from CUDA graphs where the model allows (engine.graph); False: every step
         eager (benchmarks compare the two)."""
         self.lm, self.backend = lm, backend
-        self.tokens = artifacts["tokens"]
+        parsed = names.parse(artifacts, tuple(REGISTRY))
+        self.tokens = parsed.tokens
         self.fixed_len = int(self.tokens.numel())
-        self.settings = replace(settings, dense_tail=min(settings.dense_tail, self.fixed_len - 1))
-        self.calibration = {k: v for k, v in artifacts.items() if k.startswith("calib.")}
+        self.settings = settings
+        self.tail = min(settings.dense_tail, self.fixed_len - 1)
+        self.queries = {i: q.cpu() for i, q in parsed.queries.items()}  # calibration queries, to build methods later
         layers = []
         for i, window in enumerate(lm.sliding_windows):
             dev = lm.layer_devices[i]
-            prefix = f"layer{i}."
-            index = {k[len(prefix):]: v.to(dev) for k, v in artifacts.items()
-                     if k.startswith(prefix) and k not in (prefix + "keys", prefix + "values", prefix + "calib_queries")}
-            keys = artifacts.pop(prefix + "keys").to(dev, lm.dtype)
-            values = artifacts.pop(prefix + "values").to(dev, lm.dtype)
-            if "labels" in index:  # the fixed context as an inverted file: each cluster's keys contiguous
-                layout = ClusterLayout.from_labels(index["labels"], index["counts"].shape[1], keys.shape[1] - index["labels"].shape[1])
-                keys = layout.permute(keys)  # positions as index["key_starts"] says; the original order is dropped
-                values = layout.permute(values)
+            keys = artifacts.pop(names.layer_name(i, "keys")).to(dev, lm.dtype)
+            values = artifacts.pop(names.layer_name(i, "values")).to(dev, lm.dtype)
             layers.append(FixedContextLayer(fixed_keys=keys, fixed_values=values, fixed_len=self.fixed_len,
-                                            sliding_window=window, index=index))
+                                            sliding_window=window))
         self.cache = FixedContextCache(layers)
+        self._arranged_for: str | None = None  # the method whose layout the K/V are in (None: original order)
+        self.methods: dict[str, Method] = {"full": make_method("full")}
+        self.calibration: dict[str, dict[str, torch.Tensor]] = {"full": {}}
+        for name, part in parsed.methods.items():
+            if methods is None or name in methods:
+                self.add_method(methods[name] if methods is not None else make_method(name), part)
         self.graphs = DecodeGraphs(lm) if graphs and backend.name == "triton" and graphs_supported(lm) else None
 
-    def thresholds(self, method: str, sparsity: float) -> tuple[float, ...]:
-        policy = get_policy(method)
-        calib = {k.split(".", 2)[2]: v for k, v in self.calibration.items() if k.startswith(f"calib.{method}.")}
-        return policy.thresholds(calib, sparsity) if policy.sparse else ()
+    def add_method(self, method: Method, part: names.MethodArtifacts) -> None:
+        """Make a method's index (per global layer) and calibration available to the turns."""
+        for i, tensors in part.layers.items():
+            layer = self.cache.layers[i]
+            dev = layer.fixed_keys.device
+            layer.indexes[method.name] = LayerIndex(tensors={k: t.to(dev) for k, t in tensors.items()},
+                                                    num_keys=layer.fixed_keys.shape[1], tail=self.tail)
+        self.methods[method.name] = method
+        self.calibration[method.name] = dict(part.calibration)
+
+    def build(self, method: Method, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+        """Build `method` (and what it requires, when not open) from the session's own K/V and calibration queries,
+        replacing an index of the same method; returns the new artifacts by name (for the store)."""
+        self.arrange(None)  # original order: what a method builds from
+        global_layers = [i for i, layer in enumerate(self.cache.layers) if layer.sliding_window is None]
+        keys = {i: self.cache.layers[i].fixed_keys for i in global_layers}
+        queries = {i: self.queries[i] for i in global_layers}
+        made: dict[str, torch.Tensor] = {}
+        for name in build_order([method.name]):
+            if name != method.name and name in self.methods:
+                continue  # a requirement built before
+            m = method if name == method.name else make_method(name)
+            have = {r: {i: self.cache.layers[i].indexes[r].tensors for i in global_layers} for r in m.requires
+                    if r in self.methods}
+            built = build_methods(keys, queries, self.tail, [m], global_scale(self.lm), self.lm.device,
+                                  progress or _no_progress, required=have)
+            made.update(built)
+            self.add_method(m, names.parse(built, (name,)).methods.get(name, names.MethodArtifacts()))
+        return made
+
+    def method(self, name: str) -> Method:
+        """A built method by name (ValueError for one not built for this context: see `build`)."""
+        if name not in self.methods:
+            raise ValueError(f"{name} is not built for this context (built: {', '.join(self.methods)})")
+        return self.methods[name]
+
+    def plan(self, method: str, sparsity: float):
+        """The typed plan of a turn with `method` at `sparsity` (budget 1 - sparsity): engine.policies.StepPlan."""
+        return self.method(method).plan(self.calibration[method], 1.0 - sparsity)
+
+    def arrange(self, method: Method | None) -> None:
+        """Put every global layer's fixed K/V in `method`'s layout (None: original order), in place: the tensors
+        keep their storage, so captured decode steps stay valid. A copy of one layer at a time; the layouts are
+        computed again from the methods' indexes rather than kept (an order is 8 bytes per key and head)."""
+        current = self.methods.get(self._arranged_for) if self._arranged_for is not None else None
+        if (method.name if method is not None else None) == self._arranged_for:
+            return
+        with torch.inference_mode():  # the K/V are inference tensors (made by an ingest under inference mode)
+            for layer in self.cache.layers:
+                here, want = _order(current, layer), _order(method, layer)
+                if here is None and want is None:
+                    continue
+                hkv, n = layer.fixed_keys.shape[:2]
+                identity = torch.arange(n, device=layer.fixed_keys.device).expand(hkv, n)
+                here = identity if here is None else here
+                want = identity if want is None else want
+                where = torch.empty_like(here).scatter_(1, here, identity.contiguous())  # original -> current row
+                src = torch.gather(where, 1, want)  # [Hkv, n]: the current row that goes to each row
+                for x in (layer.fixed_keys, layer.fixed_values):
+                    x.copy_(torch.gather(x, 1, src[:, :, None].expand(-1, -1, x.shape[2])))
+        self._arranged_for = method.name if method is not None else None
 
     def step_context(self, method: str, sparsity: float, recorder: TurnRecorder | None = None) -> StepContext:
-        return StepContext(cache=self.cache, policy=get_policy(method), thresholds=self.thresholds(method, sparsity),
-                           settings=self.settings, backend=self.backend, recorder=recorder, graphs=self.graphs)
+        m = self.method(method)
+        self.arrange(m)
+        return StepContext(cache=self.cache, method=m, plan=self.plan(method, sparsity), backend=self.backend,
+                           recorder=recorder, graphs=self.graphs)
 
     def logits(self, question: str, method: str = "full", sparsity: float = 0.0) -> torch.Tensor:
         """[Lq, V] logits of the question's prompt tokens (tests: the sparse path against full attention)."""
@@ -120,7 +186,8 @@ class ContextSession:
             "total_s": round(total, 6),
             "tokens_per_s": round((len(generated) - 1) / decode_s, 3) if len(generated) > 1 else 0.0,
         }
-        stats = recorder.finish(method, sparsity if get_policy(method).sparse else 0.0, len(generated), timings)
+        stats = recorder.finish(method, sparsity if step.method.sparse else 0.0, len(generated), timings)
+        stats.extra.update(unit=step.method.unit, plan=step.plan.describe())
         yield Answer(text=text.strip(), stats=stats)
 
     def ask(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64) -> Answer:
@@ -129,3 +196,11 @@ class ContextSession:
             if isinstance(event, Answer):
                 return event
         raise AssertionError("stream ended without an answer")
+
+
+def _order(method: Method | None, layer: FixedContextLayer) -> torch.Tensor | None:
+    """[Hkv, L] the original position of each row of the layer's K/V in `method`'s layout, or None (original
+    order: no method, a layer without its index, or a method that reads positions)."""
+    index = layer.indexes.get(method.name) if method is not None else None
+    layout = method.layout(index) if index is not None else None
+    return layout.order if layout is not None else None

@@ -20,7 +20,8 @@ class TurnStats:
     kept_fraction: the same averaged over all steps (the question's prefill counts as one step)
     kv_budget: fraction of the global layers' fixed-context K and V bytes read per step (index bytes included),
                averaged over the turn's steps
-    clusters: per global layer, per selection row, the clusters the question's prefill retrieved (ids, sizes)
+    clusters: per global layer, per selection row, the units (clusters, pages) the question's prefill retrieved
+              (ids, sizes, and the lookup's scores of them)
     """
 
     method: str
@@ -86,7 +87,8 @@ class TurnRecorder:
         self.prefill: StepTotals | None = None
         self.decode: StepTotals | None = None
         self.current: StepTotals | None = None  # where record() adds (a decode graph points it at its own totals)
-        self.prefill_clusters: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer -> (kept [rows, C], counts)
+        # layer -> (kept [rows, U], sizes [Hkv, U], scores [rows, U] or None) of the question's prefill
+        self.prefill_clusters: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self.seconds = {"lookup": 0.0, "attention": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._step = -1
@@ -147,8 +149,8 @@ class TurnRecorder:
                 self.current = self.decode
         return self.current
 
-    def record(self, layer_idx: int, lookup: Lookup, counts: torch.Tensor | None) -> None:
-        """One global layer's lookup at the current step. counts: [Hkv, C] cluster sizes (for the cluster list)."""
+    def record(self, layer_idx: int, lookup: Lookup) -> None:
+        """One global layer's lookup at the current step (the prefill's kept units and their sizes are listed)."""
         totals = self._phase_totals(lookup.index_elements.device)
         i = self._index[layer_idx]
         sel = lookup.selection
@@ -162,8 +164,8 @@ class TurnRecorder:
             union = sel.to_mask().reshape(self.hkv, sel.rows // self.hkv, -1).any(dim=1).sum()
             index = index + union * (2 * self.head_dim)
         totals.read[i] += index.to(totals.read.device)
-        if totals is self.prefill and lookup.clusters is not None and counts is not None:
-            self.prefill_clusters[layer_idx] = (lookup.clusters, counts)
+        if totals is self.prefill and lookup.units is not None and lookup.sizes is not None:
+            self.prefill_clusters[layer_idx] = (lookup.units, lookup.sizes, lookup.scores)
 
     def _per_layer(self, totals: StepTotals) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One phase's sums on the CPU: kept keys per query head [layers, Hq] and elements read [layers] (float64),
@@ -201,14 +203,18 @@ class TurnRecorder:
         for layer in self.global_layers:
             if layer not in self.prefill_clusters:
                 continue
-            kept, counts = self.prefill_clusters[layer]
+            kept, counts, scores = self.prefill_clusters[layer]
             kept, counts = kept.cpu(), counts.cpu()
+            scores = scores.float().cpu() if scores is not None else None
             rows = kept.shape[0]
             heads = []
             for r in range(rows):
                 ids = kept[r].nonzero().flatten()
                 sizes = counts[r * self.hkv // rows][ids]
-                heads.append({"row": r, "kv_head": r * self.hkv // rows, "ids": ids.tolist(), "sizes": sizes.tolist()})
+                entry = {"row": r, "kv_head": r * self.hkv // rows, "ids": ids.tolist(), "sizes": sizes.tolist()}
+                if scores is not None:
+                    entry["scores"] = [round(float(x), 6) for x in scores[r][ids]]
+                heads.append(entry)
             out.append({"layer": layer, "rows": heads})
         return out
 

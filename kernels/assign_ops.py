@@ -1,6 +1,6 @@
 """Typed wrapper of the nearest-centroid kernel (kernels/jit/assign.py): check, pick blocks, launch.
 
-`nearest_centroid(points, centroids)` has the signature and semantics of `kernels.reference.nearest_centroid`: the
+`nearest_centroid(points, centroids)` has the signature and semantics of `kernels.reference.assign.nearest_centroid`: the
 k-means assignment without the [N, K] similarity matrix the reference computes chunk by chunk (at 128K keys and 5%
 centroids, 13 GB per layer and iteration written and read back, and thousands of chunk launches at 512K). Head dims
 the kernel does not take go to the reference.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels import reference
+from kernels.reference import assign as reference
 from kernels.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from kernels.jit.assign import nearest_centroid_kernel
 

@@ -1,43 +1,48 @@
-"""The kernel interface: `Backend`, the functions one engine calls, and `REFERENCE`, the PyTorch implementation of
-every one of them (kernels.reference; the Triton backend lives in kernels.triton_backend, picked by
-kernels.dispatch.backend_for)."""
+"""The kernel interface: a `Backend` names where each kernel family's ops live.
+
+A family F is one operation of the engine with its three name-matched files: the Triton kernel kernels/jit/F.py,
+its typed wrapper kernels/F_ops.py, and its PyTorch reference kernels/reference/F.py. The wrapper and the reference
+expose the same functions with the same signatures and semantics, so `backend.kernel(F).op(...)` runs the Triton
+kernels ("triton") or the references ("torch") alike. A new family (a method's own kernel) needs no edit here.
+kernels.dispatch.backend_for picks the backend for a device.
+"""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from dataclasses import dataclass
-from typing import Callable
+from functools import lru_cache
+from pathlib import Path
+from types import ModuleType
 
-from kernels import layout, reference
+BACKENDS = ("torch", "triton")
+
+
+@lru_cache(maxsize=None)
+def families() -> tuple[str, ...]:
+    """The kernel families: the modules of kernels/reference/ (each has its kernel and wrapper where Triton runs it)."""
+    here = Path(__file__).parent / "reference"
+    return tuple(sorted(m.name for m in pkgutil.iter_modules([str(here)]) if not m.name.startswith("_")))
 
 
 @dataclass(frozen=True)
 class Backend:
-    """The kernels one engine uses, all with the signatures and semantics of `kernels.reference`
-    (`expand_groups`: of `kernels.layout.expand_groups`)."""
+    """name: "torch" (kernels.reference.<family>) or "triton" (kernels.<family>_ops)."""
 
     name: str
-    attention_with_lse: Callable  # no mask on the GPU (kernels.attention_ops.dense_attention)
-    causal_attention: Callable  # masked by positions: the new tokens, the sliding windows
-    sparse_attention: Callable
-    centroid_log_scores: Callable
-    merge_attention: Callable
-    cluster_keep: Callable
-    cluster_keep_among: Callable
-    expand_groups: Callable
-    cluster_select: Callable  # cluster_keep, then expand_groups of its keep (one fused call on the GPU)
-    nearest_centroid: Callable  # k-means' assignment step (engine.kmeans)
+
+    def __post_init__(self) -> None:
+        if self.name not in BACKENDS:
+            raise ValueError(f"unknown kernel backend {self.name!r}; choose one of {BACKENDS}")
+
+    def kernel(self, family: str) -> ModuleType:
+        """The module implementing `family`'s ops (imported on first use)."""
+        if family not in families():
+            raise ValueError(f"unknown kernel family {family!r}; the families are {', '.join(families())}")
+        module = f"kernels.reference.{family}" if self.name == "torch" else f"kernels.{family}_ops"
+        return importlib.import_module(module)
 
 
-REFERENCE = Backend(
-    name="torch",
-    attention_with_lse=reference.attention_with_lse,
-    causal_attention=reference.causal_attention,
-    sparse_attention=reference.sparse_attention,
-    centroid_log_scores=reference.centroid_log_scores,
-    merge_attention=reference.merge_attention,
-    cluster_keep=reference.cluster_keep,
-    cluster_keep_among=reference.cluster_keep_among,
-    expand_groups=layout.expand_groups,
-    cluster_select=reference.cluster_select,
-    nearest_centroid=reference.nearest_centroid,
-)
+REFERENCE = Backend("torch")
+TRITON = Backend("triton")

@@ -1,7 +1,7 @@
 """Typed wrapper of the position-masked dense attention kernel (kernels/jit/causal.py): check, pick blocks, launch.
 
 `causal_attention(q, k, v, scale, q_pos, k_start, window)` has the signature and semantics of
-`kernels.reference.causal_attention` and never synchronises with the host: the query positions are read on the
+`kernels.reference.causal.causal_attention` and never synchronises with the host: the query positions are read on the
 device (a CUDA graph replays the call with new positions in the same q_pos buffer), and every grid and block size
 depends only on shapes. k_start and window are host ints fixed at launch (a graph bakes them in).
 """
@@ -78,7 +78,7 @@ def causal_attention(
     window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention over keys at consecutive positions, causal and optionally within a sliding window; see
-    kernels.reference.causal_attention.
+    kernels.reference.causal.causal_attention.
 
     q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] (fp16, bf16 or fp32, any strides; q is cast to k's dtype when it differs);
     q_pos: [Lq] int32/int64 on q's device, any stride; key j sits at position k_start + j. Keys past the newest

@@ -1,4 +1,4 @@
-"""Input checks shared by the attention wrappers (kernels/attention_ops.py, kernels/causal_ops.py)."""
+"""Input checks shared by the attention wrappers (kernels/sparse_ops.py, kernels/causal_ops.py)."""
 
 from __future__ import annotations
 

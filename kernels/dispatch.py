@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import torch
 
-from kernels.backend import REFERENCE, Backend
+from kernels.backend import REFERENCE, TRITON, Backend
 
 
 def backend_for(device: torch.device | str, prefer: str | None = None) -> Backend:
@@ -19,10 +20,8 @@ def backend_for(device: torch.device | str, prefer: str | None = None) -> Backen
         if prefer == "triton":
             raise ValueError("the triton backend needs CUDA tensors (or TRITON_INTERPRET=1 for tests on the CPU)")
         return REFERENCE
-    try:
-        from kernels import triton_backend  # noqa: PLC0415 - optional until the Triton kernels land
-    except ImportError:
+    if importlib.util.find_spec("triton") is None:
         if prefer == "triton":
-            raise
+            raise ImportError("the triton backend needs the triton package")
         return REFERENCE
-    return triton_backend.BACKEND
+    return TRITON

@@ -1,6 +1,6 @@
 """Typed wrapper of the merge kernel (kernels/jit/merge.py): two partial attentions -> one, written in place.
 
-`merge_attention(parts, out=None)` has the signature and semantics of `kernels.reference.merge_attention`; with two
+`merge_attention(parts, out=None)` has the signature and semantics of `kernels.reference.merge.merge_attention`; with two
 parts it is one kernel launch (the reference's stack, log-sum-exp, weights and sums are a dozen), and it can write
 the result straight into the caller's tensor in the caller's dtype and layout (the engine's attention output,
 [Lq, Hq, D] in the model's dtype, seen as [Hq, Lq, D]). Other part counts go to the reference.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels import reference
+from kernels.reference import merge as reference
 from kernels.jit.merge import merge_two_kernel
 
 BLOCK_ROWS = 16  # (head, token) rows per program; a decode step of 32 heads is 2 programs

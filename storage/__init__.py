@@ -2,7 +2,8 @@
 
 * :mod:`storage.documents` turns a PDF / text / Markdown file into a :class:`Document`.
 * :mod:`storage.blobs` writes tensors atomically as safetensors and reads them back verified.
-* :mod:`storage.store` indexes everything in SQLite (:class:`Store`).
+* :mod:`storage.store` indexes everything in SQLite (:class:`Store`): its connection machinery is
+  :mod:`storage.database`, its queries :mod:`storage.repositories` (one module per concept).
 * :mod:`storage.errors` holds the store's named exceptions.
 """
 
@@ -26,6 +27,7 @@ from .errors import (
     NotFoundError,
     StorageError,
 )
+from .repositories.jobs import INTERRUPTED
 from .store import Store
 
 __all__ = [
@@ -37,6 +39,7 @@ __all__ = [
     "DocumentError",
     "EmptyDocumentError",
     "EncryptedPDFError",
+    "INTERRUPTED",
     "MissingArtifactError",
     "NoTextError",
     "NotFoundError",

@@ -5,15 +5,25 @@ writes a temporary file in the target directory, fsyncs it, then
 ``os.replace``s it into place, so a reader sees either the old file or the
 complete new one, never a torn write.  It returns the sha256 of the bytes on
 disk; :func:`read_tensors` refuses a file whose sha256 differs.
+
+An *artifact* is one named tensor in its own blob, indexed by a row with its
+path, sha256, shape, dtype and size (a context's, or a model's).  The helpers
+below are what the two artifact repositories share: name checks, fresh file
+names, the row's file fields, and verified reads whose errors name the artifact.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
+import secrets
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -22,6 +32,9 @@ from .errors import DamagedArtifactError, MissingArtifactError
 
 HASH_CHUNK_BYTES = 8 << 20  # read files in 8 MiB chunks while hashing
 TEMP_SUFFIX = ".tmp"  # temporary files are ".<name>.<random>.tmp" beside the target
+ARTIFACT_SUFFIX = ".safetensors"
+ARTIFACT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+FILE_TOKEN_BYTES = 6  # random hex in artifact file names: <name>.<12 hex>.safetensors
 
 
 @dataclass(frozen=True)
@@ -81,6 +94,63 @@ def read_tensors(
     if actual != expected_sha256:
         raise DamagedArtifactError(path, expected_sha256, actual)
     return load_file(path, device=str(device))
+
+
+# ---------------------------------------------------------------------- artifacts
+
+
+def check_artifact(name: str, tensor: Any) -> None:
+    """``ValueError`` for a name that is not a safe file name, ``TypeError`` for a value that is not a tensor."""
+    if not isinstance(name, str) or not ARTIFACT_NAME.fullmatch(name):
+        raise ValueError(f"artifact name must match {ARTIFACT_NAME.pattern}, got {name!r}")
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"artifact {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+
+
+def artifact_path(folder: PurePosixPath, name: str) -> PurePosixPath:
+    """A fresh file for artifact ``name`` in ``folder``: ``<name>.<random hex>.safetensors``.
+
+    Every save gets its own file, so a row never points at a file that a
+    concurrent save of the same name replaced.
+    """
+    return folder / f"{name}.{secrets.token_hex(FILE_TOKEN_BYTES)}{ARTIFACT_SUFFIX}"
+
+
+def write_artifact(root: Path, rel: PurePosixPath, name: str, tensor: torch.Tensor) -> dict[str, Any]:
+    """Write ``tensor`` as ``name`` to ``root/rel``; returns the file fields of its index row
+    (path, sha256, shape as JSON, dtype, nbytes)."""
+    info = write_tensors(root / rel, {name: tensor})
+    return {
+        "path": rel.as_posix(),
+        "sha256": info.sha256,
+        "shape": json.dumps(list(tensor.shape)),
+        "dtype": str(tensor.dtype).removeprefix("torch."),
+        "nbytes": info.nbytes,
+    }
+
+
+def read_artifact(
+    root: Path, row: Mapping[str, Any], label: str, device: str | torch.device = "cpu"
+) -> torch.Tensor:
+    """The tensor of an artifact row, after checking the file's sha256; errors name the artifact ``label``."""
+    try:
+        tensors = read_tensors(root / row["path"], row["sha256"], device=device)
+    except DamagedArtifactError as exc:
+        raise DamagedArtifactError(exc.path, exc.expected, exc.actual, artifact=label) from None
+    except MissingArtifactError as exc:
+        raise MissingArtifactError(exc.path, artifact=label) from None
+    return tensors[row["name"]]
+
+
+def check_artifact_file(root: Path, row: Mapping[str, Any], label: str) -> None:
+    """A quick check that an artifact row's file exists with its recorded size (no hashing unless it differs)."""
+    path = root / row["path"]
+    try:
+        size = path.stat().st_size
+    except FileNotFoundError:
+        raise MissingArtifactError(path, artifact=label) from None
+    if size != row["nbytes"]:
+        raise DamagedArtifactError(path, row["sha256"], file_sha256(path), artifact=label)
 
 
 def _prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -2,7 +2,7 @@
 
 Each migration is a SQL script applied once, in order, inside one
 transaction; ``schema_version`` records which ones ran.  To change the
-schema, append ``(2, "ALTER TABLE ...")`` to :data:`MIGRATIONS`; never edit an
+schema, append ``(N, "ALTER TABLE ...")`` to :data:`MIGRATIONS`; never edit an
 applied one.
 """
 
@@ -93,5 +93,79 @@ CREATE TABLE turns (
 );
 """
 
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1),)
+# 2: several sparse-attention methods per context, each built on demand with its own settings (its artifacts
+# are the context's, named "{method}.*"), and artifacts learned once per model, kept apart from documents.
+_V2 = """
+CREATE TABLE method_builds (
+    context_id TEXT NOT NULL REFERENCES contexts(id) ON DELETE CASCADE,
+    method TEXT NOT NULL,
+    settings TEXT NOT NULL,              -- canonical JSON of the settings that built it
+    built_at TEXT NOT NULL,
+    PRIMARY KEY (context_id, method)
+);
+
+CREATE TABLE model_artifacts (
+    model TEXT NOT NULL,
+    method TEXT NOT NULL,
+    settings_key TEXT NOT NULL,          -- sha256 of the canonical settings JSON
+    settings TEXT NOT NULL,              -- that canonical JSON
+    name TEXT NOT NULL,
+    path TEXT NOT NULL,                  -- relative to the store root, POSIX separators
+    sha256 TEXT NOT NULL,                -- of the file bytes
+    shape TEXT NOT NULL,                 -- JSON list
+    dtype TEXT NOT NULL,
+    nbytes INTEGER NOT NULL,
+    PRIMARY KEY (model, method, settings_key, name)
+);
+"""
+
+# 3: the jobs table becomes the one record of a job's state (the worker keeps only the upload's bytes, the queue
+# order and its timing in memory).  A job may precede its document and context (an upload is extracted on the
+# worker), so doc_id is no reference and context_id may be NULL; what the job asked for (name, model, settings,
+# methods, truncate) and where it stands (stage, done/total units, what is known of the document, the error and
+# its kind) are columns.  Rebuilt as SQLite alters tables: new table, copy, drop, rename.  Old rows take the
+# model and settings of their context; their progress fraction becomes done/total out of 100.
+_V3 = """
+CREATE TABLE jobs_v3 (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    doc_id TEXT NOT NULL,                -- the document's id, known from the bytes before it is stored
+    name TEXT NOT NULL,                  -- the file name
+    model TEXT NOT NULL,
+    settings TEXT NOT NULL,              -- canonical JSON: the context settings asked for
+    methods TEXT NOT NULL DEFAULT '[]',  -- JSON list: the methods whose indexes the job builds
+    truncate INTEGER NOT NULL DEFAULT 0 CHECK (truncate IN (0, 1)),
+    context_id TEXT REFERENCES contexts(id) ON DELETE CASCADE,  -- NULL until the upload is extracted
+    status TEXT NOT NULL
+        CHECK (status IN ('queued', 'running', 'done', 'failed', 'cancelled')),
+    stage TEXT NOT NULL DEFAULT 'queued',
+    done INTEGER NOT NULL DEFAULT 0 CHECK (done >= 0),    -- units of the stage done ...
+    total INTEGER NOT NULL DEFAULT 0 CHECK (total >= 0),  -- ... of this many
+    chars INTEGER,                       -- of the extracted text
+    pages INTEGER,
+    tokens INTEGER,
+    cached INTEGER NOT NULL DEFAULT 0 CHECK (cached IN (0, 1)),  -- done: the context was ready before
+    error TEXT,                          -- failed: one plain line
+    error_kind TEXT CHECK (error_kind IN ('document', 'too_long', 'internal')),
+    pid INTEGER,                         -- process that queued or runs the job
+    created_at TEXT NOT NULL,
+    started_at TEXT,
+    finished_at TEXT,
+    updated_at TEXT NOT NULL
+);
+
+INSERT INTO jobs_v3 (id, doc_id, name, model, settings, context_id, status, stage, done, total, error, pid,
+                     created_at, started_at, finished_at, updated_at)
+SELECT j.id, c.doc_id, d.name, c.model, c.settings, j.context_id, j.status, COALESCE(j.stage, 'queued'),
+       CAST(ROUND(j.progress * 100) AS INTEGER), 100, j.error, j.pid, j.created_at, j.started_at,
+       CASE WHEN j.status IN ('done', 'failed', 'cancelled') THEN j.updated_at END, j.updated_at
+FROM jobs j JOIN contexts c ON c.id = j.context_id JOIN documents d ON d.id = c.doc_id;
+
+DROP TABLE jobs;
+ALTER TABLE jobs_v3 RENAME TO jobs;
+CREATE INDEX jobs_doc_id ON jobs(doc_id);
+CREATE INDEX jobs_context_id ON jobs(context_id);
+CREATE INDEX jobs_status ON jobs(status);
+"""
+
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3))
 SCHEMA_VERSION = MIGRATIONS[-1][0]

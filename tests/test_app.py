@@ -17,10 +17,10 @@ from tiny_models import make_tiny_model
 
 from app.config import AppConfig
 from app.demo import build_demo, launch_kwargs
-from engine.jobs import IngestWorker
+from engine.serve.jobs import IngestWorker
 from engine.model import load_model
 from engine.prompt import ANSWER_RESERVE
-from engine.service import Engine
+from engine.serve.service import Engine
 from storage import NotFoundError
 
 pytestmark = [
@@ -139,7 +139,7 @@ def ready_doc(app, tmp_path_factory) -> str:
     path = write(tmp_path_factory.mktemp("docs") / "lighthouse.txt", DOC)
     upload(app.client(), path)
     assert app.worker.wait_idle(WAIT_S)
-    return app.store.find_document("lighthouse.txt")["id"]
+    return app.store.documents.find("lighthouse.txt")["id"]
 
 
 def test_upload_prepares_in_the_background_and_the_library_lists_it(app, tmp_path):
@@ -158,7 +158,7 @@ def test_upload_prepares_in_the_background_and_the_library_lists_it(app, tmp_pat
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", added)
     opened = open_doc(client, doc_id)
     assert "keepers.md: ready" in opened["status"] and opened["chat"] == []
-    assert opened["threshold"].startswith("Calibrated threshold at 80% sparsity: T = ")
+    assert opened["threshold"].startswith("At 80% sparsity, squeeze uses: threshold ")
 
 
 def test_answers_stream_and_every_turn_shows_what_attention_did(app, ready_doc):
@@ -198,18 +198,22 @@ def test_compare_with_full_attention_says_whether_the_answers_agree(app, ready_d
     assert len(chat) == 3 and chat[2].startswith("Full attention: ")
     assert chat[2].endswith(("✓ the answers agree", "✗ the answers differ"))
     assert re.search(r'sq-badge sq-(agree|differ)">answers (agree|differ)', out["compare"])
-    turn = app.store.get_turns(app.store.list_chats(ready_doc)[0]["id"])[-1]
+    turn = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]
     assert turn["stats"]["compare"]["agree"] == chat[2].endswith("agree")
 
 
-def test_hsqueeze_uses_two_thresholds_and_full_reads_everything(app, ready_doc):
+def test_every_method_answers_and_full_reads_everything(app, ready_doc):
     client = app.client()
     open_doc(client, ready_doc)
-    # The sparsity slider shows the calibrated threshold(s) it maps to, higher for a higher sparsity.
+    # The sparsity slider shows the plan it maps to: a calibrated threshold, higher for a higher sparsity.
     low, high = (client.predict("squeeze", pct, 0.05, 0.01, api_name="/threshold") for pct in (60, 95))
-    assert float(low.split("T = ")[1].split()[0]) < float(high.split("T = ")[1].split()[0])
-    assert "95% sparsity: T₁ (level 1) = " in client.predict("hsqueeze", 95, 0.05, 0.01, api_name="/threshold")
-    assert client.predict("full", 95, 0.05, 0.01, api_name="/threshold") == "Full attention reads every key."
+    assert float(low.split("threshold ")[1].split()[0]) < float(high.split("threshold ")[1].split()[0])
+    # A method not built for the document yet says so; its first question builds it (then its plan is shown).
+    assert "built at the first question" in client.predict("quest", 90, 0.05, 0.01, api_name="/threshold")
+    out, _ = ask(client, "How many steps?", method="quest", sparsity=90)
+    assert "top 10% of the pages" in out["budget"]
+    assert client.predict("quest", 90, 0.05, 0.01, api_name="/threshold") == \
+        "At 90% sparsity, quest uses: top 10% of the pages"
     out, _ = ask(client, "How many steps?", method="hsqueeze", sparsity=90)
     assert re.search(r"threshold [0-9.e-]+, [0-9.e-]+", out["budget"])
     out, _ = ask(client, "How many steps?", method="full")
@@ -229,7 +233,7 @@ def test_stop_ends_the_answer_and_keeps_what_was_said(app, ready_doc):
     answer = texts(out["chat"])[-1]
     assert answer.endswith("[stopped]")
     assert "stopped before it finished" in out["heatmap"]
-    saved = app.store.get_turns(app.store.list_chats(ready_doc)[0]["id"])[-1]
+    saved = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]
     assert saved["answer"].endswith("[stopped]") and saved["stats"]["stopped"]
     assert len(saved["answer"]) < 512
 
@@ -250,16 +254,21 @@ def test_history_is_saved_per_document_and_shown_after_a_restart(app, ready_doc,
 
 
 def test_changing_the_centroid_ratio_reindexes_in_the_background(app, ready_doc):
+    """The slider changes squeeze's settings: its index of the open document is rebuilt in the background (the
+    context, its K/V, stays); the next question uses the new one."""
     client = app.client()
     open_doc(client, ready_doc)
+    context = app.store.methods.list(app.store.contexts.list(ready_doc)[0]["id"])[0]["context_id"]
     status = client.predict(0.1, 0.01, api_name="/reindex")
-    assert "re-indexing with centroid ratio 0.1" in status or "ready" in status
+    assert "building the squeeze and hsqueeze indexes in the background" in status or "ready" in status
     assert app.worker.wait_idle(WAIT_S)
-    ratios = {c["settings"]["centroid_ratio"]: c for c in app.store.list_contexts(ready_doc) if c["status"] == "ready"}
-    assert {0.05, 0.1} <= set(ratios)
+    built = app.store.methods.get(context, "squeeze")
+    assert built["settings"]["squeeze"]["centroid_ratio"] == 0.1
     ask(client, "Who kept the light?", centroid=0.1)
-    turn = app.store.get_turns(app.store.list_chats(ready_doc)[0]["id"])[-1]
-    assert turn["stats"]["context_id"] == ratios[0.1]["id"]
+    turn = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]
+    assert turn["stats"]["context_id"] == context
+    client.predict(0.05, 0.01, api_name="/reindex")  # back to the default for the other tests
+    assert app.worker.wait_idle(WAIT_S)
 
 
 def test_errors_and_limits_are_told_in_plain_words(app, tmp_path):
@@ -316,13 +325,13 @@ def test_delete_removes_the_document_its_tensors_and_chats(app, tmp_path):
     client = app.client()
     upload(client, write(tmp_path / "gone.txt", "A short note about the harbor wall. " * 12))
     assert app.worker.wait_idle(WAIT_S)
-    doc_id = app.store.find_document("gone.txt")["id"]
+    doc_id = app.store.documents.find("gone.txt")["id"]
     open_doc(client, doc_id)
     ask(client, "What is it about?")
-    contexts = [c["id"] for c in app.store.list_contexts(doc_id)]
+    contexts = [c["id"] for c in app.store.contexts.list(doc_id)]
     notice, _jobs, table, *_ = client.predict(doc_id, api_name="/delete")
     assert "Deleted gone.txt and its chats." in notice
     assert all(r[0] != "gone.txt" for r in table["data"])
     with pytest.raises(NotFoundError):
-        app.store.find_document(doc_id)
+        app.store.documents.find(doc_id)
     assert not any((app.store.blob_dir / c).exists() for c in contexts)

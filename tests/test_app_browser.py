@@ -18,8 +18,8 @@ import pytest
 
 from app.config import AppConfig
 from app.demo import build_demo, launch_kwargs
-from engine.passkey import PASSKEY_QUESTION
-from engine.service import Engine
+from engine.bench.passkey import PASSKEY_QUESTION
+from engine.serve.service import Engine
 
 CHROMIUM = os.environ.get("SQUEEZE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -103,8 +103,8 @@ def test_upload_prepare_ask_and_see_what_attention_retrieved(served, page, tmp_p
     final = shots / "answered.png"
     page.screenshot(path=final, full_page=True)
 
-    turn = demo.services.store.get_turns(demo.services.store.list_chats(
-        demo.services.store.list_documents()[0]["id"])[0]["id"])[-1]
+    turn = demo.services.store.chats.turns(demo.services.store.chats.list(
+        demo.services.store.documents.list()[0]["id"])[0]["id"])[-1]
     t = turn["stats"]["timings"]
     print(f"\nscreenshots: {shots / 'preparing.png'} {final}")
     print(f"prepare {timings['prepare_s']:.1f} s (in the browser), "

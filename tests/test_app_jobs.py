@@ -1,4 +1,4 @@
-"""The background ingest worker (engine.jobs) with a scripted engine: stages in order, the estimate of the time
+"""The background ingest worker (engine.serve.jobs) with a scripted engine: stages in order, the estimate of the time
 left, one job at a time, errors in plain words, recovery of interrupted jobs. No model, a fake clock."""
 
 from __future__ import annotations
@@ -7,10 +7,10 @@ import threading
 
 import pytest
 
-from engine.config import IndexSettings
-from engine.jobs import DEFAULT_STAGE_SHARE, LOADING, STAGES, IngestWorker, document_id
+from engine.config import ContextSettings
+from engine.serve.jobs import DEFAULT_STAGE_SHARE, LOADING, STAGES, IngestWorker, document_id
 from engine.prompt import DocumentTooLongError
-from engine.service import IngestReport
+from engine.serve.service import IngestReport
 from storage import Store
 
 TEXT = ("The keeper logged the weather every four hours. " * 40).encode()
@@ -38,7 +38,7 @@ class ScriptedEngine:
         self.snapshots: list = []
         self.running = 0
         self.max_running = 0
-        self.calls: list[tuple[str, IndexSettings]] = []
+        self.calls: list[tuple[str, ContextSettings]] = []
         self.lm_stages: list[str] = []
         self._lock = threading.Lock()
 
@@ -48,7 +48,13 @@ class ScriptedEngine:
         self.model_loaded = True
         return object()
 
-    def ingest(self, doc, settings, truncate=False, progress=None):
+    def ingest(self, doc, settings, truncate=False, progress=None, methods=(), job=None):
+        """As Engine.ingest: the progress goes into the given job's row (the worker finishes the job)."""
+
+        def report(stage, done, total):
+            self.store.jobs.update(job, stage=stage, done=done, total=total)
+            progress(stage, done, total)
+
         with self._lock:
             self.running += 1
             self.max_running = max(self.max_running, self.running)
@@ -56,19 +62,19 @@ class ScriptedEngine:
             if self.gate is not None:
                 assert self.gate.wait(10)
             self.calls.append((doc.name, settings))
-            doc_id, _ = self.store.add_document(doc)
-            ctx = self.store.context_for(doc_id, self.model_id, settings.as_dict())
+            doc_id, _ = self.store.documents.add(doc)
+            ctx = self.store.contexts.context_for(doc_id, self.model_id, settings.as_dict())
             if self.fail is not None:
                 raise self.fail
             for stage in STAGES:
                 total = TOKENS if stage == "prefill" else 4
-                progress(stage, 0, total)
+                report(stage, 0, total)
                 self.clock.now += INGEST_S * DEFAULT_STAGE_SHARE[stage] / 2
-                progress(stage, total // 2, total)
-                self.snapshots.append(self.worker.view(self.worker.views()[-1].key))
+                report(stage, total // 2, total)
+                self.snapshots.append(self.worker.view(self.worker.views()[-1].id))
                 self.clock.now += INGEST_S * DEFAULT_STAGE_SHARE[stage] / 2
-                progress(stage, total, total)
-            self.store.mark_ready(ctx["id"], TOKENS)
+                report(stage, total, total)
+            self.store.contexts.mark_ready(ctx["id"], TOKENS)
             return IngestReport(doc_id, ctx["id"], TOKENS, doc.pages, INGEST_S, cached=False)
         finally:
             with self._lock:
@@ -97,7 +103,7 @@ def test_stages_in_order_and_the_time_left_shrinks_as_it_runs(store):
     try:
         job = worker.submit_bytes(TEXT, "guide.txt")
         assert worker.wait_idle(10)
-        view = worker.view(job.key)
+        view = worker.view(job.id)
         assert (view.status, view.stage, view.fraction, view.eta_s, view.tokens) == ("done", "ready", 1.0, 0.0, TOKENS)
         assert view.doc_id == document_id(TEXT) and view.context_id is not None
         stages = [s.stage for s in engine.snapshots]
@@ -119,7 +125,7 @@ def test_the_model_loads_first_as_its_own_stage(store):
         job = worker.submit_bytes(TEXT, "guide.txt")
         assert worker.wait_idle(10)
         assert engine.lm_stages == [LOADING]
-        assert worker.view(job.key).status == "done"
+        assert worker.view(job.id).status == "done"
     finally:
         worker.close()
 
@@ -128,20 +134,20 @@ def test_queued_jobs_have_positions_and_an_estimate_from_the_learned_rate(store)
     engine, worker = make(store, start=False, seconds_per_token=0.05)
     first = worker.submit_bytes(TEXT, "a.txt")
     second = worker.submit_bytes(TEXT + b" more", "b.txt")
-    v1, v2 = worker.view(first.key), worker.view(second.key)
+    v1, v2 = worker.view(first.id), worker.view(second.id)
     assert (v1.status, v1.position, v2.position) == ("queued", 1, 2)
     guess = 0.05 * len(TEXT) / 4  # bytes / CHARS_PER_TOKEN before the text is extracted
     assert v1.eta_s == pytest.approx(guess)
     assert v2.eta_s == pytest.approx(guess + 0.05 * (len(TEXT) + 5) / 4)
-    assert worker.submit_bytes(TEXT, "a.txt") is first  # the same work is not queued twice
+    assert worker.submit_bytes(TEXT, "a.txt").id == first.id  # the same work is not queued twice
     worker.start()
     try:
         assert worker.wait_idle(10)
         # Learned from the two timed ingests (INGEST_S / TOKENS = 0.1 s per token), each blended in by half.
         later = worker.submit_bytes(TEXT + b" again", "c.txt")
-        assert worker.view(later.key).eta_s is not None
+        assert worker.view(later.id).eta_s is not None
         assert worker.wait_idle(10)
-        assert worker.view(later.key).status == "done"
+        assert worker.view(later.id).status == "done"
     finally:
         worker.close()
 
@@ -150,12 +156,12 @@ def test_one_job_at_a_time(store):
     gate = threading.Event()
     engine, worker = make(store, gate=gate)
     try:
-        keys = [worker.submit_bytes(TEXT + bytes([65 + i]), f"{i}.txt").key for i in range(3)]
+        ids = [worker.submit_bytes(TEXT + bytes([65 + i]), f"{i}.txt").id for i in range(3)]
         gate.set()
         assert worker.wait_idle(10)
         assert engine.max_running == 1
         assert [c[0] for c in engine.calls] == ["0.txt", "1.txt", "2.txt"]
-        assert all(worker.view(k).status == "done" for k in keys)
+        assert all(worker.view(i).status == "done" for i in ids)
     finally:
         worker.close()
 
@@ -166,7 +172,7 @@ def test_errors_in_plain_words(store):
         bad = worker.submit_bytes(b"%PDF-1.4 this is not really a PDF", "broken.pdf")
         long = worker.submit_bytes(TEXT, "long.txt")
         assert worker.wait_idle(10)
-        vb, vl = worker.view(bad.key), worker.view(long.key)
+        vb, vl = worker.view(bad.id), worker.view(long.id)
         assert (vb.status, vb.error_kind) == ("failed", "document")
         assert vb.error.startswith("broken.pdf: ")
         assert (vl.status, vl.error_kind) == ("failed", "too_long")
@@ -179,20 +185,46 @@ def test_resume_requeues_what_an_earlier_process_left_unfinished(store):
     from storage import load_document_bytes
 
     doc = load_document_bytes(TEXT, "guide.txt")
-    doc_id, _ = store.add_document(doc)
-    settings = IndexSettings(centroid_ratio=0.1, level1_ratio=0.02)
-    ctx = store.context_for(doc_id, "scripted", settings.as_dict())
-    job = store.create_job(ctx["id"])
-    store.update_job(job, status="running")
+    doc_id, _ = store.documents.add(doc)
+    settings = ContextSettings(dense_tail=50)
+    ctx = store.contexts.context_for(doc_id, "scripted", settings.as_dict())
+    job = store.jobs.create(doc_id, "guide.txt", "scripted", settings.as_dict(), context_id=ctx["id"])
+    store.jobs.start(job)
     with store.transaction() as db:  # the process that ran it is gone
         db.execute("UPDATE jobs SET pid = ? WHERE id = ?", [2**22 + 12345, job])
-    store.set_context_status(ctx["id"], "running")
-    assert store.recover_interrupted() == 1
-    assert store.get_context(ctx["id"])["error"] == "interrupted"
+    store.contexts.set_status(ctx["id"], "running")
+    assert store.jobs.recover_interrupted() == 1
+    assert store.contexts.get(ctx["id"])["error"] == "interrupted"
     engine, worker = make(store, resume=True)
     try:
         assert worker.wait_idle(10)
         assert engine.calls == [("guide.txt", settings)]
-        assert store.get_context(ctx["id"])["status"] == "ready"
+        assert store.contexts.get(ctx["id"])["status"] == "ready"
+        [resumed] = worker.views()  # the interrupted job is history; the new one is listed
+        assert (resumed.status, resumed.context_id) == ("done", ctx["id"])
+    finally:
+        worker.close()
+
+
+def test_the_store_is_the_record_of_every_job(store):
+    engine, worker = make(store, start=False, seconds_per_token=0.05)
+    data = [TEXT + bytes([65 + i]) for i in range(3)]
+    jobs = [worker.submit_bytes(d, f"{i}.txt") for i, d in enumerate(data)]
+    row = store.jobs.get(jobs[0].id)  # before extraction: no document row, no context yet
+    assert (row["status"], row["name"], row["doc_id"], row["context_id"]) == ("queued", "0.txt", document_id(data[0]),
+                                                                             None)
+    own = 0.05 * len(data[0]) / 4
+    assert [worker.view(j.id).eta_s for j in jobs] == pytest.approx([own, 2 * own, 3 * own])  # each job ahead once
+    restarted = IngestWorker(engine, start=False)  # another worker on the same store sees the active jobs...
+    assert [(v.id, v.status, v.position, v.eta_s) for v in restarted.views()] == [(j.id, "queued", 0, None)
+                                                                                   for j in jobs]
+    worker.start()
+    try:
+        assert worker.wait_idle(10)
+        assert [restarted.view(j.id).status for j in jobs] == ["done"] * 3  # ...and how they ended
+        row = store.jobs.get(jobs[0].id)
+        assert (row["status"], row["stage"], row["tokens"], row["pages"], row["chars"]) == ("done", "ready", TOKENS, 1,
+                                                                                          len(data[0]))
+        assert restarted.views() == [] == IngestWorker(engine, start=False).views()  # older, finished: history
     finally:
         worker.close()

@@ -1,4 +1,4 @@
-"""The views' data and markup without a model: engine.explain over a hand-made context in an in-memory store
+"""The views' data and markup without a model: engine.serve.explain over a hand-made context in an in-memory store
 (which tokens and passages a turn retrieved, with pages; the key projection; the saved report), and app.render."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import torch
 from pdfs import make_text_pdf
 
 from app import render
-from engine.explain import MIN_MARK, ContextInspector, retrieval_report
-from engine.jobs import JobView
+from engine.serve.explain import MIN_MARK, ContextInspector, retrieval_report
+from engine.serve.jobs import JobView
 from storage import Store, load_document_bytes
 
 PAGE1 = "Alpha beta gamma delta. The harbor wall is old and grey. Walkers come <every> day."
@@ -26,7 +26,7 @@ def ctx():
     """A ready context of a two-page PDF: one token per word, one clustered layer with two KV heads."""
     store = Store.memory()
     doc = load_document_bytes(make_text_pdf([PAGE1, PAGE2]), "guide.pdf")
-    doc_id, _ = store.add_document(doc)
+    doc_id, _ = store.documents.add(doc)
     words = [(m.start(), m.end()) for m in re.finditer(r"\S+", doc.text)]
     offsets = torch.tensor([(-1, -1)] + words, dtype=torch.int64)  # BOS first
     n = offsets.shape[0]
@@ -42,11 +42,14 @@ def ctx():
     keys = torch.stack([directions[h, labels[h]] for h in range(HKV)]) + 0.05 * torch.randn(HKV, lc, D, generator=gen)
     keys = torch.cat([keys, torch.randn(HKV, TAIL, D, generator=gen)], dim=1)
     counts = torch.stack([torch.bincount(labels[h], minlength=CLUSTERS) for h in range(HKV)])
-    context = store.context_for(doc_id, "hand-made", {"centroid_ratio": 0.05, "dense_tail": TAIL})
-    for name, t in {f"layer{LAYER}.labels": labels, f"layer{LAYER}.keys": keys, f"layer{LAYER}.centroids": directions,
-                    f"layer{LAYER}.counts": counts, "offsets": offsets, "tokens": torch.arange(n)}.items():
-        store.save_artifact(context["id"], name, t)
-    store.mark_ready(context["id"], n)
+    context = store.contexts.context_for(doc_id, "hand-made", {"dense_tail": TAIL})
+    for name, t in {f"squeeze.layer{LAYER}.labels": labels, f"layer{LAYER}.keys": keys,
+                    f"layer{LAYER}.calib_queries": torch.zeros(2 * HKV, TAIL, D),
+                    f"squeeze.layer{LAYER}.centroids": directions, f"squeeze.layer{LAYER}.counts": counts,
+                    "offsets": offsets, "tokens": torch.arange(n)}.items():
+        store.artifacts.save(context["id"], name, t)
+    store.methods.mark_built(context["id"], "squeeze", {"squeeze": {"centroid_ratio": 0.05}})
+    store.contexts.mark_ready(context["id"], n)
     yield store, context["id"], doc, labels
     store.close()
 
@@ -83,21 +86,22 @@ def test_the_strongest_passage_comes_first_with_its_page(ctx):
     assert [p.score for p in passages] == sorted((p.score for p in passages), reverse=True)
     spans = sorted((p.start, p.end) for p in passages)
     assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # passages do not overlap
-    assert inspector.cluster_pages(cid, LAYER, 0, [0])[0] == [2]
-    assert "passkey" in inspector.cluster_preview(cid, LAYER, 0, 0)
+    assert inspector.cluster_pages(cid, "squeeze", LAYER, 0, [0])[0] == [2]
+    assert "passkey" in inspector.cluster_preview(cid, "squeeze", LAYER, 0, 0)
 
 
 def test_projection_of_one_head_marks_the_retrieved_clusters(ctx):
     store, cid, _, labels = ctx
-    proj = ContextInspector(store).projection(cid, LAYER, 0, retrieved=[0], max_points=10)
+    proj = ContextInspector(store).projection(cid, "squeeze", LAYER, 0, retrieved=[0], max_points=10)
     assert proj.points.shape == (10, 2) and proj.centroids.shape == (CLUSTERS, 2)
     assert (proj.labels == 0).sum() == (labels[0] == 0).sum()  # every retrieved key is drawn
     assert 0.5 < proj.explained <= 1.0  # five tight clusters in 8-D: two components hold most of the spread
     svg = render.projection_svg(proj)
     assert svg.count('class="sq-key-hit"') == int((labels[0] == 0).sum())
     assert svg.count('class="sq-centroid-hit"') == 1
-    with pytest.raises(ValueError, match="no clusters"):
-        ContextInspector(store).projection(cid, LAYER + 1, 0, [])
+    with pytest.raises(ValueError, match="no squeeze index"):
+        ContextInspector(store).projection(cid, "squeeze", LAYER + 1, 0, [])
+    assert ContextInspector(store).unit_labels(cid, "quest") == {}  # not built for this context
 
 
 def test_retrieval_report_flags_prefill_and_answer_clusters():
@@ -135,15 +139,15 @@ def test_heatmap_and_budget_markup():
     assert html.count('class="sq-cell"') == 8
     assert 'data-layer="11" data-head="1" data-kept="1.0000"' in html
     assert render._colour(0.0) == "rgb(247,251,255)" and render._colour(1.0) == "rgb(8,48,107)"
-    budget = render.budget_html(stats, (0.000265,))
-    assert "20.0%" in budget and "26.0%" in budget and "threshold 0.000265" in budget
+    stats["extra"] = {"plan": "threshold 0.000265 (prefill 0.000301)", "unit": "cluster"}
+    budget = render.budget_html(stats)
+    assert "20.0%" in budget and "26.0%" in budget and "threshold 0.000265 (prefill 0.000301)" in budget
     assert "rest of the model 0.60 s" in budget and "replayed" not in budget  # old turns: no timed_steps
     replayed = {**stats, "timings": {**stats["timings"], "timed_steps": 2}}  # 2 eager steps timed, 3 replayed
     assert "lookup and attention timed over 2 of 5 steps; the 3 replayed from a CUDA graph" in render.budget_html(replayed)
-    # decode's threshold(s), then the question prefill's where it has its own (IndexSettings.prefill_threshold)
-    assert "threshold 0.000265 (prefill 0.000301)" in render.budget_html(stats, (0.000265, 0.000301))
-    assert "threshold 0.1, 0.2 (prefill 0.3, 0.4)" in render.budget_html({**stats, "method": "hsqueeze"}, (0.1, 0.2, 0.3, 0.4))
-    assert "threshold 0.1, 0.2<" in render.budget_html({**stats, "method": "hsqueeze"}, (0.1, 0.2))
+    assert "top 10% of the pages" in render.budget_html({**stats, "method": "quest",
+                                                          "extra": {"plan": "top 10% of the pages"}})
+    assert "threshold" not in render.budget_html({**stats, "sparsity": 0.0, "method": "full"})
     assert render.heatmap_svg([], [], "answer").count("no steps") == 1
 
 
@@ -153,8 +157,9 @@ def test_small_formatters():
     assert render.time_left(12.4) == "about 12 s left"
     assert render.time_left(None) == "estimating the time left"
     assert render.format_seconds(600) == "10 min"
-    view = JobView(key="job1", name="a.pdf", doc_id="ab", context_id=None, status="failed", stage="failed", done=0,
+    view = JobView(id=1, name="a.pdf", doc_id="ab", context_id=None, status="failed", stage="failed", done=0,
                    total=0, fraction=0.0, eta_s=None, elapsed_s=1.0, position=0, tokens=None, pages=None, cached=False,
-                   error="a.pdf: not a PDF file (no %PDF header)", error_kind="document", settings={})
+                   error="a.pdf: not a PDF file (no %PDF header)", error_kind="document", settings={},
+                   methods=("squeeze",))
     html = render.jobs_html([view])
     assert "Could not prepare it: a.pdf: not a PDF file (no %PDF header)" in html and 'data-status="failed"' in html

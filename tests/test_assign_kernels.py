@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from engine.kmeans import spherical_kmeans
-from kernels import assign_ops, reference
+from kernels import assign_ops
+from kernels.reference import assign as reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

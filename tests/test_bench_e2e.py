@@ -13,10 +13,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine.bench.e2e import SHAPES, build_shape, even_device_map, main, measure_peer, peer_model
-from engine.config import IndexSettings
+from engine.config import ContextSettings
+from engine.policies import build_order, make_method, SPARSE_METHODS
 from engine.generate import full_logits
 from engine.ingest import ingest_tokens
-from engine.policies import POLICIES
+from engine.policies import REGISTRY
 from engine.session import ContextSession
 from kernels.backend import REFERENCE
 
@@ -47,7 +48,7 @@ def test_exits_zero_and_writes_the_same_json(run):
 
 def test_every_registered_method_is_timed(run):
     _, doc, _ = run
-    assert list(doc["methods"]) == list(POLICIES)
+    assert list(doc["methods"]) == list(REGISTRY)
     for name, row in doc["methods"].items():
         assert "error" not in row, (name, row)
         assert row["decode_ms_median"] > 0 and 0 < row["decode_ms_min"] <= row["decode_ms_median"]
@@ -62,7 +63,7 @@ def test_kv_budgets(run):
     for name, row in doc["methods"].items():
         budgets = [row["kv_budget"], row["kv_budget_prefill"], row["kv_budget_decode"],
                    *row["prefill_kv_budget"].values()]
-        if POLICIES[name].sparse:
+        if REGISTRY[name].sparse:
             assert all(0 < b < 1 for b in budgets), (name, budgets)
         else:
             assert all(abs(b - 1) <= 1e-6 for b in budgets), (name, budgets)
@@ -110,8 +111,10 @@ def test_peer_is_the_engine_model(one_thread):
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, SHAPES["tiny"]["vocab_size"], (48,), generator=gen)
     prompt = torch.randint(0, SHAPES["tiny"]["vocab_size"], (6,), generator=gen)
-    settings = IndexSettings(dense_tail=8, kmeans_iters=2)
-    session = ContextSession(lm, ingest_tokens(lm, ids, settings, REFERENCE).artifacts, settings, REFERENCE)
+    settings = ContextSettings(dense_tail=8)
+    methods = [make_method(n, {"kmeans_iters": 2} if n in ("squeeze", "hsqueeze") else None)
+               for n in build_order(SPARSE_METHODS)]
+    session = ContextSession(lm, ingest_tokens(lm, ids, settings, REFERENCE, methods).artifacts, settings, REFERENCE)
     ours = full_logits(lm, session.step_context("full", 0.0), prompt)
     with torch.inference_mode():
         theirs = peer(input_ids=torch.cat([ids, prompt])[None]).logits[0, -prompt.numel():]

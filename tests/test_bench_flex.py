@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from engine.bench.flex import BLOCK, block_mask_from_selection, flex_sparse
-from kernels import reference
+from kernels.reference import sparse as reference
 from kernels.selection import Selection
 
 

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from engine.bench.kept import main, run
-from engine.config import IndexSettings
+from engine.bench.kept import main, method_settings, run
+from engine.policies import SPARSE_METHODS
 from captures import synthetic_capture
 
 CAPTURE = Path(__file__).resolve().parents[1] / ".bench" / "keys.safetensors"
-SETTINGS = IndexSettings(centroid_ratio=0.05, level1_ratio=0.01, level1_prune=0.5, dense_tail=100, kmeans_iters=10)  # the GPU bench's
+SETTINGS = method_settings(centroid_ratio=0.05, level1_prune=0.5, kmeans_iters=10)  # the GPU bench's
 
 
 def test_runs_on_a_synthetic_capture(tmp_path, capsys):
@@ -21,7 +21,7 @@ def test_runs_on_a_synthetic_capture(tmp_path, capsys):
     assert main(["--capture", str(path), "--length", "2048", "--heads", "4/2", "--questions", "4,32",
                  "--sparsities", "0.9", "--decode-tokens", "4", "--windows", "2", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc["results"]) == 4  # 2 methods x 2 prefill modes
+    assert len(doc["results"]) == 2 * len(SPARSE_METHODS)  # every sparse method x 2 prefill modes
     for row in doc["results"]:
         assert {"decode", "prefill4", "prefill32"} <= set(row) and 0 < row["decode"] <= 1
 

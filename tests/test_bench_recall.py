@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from engine.bench.recall import full_probs, head_masks, main, recall_and_error, run
-from engine.config import IndexSettings
+from engine.bench.kept import method_settings
+from engine.policies import SPARSE_METHODS
 from captures import synthetic_capture
-from kernels.reference import attention_with_lse, sparse_attention
+from kernels.reference.sparse import attention_with_lse, sparse_attention
 from kernels.selection import Selection
 
 CAPTURE = Path(__file__).resolve().parents[1] / ".bench" / "keys.safetensors"
@@ -74,7 +75,7 @@ def test_runs_on_a_synthetic_capture(tmp_path, capsys):
     assert main(["--capture", str(path), "--length", "2048", "--heads", "4/2", "--sparsities", "0.8,0.9",
                  "--decode-tokens", "4", "--prefill-tokens", "16", "--kmeans-iters", "3", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert len(doc["results"]) == 2 * 3 * 2 * 2  # methods x modes x sparsities x phases
+    assert len(doc["results"]) == len(SPARSE_METHODS) * 3 * 2 * 2  # methods x modes x sparsities x phases
     by = {(r["method"], r["phase"], r["mode"], r["sparsity"]): r for r in doc["results"]}
     for (method, phase, mode, s), row in by.items():
         assert 0 < row["recall_min"] <= row["recall_p10"] <= row["recall"] <= 1 + 1e-6
@@ -82,7 +83,8 @@ def test_runs_on_a_synthetic_capture(tmp_path, capsys):
         if mode == "union":  # the same reads as "query", attending to a superset
             query = by[method, phase, "query", s]
             assert row["bytes"] == query["bytes"] and row["recall"] >= query["recall"] - 1e-6
-    assert len(doc["equal_bytes"]) == 4 and len(doc["equal_bytes_prefill"]) == 4
+    assert len(doc["equal_bytes"]) == 2 * len(SPARSE_METHODS)
+    assert len(doc["equal_bytes_prefill"]) == 2 * len(SPARSE_METHODS)
 
 
 @pytest.mark.usefixtures("one_thread")
@@ -91,7 +93,8 @@ def test_one_selection_per_kv_head_recalls_more_at_equal_bytes():
     """Real Gemma 3 270M keys, 16K context, 8/2 heads, 32 decode tokens (about 5 s on one thread). Measured with 256 tokens: at
     the bytes "kv" reads at 90% (0.128 of dense K/V), the mean recall is 0.804 for "kv", 0.787 for "union" and 0.743
     for "query" (`python -m engine.bench.recall --sparsities 0.7,0.8,0.9,0.95,0.97,0.98,0.99 --decode-tokens 256`)."""
-    settings = IndexSettings(centroid_ratio=0.05, level1_ratio=0.01, dense_tail=100, kmeans_iters=10)
+    settings = method_settings(centroid_ratio=0.05, level1_prune=0.5, kmeans_iters=10)
+    settings["squeeze"]["prefill_threshold"] = "decode"
     doc = run(str(CAPTURE), 16384, 8, 2, [0.9, 0.95, 0.97], ["squeeze"], settings, decode_tokens=32)
     (point,) = [e for e in doc["equal_bytes"] if e["sparsity"] == 0.9]
     assert point["query"]["recall"] is not None

@@ -9,7 +9,7 @@ import torch
 
 from engine.calibrate import pooled_thresholds, prefill_windows, threshold_at, weighted_thresholds, window_scores
 from engine.config import SPARSITY_GRID
-from kernels.reference import reduce_scores, select_clusters
+from kernels.reference.centroid import reduce_scores, select_clusters
 
 
 def scores_and_weights(m=400, seed=0):

@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from kernels import reference
+from kernels.reference import causal as reference
 from kernels.causal_ops import causal_attention
 
 from test_sparse_kernels import make_qkv  # the same inputs: q scaled up so that a wrong key shows

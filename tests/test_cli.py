@@ -63,27 +63,44 @@ def test_errors_are_one_line(tiny, capsys, tmp_path):
         assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
 
 
-def test_ask_with_index_options_uses_or_builds_that_context(tiny, capsys, tmp_path):
-    """`ask` takes ingest's index options: a path or a cached document id gets a context with those settings
-    (built once, then reused); without them a cached document keeps the context it has."""
+def test_method_options_build_that_index_once(tiny, capsys, tmp_path):
+    """`--{method}-{setting}` options (from the registry): the context is the same; the method's index is rebuilt
+    with the settings when they differ from the ones it was built with, and reused when they do not. A method not
+    built at ingest (`--methods`) is built at its first question."""
+    from storage import Store  # noqa: PLC0415
+
     model, root = tiny
-    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--quiet", "--json"]
+    cache = tmp_path / "cache"
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(cache), "--quiet", "--json"]
     ask = ["What was rebuilt?", "--max-new-tokens", "2", *common]
     code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), *common)
     default = json.loads(out)
-    code, out, _ = run(capsys, "ask", default["doc_id"], *ask)
-    assert code == 0 and json.loads(out)["context_id"] == default["context_id"]
-    code, out, _ = run(capsys, "ask", default["doc_id"], *ask, "--centroid-ratio", "0.1", "--prefill-threshold",
-                       "calibrated")
-    assert code == 0
-    other = json.loads(out)["context_id"]
-    assert other != default["context_id"]
-    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), *common, "--centroid-ratio", "0.1",
-                       "--prefill-threshold", "calibrated")
-    assert json.loads(out)["cached"] is True and json.loads(out)["context_id"] == other
-    code, out, _ = run(capsys, "ask", str(root / "doc.txt"), *ask, "--centroid-ratio", "0.1", "--prefill-threshold",
-                       "calibrated")
-    assert code == 0 and json.loads(out)["context_id"] == other
+    context = default["context_id"]
+
+    def built() -> dict:
+        with Store(cache) as store:
+            return {b["method"]: b["settings"][b["method"]] for b in store.methods.list(context)}
+
+    assert set(built()) == {"squeeze"} and built()["squeeze"]["centroid_ratio"] == 0.05
+    code, out, _ = run(capsys, "ask", default["doc_id"], *ask, "--centroid-ratio", "0.1",
+                       "--squeeze-prefill-threshold", "calibrated")
+    assert code == 0 and json.loads(out)["context_id"] == context
+    assert built()["squeeze"] == {**built()["squeeze"], "centroid_ratio": 0.1, "prefill_threshold": "calibrated"}
+    first = Store(cache)
+    stamp = first.methods.get(context, "squeeze")["built_at"]
+    first.close()
+    code, out, _ = run(capsys, "ask", str(root / "doc.txt"), *ask, "--squeeze-centroid-ratio", "0.1",
+                       "--squeeze-prefill-threshold", "calibrated")
+    assert code == 0 and json.loads(out)["context_id"] == context
+    with Store(cache) as store:
+        assert store.methods.get(context, "squeeze")["built_at"] == stamp  # the same settings: reused
+    code, out, _ = run(capsys, "ask", default["doc_id"], *ask, "--method", "quest", "--quest-page-size", "8")
+    assert code == 0 and json.loads(out)["method"] == "quest"
+    assert built()["quest"]["page_size"] == 8
+    code, _, err = run(capsys, "ask", default["doc_id"], *ask, "--quest-page-size", "6")
+    assert code == 1 and "page_size must be a power of two" in err
+    code, _, err = run(capsys, "ingest", str(root / "doc.txt"), *common, "--methods", "squeeze,nope")
+    assert code == 1 and "unknown method(s) nope" in err
 
 
 def test_compile_gives_the_same_answer(tiny, capsys, tmp_path):

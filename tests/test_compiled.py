@@ -18,7 +18,7 @@ from engine.prompt import question_ids, tokenize_document
 from engine.session import ContextSession
 from kernels.backend import REFERENCE
 
-from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS
+from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods
 
 # fp32 on both sides; inductor fuses the element-wise ops (one rounding per fused kernel instead of one per op)
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -38,7 +38,7 @@ def sessions(tiny_model_path):  # noqa: F811
     assert compile_layers(compiled_lm) == 0  # idempotent
     assert not layers_compiled(eager_lm)
     ids = tokenize_document(eager_lm.tokenizer, DOCUMENT, eager_lm.max_context).ids
-    artifacts = ingest_tokens(eager_lm, ids, SETTINGS, REFERENCE).artifacts
+    artifacts = ingest_tokens(eager_lm, ids, SETTINGS, REFERENCE, all_methods()).artifacts
     clone = lambda: {k: v.clone() for k, v in artifacts.items()}  # noqa: E731
     return (ContextSession(compiled_lm, clone(), SETTINGS, REFERENCE),
             ContextSession(eager_lm, clone(), SETTINGS, REFERENCE))
@@ -59,8 +59,8 @@ def test_compiled_ingest_matches_eager(sessions, tiny_model_path):  # noqa: F811
     """The ingest's chunked prefill through compiled layers: the same K/V (the same index follows from them)."""
     compiled, eager = sessions
     ids = tokenize_document(eager.lm.tokenizer, DOCUMENT, eager.lm.max_context).ids
-    got = ingest_tokens(compiled.lm, ids, SETTINGS, REFERENCE).artifacts
-    want = ingest_tokens(eager.lm, ids, SETTINGS, REFERENCE).artifacts
+    got = ingest_tokens(compiled.lm, ids, SETTINGS, REFERENCE, all_methods()).artifacts
+    want = ingest_tokens(eager.lm, ids, SETTINGS, REFERENCE, all_methods()).artifacts
     for i in range(eager.lm.num_layers):
         torch.testing.assert_close(got[f"layer{i}.keys"], want[f"layer{i}.keys"], **TOL)
         torch.testing.assert_close(got[f"layer{i}.values"], want[f"layer{i}.values"], **TOL)

@@ -16,13 +16,13 @@ from engine.compiled import compile_layers
 from engine.generate import forward_step, greedy_tokens
 from engine.ingest import ingest_tokens
 from engine.model import load_model
-from engine.policies import POLICIES
+from engine.policies import REGISTRY
 from engine.prompt import question_ids, tokenize_document
 from engine.session import ContextSession
 from engine.stats import TurnRecorder
 from kernels.dispatch import backend_for
 
-from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS
+from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -33,7 +33,7 @@ LOGIT_TOL = dict(atol=3e-2, rtol=3e-2)
 COMPILED_TOL = dict(atol=5e-2, rtol=5e-2)
 COMPILED_SELECTION_FLIPS = 0.02  # share of logits that may miss COMPILED_TOL at a sparsity above 0
 STEPS = 6
-CASES = [(name, 0.0 if not POLICIES[name].sparse else 0.7) for name in POLICIES]
+CASES = [(name, 0.0 if not REGISTRY[name].sparse else 0.7) for name in REGISTRY]
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +41,7 @@ def session(tiny_model_path):  # noqa: F811
     lm = load_model(str(tiny_model_path), device="cuda")
     backend = backend_for(lm.device, "triton")
     ids = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context).ids
-    return ContextSession(lm, ingest_tokens(lm, ids, SETTINGS, backend).artifacts, SETTINGS, backend)
+    return ContextSession(lm, ingest_tokens(lm, ids, SETTINGS, backend, all_methods()).artifacts, SETTINGS, backend)
 
 
 def _prompt(session):
@@ -110,7 +110,7 @@ def compiled_session(tiny_model_path, session):  # noqa: F811
     lm = load_model(str(tiny_model_path), device="cuda")
     compile_layers(lm)
     ids = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context).ids
-    artifacts = ingest_tokens(session.lm, ids, SETTINGS, session.backend).artifacts
+    artifacts = ingest_tokens(session.lm, ids, SETTINGS, session.backend, all_methods()).artifacts
     return ContextSession(lm, artifacts, SETTINGS, session.backend)
 
 
@@ -179,5 +179,5 @@ def test_replayed_statistics_match_eager(session, method, sparsity):
         torch.testing.assert_close(torch.tensor(replayed.kept_fraction_decode),
                                    torch.tensor(eager.kept_fraction_decode), atol=0.02, rtol=0.0)
     assert replayed.kv_budget_prefill == pytest.approx(eager.kv_budget_prefill, rel=1e-6)
-    if not POLICIES[method].sparse:
+    if not REGISTRY[method].sparse:
         assert replayed.kv_budget == pytest.approx(1.0, abs=1e-6)

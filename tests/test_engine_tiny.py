@@ -8,17 +8,18 @@ in one plain forward, without any cache.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import pytest
 import torch
 from tiny_models import GEMMA_SLIDING_WINDOW, byte_tokenizer, tiny_model_path  # noqa: F401 (fixture)
 
 from engine.attention import ATTN_NAME
-from engine.config import IndexSettings
+from engine.config import ContextSettings
 from engine.generate import greedy_tokens
-from engine.ingest import effective_settings, ingest_tokens, prefill
+from engine.ingest import effective_tail, ingest_tokens, prefill
 from engine.model import LoadedModel, load_model
+from engine.policies import METHODS, SPARSE_METHODS, build_order, make_method
 from engine.prompt import ANSWER_RESERVE, STOP_STRINGS, DocumentTooLongError, question_ids, tokenize_document
 from engine.session import ContextSession
 from kernels.backend import REFERENCE
@@ -34,7 +35,14 @@ DOCUMENT = (
     "Today the tower is a museum - open May to September, closed Mondays - with 147 steps to the top."
 )
 QUESTION = "Who kept the lighthouse logbook?"
-SETTINGS = IndexSettings(centroid_ratio=0.1, level1_ratio=0.02, dense_tail=16)
+SETTINGS = ContextSettings(dense_tail=16)
+# every sparse method, squeeze's at the ratio the tiny documents need (the paper's 5% of ~600 keys is 30 centroids)
+METHOD_SETTINGS = {"squeeze": {"centroid_ratio": 0.1}, "hsqueeze": {"level1_ratio": 0.02}}
+
+
+def all_methods(**overrides) -> list:
+    settings = {**METHOD_SETTINGS, **overrides}
+    return [make_method(n, settings.get(n)) for n in build_order(SPARSE_METHODS)]
 HIGH_SPARSITY = 0.9
 NEW_TOKENS = 8
 # fp32 everywhere; the engine splits attention into parts (fixed context, new tokens) merged by log-sum-exp,
@@ -55,8 +63,10 @@ def ctx(tiny_model_path) -> TinyContext:  # noqa: F811 (the fixture imported abo
     """One arch's model loaded from its directory, the document ingested, a session over it."""
     lm = load_model(str(tiny_model_path), device="cpu")
     fc = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context)
-    out = ingest_tokens(lm, fc.ids, SETTINGS, REFERENCE)
-    return TinyContext(tiny_model_path.name, lm, fc.ids, ContextSession(lm, out.artifacts, SETTINGS, REFERENCE))
+    methods = all_methods()
+    out = ingest_tokens(lm, fc.ids, SETTINGS, REFERENCE, methods)
+    session = ContextSession(lm, out.artifacts, SETTINGS, REFERENCE, methods={m.name: m for m in methods})
+    return TinyContext(tiny_model_path.name, lm, fc.ids, session)
 
 
 def plain_logits(lm: LoadedModel, ids: torch.Tensor, attn: str) -> torch.Tensor:
@@ -124,9 +134,9 @@ def test_loaded_model_matches_its_arch(ctx):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("method", ["full", "squeeze", "hsqueeze"])
+@pytest.mark.parametrize("method", METHODS)
 def test_logits_match_standard_attention(ctx, method, attn):
-    """At sparsity 0 every method attends to every key, so it must reproduce the model's own attention."""
+    """At sparsity 0 (budget 1) every method attends to every key, so it must reproduce the model's own attention."""
     q_ids = question_ids(ctx.lm.tokenizer, QUESTION)
     expected = plain_logits(ctx.lm, torch.cat([ctx.fixed_ids, q_ids]), attn)[ctx.fixed_ids.numel():]
     got = ctx.session.logits(QUESTION, method, 0.0)
@@ -159,13 +169,41 @@ def test_session_turns_leave_fixed_context_unchanged(ctx):
 def test_session_takes_over_the_fixed_kv(ctx):
     """The session pops the fixed K/V out of the artifacts: one copy of the context on the device. A layer that is
     not permuted by cluster (a sliding window's) keeps the ingest's very tensor."""
-    artifacts = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE).artifacts
+    artifacts = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, all_methods()).artifacts
     made = {i: artifacts[f"layer{i}.keys"].data_ptr() for i in range(ctx.lm.num_layers)}
     session = ContextSession(ctx.lm, artifacts, SETTINGS, REFERENCE)
     assert not [name for name in artifacts if name.endswith((".keys", ".values"))]
     for i, layer in enumerate(session.cache.layers):
-        if not layer.index:
-            assert layer.fixed_keys.data_ptr() == made[i]
+        assert layer.fixed_keys.data_ptr() == made[i]  # arranged in place for a method, never copied
+
+
+def test_arranging_for_a_method_keeps_storage_and_restores_order(ctx):
+    """The K/V are put in each method's layout in place (captured steps keep their pointers) and back."""
+    session = ctx.session
+    session.arrange(None)
+    layer = session.cache.layers[ctx.lm.global_layers[0]]
+    original, ptr = layer.fixed_keys.clone(), layer.fixed_keys.data_ptr()
+    for name in ("squeeze", "hsqueeze", "quest", "squeeze", None):
+        session.arrange(session.methods[name] if name else None)
+        assert layer.fixed_keys.data_ptr() == ptr
+        layout = session.methods[name].layout(layer.indexes[name]) if name else None
+        want = original if layout is None else layout.permute(original)
+        assert torch.equal(layer.fixed_keys, want), name
+
+
+def test_build_adds_a_method_to_an_open_session(ctx):
+    """A method built later from the session's own K/V gives the same artifacts as one built at ingest."""
+    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, [make_method("squeeze", METHOD_SETTINGS["squeeze"])])
+    session = ContextSession(ctx.lm, out.artifacts, SETTINGS, REFERENCE)
+    assert set(session.methods) == {"full", "squeeze"}
+    made = session.build(make_method("quest"))
+    assert set(session.methods) == {"full", "squeeze", "quest"}
+    prefix = "quest."
+    for name, t in made.items():
+        assert name.startswith(prefix)
+    torch.testing.assert_close(session.logits(QUESTION, "quest", 0.0), ctx.session.logits(QUESTION, "full"), **TOL)
+    with pytest.raises(ValueError, match="not built"):
+        session.plan("hsqueeze", 0.5)
 
 
 def test_stream_resumed_from_other_threads(ctx):
@@ -194,7 +232,7 @@ def test_stream_resumed_from_other_threads(ctx):
 # --------------------------------------------------------------------------- sparse methods
 
 
-@pytest.mark.parametrize("method", ["squeeze", "hsqueeze"])
+@pytest.mark.parametrize("method", SPARSE_METHODS)
 def test_high_sparsity_runs_and_reports(ctx, method):
     lm, session = ctx.lm, ctx.session
     logits = session.logits(QUESTION, method, HIGH_SPARSITY)
@@ -205,45 +243,49 @@ def test_high_sparsity_runs_and_reports(ctx, method):
     assert all(len(row) == lm.num_heads for row in stats.kept_fraction)
     kept = torch.tensor(stats.kept_fraction)
     assert ((kept >= 0) & (kept <= 1)).all()
-    if method == "squeeze":
+    if method in ("squeeze", "quest"):
         assert float(kept.mean()) < 0.6
+    assert stats.extra["plan"] and stats.extra["unit"] == session.methods[method].unit
     assert 0 < stats.kv_budget < 1
 
 
 def test_prefill_threshold_option_end_to_end(ctx):
-    """IndexSettings(prefill_threshold="calibrated"): the ingest stores the question prefill's own thresholds and the
-    session's turns carry them after decode's (which do not change); at sparsity 0 it is still full attention. The
-    default stores none: its artifacts are those of before the option."""
-    settings = replace(SETTINGS, prefill_threshold="calibrated")
-    out = ingest_tokens(ctx.lm, ctx.fixed_ids, settings, REFERENCE)
-    names = {"calib.squeeze.threshold_prefill", "calib.hsqueeze.threshold_l1_prefill", "calib.hsqueeze.threshold_l2_prefill"}
-    assert names <= set(out.artifacts) and not names & set(ctx.session.calibration)
-    session = ContextSession(ctx.lm, out.artifacts, settings, REFERENCE)
+    """prefill_threshold="calibrated" (squeeze's and hsqueeze's settings): the ingest stores the question prefill's
+    own thresholds and the plans carry them beside decode's (which do not change); at sparsity 0 it is still full
+    attention. The default stores none."""
+    calibrated = {"prefill_threshold": "calibrated"}
+    methods = all_methods(squeeze={**METHOD_SETTINGS["squeeze"], **calibrated},
+                          hsqueeze={**METHOD_SETTINGS["hsqueeze"], **calibrated})
+    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, methods)
+    names = {"squeeze.calib.threshold_prefill", "hsqueeze.calib.threshold_l1_prefill",
+             "hsqueeze.calib.threshold_l2_prefill"}
+    assert names <= set(out.artifacts)
+    assert "threshold_prefill" not in ctx.session.calibration["squeeze"]
+    session = ContextSession(ctx.lm, out.artifacts, SETTINGS, REFERENCE, methods={m.name: m for m in methods})
     full = ctx.session.logits(QUESTION, "full")
-    for method, levels in (("squeeze", 1), ("hsqueeze", 2)):
-        thresholds = session.thresholds(method, HIGH_SPARSITY)
-        assert len(thresholds) == 2 * levels
-        assert thresholds[:levels] == ctx.session.thresholds(method, HIGH_SPARSITY)
+    for method in ("squeeze", "hsqueeze"):
+        plan = session.plan(method, HIGH_SPARSITY)
+        assert plan.prefill != plan.decode
+        assert plan.decode == ctx.session.plan(method, HIGH_SPARSITY).decode
         torch.testing.assert_close(session.logits(QUESTION, method, 0.0), full, **TOL)
         assert torch.isfinite(session.logits(QUESTION, method, HIGH_SPARSITY)).all()
-    assert "prefill_threshold" not in SETTINGS.as_dict() and settings.as_dict()["prefill_threshold"] == "calibrated"
 
 
 def test_ingest_hands_each_artifact_over_once_when_final(ctx):
-    """on_artifact (engine.writer saves through it): every artifact once, the very tensors returned; each global
+    """on_artifact (engine.serve.writer saves through it): every artifact once, the very tensors returned; each global
     layer's K/V before its clustering (ahead of its index), every index before the calibrations."""
     handed: list[tuple[str, torch.Tensor]] = []
-    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, on_artifact=lambda n, t: handed.append((n, t)))
+    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, all_methods(),
+                        on_artifact=lambda n, t: handed.append((n, t)))
     names = [n for n, _ in handed]
     assert sorted(names) == sorted(out.artifacts) and len(set(names)) == len(names)
     assert all(t is out.artifacts[n] for n, t in handed)
     order = {n: i for i, n in enumerate(names)}
     for layer in ctx.lm.global_layers:
-        index = [n for n in names if n.startswith(f"layer{layer}.") and n not in (f"layer{layer}.keys",
-                                                                                  f"layer{layer}.values")]
+        index = [n for n in names if f".layer{layer}." in n]  # every method's index of the layer
         assert index and order[f"layer{layer}.keys"] < min(order[n] for n in index)
-    calibrations = [order[n] for n in names if n.startswith("calib.")]
-    assert calibrations and min(calibrations) > max(order[n] for n in names if not n.startswith("calib."))
+    calibrations = [order[n] for n in names if ".calib." in n]
+    assert calibrations and min(calibrations) > max(order[n] for n in names if ".calib." not in n)
 
 
 # --------------------------------------------------------------------------- sliding windows
@@ -280,9 +322,9 @@ def test_sliding_window_changes_the_reference(tiny_model_path):  # noqa: F811
 def test_chunked_prefill_equals_one_chunk(ctx, chunk):
     """The fixed K/V (sliding layers trimmed between chunks) and the captured calibration queries do not
     depend on how the prefill is chunked."""
-    settings = effective_settings(SETTINGS, ctx.fixed_ids.numel())
-    whole, whole_q = prefill(ctx.lm, ctx.fixed_ids, settings, REFERENCE)
-    chunked, chunked_q = prefill(ctx.lm, ctx.fixed_ids, settings, REFERENCE, chunk=chunk)
+    tail = effective_tail(SETTINGS, ctx.fixed_ids.numel())
+    whole, whole_q = prefill(ctx.lm, ctx.fixed_ids, tail, REFERENCE)
+    chunked, chunked_q = prefill(ctx.lm, ctx.fixed_ids, tail, REFERENCE, chunk=chunk)
     for a, b in zip(whole.layers, chunked.layers):
         assert a.fixed_len == b.fixed_len == ctx.fixed_ids.numel()
         torch.testing.assert_close(b.fixed_keys, a.fixed_keys, **TOL)
@@ -290,7 +332,7 @@ def test_chunked_prefill_equals_one_chunk(ctx, chunk):
     assert sorted(chunked_q.queries) == sorted(whole_q.queries) == ctx.lm.global_layers
     for layer in ctx.lm.global_layers:
         got, expected = torch.cat(chunked_q.queries[layer], dim=1), torch.cat(whole_q.queries[layer], dim=1)
-        assert got.shape[1] == settings.dense_tail
+        assert got.shape[1] == tail
         torch.testing.assert_close(got, expected, **TOL)
 
 

@@ -61,7 +61,7 @@ def lookup(counts: list[int], num_keys: int, index: float) -> Lookup:
     """A lookup whose selection keeps counts[r] keys of row r (one row per KV head)."""
     indptr = torch.tensor([0] + counts).cumsum(0)
     indices = torch.cat([torch.arange(c) for c in counts])
-    return Lookup(selection=Selection(indptr, indices, num_keys), clusters=None,
+    return Lookup(selection=Selection(indptr, indices, num_keys),
                   index_elements=torch.full((HKV,), index / HKV))
 
 
@@ -70,14 +70,14 @@ def test_recorder_totals_by_phase():
     replayed steps handed over as totals: kept fractions per query head and the KV budget, counted by hand."""
     fixed, hq = 100, 4
     rec = TurnRecorder([0, 1], hq, HKV, D, fixed, sync_cuda=False)
-    dense = Lookup(selection=None, clusters=None, index_elements=torch.zeros(1))
+    dense = Lookup(selection=None, index_elements=torch.zeros(1))
     rec.begin_step()  # the question's prefill
-    rec.record(0, lookup([20, 40], fixed, 30.0), None)
-    rec.record(1, dense, None)
+    rec.record(0, lookup([20, 40], fixed, 30.0))
+    rec.record(1, dense)
     for _ in range(2):  # eager decode steps
         rec.begin_step()
-        rec.record(0, lookup([10, 30], fixed, 30.0), None)
-        rec.record(1, dense, None)
+        rec.record(0, lookup([10, 30], fixed, 30.0))
+        rec.record(1, dense)
     replayed = StepTotals.zeros(2, hq, torch.device("cpu"))
     replayed.kept[0, :HKV] = torch.tensor([2 * 50.0, 2 * 10.0])  # two steps of [50, 10]
     replayed.read[0] = 2 * 30.0
@@ -103,7 +103,7 @@ def test_recorder_union_when_rows_are_query_heads():
     rec.begin_step()
     indptr = torch.tensor([0, 10, 20, 25, 30])  # heads 0-1 (KV head 0) both keys 0-9; heads 2-3 keys 0-4, 5-9
     indices = torch.cat([torch.arange(10), torch.arange(10), torch.arange(5), torch.arange(5, 10)])
-    rec.record(0, Lookup(Selection(indptr, indices, fixed), None, torch.zeros(HKV)), None)
+    rec.record(0, Lookup(Selection(indptr, indices, fixed), torch.zeros(HKV)))
     stats = rec.finish("squeeze", 0.9, 1, {})
     assert stats.kept_fraction_prefill == [[0.2, 0.2, 0.1, 0.1]]
     assert stats.kv_budget_prefill == pytest.approx(20 / (HKV * fixed), abs=1e-6)  # 10 + 10 distinct keys

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from kernels import compact_ops
-from kernels.layout import ClusterLayout, expand_groups, group_starts
-from kernels.reference import attention_with_lse, sparse_attention
+from kernels.layout import ClusterLayout, group_starts
+from kernels.reference.compact import expand_groups
+from kernels.reference.sparse import attention_with_lse, sparse_attention
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import merge_ops, reference
+from kernels import merge_ops
+from kernels.reference import merge as reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -29,7 +29,7 @@ from engine.session import ContextSession
 from kernels.backend import REFERENCE, Backend
 from kernels.dispatch import backend_for
 
-from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS  # the same document and index settings
+from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods  # the same document and index settings
 
 # Llama (GQA, two global layers: one per GPU, so calibration pools scores from both) and the Gemma 3 hybrid
 # (sliding layers on both GPUs, its global layer on cuda:1).
@@ -80,9 +80,9 @@ def split_max_memory(path: Path) -> dict[int, int | str]:
 
 
 def ingest(lm: LoadedModel) -> tuple[dict[str, torch.Tensor], dict[str, torch.device]]:
-    """The document's artifacts moved to the CPU (as engine.service stores them), and where the ingest left them."""
+    """The document's artifacts moved to the CPU (as engine.serve.service stores them), and where the ingest left them."""
     fixed = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context)
-    out = ingest_tokens(lm, fixed.ids, SETTINGS, backend_for(lm.device))
+    out = ingest_tokens(lm, fixed.ids, SETTINGS, backend_for(lm.device), all_methods())
     return {k: t.detach().cpu() for k, t in out.artifacts.items()}, {k: t.device for k, t in out.artifacts.items()}
 
 

@@ -1,25 +1,26 @@
-"""engine.policies on random keys: build, calibrate through CalibrationSet, lookup; sparsity and structure checks.
+"""The cluster methods (engine.policies squeeze, hsqueeze) on random keys: build, calibrate through CalibrationSet,
+plan, lookup; sparsity and structure checks. (tests/test_methods_contract.py checks every method on the contract.)
 
 No model: two "layers" of random keys [Hkv, L, D] and random calibration queries stand in for a prefilled context.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
 
-from engine.config import SPARSITY_GRID, IndexSettings
 from engine.calibrate import prefill_windows, weighted_thresholds
-from engine.policies import POLICIES, CalibrationSet, get_policy
-from engine.policies.base import step_thresholds
+from engine.config import SPARSITY_GRID, ContextSettings
+from engine.ingest import build_methods
+from engine.policies import CalibrationSet, LayerIndex, make_method
 from engine.policies.full import FullPolicy
-from engine.policies.hsqueeze import HierarchicalSqueezePolicy
-from engine.policies.squeeze import SqueezePolicy, per_token_scores, weighted_samples
+from engine.policies.hsqueeze import HierarchicalSettings, HierarchicalSqueezePolicy
+from engine.policies.squeeze import SqueezePolicy, SqueezeSettings, num_centroids, per_token_scores, weighted_samples
 from kernels.backend import REFERENCE
 from kernels.layout import ClusterLayout
-from kernels.reference import centroid_log_scores, reduce_scores
+from kernels.reference.centroid import centroid_log_scores, reduce_scores
 
 HQ, HKV, L, D = 4, 2, 500, 32
 DENSE_TAIL = 10
@@ -27,65 +28,80 @@ LC = L - DENSE_TAIL  # clustered keys: the context minus its dense tail, as engi
 NUM_LAYERS = 2
 CALIB_TOKENS = 16
 SCALE = D**-0.5
-SETTINGS = IndexSettings(centroid_ratio=0.1, level1_ratio=0.02, dense_tail=DENSE_TAIL)
+CENTROID_RATIO, LEVEL1_RATIO = 0.1, 0.02
 # Each (row, token, cluster) triple carries ~LC / C = 10 keys of the LC * rows * tokens * layers measured, i.e.
 # ~1e-4 of the total: the calibration's quantile is exact to that; the rest of the 0.05 allowance covers float32
 # score differences between the calibration pass (all tokens at once) and the per-token lookups, which can move
 # clusters whose score sits right at the threshold.
 SPARSITY_TOL = 0.05
 
-squeeze = SqueezePolicy()
-hsqueeze = HierarchicalSqueezePolicy()
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def settings_for(group: str) -> IndexSettings:
-    return replace(SETTINGS, group=group)
+def methods_for(group: str = "kv", prefill: str = "decode") -> dict:
+    """squeeze and hsqueeze with the test's index settings, one selection per `group`, prefill thresholds `prefill`."""
+    return {"squeeze": SqueezePolicy(SqueezeSettings(centroid_ratio=CENTROID_RATIO, group=group,
+                                                     prefill_threshold=prefill)),
+            "hsqueeze": HierarchicalSqueezePolicy(HierarchicalSettings(level1_ratio=LEVEL1_RATIO, group=group,
+                                                                       prefill_threshold=prefill))}
 
 
-def build_index(keys: torch.Tensor, settings: IndexSettings) -> dict[str, torch.Tensor]:
-    """keys [Hkv, L, D] -> the squeeze then hsqueeze artifacts, merged in that order as engine/ingest.py does."""
-    clustered = keys[:, :LC]
-    index: dict[str, torch.Tensor] = {}
-    index.update(squeeze.build(clustered, settings, index))
-    index.update(hsqueeze.build(clustered, settings, index))
-    return index
+@dataclass
+class Layer:
+    """One random layer: its keys [Hkv, L, D], calibration queries [Hq, Nc, D], and each method's index."""
+
+    keys: torch.Tensor
+    queries: torch.Tensor
+    indexes: dict[str, LayerIndex]
+
+
+def calib_sets(layers: list[Layer], name: str) -> list[CalibrationSet]:
+    return [CalibrationSet(index=layer.indexes[name], queries=layer.queries) for layer in layers]
 
 
 @pytest.fixture(scope="module")
-def layers() -> list[CalibrationSet]:
-    sets = []
+def layers() -> list[Layer]:
+    keys, queries = {}, {}
     for layer in range(NUM_LAYERS):
         g = torch.Generator().manual_seed(100 + layer)
-        keys = torch.randn(HKV, L, D, generator=g)
-        queries = torch.randn(HQ, CALIB_TOKENS, D, generator=g)  # [Hq, Nc, D]
-        sets.append(CalibrationSet(index=build_index(keys, SETTINGS), queries=queries))
-    return sets
+        keys[layer] = torch.randn(HKV, L, D, generator=g)
+        queries[layer] = torch.randn(HQ, CALIB_TOKENS, D, generator=g)  # [Hq, Nc, D]
+    made = build_methods(keys, queries, DENSE_TAIL, list(methods_for().values()), SCALE, torch.device("cpu"))
+    out = []
+    for layer in range(NUM_LAYERS):
+        indexes = {}
+        for name in ("squeeze", "hsqueeze"):
+            prefix = f"{name}.layer{layer}."
+            indexes[name] = LayerIndex(tensors={k[len(prefix):]: v for k, v in made.items() if k.startswith(prefix)},
+                                       num_keys=L, tail=DENSE_TAIL)
+        out.append(Layer(keys=keys[layer], queries=queries[layer], indexes=indexes))
+    return out
+
+
+def calibrate_all(layers, methods) -> dict:
+    return {name: m.calibrate(calib_sets(layers, name), SCALE) for name, m in methods.items()}
 
 
 @pytest.fixture(scope="module", params=["kv", "query"])
 def calibrated(request, layers):
-    settings = settings_for(request.param)
-    return settings, {
-        "squeeze": squeeze.calibrate(layers, SCALE, settings),
-        "hsqueeze": hsqueeze.calibrate(layers, SCALE, settings),
-    }
+    methods = methods_for(request.param)
+    return methods, calibrate_all(layers, methods)
 
 
 @pytest.fixture(scope="module", params=["kv", "query"])
 def prefill_calibrated(request, layers):
-    """As `calibrated`, with the question prefill's own thresholds (IndexSettings.prefill_threshold)."""
-    settings = replace(settings_for(request.param), prefill_threshold="calibrated")
-    return settings, {
-        "squeeze": squeeze.calibrate(layers, SCALE, settings),
-        "hsqueeze": hsqueeze.calibrate(layers, SCALE, settings),
-    }
+    """As `calibrated`, with the question prefill's own thresholds (prefill_threshold="calibrated")."""
+    methods = methods_for(request.param, "calibrated")
+    return methods, calibrate_all(layers, methods)
 
 
-def lookup(policy, q, index, calibration, sparsity, settings):
-    return policy.lookup(q, index, policy.thresholds(calibration, sparsity), SCALE, settings, REFERENCE)
+def rows_of(method) -> int:
+    return HKV if method.settings.group == "kv" else HQ
+
+
+def lookup(method, q, index, calibration, sparsity):
+    return method.lookup(q, index, method.plan(calibration, 1.0 - sparsity), SCALE, REFERENCE)
 
 
 def original_mask(selection, index) -> torch.Tensor:
@@ -99,12 +115,12 @@ def original_mask(selection, index) -> torch.Tensor:
     return mask
 
 
-def kept_fraction(policy, layers, calibration, sparsity, settings) -> float:
+def kept_fraction(method, layers, calibration, sparsity) -> float:
     """Mean over layers, calibration tokens (one lookup each, Lq = 1) and rows of the clustered keys kept."""
     fractions = []
     for layer in layers:
         for t in range(layer.queries.shape[1]):
-            result = lookup(policy, layer.queries[:, t : t + 1], layer.index, calibration, sparsity, settings)
+            result = lookup(method, layer.queries[:, t : t + 1], layer.indexes[method.name], calibration, sparsity)
             counts = result.selection.counts()  # [rows] includes the dense tail, which every row keeps
             fractions.append((counts - DENSE_TAIL).double() / LC)
     return torch.cat(fractions).mean().item()
@@ -114,12 +130,18 @@ def kept_fraction(policy, layers, calibration, sparsity, settings) -> float:
 
 
 def test_index_shapes_and_counts(layers):
-    c2 = SETTINGS.num_centroids(LC)
-    c1 = SETTINGS.num_centroids(LC, SETTINGS.level1_ratio)
+    c2 = num_centroids(LC, CENTROID_RATIO)
+    c1 = num_centroids(LC, LEVEL1_RATIO)
     assert (c2, c1) == (49, 10)
-    for n, layer in enumerate(layers):
-        index = layer.index
-        keys = torch.randn(HKV, L, D, generator=torch.Generator().manual_seed(100 + n))  # as the fixture made them
+    for layer in layers:
+        keys = layer.keys
+        flat = layer.indexes["squeeze"]
+        assert flat["labels"].shape == (HKV, LC) and flat["centroids"].shape == (HKV, c2, D)
+        for h in range(HKV):
+            members = flat["labels"][h] == 3
+            assert torch.allclose(flat["centroids"][h, 3], keys[h, :LC][members].mean(dim=0), atol=1e-5)
+        index = layer.indexes["hsqueeze"]  # squeeze's clusters renumbered under level-1 parents
+        assert torch.equal(index["counts"].sort(dim=1).values, flat["counts"].sort(dim=1).values)
         assert index["labels"].shape == (HKV, LC) and index["centroids"].shape == (HKV, c2, D)
         assert torch.equal(index["counts"].sum(dim=1), torch.full((HKV,), LC))
         for h in range(HKV):
@@ -145,16 +167,16 @@ def test_index_shapes_and_counts(layers):
 
 @pytest.mark.parametrize("sparsity", [0.5, 0.7, 0.9])
 def test_squeeze_kept_fraction_matches_target(layers, calibrated, sparsity):
-    settings, calibration = calibrated
-    kept = kept_fraction(squeeze, layers, calibration["squeeze"], sparsity, settings)
-    assert abs(kept - (1 - sparsity)) <= SPARSITY_TOL, (settings.group, sparsity, kept)
+    methods, calibration = calibrated
+    kept = kept_fraction(methods["squeeze"], layers, calibration["squeeze"], sparsity)
+    assert abs(kept - (1 - sparsity)) <= SPARSITY_TOL, (rows_of(methods["squeeze"]), sparsity, kept)
 
 
 @pytest.mark.parametrize("sparsity", [0.5, 0.7, 0.9])
 def test_hsqueeze_kept_fraction_matches_target(layers, calibrated, sparsity):
-    settings, calibration = calibrated
-    kept = kept_fraction(hsqueeze, layers, calibration["hsqueeze"], sparsity, settings)
-    assert abs(kept - (1 - sparsity)) <= SPARSITY_TOL, (settings.group, sparsity, kept)
+    methods, calibration = calibrated
+    kept = kept_fraction(methods["hsqueeze"], layers, calibration["hsqueeze"], sparsity)
+    assert abs(kept - (1 - sparsity)) <= SPARSITY_TOL, (rows_of(methods["hsqueeze"]), sparsity, kept)
 
 
 def test_calibration_is_monotone(calibrated):
@@ -169,12 +191,12 @@ def test_calibration_is_monotone(calibrated):
 
 @pytest.mark.parametrize("name", ["squeeze", "hsqueeze"])
 def test_zero_sparsity_selects_every_key(layers, calibrated, name):
-    settings, calibration = calibrated
-    policy = get_policy(name)
-    rows = HKV if settings.group == "kv" else HQ
+    methods, calibration = calibrated
+    policy = methods[name]
+    rows = rows_of(policy)
     for layer in layers:
         for q in (layer.queries[:, :1], layer.queries[:, 5:6], layer.queries):  # decode and prefill shapes
-            result = lookup(policy, q, layer.index, calibration[name], 0.0, settings)
+            result = lookup(policy, q, layer.indexes[name], calibration[name], 0.0)
             assert result.selection.num_keys == L
             assert torch.equal(result.selection.counts(), torch.full((rows,), L))
 
@@ -191,25 +213,26 @@ def level1_survivors(q, index, t1, rows):
 
 @pytest.mark.parametrize("sparsity", [0.5, 0.7, 0.9])
 def test_hsqueeze_level2_kept_only_under_surviving_level1(layers, calibrated, sparsity):
-    settings, calibration = calibrated
-    rows = HKV if settings.group == "kv" else HQ
-    thresholds = hsqueeze.thresholds(calibration["hsqueeze"], sparsity)
-    assert thresholds[0] > 0  # the level-1 threshold prunes something at these sparsities
+    methods, calibration = calibrated
+    hsqueeze = methods["hsqueeze"]
+    rows = rows_of(hsqueeze)
+    plan = hsqueeze.plan(calibration["hsqueeze"], 1.0 - sparsity)
+    assert plan.decode[0] > 0  # the level-1 threshold prunes something at these sparsities
     pruned_some = False
     for layer in layers:
-        index = layer.index
+        index = layer.indexes["hsqueeze"]
         for q in (layer.queries[:, :1], layer.queries[:, 3:4], layer.queries[:, 4:12]):
-            result = lookup(hsqueeze, q, index, calibration["hsqueeze"], sparsity, settings)
-            t1, _ = step_thresholds(thresholds, hsqueeze.levels, q.shape[1], settings)
+            result = lookup(hsqueeze, q, index, calibration["hsqueeze"], sparsity)
+            t1, _ = plan.at(q.shape[1])
             keep1 = level1_survivors(q, index, t1, rows)  # [rows, C1]
             parent = index["l1_parent"].repeat_interleave(rows // HKV, dim=0)  # [rows, C2]
             parent_kept = torch.gather(keep1, 1, parent)  # [rows, C2]
-            assert result.clusters.shape == parent_kept.shape
-            assert not (result.clusters & ~parent_kept).any()
+            assert result.units.shape == parent_kept.shape
+            assert not (result.units & ~parent_kept).any()
             pruned_some |= bool((~keep1).any())
             # The selection is exactly the keys of the kept level-2 clusters, plus the dense tail.
             kv = torch.arange(rows) * HKV // rows
-            key_mask = torch.gather(result.clusters, 1, index["labels"][kv])
+            key_mask = torch.gather(result.units, 1, index["labels"][kv])
             selected = original_mask(result.selection, index)
             assert torch.equal(selected[:, :LC], key_mask)
             assert selected[:, LC:].all()
@@ -219,13 +242,13 @@ def test_hsqueeze_level2_kept_only_under_surviving_level1(layers, calibrated, sp
 # ---------------------------------------------------------------- the question's prefill
 
 
-def prefill_kept_fraction(policy, layers, calibration, sparsity, settings) -> float:
+def prefill_kept_fraction(policy, layers, calibration, sparsity) -> float:
     """Clustered keys kept by the prefill lookup (Lq > 1 at once) of each calibration window (prefill_windows),
     averaged with the windows' weights over layers, windows and rows: what the prefill calibration targets."""
     total = weight = 0.0
     for layer in layers:
         for a, b, w in prefill_windows(layer.queries.shape[1]):
-            result = lookup(policy, layer.queries[:, a:b], layer.index, calibration, sparsity, settings)
+            result = lookup(policy, layer.queries[:, a:b], layer.indexes[policy.name], calibration, sparsity)
             total += w * ((result.selection.counts() - DENSE_TAIL).double() / LC).mean().item()
             weight += w
     return total / weight
@@ -237,23 +260,25 @@ def test_prefill_kept_fraction_matches_target(layers, prefill_calibrated, name, 
     """With its own thresholds the question's prefill keeps about 1 - s of the keys, as a decode step does (same
     tolerance as decode's). (With decode's it keeps what the union of its token mean and its last token passes: on
     these random keys sometimes less than 1 - s, on real keys up to twice as much: tests/test_bench_kept.py.)"""
-    settings, calibration = prefill_calibrated
-    policy = get_policy(name)
-    kept = prefill_kept_fraction(policy, layers, calibration[name], sparsity, settings)
-    assert abs(kept - (1 - sparsity)) <= SPARSITY_TOL, (settings.group, name, sparsity, kept)
+    methods, calibration = prefill_calibrated
+    policy = methods[name]
+    kept = prefill_kept_fraction(policy, layers, calibration[name], sparsity)
+    assert abs(kept - (1 - sparsity)) <= SPARSITY_TOL, (rows_of(policy), name, sparsity, kept)
 
 
 def test_decode_calibration_is_unchanged(layers, calibrated):
     """Decode's thresholds are the weighted quantiles of every calibration token's S whether or not the prefill has
-    its own, and the default calibration (prefill_threshold="decode") holds nothing else: as before the option."""
-    settings, calibration = calibrated
-    p_settings = replace(settings, prefill_threshold="calibrated")
-    p_calibration = {p.name: p.calibrate(layers, SCALE, p_settings) for p in (squeeze, hsqueeze)}
-    rows = HKV if settings.group == "kv" else HQ
+    its own, and the default calibration (prefill_threshold="decode") holds nothing else."""
+    methods, calibration = calibrated
+    group = methods["squeeze"].settings.group
+    p_methods = methods_for(group, "calibrated")
+    p_calibration = calibrate_all(layers, p_methods)
+    rows = rows_of(methods["squeeze"])
     scores, weights = [], []
     for layer in layers:
-        sample, weight = weighted_samples(per_token_scores(layer.queries, layer.index, SCALE, rows, REFERENCE),
-                                          layer.index["counts"], rows)
+        index = layer.indexes["squeeze"]
+        sample, weight = weighted_samples(per_token_scores(layer.queries, index, SCALE, rows, REFERENCE),
+                                          index["counts"], rows)
         scores.append(sample)
         weights.append(weight)
     want = weighted_thresholds(torch.cat(scores), torch.cat(weights), SPARSITY_GRID)
@@ -263,39 +288,36 @@ def test_decode_calibration_is_unchanged(layers, calibrated):
     assert torch.equal(p_calibration["squeeze"]["threshold"], want)
     for name in ("threshold_l1", "threshold_l2"):
         assert torch.equal(p_calibration["hsqueeze"][name], calibration["hsqueeze"][name])
-    for policy, names in ((squeeze, ("threshold_prefill",)), (hsqueeze, ("threshold_l1_prefill", "threshold_l2_prefill"))):
-        for name in names:
-            t = p_calibration[policy.name][name]
+    for name, names in (("squeeze", ("threshold_prefill",)), ("hsqueeze", ("threshold_l1_prefill", "threshold_l2_prefill"))):
+        for n in names:
+            t = p_calibration[name][n]
             assert t.shape == (len(SPARSITY_GRID),) and t[0].item() == 0.0
-        assert (p_calibration[policy.name][names[0]].diff() >= 0).all()
+        assert (p_calibration[name][names[0]].diff() >= 0).all()
         for sparsity in (0.5, 0.9):
-            assert policy.thresholds(calibration[policy.name], sparsity) == \
-                policy.thresholds(p_calibration[policy.name], sparsity)[: policy.levels]
+            plain = methods[name].plan(calibration[name], 1.0 - sparsity)
+            with_prefill = p_methods[name].plan(p_calibration[name], 1.0 - sparsity)
+            assert plain.decode == with_prefill.decode and plain.prefill == plain.decode
 
 
 @pytest.mark.parametrize("name", ["squeeze", "hsqueeze"])
 def test_phase_picks_thresholds(layers, prefill_calibrated, name):
-    """A decode step (Lq = 1) uses decode's thresholds whatever the setting; a prefill step uses the prefill's
-    where prefill_threshold="calibrated" and the calibration has them, decode's otherwise."""
-    settings, calibration = prefill_calibrated
-    policy = get_policy(name)
-    levels = policy.levels
-    thresholds = policy.thresholds(calibration[name], 0.8)
-    assert len(thresholds) == 2 * levels and thresholds[levels:] != thresholds[:levels]
-    layer = layers[0]
+    """A decode step (Lq = 1) uses the plan's decode thresholds; a prefill step (Lq > 1) its prefill ones, which
+    are their own where prefill_threshold="calibrated"."""
+    methods, calibration = prefill_calibrated
+    policy = methods[name]
+    plan = policy.plan(calibration[name], 0.2)
+    assert plan.prefill != plan.decode and plan.at(1) == plan.decode and plan.at(8) == plan.prefill
+    index = layers[0].indexes[name]
 
-    def kept(q, ts, st):
-        return policy.lookup(q, layer.index, ts, SCALE, st, REFERENCE).clusters
+    def kept(q, p):
+        return policy.lookup(q, index, p, SCALE, REFERENCE).units
 
-    one, many = layer.queries[:, 5:6], layer.queries[:, 2:10]
-    old = replace(settings, prefill_threshold="decode")
-    for st in (settings, old):
-        assert torch.equal(kept(one, thresholds, st), kept(one, thresholds[:levels], st))
-    assert torch.equal(kept(many, thresholds, old), kept(many, thresholds[:levels], settings))
-    assert torch.equal(kept(many, thresholds, settings), kept(many, thresholds[levels:], old))
-    assert step_thresholds(thresholds, levels, 8, settings) == thresholds[levels:]
-    assert step_thresholds(thresholds, levels, 8, old) == thresholds[:levels]
-    assert step_thresholds(thresholds[:levels], levels, 8, settings) == thresholds[:levels]
+    one, many = layers[0].queries[:, 5:6], layers[0].queries[:, 2:10]
+    decode_only = replace(plan, prefill=plan.decode)
+    prefill_only = replace(plan, decode=plan.prefill)
+    assert torch.equal(kept(one, plan), kept(one, decode_only))
+    assert torch.equal(kept(many, plan), kept(many, prefill_only))
+    assert not torch.equal(kept(many, plan), kept(many, decode_only))
 
 
 # ---------------------------------------------------------------- Lookup metadata
@@ -303,20 +325,23 @@ def test_phase_picks_thresholds(layers, prefill_calibrated, name):
 
 @pytest.mark.parametrize("sparsity", [0.0, 0.7])
 def test_index_elements(layers, calibrated, sparsity):
-    settings, calibration = calibrated
-    rows = HKV if settings.group == "kv" else HQ
-    c2, c1 = layers[0].index["centroids"].shape[1], layers[0].index["l1_centroids"].shape[1]
+    methods, calibration = calibrated
+    squeeze, hsqueeze = methods["squeeze"], methods["hsqueeze"]
+    rows = rows_of(squeeze)
+    c2 = layers[0].indexes["squeeze"]["centroids"].shape[1]
+    c1 = layers[0].indexes["hsqueeze"]["l1_centroids"].shape[1]
     for layer in layers:
         q = layer.queries[:, 2:3]
-        sq = lookup(squeeze, q, layer.index, calibration["squeeze"], sparsity, settings)
+        sq = lookup(squeeze, q, layer.indexes["squeeze"], calibration["squeeze"], sparsity)
         assert sq.index_elements.shape == (HKV,)
         assert torch.equal(sq.index_elements.double(), torch.full((HKV,), float(c2 * (D + 1)), dtype=torch.float64))
         # hsqueeze reads every level-1 centroid, then each row's level-2 candidates: the children of its level-1
         # survivors (a centroid and its count: D + 1 elements each; rows of one KV head read theirs separately).
-        hs = lookup(hsqueeze, q, layer.index, calibration["hsqueeze"], sparsity, settings)
-        t1 = hsqueeze.thresholds(calibration["hsqueeze"], sparsity)[0]  # decode's (Lq = 1)
-        keep1 = level1_survivors(q, layer.index, t1, rows)  # [rows, C1]
-        parent = layer.index["l1_parent"].repeat_interleave(rows // HKV, dim=0)  # [rows, C2]
+        index = layer.indexes["hsqueeze"]
+        hs = lookup(hsqueeze, q, index, calibration["hsqueeze"], sparsity)
+        t1 = hsqueeze.plan(calibration["hsqueeze"], 1.0 - sparsity).decode[0]
+        keep1 = level1_survivors(q, index, t1, rows)  # [rows, C1]
+        parent = index["l1_parent"].repeat_interleave(rows // HKV, dim=0)  # [rows, C2]
         survivors = torch.gather(keep1, 1, parent).sum(dim=1).reshape(HKV, rows // HKV).sum(dim=1)  # [Hkv]
         want = ((c1 + survivors) * (D + 1)).double()
         assert torch.equal(hs.index_elements.double(), want)
@@ -328,55 +353,57 @@ def test_index_elements(layers, calibrated, sparsity):
 
 @pytest.mark.parametrize("name", ["squeeze", "hsqueeze"])
 def test_group_decides_rows(layers, calibrated, name):
-    settings, calibration = calibrated
-    rows = HKV if settings.group == "kv" else HQ
-    policy = get_policy(name)
-    layer = layers[0]
-    for q in (layer.queries[:, :1], layer.queries[:, :6]):
-        result = lookup(policy, q, layer.index, calibration[name], 0.7, settings)
-        assert result.selection.rows == rows
-        assert result.clusters.shape == (rows, layer.index["centroids"].shape[1])
+    methods, calibration = calibrated
+    policy = methods[name]
+    index = layers[0].indexes[name]
+    for q in (layers[0].queries[:, :1], layers[0].queries[:, :6]):
+        result = lookup(policy, q, index, calibration[name], 0.7)
+        assert result.selection.rows == rows_of(policy)
+        assert result.units.shape == (rows_of(policy), index["centroids"].shape[1])
+        assert torch.equal(result.sizes, index["counts"])
 
 
 def test_full_policy_is_dense(layers):
-    full = get_policy("full")
+    full = make_method("full")
     assert isinstance(full, FullPolicy) and not full.sparse
-    layer = layers[0]
-    assert full.build(torch.randn(HKV, LC, D), SETTINGS, {}) == {}
-    assert full.calibrate(layers, SCALE, SETTINGS) == {} and full.thresholds({}, 0.7) == ()
-    result = full.lookup(layer.queries[:, :1], layer.index, (), SCALE, SETTINGS, REFERENCE)
-    assert result.selection is None and result.clusters is None
+    assert full.calibrate(calib_sets(layers, "squeeze"), SCALE) == {}
+    plan = full.plan({}, 0.3)
+    result = full.lookup(layers[0].queries[:, :1], layers[0].indexes["squeeze"], plan, SCALE, REFERENCE)
+    assert result.selection is None and result.units is None
 
 
-def test_policy_registry():
-    assert set(POLICIES) == {"full", "squeeze", "hsqueeze"}
-    with pytest.raises(ValueError):
-        get_policy("nope")
-
-
-# ---------------------------------------------------------------- IndexSettings
+# ---------------------------------------------------------------- settings
 
 
 @pytest.mark.parametrize(
-    "bad",
+    "cls,bad",
     [
-        {"centroid_ratio": 0.0},
-        {"centroid_ratio": 1.5},
-        {"level1_ratio": 0.0},
-        {"centroid_ratio": 0.05, "level1_ratio": 0.1},  # level 1 must be coarser than level 2
-        {"dense_tail": 0},
-        {"kmeans_iters": 0},
-        {"group": "head"},
-        {"prefill_threshold": "mean"},
+        (SqueezeSettings, {"centroid_ratio": 0.0}),
+        (SqueezeSettings, {"centroid_ratio": 1.5}),
+        (SqueezeSettings, {"kmeans_iters": 0}),
+        (SqueezeSettings, {"group": "head"}),
+        (SqueezeSettings, {"prefill_threshold": "mean"}),
+        (HierarchicalSettings, {"level1_ratio": 0.0}),
+        (HierarchicalSettings, {"level1_prune": 1.0}),
+        (ContextSettings, {"dense_tail": 0}),
     ],
 )
-def test_index_settings_validation(bad):
+def test_settings_validation(cls, bad):
     with pytest.raises(ValueError):
-        IndexSettings(**bad)
+        cls(**bad)
+
+
+def test_make_method_takes_a_dict_of_settings():
+    assert make_method("squeeze", {"centroid_ratio": 0.1}).settings == SqueezeSettings(centroid_ratio=0.1)
+    with pytest.raises(ValueError, match="unknown squeeze setting"):
+        make_method("squeeze", {"ratio": 0.1})
+    with pytest.raises(ValueError, match="unknown method"):
+        make_method("nope")
+    with pytest.raises(TypeError):
+        SqueezePolicy(HierarchicalSettings())
 
 
 def test_num_centroids_is_clamped():
-    settings = IndexSettings(centroid_ratio=0.1, level1_ratio=0.02)
-    assert settings.num_centroids(490) == 49 and settings.num_centroids(490, settings.level1_ratio) == 10
-    assert settings.num_centroids(3) == 1  # at least one
-    assert IndexSettings(centroid_ratio=1.0, level1_ratio=1.0).num_centroids(7) == 7  # at most every key
+    assert num_centroids(490, 0.1) == 49 and num_centroids(490, 0.02) == 10
+    assert num_centroids(3, 0.1) == 1  # at least one
+    assert num_centroids(7, 1.0) == 7  # at most every key

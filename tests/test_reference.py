@@ -11,16 +11,11 @@ import math
 import pytest
 import torch
 
-from kernels.reference import (
-    attention_with_lse,
-    centroid_log_scores,
-    merge_attention,
-    reduce_scores,
-    row_scores,
-    select_clusters,
-    sparse_attention,
-)
-from kernels.layout import ClusterLayout, expand_groups
+from kernels.layout import ClusterLayout
+from kernels.reference.centroid import centroid_log_scores, reduce_scores, row_scores, select_clusters
+from kernels.reference.compact import expand_groups
+from kernels.reference.merge import merge_attention
+from kernels.reference.sparse import attention_with_lse, sparse_attention
 from kernels.selection import Selection
 
 # The code under test computes in float32 from the (exactly upcast) inputs; the references compute in float64 from the

@@ -48,6 +48,17 @@ def test_engine_does_not_import_the_app():
         assert not upward, f"{name} imports {sorted(upward)}"
 
 
+def test_engine_core_imports_neither_the_serving_layer_nor_the_benchmarks():
+    """The engine's core (engine/*.py, engine/policies/) is what the serving layer (engine/serve/), the benchmarks
+    (engine/bench/) and the app build on: it imports none of them."""
+    core = {name: path for name, path in modules("engine").items()
+            if not name.startswith(("engine.serve", "engine.bench"))}
+    assert "engine.session" in core and "engine.policies.quest" in core
+    for name, path in core.items():
+        upward = {m for m in project_imports(path) if m.startswith(("engine.serve", "engine.bench", "app"))}
+        assert not upward, f"{name} imports {sorted(upward)}"
+
+
 def test_kernels_have_no_import_cycle():
     mods = modules("kernels")
     graph = {name: {m for m in project_imports(path) if m in mods and m != name} for name, path in mods.items()}
@@ -65,3 +76,24 @@ def test_kernels_have_no_import_cycle():
     for name in graph:
         visit(name, [])
     assert "kernels.backend" in graph and "kernels.dispatch" in graph
+
+
+def test_kernel_families_are_name_matched():
+    """Each kernel family F has its kernel kernels/jit/F.py, its wrapper kernels/F_ops.py and its reference
+    kernels/reference/F.py, and the wrapper offers every function of the reference under the same name (what
+    Backend.kernel(F) relies on)."""
+    import importlib
+    import inspect
+
+    from kernels.backend import families
+
+    jit = {p.stem for p in (ROOT / "kernels" / "jit").glob("*.py") if p.stem != "__init__"}
+    ops = {p.stem.removesuffix("_ops") for p in (ROOT / "kernels").glob("*_ops.py")}
+    assert set(families()) == jit == ops, (sorted(families()), sorted(jit), sorted(ops))
+    for family in families():
+        ref = importlib.import_module(f"kernels.reference.{family}")
+        wrapper = importlib.import_module(f"kernels.{family}_ops")
+        public = [n for n, f in inspect.getmembers(ref, inspect.isfunction)
+                  if not n.startswith("_") and f.__module__ == ref.__name__]
+        missing = [n for n in public if not callable(getattr(wrapper, n, None))]
+        assert public and not missing, f"kernels/{family}_ops.py lacks {missing}"

@@ -1,4 +1,4 @@
-"""kernels.attention_ops.sparse_attention (Triton) against kernels.reference.
+"""kernels.sparse_ops.sparse_attention (Triton) against kernels.reference.
 
 Without CUDA the kernels run in the Triton interpreter on the CPU (tests/conftest.py sets TRITON_INTERPRET=1), so the
 CPU tests use small shapes and fp32/fp16 only (bf16 tl.dot is wrong in the interpreter). Shapes are chosen to reach
@@ -16,8 +16,8 @@ import math
 import pytest
 import torch
 
-from kernels import reference
-from kernels.attention_ops import (
+from kernels.reference import sparse as reference
+from kernels.sparse_ops import (
     DECODE_WORKERS_PER_SM,
     GATHER_MAX_BYTES,
     SparseAttentionConfig,

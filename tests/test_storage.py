@@ -22,6 +22,7 @@ from storage import (
     write_tensors,
 )
 from storage.blobs import TEMP_SUFFIX
+from storage.schema import MIGRATIONS, SCHEMA_VERSION
 
 MODEL = "tiny-test-model"
 SETTINGS = {"method": "squeezed", "clusters": 8, "levels": [1, 2]}
@@ -39,8 +40,8 @@ def make_doc(text: str = "hello world", name: str = "notes.txt"):
 
 
 def new_context(store: Store, text: str = "hello world") -> dict:
-    doc_id, _ = store.add_document(make_doc(text))
-    return store.context_for(doc_id, MODEL, SETTINGS)
+    doc_id, _ = store.documents.add(make_doc(text))
+    return store.contexts.context_for(doc_id, MODEL, SETTINGS)
 
 
 def sample_tensors() -> dict[str, torch.Tensor]:
@@ -113,31 +114,31 @@ def test_blob_missing_and_damaged(tmp_path):
 
 def test_document_round_trip_and_re_add_is_a_hit(store):
     doc = load_document_bytes(make_text_pdf(["page one", "page two"]), "two.pdf")
-    doc_id, created = store.add_document(doc)
+    doc_id, created = store.documents.add(doc)
     assert (doc_id, created) == (doc.doc_id, True)
-    assert store.get_document(doc_id) == doc
+    assert store.documents.get(doc_id) == doc
     again = load_document_bytes(make_text_pdf(["page one", "page two"]), "renamed.pdf")
-    assert store.add_document(again) == (doc_id, False)
-    [row] = store.list_documents()
+    assert store.documents.add(again) == (doc_id, False)
+    [row] = store.documents.list()
     assert (row["id"], row["name"], row["pages"]) == (doc_id, "two.pdf", 2)
     assert row["chars"] == len(doc.text)
     assert (row["status"], row["tokens"], row["context_id"]) == (None, None, None)
 
 
 def test_find_document(store):
-    a, _ = store.add_document(make_doc("alpha", "same.txt"))
-    b, _ = store.add_document(make_doc("beta", "same.txt"))
-    c, _ = store.add_document(make_doc("gamma", "other.md"))
-    assert store.find_document(a)["id"] == a
-    assert store.find_document(a[:10].upper())["id"] == a
-    assert store.find_document("other.md")["id"] == c
+    a, _ = store.documents.add(make_doc("alpha", "same.txt"))
+    b, _ = store.documents.add(make_doc("beta", "same.txt"))
+    c, _ = store.documents.add(make_doc("gamma", "other.md"))
+    assert store.documents.find(a)["id"] == a
+    assert store.documents.find(a[:10].upper())["id"] == a
+    assert store.documents.find("other.md")["id"] == c
     with pytest.raises(AmbiguousIdError, match="2 documents"):
-        store.find_document("same.txt")
+        store.documents.find("same.txt")
     with pytest.raises(NotFoundError):
-        store.find_document("nope")
+        store.documents.find("nope")
     with pytest.raises(NotFoundError):
-        store.get_document("0" * 16)
-    assert {d["id"] for d in store.list_documents()} == {a, b, c}
+        store.documents.get("0" * 16)
+    assert {d["id"] for d in store.documents.list()} == {a, b, c}
 
 
 # --------------------------------------------------------------------------- contexts & artifacts
@@ -146,14 +147,14 @@ def test_find_document(store):
 def test_context_for_is_keyed_by_doc_model_and_settings(store):
     context = new_context(store)
     assert context["status"] == "pending" and context["settings"] == SETTINGS
-    same = store.context_for(context["doc_id"], MODEL, dict(reversed(list(SETTINGS.items()))))
+    same = store.contexts.context_for(context["doc_id"], MODEL, dict(reversed(list(SETTINGS.items()))))
     assert same["id"] == context["id"]
-    other = store.context_for(context["doc_id"], MODEL, {**SETTINGS, "clusters": 16})
+    other = store.contexts.context_for(context["doc_id"], MODEL, {**SETTINGS, "clusters": 16})
     assert other["id"] != context["id"]
-    third = store.context_for(context["doc_id"], "other-model", SETTINGS)
+    third = store.contexts.context_for(context["doc_id"], "other-model", SETTINGS)
     assert third["id"] not in {context["id"], other["id"]}
     with pytest.raises(NotFoundError):
-        store.context_for("0" * 16, MODEL, SETTINGS)
+        store.contexts.context_for("0" * 16, MODEL, SETTINGS)
 
 
 def test_artifacts_round_trip_and_ready(store):
@@ -161,124 +162,191 @@ def test_artifacts_round_trip_and_ready(store):
     cid = context["id"]
     tensors = sample_tensors()
     for name, tensor in tensors.items():
-        row = store.save_artifact(cid, name, tensor)
+        row = store.artifacts.save(cid, name, tensor)
         assert row["shape"] == list(tensor.shape) and row["dtype"] == str(tensor.dtype)[6:]
-    loaded = store.load_artifacts(cid)
+    loaded = store.artifacts.load(cid)
     assert list(loaded) == sorted(tensors)
     for name, tensor in tensors.items():
         assert_bit_exact(loaded[name], tensor)
-    assert list(store.load_artifacts(cid, names=["i64", "bf16"])) == ["i64", "bf16"]
+    assert list(store.artifacts.load(cid, names=["i64", "bf16"])) == ["i64", "bf16"]
     with pytest.raises(NotFoundError, match="nope"):
-        store.load_artifacts(cid, names=["nope"])
+        store.artifacts.load(cid, names=["nope"])
     assert temp_files(store.blob_dir) == []
 
-    ready = store.mark_ready(cid, tokens=1234, required=["f32", "i64"])
+    ready = store.contexts.mark_ready(cid, tokens=1234, required=["f32", "i64"])
     assert (ready["status"], ready["tokens"]) == ("ready", 1234)
-    [row] = store.list_documents()
+    [row] = store.documents.list()
     assert (row["status"], row["tokens"], row["context_id"]) == ("ready", 1234, cid)
 
 
 def test_save_artifact_overwrites_and_validates(store):
     cid = new_context(store)["id"]
-    first = store.save_artifact(cid, "keys", torch.zeros(2))
-    second = store.save_artifact(cid, "keys", torch.ones(3))
+    first = store.artifacts.save(cid, "keys", torch.zeros(2))
+    second = store.artifacts.save(cid, "keys", torch.ones(3))
     assert first["path"] != second["path"]  # a fresh file per save; the old one is deleted
     assert [p.name for p in (store.blob_dir / cid).iterdir()] == [second["path"].split("/")[-1]]
-    assert torch.equal(store.load_artifacts(cid)["keys"], torch.ones(3))
-    assert len(store.list_artifacts(cid)) == 1
+    assert torch.equal(store.artifacts.load(cid)["keys"], torch.ones(3))
+    assert len(store.artifacts.list(cid)) == 1
     with pytest.raises(ValueError):
-        store.save_artifact(cid, "../escape", torch.zeros(1))
+        store.artifacts.save(cid, "../escape", torch.zeros(1))
     with pytest.raises(NotFoundError):
-        store.save_artifact("0" * 16, "keys", torch.zeros(1))
+        store.artifacts.save("0" * 16, "keys", torch.zeros(1))
 
 
 def test_damaged_artifact_is_detected_and_named(store):
     cid = new_context(store)["id"]
-    store.save_artifact(cid, "keys", torch.randn(64))
-    store.save_artifact(cid, "values", torch.randn(64))
-    path = store.root / store.list_artifacts(cid)[1]["path"]
+    store.artifacts.save(cid, "keys", torch.randn(64))
+    store.artifacts.save(cid, "values", torch.randn(64))
+    path = store.root / store.artifacts.list(cid)[1]["path"]
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(DamagedArtifactError, match=f"{cid}/values") as err:
-        store.load_artifacts(cid)
+        store.artifacts.load(cid)
     assert err.value.artifact == f"{cid}/values" and str(path) in str(err.value)
-    assert store.load_artifacts(cid, names=["keys"])["keys"].shape == (64,)  # intact one loads
+    assert store.artifacts.load(cid, names=["keys"])["keys"].shape == (64,)  # intact one loads
 
 
 def test_missing_artifact_blocks_load_and_ready(store):
     cid = new_context(store)["id"]
-    store.save_artifact(cid, "keys", torch.randn(8))
-    (store.root / store.list_artifacts(cid)[0]["path"]).unlink()
+    store.artifacts.save(cid, "keys", torch.randn(8))
+    (store.root / store.artifacts.list(cid)[0]["path"]).unlink()
     with pytest.raises(MissingArtifactError, match=f"{cid}/keys"):
-        store.load_artifacts(cid)
+        store.artifacts.load(cid)
     with pytest.raises(MissingArtifactError):
-        store.mark_ready(cid, tokens=8)
+        store.contexts.mark_ready(cid, tokens=8)
     with pytest.raises(MissingArtifactError, match="values"):
-        store.mark_ready(cid, tokens=8, required=["values"])
-    assert store.get_context(cid)["status"] == "pending"
+        store.contexts.mark_ready(cid, tokens=8, required=["values"])
+    assert store.contexts.get(cid)["status"] == "pending"
 
 
 def test_context_status_rules(store):
     cid = new_context(store)["id"]
-    failed = store.set_context_status(cid, "failed", error="out of memory")
+    failed = store.contexts.set_status(cid, "failed", error="out of memory")
     assert (failed["status"], failed["error"]) == ("failed", "out of memory")
-    running = store.set_context_status(cid, "running")
+    running = store.contexts.set_status(cid, "running")
     assert (running["status"], running["error"]) == ("running", None)
     with pytest.raises(ValueError):
-        store.set_context_status(cid, "ready")  # needs tokens, goes through mark_ready
-    assert store.set_context_status(cid, "ready", tokens=5)["status"] == "ready"
+        store.contexts.set_status(cid, "ready")  # needs tokens, goes through mark_ready
+    assert store.contexts.set_status(cid, "ready", tokens=5)["status"] == "ready"
     with pytest.raises(ValueError):
-        store.set_context_status(cid, "done")
+        store.contexts.set_status(cid, "done")
     with pytest.raises(ValueError):
-        store.mark_ready(cid, tokens=-1)
+        store.contexts.mark_ready(cid, tokens=-1)
 
 
 # --------------------------------------------------------------------------- jobs
 
 
+def new_job(store: Store, context: dict, **kwargs) -> int:
+    return store.jobs.create(context["doc_id"], "notes.txt", MODEL, SETTINGS, context_id=context["id"], **kwargs)
+
+
 def test_job_lifecycle(store):
-    cid = new_context(store)["id"]
-    assert store.latest_job(cid) is None
-    job_id = store.create_job(cid)
-    job = store.get_job(job_id)
-    assert (job["status"], job["progress"], job["started_at"]) == ("queued", 0.0, None)
-    job = store.update_job(job_id, status="running", stage="prefill", progress=0.25, message="1/4")
-    assert (job["status"], job["stage"], job["progress"]) == ("running", "prefill", 0.25)
-    assert job["message"] == "1/4"
-    assert job["started_at"] is not None
-    assert store.update_job(job_id, status="done")["progress"] == 1.0
-    assert store.latest_job(cid)["id"] == job_id
-    assert store.latest_job(cid)["id"] < store.create_job(cid) == store.latest_job(cid)["id"]
+    context = new_context(store)
+    cid = context["id"]
+    assert store.jobs.latest(context_id=cid) is None
+    job_id = new_job(store, context, methods=["squeeze"])
+    job = store.jobs.get(job_id)
+    assert (job["status"], job["stage"], job["done"], job["total"], job["started_at"]) == ("queued", "queued", 0, 0,
+                                                                                          None)
+    assert (job["settings"], job["methods"], job["truncate"], job["cached"]) == (SETTINGS, ["squeeze"], False, False)
+    assert store.jobs.start(job_id)["started_at"] is not None
+    job = store.jobs.update(job_id, stage="prefill", done=1, total=4, tokens=40)
+    assert (job["status"], job["stage"], job["done"], job["total"], job["tokens"]) == ("running", "prefill", 1, 4, 40)
+    done = store.jobs.finish(job_id, context_id=cid, tokens=40, cached=True)
+    assert (done["status"], done["stage"], done["cached"], done["finished_at"] is not None) == ("done", "ready", True,
+                                                                                                True)
+    assert store.jobs.latest(context_id=cid)["id"] == job_id
+    assert store.jobs.latest(context_id=cid)["id"] < new_job(store, context) == store.jobs.latest(context_id=cid)["id"]
     with pytest.raises(ValueError):
-        store.update_job(job_id, progress=1.5)
+        store.jobs.update(job_id, done=-1)
     with pytest.raises(ValueError):
-        store.update_job(job_id, status="paused")
+        store.jobs.fail(job_id, "boom", kind="paused")
     with pytest.raises(NotFoundError):
-        store.get_job(10_000)
+        store.jobs.get(10_000)
+    with pytest.raises(NotFoundError):
+        store.jobs.update(job_id, context_id="0" * 16)
+
+
+def test_a_job_precedes_its_document_and_context(store):
+    """An upload's job exists before extraction: a doc_id without a document row, no context yet."""
+    doc = make_doc("uploaded later")
+    job_id, created = store.jobs.submit(doc.doc_id, "later.txt", MODEL, SETTINGS, truncate=True)
+    assert created and store.jobs.get(job_id)["context_id"] is None and store.jobs.get(job_id)["truncate"]
+    failed = store.jobs.fail(job_id, "later.txt: not a PDF", kind="document")
+    assert (failed["status"], failed["stage"], failed["error_kind"]) == ("failed", "failed", "document")
+    job_id, _ = store.jobs.submit(doc.doc_id, "later.txt", MODEL, SETTINGS)
+    store.documents.add(doc)
+    context = store.contexts.context_for(doc.doc_id, MODEL, SETTINGS)
+    job = store.jobs.update(job_id, context_id=context["id"], chars=14, pages=1)
+    assert (job["context_id"], job["chars"], job["pages"]) == (context["id"], 14, 1)
+    store.documents.delete(doc.doc_id)  # with every job of the document, with or without a context
+    assert store.jobs.latest(doc_id=doc.doc_id) is None
+
+
+def test_submit_reuses_an_identical_active_job(store):
+    doc_id = make_doc().doc_id
+    first, created = store.jobs.submit(doc_id, "a.txt", MODEL, SETTINGS, methods=["squeeze"])
+    assert created
+    same = dict(reversed(list(SETTINGS.items())))  # the same settings, in another order
+    assert store.jobs.submit(doc_id, "a.txt", MODEL, same, methods=["squeeze"]) == (first, False)
+    others = [store.jobs.submit(doc_id, "a.txt", MODEL, {**SETTINGS, "clusters": 4})[0],
+              store.jobs.submit(doc_id, "a.txt", MODEL, SETTINGS, methods=["quest"])[0],
+              store.jobs.submit(doc_id, "a.txt", "other-model", SETTINGS, methods=["squeeze"])[0]]
+    assert first not in others and len(set(others)) == 3
+    store.jobs.fail(first, "boom")
+    again, created = store.jobs.submit(doc_id, "a.txt", MODEL, SETTINGS, methods=["squeeze"])
+    assert created and again != first  # a finished job is history, not reused
+
+
+def test_list_jobs_active_and_recent(store):
+    doc_id = make_doc().doc_id
+    assert store.jobs.last_id() == 0
+    old = store.jobs.create(doc_id, "old.txt", MODEL, SETTINGS)
+    waiting = store.jobs.create(doc_id, "waiting.txt", MODEL, SETTINGS)  # active: listed whenever it was created
+    store.jobs.fail(old, "boom")
+    after = store.jobs.last_id()
+    assert after == waiting
+    recent = [store.jobs.create(doc_id, f"{i}.txt", MODEL, SETTINGS) for i in range(3)]
+    for job_id in recent:
+        store.jobs.fail(job_id, "boom")
+    other = store.jobs.create(doc_id, "other.txt", "other-model", SETTINGS)
+    assert [j["id"] for j in store.jobs.list(model=MODEL)] == [old, waiting, *recent]
+    assert [j["id"] for j in store.jobs.list(model=MODEL, after=after)] == [waiting, *recent]
+    assert [j["id"] for j in store.jobs.list(model=MODEL, after=after, limit=1)] == [waiting, recent[-1]]
+    assert store.jobs.latest(doc_id=doc_id, model=MODEL, settings=SETTINGS)["id"] == recent[-1]
+    assert store.jobs.latest(doc_id=doc_id, model=MODEL, settings={"x": 1}) is None
+    assert store.jobs.latest(doc_id=doc_id, model="other-model", after=store.jobs.last_id())["id"] == other  # active
+    store.jobs.fail(other, "boom")
+    assert store.jobs.latest(doc_id=doc_id, model="other-model", after=store.jobs.last_id()) is None
 
 
 def test_interrupted_ingest_leaves_no_context_ready(store):
-    cid = new_context(store)["id"]
-    store.set_context_status(cid, "running")
-    job_id = store.create_job(cid)
-    store.update_job(job_id, status="running", stage="prefill", progress=0.5)
-    store.save_artifact(cid, "keys", torch.randn(4, 8))  # ...and the process dies before mark_ready
-    assert store.recover_interrupted() == 0  # the job's pid (this process) is alive
-    assert store.recover_interrupted(all=True) == 1
-    job, context = store.get_job(job_id), store.get_context(cid)
-    assert (job["status"], job["error"]) == ("failed", "interrupted")
+    context = new_context(store)
+    cid = context["id"]
+    store.contexts.set_status(cid, "running")
+    job_id = new_job(store, context)
+    store.jobs.start(job_id)
+    store.jobs.update(job_id, stage="prefill", done=2, total=4)
+    upload, _ = store.jobs.submit("f" * 16, "upload.txt", MODEL, SETTINGS)  # never extracted: no context
+    store.artifacts.save(cid, "keys", torch.randn(4, 8))  # ...and the process dies before mark_ready
+    assert store.jobs.recover_interrupted() == 0  # the jobs' pid (this process) is alive
+    assert store.jobs.recover_interrupted(all=True) == 2
+    job, context = store.jobs.get(job_id), store.contexts.get(cid)
+    assert (job["status"], job["error"], job["finished_at"] is not None) == ("failed", "interrupted", True)
     assert (context["status"], context["error"]) == ("failed", "interrupted")
-    assert store.list_documents()[0]["status"] == "failed"
-    assert store.recover_interrupted(all=True) == 0
+    assert store.jobs.get(upload)["status"] == "failed"
+    assert store.documents.list()[0]["status"] == "failed"
+    assert store.jobs.recover_interrupted(all=True) == 0
 
 
 def test_recover_fails_jobs_of_dead_processes_only(store):
-    ready_cid = new_context(store, "ready doc")["id"]
-    store.mark_ready(ready_cid, tokens=3)
-    busy_cid = new_context(store, "live doc")["id"]
-    dead_job, ready_job = store.create_job(busy_cid), store.create_job(ready_cid)
-    live_job = store.create_job(busy_cid)
+    ready = new_context(store, "ready doc")
+    store.contexts.mark_ready(ready["id"], tokens=3)
+    busy = new_context(store, "live doc")
+    dead_job, ready_job = new_job(store, busy), new_job(store, ready)
+    live_job = new_job(store, busy)
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()  # its pid is now free: a job "owned" by it can never finish
     with store.transaction() as db:
@@ -286,11 +354,11 @@ def test_recover_fails_jobs_of_dead_processes_only(store):
             "UPDATE jobs SET status = 'running', pid = ? WHERE id IN (?, ?)",
             [child.pid, dead_job, ready_job],
         )
-    assert store.recover_interrupted() == 2
-    statuses = [store.get_job(j)["status"] for j in (dead_job, ready_job, live_job)]
+    assert store.jobs.recover_interrupted() == 2
+    statuses = [store.jobs.get(j)["status"] for j in (dead_job, ready_job, live_job)]
     assert statuses == ["failed", "failed", "queued"]
-    assert store.get_context(ready_cid)["status"] == "ready"  # a ready context stays ready
-    assert store.get_context(busy_cid)["status"] == "failed"
+    assert store.contexts.get(ready["id"])["status"] == "ready"  # a ready context stays ready
+    assert store.contexts.get(busy["id"])["status"] == "failed"
 
 
 # --------------------------------------------------------------------------- chats, delete
@@ -299,49 +367,49 @@ def test_recover_fails_jobs_of_dead_processes_only(store):
 def test_chats_and_turns(store):
     context = new_context(store)
     doc_id, cid = context["doc_id"], context["id"]
-    chat_id = store.create_chat(doc_id, cid)
+    chat_id = store.chats.create(doc_id, cid)
     stats = {"ms": 12.5, "n": torch.tensor(3)}
-    first = store.add_turn(chat_id, "What is it about?\n", "Fruit.", "squeezed", 0.9, stats)
-    store.add_turn(chat_id, "And then?", "Cherries.", "dense", None, {})
-    turns = store.get_turns(chat_id)
+    first = store.chats.add_turn(chat_id, "What is it about?\n", "Fruit.", "squeezed", 0.9, stats)
+    store.chats.add_turn(chat_id, "And then?", "Cherries.", "dense", None, {})
+    turns = store.chats.turns(chat_id)
     assert [t["idx"] for t in turns] == [0, 1] and turns[0]["id"] == first
     assert turns[0]["stats"] == {"ms": 12.5, "n": 3} and turns[1]["sparsity"] is None
-    [chat] = store.list_chats(doc_id)
+    [chat] = store.chats.list(doc_id)
     assert (chat["id"], chat["context_id"], chat["turn_count"]) == (chat_id, cid, 2)
     assert chat["title"] == "What is it about?"  # untitled: named after the first question
     other = new_context(store, "another document")
     with pytest.raises(ValueError):
-        store.create_chat(doc_id, other["id"])
+        store.chats.create(doc_id, other["id"])
     with pytest.raises(NotFoundError):
-        store.add_turn(10_000, "q", "a", None, None, {})
+        store.chats.add_turn(10_000, "q", "a", None, None, {})
 
 
 def test_delete_document_removes_rows_and_blob_files(store):
     context = new_context(store)
     doc_id, cid = context["doc_id"], context["id"]
     keep = new_context(store, "keep me")
-    store.save_artifact(cid, "keys", torch.randn(8))
-    store.save_artifact(keep["id"], "keys", torch.randn(8))
-    store.add_turn(store.create_chat(doc_id, cid), "q", "a", None, None, {})
-    store.create_job(cid)
-    files = [store.root / a["path"] for a in store.list_artifacts(cid)]
+    store.artifacts.save(cid, "keys", torch.randn(8))
+    store.artifacts.save(keep["id"], "keys", torch.randn(8))
+    store.chats.add_turn(store.chats.create(doc_id, cid), "q", "a", None, None, {})
+    new_job(store, context)
+    files = [store.root / a["path"] for a in store.artifacts.list(cid)]
     assert all(f.exists() for f in files)
 
-    store.delete_document(doc_id)
+    store.documents.delete(doc_id)
     assert not any(f.exists() for f in files) and not (store.blob_dir / cid).exists()
-    for lookup in (lambda: store.get_document(doc_id), lambda: store.get_context(cid)):
+    for lookup in (lambda: store.documents.get(doc_id), lambda: store.contexts.get(cid)):
         with pytest.raises(NotFoundError):
             lookup()
-    assert store.list_chats(doc_id) == [] and store.latest_job(cid) is None
-    assert [d["id"] for d in store.list_documents()] == [keep["doc_id"]]
-    assert store.load_artifacts(keep["id"])["keys"].shape == (8,)
+    assert store.chats.list(doc_id) == [] and store.jobs.latest(context_id=cid) is None
+    assert [d["id"] for d in store.documents.list()] == [keep["doc_id"]]
+    assert store.artifacts.load(keep["id"])["keys"].shape == (8,)
     with pytest.raises(NotFoundError):
-        store.delete_document(doc_id)
+        store.documents.delete(doc_id)
 
 
 def test_remove_orphan_files(store):
     cid = new_context(store)["id"]
-    store.save_artifact(cid, "keys", torch.arange(3))
+    store.artifacts.save(cid, "keys", torch.arange(3))
     orphan = store.blob_dir / cid / "keys.deadbeef.safetensors"  # written, never indexed
     orphan.write_bytes(b"x")
     stray = store.blob_dir / "0123456789abcdef" / f".keys.abc{TEMP_SUFFIX}"  # a crashed write
@@ -349,7 +417,157 @@ def test_remove_orphan_files(store):
     stray.write_bytes(b"y")
     assert store.remove_orphan_files() == 2
     assert not orphan.exists() and not stray.parent.exists()
-    assert torch.equal(store.load_artifacts(cid)["keys"], torch.arange(3))
+    assert torch.equal(store.artifacts.load(cid)["keys"], torch.arange(3))
+
+
+# --------------------------------------------------------------------------- method builds
+
+
+def test_method_builds_round_trip(store):
+    cid = new_context(store)["id"]
+    assert store.methods.get(cid, "quest") is None and store.methods.list(cid) == []
+    built = store.methods.mark_built(cid, "quest", {"page_size": 16, "calib": [1, 2]})
+    assert (built["method"], built["settings"]) == ("quest", {"page_size": 16, "calib": [1, 2]})
+    store.methods.mark_built(cid, "squeeze", {"centroid_ratio": 0.05})
+    store.methods.mark_built(cid, "quest", {"page_size": 32})  # rebuilt with other settings: replaces the row
+    assert [(b["method"], b["settings"]) for b in store.methods.list(cid)] == [
+        ("quest", {"page_size": 32}), ("squeeze", {"centroid_ratio": 0.05})]
+    assert store.methods.get(cid, "quest")["built_at"] is not None
+    with pytest.raises(NotFoundError):
+        store.methods.mark_built("0" * 16, "quest", {})
+    with pytest.raises(ValueError):
+        store.methods.mark_built(cid, "a.b", {})  # a dot would blur the artifacts' "{method}." prefix
+
+
+def test_remove_method_build_deletes_only_its_artifacts(store):
+    cid = new_context(store)["id"]
+    for name in ("offsets", "quest.layer3.page_min", "quest.calib.x", "quest_v2.layer3.x", "squeeze.layer3.keys"):
+        store.artifacts.save(cid, name, torch.arange(3))
+    store.methods.mark_built(cid, "quest", {"page_size": 16})
+    store.methods.mark_built(cid, "squeeze", {})
+    quest_files = [store.root / a["path"] for a in store.artifacts.list(cid) if a["name"].startswith("quest.")]
+    assert store.methods.remove(cid, "quest") == 2
+    assert not any(f.exists() for f in quest_files)
+    assert [a["name"] for a in store.artifacts.list(cid)] == ["offsets", "quest_v2.layer3.x", "squeeze.layer3.keys"]
+    assert store.methods.get(cid, "quest") is None and store.methods.get(cid, "squeeze") is not None
+    assert store.methods.remove(cid, "quest") == 0  # nothing left: a no-op
+    store.artifacts.save(cid, "quest.layer0.page_max", torch.ones(2))  # an unfinished build, no row
+    assert store.methods.remove(cid, "quest") == 1
+    assert torch.equal(store.artifacts.load(cid, ["squeeze.layer3.keys"])["squeeze.layer3.keys"], torch.arange(3))
+    with pytest.raises(NotFoundError):
+        store.methods.remove("0" * 16, "quest")
+
+
+def test_method_builds_go_with_their_document(store):
+    context = new_context(store)
+    store.artifacts.save(context["id"], "quest.layer0.page_min", torch.zeros(2))
+    store.methods.mark_built(context["id"], "quest", {})
+    store.documents.delete(context["doc_id"])
+    with store.transaction() as db:
+        assert db.execute("SELECT COUNT(*) FROM method_builds").fetchone()[0] == 0
+
+
+# --------------------------------------------------------------------------- model-level artifacts
+
+GATES = {"threshold": 0.5, "layers": [0, 3]}
+
+
+def test_model_artifacts_round_trip(store):
+    assert store.models.load(MODEL, "duo", GATES) == {} and store.models.names(MODEL, "duo", GATES) == []
+    tensors = sample_tensors()
+    for name, tensor in tensors.items():
+        row = store.models.save(MODEL, "duo", GATES, name, tensor)
+        assert row["shape"] == list(tensor.shape) and row["settings"] == GATES
+        assert row["path"].startswith("blobs/models/")
+    loaded = store.models.load(MODEL, "duo", dict(reversed(list(GATES.items()))))  # same settings, other order
+    assert sorted(loaded) == sorted(tensors) == store.models.names(MODEL, "duo", GATES)
+    for name, tensor in tensors.items():
+        assert_bit_exact(loaded[name], tensor)
+    # other settings, method or model: another set
+    assert store.models.load(MODEL, "duo", {**GATES, "threshold": 0.6}) == {}
+    assert store.models.load(MODEL, "other", GATES) == {} and store.models.load("m2", "duo", GATES) == {}
+    first = store.models.save(MODEL, "duo", GATES, "f32", torch.ones(2))  # replaced: the old file goes
+    assert [p.name for p in (store.root / first["path"]).parent.iterdir() if p.name.startswith("f32.")] == [
+        first["path"].split("/")[-1]]
+    with pytest.raises(ValueError):
+        store.models.save(MODEL, "duo", GATES, "../escape", torch.zeros(1))
+    with pytest.raises(TypeError):
+        store.models.save(MODEL, "duo", GATES, "x", [1, 2])
+    assert temp_files(store.blob_dir) == []
+
+
+def test_model_artifacts_are_verified_and_removed_per_method(store):
+    store.models.save(MODEL, "duo", GATES, "gates", torch.randn(16))
+    store.models.save(MODEL, "duo", {"threshold": 0.9}, "gates", torch.randn(16))
+    store.models.save(MODEL, "razor", {}, "heads", torch.randn(4))
+    [row] = [r for r in store.models.list(MODEL, "duo", GATES)]
+    path = store.root / row["path"]
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedArtifactError, match=f"{MODEL}/duo/gates"):
+        store.models.load(MODEL, "duo", GATES)
+    path.unlink()
+    with pytest.raises(MissingArtifactError, match=f"{MODEL}/duo/gates"):
+        store.models.load(MODEL, "duo", GATES)
+    assert store.models.remove(MODEL, "duo") == 2  # every settings of the method
+    assert store.models.load(MODEL, "duo", {"threshold": 0.9}) == {}
+    assert not path.parent.exists()  # its emptied folder goes too
+    assert list(store.models.load(MODEL, "razor", {})) == ["heads"]
+
+
+def test_model_artifacts_outlive_documents_and_orphan_sweeps(store):
+    context = new_context(store)
+    store.models.save(MODEL, "duo", GATES, "gates", torch.arange(4))
+    store.documents.delete(context["doc_id"])
+    assert store.remove_orphan_files() == 0
+    assert torch.equal(store.models.load(MODEL, "duo", GATES)["gates"], torch.arange(4))
+
+
+# --------------------------------------------------------------------------- migrations
+
+
+def test_a_version_1_index_is_migrated_with_its_jobs(tmp_path, monkeypatch):
+    import storage.database
+
+    monkeypatch.setattr(storage.database, "MIGRATIONS", MIGRATIONS[:1])
+    monkeypatch.setattr(storage.database, "SCHEMA_VERSION", 1)
+    with Store(tmp_path) as old:
+        context = new_context(old)
+        with old.transaction() as db:
+            db.table("jobs").insert({"context_id": context["id"], "status": "running", "stage": "prefill",
+                                     "progress": 0.25, "pid": 1, "created_at": "t0", "updated_at": "t1"})
+            db.table("jobs").insert({"context_id": context["id"], "status": "done", "progress": 1.0,
+                                     "created_at": "t2", "updated_at": "t3"})
+        assert old.schema_version() == 1
+    monkeypatch.undo()
+    with Store(tmp_path) as store:
+        assert store.schema_version() == SCHEMA_VERSION
+        running, done = (store.jobs.get(i) for i in (1, 2))
+        assert (running["doc_id"], running["name"], running["model"], running["settings"]) == (
+            context["doc_id"], "notes.txt", MODEL, SETTINGS)
+        assert (running["status"], running["stage"], running["done"], running["total"]) == ("running", "prefill",
+                                                                                            25, 100)
+        assert (running["finished_at"], done["finished_at"], done["stage"]) == (None, "t3", "queued")
+        assert store.methods.list(context["id"]) == []
+        assert store.jobs.create(context["doc_id"], "n", MODEL, SETTINGS) == 3  # the ids go on
+
+
+def test_a_failed_migration_changes_nothing(tmp_path, monkeypatch):
+    import storage.database
+
+    with Store(tmp_path):
+        pass
+    broken = (SCHEMA_VERSION + 1, "CREATE TABLE half_done (x INTEGER);\nINSERT INTO no_such_table VALUES (1);")
+    monkeypatch.setattr(storage.database, "MIGRATIONS", (*MIGRATIONS, broken))
+    monkeypatch.setattr(storage.database, "SCHEMA_VERSION", SCHEMA_VERSION + 1)
+    with pytest.raises(Exception, match="no_such_table"):
+        Store(tmp_path)
+    monkeypatch.undo()
+    with Store(tmp_path) as store:
+        assert store.schema_version() == SCHEMA_VERSION
+        with store.transaction() as db:
+            assert "half_done" not in db.table_names()
 
 
 # --------------------------------------------------------------------------- transactions, threads
@@ -361,21 +579,21 @@ def test_transaction_rolls_back_on_error(store):
         with store.transaction() as db:
             db.execute("UPDATE contexts SET status = 'failed' WHERE id = ?", [cid])
             raise RuntimeError("boom")
-    assert store.get_context(cid)["status"] == "pending"
+    assert store.contexts.get(cid)["status"] == "pending"
 
 
 def test_disk_store_persists_migrates_and_uses_wal(tmp_path):
     with Store(tmp_path) as store:
         cid = new_context(store)["id"]
-        store.save_artifact(cid, "keys", torch.arange(5))
-        store.mark_ready(cid, tokens=5)
-        assert store.schema_version() == 1
+        store.artifacts.save(cid, "keys", torch.arange(5))
+        store.contexts.mark_ready(cid, tokens=5)
+        assert store.schema_version() == SCHEMA_VERSION
         with store.transaction() as db:
             assert db.journal_mode == "wal"
     assert (tmp_path / "index.db").exists() and (tmp_path / "blobs").is_dir()
     with Store(tmp_path) as store:
-        assert store.get_context(cid)["status"] == "ready"
-        assert torch.equal(store.load_artifacts(cid)["keys"], torch.arange(5))
+        assert store.contexts.get(cid)["status"] == "ready"
+        assert torch.equal(store.artifacts.load(cid)["keys"], torch.arange(5))
         with store.transaction() as db:
             db.table("schema_version").insert({"version": 99, "applied_at": "later"})
     with pytest.raises(StorageError, match="newer"):
@@ -392,12 +610,12 @@ def test_store_needs_exactly_one_of_root_or_memory(tmp_path):
     store.close()
     assert not root.exists()
     with pytest.raises(StorageError, match="closed"):
-        store.list_documents()
+        store.documents.list()
 
 
 def test_concurrent_turns_from_many_threads(store):
     context = new_context(store)
-    chat_id = store.create_chat(context["doc_id"], context["id"])
+    chat_id = store.chats.create(context["doc_id"], context["id"])
     threads_n, turns_n = 8, 20
     errors: list[BaseException] = []
     barrier = threading.Barrier(threads_n + 1)
@@ -406,7 +624,7 @@ def test_concurrent_turns_from_many_threads(store):
         try:
             barrier.wait()
             for i in range(turns_n):
-                store.add_turn(chat_id, f"q{worker}.{i}", "a", "dense", 0.0, {"worker": worker})
+                store.chats.add_turn(chat_id, f"q{worker}.{i}", "a", "dense", 0.0, {"worker": worker})
         except BaseException as exc:  # surfaced below
             errors.append(exc)
 
@@ -414,9 +632,9 @@ def test_concurrent_turns_from_many_threads(store):
         try:
             barrier.wait()
             for _ in range(turns_n):
-                turns = store.get_turns(chat_id)
+                turns = store.chats.turns(chat_id)
                 assert [t["idx"] for t in turns] == list(range(len(turns)))
-                store.list_documents()
+                store.documents.list()
         except BaseException as exc:
             errors.append(exc)
 
@@ -428,6 +646,6 @@ def test_concurrent_turns_from_many_threads(store):
     for t in threads:
         t.join()
     assert errors == []
-    turns = store.get_turns(chat_id)
+    turns = store.chats.turns(chat_id)
     assert [t["idx"] for t in turns] == list(range((threads_n - 1) * turns_n))
     assert len({t["question"] for t in turns}) == len(turns)

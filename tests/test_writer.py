@@ -1,4 +1,4 @@
-"""engine.writer.ArtifactWriter: every artifact saved through a real store while the caller goes on, in order; host
+"""engine.serve.writer.ArtifactWriter: every artifact saved through a real store while the caller goes on, in order; host
 memory bounded; a failed save raised in the caller's thread; an aborted writer saves nothing more."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from engine.writer import ArtifactWriter
+from engine.serve.writer import ArtifactWriter
 from storage import Store
 
 TEXT = "The harbour wall was rebuilt after the storm."
@@ -18,8 +18,8 @@ TEXT = "The harbour wall was rebuilt after the storm."
 @pytest.fixture
 def store_and_context(tmp_path):
     with Store(tmp_path / "store") as store:
-        doc_id, _ = store.add_document(_document())
-        ctx = store.context_for(doc_id, "model", {"a": 1})
+        doc_id, _ = store.documents.add(_document())
+        ctx = store.contexts.context_for(doc_id, "model", {"a": 1})
         yield store, ctx["id"]
 
 
@@ -30,7 +30,7 @@ def _document():
 
 
 class SlowSink:
-    """A store stand-in that takes `delay` seconds per save and records the queue's bytes at each save."""
+    """An artifacts-repository stand-in that takes `delay` seconds per save and records the queue's bytes at each save."""
 
     def __init__(self, delay: float = 0.0, fail_at: str | None = None):
         self.delay, self.fail_at = delay, fail_at
@@ -39,7 +39,7 @@ class SlowSink:
         self.writer: ArtifactWriter | None = None
         self.thread: threading.Thread | None = None
 
-    def save_artifact(self, context_id: str, name: str, tensor: torch.Tensor) -> None:
+    def save(self, context_id: str, name: str, tensor: torch.Tensor) -> None:
         self.thread = threading.current_thread()
         if self.writer is not None:
             self.pending_seen.append(self.writer._pending_bytes)
@@ -53,12 +53,12 @@ def test_saves_every_artifact_through_the_store(store_and_context):
     store, context_id = store_and_context
     tensors = {f"layer{i}.keys": torch.randn(2, 5, 4) for i in range(3)} | {"tokens": torch.arange(7)}
     progress = []
-    with ArtifactWriter(store, context_id) as writer:
+    with ArtifactWriter(store.artifacts, context_id) as writer:
         for name, t in tensors.items():
             writer.put(name, t)
         writer.close(lambda written, handed: progress.append((written, handed)))
     assert progress[-1] == (4, 4) and all(w <= h == 4 for w, h in progress)
-    loaded = store.load_artifacts(context_id)
+    loaded = store.artifacts.load(context_id)
     assert sorted(loaded) == sorted(tensors)
     for name, t in tensors.items():
         assert torch.equal(loaded[name], t)

@@ -6,13 +6,11 @@ The benchmark's shapes (8 or 32 KV heads of dimension 128, up to 512K tokens) ar
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from engine.config import IndexSettings
 from engine.ingest import prefill
 from engine.model import LoadedModel
 from kernels.backend import REFERENCE
@@ -39,8 +37,7 @@ def capture(lm: LoadedModel, text: str, tokens: int, queries: int) -> dict[str, 
         raise ValueError(f"the document has {ids.numel()} tokens; {tokens} were asked for")
     if queries >= tokens:
         raise ValueError(f"queries ({queries}) must be fewer than tokens ({tokens})")
-    settings = replace(IndexSettings(), dense_tail=queries)
-    cache, cap = prefill(lm, ids, settings, REFERENCE)
+    cache, cap = prefill(lm, ids, queries, REFERENCE)
     keys, values, qs = [], [], []
     for layer_idx in lm.global_layers:
         layer = cache.layers[layer_idx]

@@ -37,11 +37,11 @@ from dataclasses import fields
 import torch
 
 from engine.compiled import compile_layers
-from engine.config import IndexSettings
+from engine.config import ContextSettings
 from engine.generate import greedy_tokens
 from engine.ingest import IngestOutput, ingest_tokens
 from engine.model import LoadedModel, layer_devices, load_model
-from engine.policies import METHODS, get_policy
+from engine.policies import METHODS, build_order, make_method
 from engine.session import ContextSession
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
@@ -271,8 +271,8 @@ class StageClock:
         return {stage: round(s, 3) for stage, s in self.seconds.items()}
 
 
-def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings,
-               backend: Backend) -> tuple[IngestOutput | None, dict]:
+def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, backend: Backend,
+               methods: list[str]) -> tuple[IngestOutput | None, dict]:
     """engine.ingest.ingest_tokens, timed; the report has the error (an OOM, say) and the peak memory either way."""
     clock = StageClock(lm.device)
     reset_peaks(lm)
@@ -280,7 +280,7 @@ def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings,
     ingest = None
     start = time.perf_counter()
     try:
-        ingest = ingest_tokens(lm, ids, settings, backend, clock)
+        ingest = ingest_tokens(lm, ids, settings, backend, [make_method(m) for m in build_order(methods)], clock)
         clock.close()
     except Exception as exc:  # noqa: BLE001 - reported in the JSON
         report["error"] = _error(exc)
@@ -296,7 +296,6 @@ def timed_turn(lm: LoadedModel, session: ContextSession, method: str, sparsity: 
                tokens: int) -> tuple[list[float], TurnStats]:
     """One turn of `tokens` greedy tokens with the product's statistics on. Returns the seconds of each forward call
     (the first is the question's prefill, each later one a decode step) and the turn's statistics."""
-    policy = get_policy(method)
     recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,
                             sync_cuda=False)
     step = session.step_context(method, sparsity, recorder)
@@ -311,7 +310,7 @@ def timed_turn(lm: LoadedModel, session: ContextSession, method: str, sparsity: 
             last = now
     finally:
         session.cache.reset_dynamic()
-    stats = recorder.finish(method, sparsity if policy.sparse else 0.0, len(times), {})
+    stats = recorder.finish(method, sparsity if step.method.sparse else 0.0, len(times), {})
     return times, stats
 
 
@@ -525,7 +524,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
 
-def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, backend: Backend, methods: list[str],
+def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, backend: Backend, methods: list[str],
                    sparsity: float, prompts: dict[int, torch.Tensor], steps: int, profile: str | None = None,
                    graphs: bool = True, tag: str = "") -> dict:
     """The engine's phases: the ingest (after an untimed one of the first WARMUP_CONTEXT tokens), the session's
@@ -538,7 +537,7 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, 
     _log(f"warm-up ingest of {warmup.numel()} tokens")
     start = time.perf_counter()
     try:
-        ingest_tokens(lm, warmup, settings, backend)
+        ingest_tokens(lm, warmup, settings, backend, [make_method(m) for m in build_order(methods)])
         warmup_error = None
     except Exception as exc:  # noqa: BLE001 - the timed ingest reports what fails
         warmup_error = _error(exc)
@@ -547,7 +546,7 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, 
     if cuda:
         torch.cuda.empty_cache()
     _log(f"ingest of {ids.numel()} tokens")
-    ingest, report = run_ingest(lm, ids, settings, backend)
+    ingest, report = run_ingest(lm, ids, settings, backend, methods)
     report.update(warmup_tokens=int(warmup.numel()), warmup_s=warmup_s)
     if warmup_error:
         report["warmup_error"] = warmup_error
@@ -556,7 +555,7 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: IndexSettings, 
     if ingest is not None:
         try:
             start = time.perf_counter()
-            session = ContextSession(lm, ingest.artifacts, settings, backend, graphs)  # takes the artifacts' K/V
+            session = ContextSession(lm, ingest.artifacts, settings, backend, graphs=graphs)  # takes the artifacts' K/V
             _sync(lm.device)
             out["session"] = {"open_s": round(time.perf_counter() - start, 3), "graphs": session.graphs is not None}
         except Exception as exc:  # noqa: BLE001
@@ -640,7 +639,7 @@ def run(args: argparse.Namespace) -> dict:
     cuda = device.type == "cuda"
     methods = args.methods.split(",") if args.methods else list(METHODS)
     questions = [int(x) for x in args.questions.split(",") if x]
-    settings = IndexSettings()
+    settings = ContextSettings()
     out: dict = {"bench": "e2e", "device": torch.cuda.get_device_name(device) if cuda else "cpu", "gpus": args.gpus,
                  **_versions(), "shape": args.shape if args.model is None else None, "model": args.model}
     _log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
@@ -658,7 +657,8 @@ def run(args: argparse.Namespace) -> dict:
                settings={"sparsity": args.sparsity, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
                          "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs, "compile": args.compile,
-                         "index": settings.as_dict()})
+                         "context_settings": settings.as_dict(),
+                         "method_settings": {m: make_method(m).settings.as_dict() for m in build_order(methods)}})
     try:
         _log("copy bandwidth")
         out["bandwidth_gbs"] = round(copy_bandwidth(device), 1)

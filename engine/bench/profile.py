@@ -16,13 +16,9 @@ from collections import defaultdict
 
 import torch
 
-from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, build_index, kmeans_seconds
-from engine.config import IndexSettings
-from engine.policies.base import CalibrationSet
-from engine.policies.hsqueeze import HierarchicalSqueezePolicy
-from engine.policies.squeeze import SqueezePolicy
+from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, build_indexes, kmeans_seconds
+from engine.policies import SPARSE_METHODS
 from kernels.dispatch import backend_for
-from kernels.layout import ClusterLayout
 
 STEPS = 50
 
@@ -67,45 +63,45 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hq", type=int, default=32)
     parser.add_argument("--hkv", type=int, default=8)
     parser.add_argument("--sparsity", type=float, default=0.9)
-    parser.add_argument("--methods", default="squeeze,hsqueeze")
+    parser.add_argument("--methods", default=",".join(SPARSE_METHODS))
     parser.add_argument("--kmeans", action="store_true", help="also profile the 128K-token, 8-head k-means")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
     backend = backend_for(dev, "triton")
     captured = load_file(args.capture)
-    settings = IndexSettings(centroid_ratio=0.05, level1_ratio=0.01, level1_prune=0.5, dense_tail=DENSE_TAIL,
-                             kmeans_iters=10)
-    policies = {"squeeze": SqueezePolicy(), "hsqueeze": HierarchicalSqueezePolicy()}
+    settings = {"squeeze": {"kmeans_iters": 10}, "hsqueeze": {"kmeans_iters": 10}}
+    methods = args.methods.split(",")
     scale = HEAD_DIM ** -0.5
     phases = [int(p) for p in args.phases.split(",")]
     out: dict = {"device": torch.cuda.get_device_name(dev), "sparsity": args.sparsity, "steps": []}
     for length in (int(x) for x in args.lengths.split(",")):
         q_all, k, v = extend(captured, length, args.hkv, args.hq, max(phases) + DENSE_TAIL, HEAD_DIM,
                              torch.bfloat16, dev)
-        index, build_s = build_index(k, settings, heads_per_kmeans=8)
-        layout = ClusterLayout.from_labels(index["labels"], index["counts"].shape[1], DENSE_TAIL)
-        kp, vp = layout.permute(k), layout.permute(v)
-        calib = CalibrationSet(index=index, queries=q_all[:, -DENSE_TAIL - 1 : -1].float())
-        for name in args.methods.split(","):
-            policy = policies[name]
-            thresholds = policy.thresholds(policy.calibrate([calib], scale, settings), args.sparsity)
+        indexes, calibrations, instances, build_s = build_indexes(k, q_all[:, -DENSE_TAIL - 1 : -1].float(), methods,
+                                                                  scale, DENSE_TAIL, settings)
+        for name in methods:
+            policy, index = instances[name], indexes[name]
+            layout = policy.layout(index)
+            kp, vp = (k, v) if layout is None else (layout.permute(k), layout.permute(v))
+            plan = policy.plan(calibrations[name], 1.0 - args.sparsity)
             for lq in phases:
                 q = q_all[:, -lq:]
 
                 def step():
-                    found = policy.lookup(q, index, thresholds, scale, settings, backend)
-                    return backend.sparse_attention(q, kp, vp, found.selection, scale)
+                    found = policy.lookup(q, index, plan, scale, backend)
+                    return backend.kernel("sparse").sparse_attention(q, kp, vp, found.selection, scale)
 
-                row = {"length": length, "method": name, "new_tokens": lq, "index_build_s": round(build_s, 2),
+                row = {"length": length, "method": name, "new_tokens": lq, "index_build_s": build_s[name],
                        "kernels_us": kernel_times(step)}
                 row["total_us"] = round(sum(row["kernels_us"].values()), 2)
                 out["steps"].append(row)
                 print(json.dumps(row), file=sys.stderr, flush=True)
-        del q_all, k, v, kp, vp, index
+            del kp, vp
+        del q_all, k, v, indexes
         torch.cuda.empty_cache()
     if args.kmeans:
         _, k, _ = extend(captured, 131072, 8, 32, 1, HEAD_DIM, torch.bfloat16, dev)
-        out["kmeans_128k_8heads_10iters"] = kmeans_profile(k, settings.centroid_ratio, 10)
+        out["kmeans_128k_8heads_10iters"] = kmeans_profile(k, 0.05, 10)
     print(json.dumps(out))
     return 0
 

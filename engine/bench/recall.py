@@ -3,10 +3,10 @@
     python -m engine.bench.recall [--capture .bench/keys.safetensors] [--length 16384] [--heads 8/2] [--json]
 
 CPU is enough (the PyTorch reference backend). Keys, values and queries are the real ones of `squeeze bench
-capture`, extended as engine/bench/extend.py says (float32). The index is built as the engine builds it (squeeze,
-then hsqueeze over its centroids; the last DENSE_TAIL keys stay dense; K/V permuted by cluster as a session
-stores them) and calibrated on the DENSE_TAIL queries just before the evaluated ones, once per group mode, each
-on its own scores (IndexSettings.group), as an ingest would. Modes:
+capture`, extended as engine/bench/extend.py says (float32). Each method's index is built as the engine builds it
+(engine.ingest.build_methods; the last DENSE_TAIL keys stay dense; selections are mapped back from the method's
+K/V layout) and calibrated on the DENSE_TAIL queries just before the evaluated ones, once per group mode, each on
+its own scores (the methods' `group` setting), as an ingest would. Modes:
 - kv:    one selection per KV head, from the mean over its query heads of S (eq. 1); every query head of the group
          attends to it; each selected key is read once per group (the engine's default);
 - query: one selection per query head (the paper's MHA form); a kernel that reads each key once per group reads
@@ -35,10 +35,9 @@ from dataclasses import replace
 
 import torch
 
-from engine.bench.kept import POLICIES, build_index
-from engine.bench.kernels import DENSE_TAIL, HEAD_DIM
-from engine.config import IndexSettings
-from engine.policies.base import CalibrationSet
+from engine.bench.kept import method_settings
+from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, build_indexes
+from engine.policies import SPARSE_METHODS, CalibrationSet
 from kernels.backend import REFERENCE
 from kernels.layout import ClusterLayout
 
@@ -121,22 +120,32 @@ def equal_bytes(rows: list[dict], phase: str = "decode") -> list[dict]:
     return out
 
 
+def in_original_order(mask: torch.Tensor, layout: ClusterLayout | None, hkv: int) -> torch.Tensor:
+    """A selection's mask [rows, ..., L] of positions in a method's layout -> the same keys in original order."""
+    if layout is None:
+        return mask
+    rows = mask.shape[0]
+    order = layout.order[torch.arange(rows) * hkv // rows]  # [rows, L]: original position of each laid-out one
+    order = order.view(rows, *([1] * (mask.dim() - 2)), -1).expand_as(mask)
+    return torch.zeros_like(mask).scatter_(-1, order, mask)
+
+
 def run(capture_path: str, length: int, hq: int, hkv: int, sparsities: list[float], methods: list[str],
-        settings: IndexSettings, decode_tokens: int = 128, prefill_tokens: int = 0, verbose: bool = False) -> dict:
+        settings: dict[str, dict], decode_tokens: int = 128, prefill_tokens: int = 0, verbose: bool = False) -> dict:
+    """settings: method -> its settings (engine.bench.kept.method_settings); each method is measured with one
+    selection per KV head ("kv") and per query head ("query", "union") where it has the `group` setting."""
     from safetensors.torch import load_file
 
     from engine.bench.extend import extend
 
     captured = load_file(capture_path)
-    tail = settings.dense_tail
+    tail = DENSE_TAIL
     start = time.perf_counter()
     q_all, k, v = extend(captured, length, hkv, hq, tail + max(decode_tokens, prefill_tokens), HEAD_DIM,
                          torch.float32, "cpu")
-    index = build_index(k, settings)
-    layout = ClusterLayout.from_labels(index["labels"], index["counts"].shape[1], tail)
-    k, v = layout.permute(k), layout.permute(v)  # positions as the selections (index["key_starts"]) say
+    calib_q = q_all[:, :tail]  # the tokens before the evaluated ones
+    indexes, _, instances, _ = build_indexes(k, calib_q, methods, HEAD_DIM ** -0.5, tail, settings)
     build_s = time.perf_counter() - start
-    calib = CalibrationSet(index=index, queries=q_all[:, :tail])  # the tokens before the evaluated ones
     evaluated = q_all[:, tail:]
     scale = HEAD_DIM ** -0.5
     dense = hkv * length * 2 * HEAD_DIM  # K and V elements of the fixed context
@@ -144,22 +153,24 @@ def run(capture_path: str, length: int, hq: int, hkv: int, sparsities: list[floa
     probs = full_probs(decode_q, k, scale)  # [Hq, T, L]
     full_out = _apply_v(probs, v)
     out: dict = {"capture": capture_path, "length": length, "hq": hq, "hkv": hkv, "head_dim": HEAD_DIM,
-                 "settings": settings.as_dict(), "decode_tokens": decode_tokens, "prefill_tokens": prefill_tokens,
+                 "settings": {n: m.settings.as_dict() for n, m in instances.items()}, "dense_tail": tail,
+                 "decode_tokens": decode_tokens, "prefill_tokens": prefill_tokens,
                  "index_build_s": round(build_s, 2), "results": []}
     prefill_jobs = []  # (row, head mask [Hq, L]) evaluated after the decode loop, one pass over the heads
     for name in methods:
-        policy = POLICIES[name]
-        for group in ("kv", "query"):
-            mode_settings = replace(settings, group=group)
-            calibration = policy.calibrate([calib], scale, mode_settings)
+        index = indexes[name]
+        layout = instances[name].layout(index)
+        for group in ("kv", "query"):  # every sparse method has the `group` setting
+            policy = type(instances[name])(replace(instances[name].settings, group=group))
+            calibration = policy.calibrate([CalibrationSet(index=index, queries=calib_q)], scale)
             for sparsity in sparsities:
-                thresholds = policy.thresholds(calibration, sparsity)
+                plan = policy.plan(calibration, 1.0 - sparsity)
                 masks, index_read = [], []
                 for t in range(decode_tokens):
-                    lookup = policy.lookup(decode_q[:, t : t + 1], index, thresholds, scale, mode_settings, REFERENCE)
+                    lookup = policy.lookup(decode_q[:, t : t + 1], index, plan, scale, REFERENCE)
                     masks.append(lookup.selection.to_mask())
                     index_read.append(float(lookup.index_elements.sum()))
-                mask = torch.stack(masks, dim=1)  # [rows, T, L]
+                mask = in_original_order(torch.stack(masks, dim=1), layout, hkv)  # [rows, T, L]
                 index_elements = sum(index_read) / len(index_read)
                 for mode in (("kv",) if group == "kv" else ("query", "union")):
                     attend, read = head_masks(mask, mode, hq, hkv)
@@ -175,9 +186,8 @@ def run(capture_path: str, length: int, hq: int, hkv: int, sparsities: list[floa
                     if verbose:
                         print(json.dumps(row), file=sys.stderr, flush=True)
                 if prefill_tokens:
-                    lookup = policy.lookup(evaluated[:, :prefill_tokens], index, thresholds, scale, mode_settings,
-                                           REFERENCE)
-                    mask = lookup.selection.to_mask()  # [rows, L]
+                    lookup = policy.lookup(evaluated[:, :prefill_tokens], index, plan, scale, REFERENCE)
+                    mask = in_original_order(lookup.selection.to_mask(), layout, hkv)  # [rows, L]
                     for mode in (("kv",) if group == "kv" else ("query", "union")):
                         attend, read = head_masks(mask, mode, hq, hkv)
                         prefill_jobs.append(({"method": name, "mode": mode, "phase": f"prefill{prefill_tokens}",
@@ -241,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--heads", default="8/2", help="query/KV heads")
     parser.add_argument("--sparsities", default="0.7,0.8,0.9,0.95",
                         help="sparsities measured (add points, e.g. 0.97,0.98, to widen the equal-bytes curves)")
-    parser.add_argument("--methods", default="squeeze,hsqueeze")
+    parser.add_argument("--methods", default=",".join(SPARSE_METHODS))
     parser.add_argument("--centroid-ratio", type=float, default=0.05)
     parser.add_argument("--level1-prune", type=float, default=0.5)
     parser.add_argument("--kmeans-iters", type=int, default=10)
@@ -256,9 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     hq, hkv = (int(x) for x in args.heads.split("/"))
     if args.threads > 0:
         torch.set_num_threads(args.threads)
-    settings = IndexSettings(centroid_ratio=args.centroid_ratio, level1_ratio=min(0.01, args.centroid_ratio),
-                             level1_prune=args.level1_prune, dense_tail=DENSE_TAIL, kmeans_iters=args.kmeans_iters,
-                             prefill_threshold=args.prefill_threshold)
+    settings = method_settings(args.centroid_ratio, args.level1_prune, args.kmeans_iters)
+    for name in ("squeeze", "hsqueeze"):
+        settings[name]["prefill_threshold"] = args.prefill_threshold
     result = run(args.capture, args.length, hq, hkv, [float(s) for s in args.sparsities.split(",")],
                  args.methods.split(","), settings, args.decode_tokens, args.prefill_tokens, verbose=not args.json)
     if args.table:

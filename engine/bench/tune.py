@@ -2,7 +2,7 @@
 
     python -m engine.bench.tune --capture FILE [--length 131072] [--sparsity 0.9]
 
-Times each candidate config of the decode and prefill lookup (lookup_ops.cluster_select: both passes and the
+Times each candidate config of the decode and prefill lookup (centroid_ops.cluster_select: both passes and the
 expansion, as the policies run it) and sparse attention with CUDA graphs (GPU time without Python launch overhead)
 and prints one JSON document, best first per kernel.
 """
@@ -17,13 +17,9 @@ from dataclasses import replace
 
 import torch
 
-from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, bench_graph, build_index
-from engine.config import IndexSettings
-from engine.policies.base import CalibrationSet
-from engine.policies.squeeze import SqueezePolicy
-from kernels import attention_ops, lookup_ops
+from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, bench_graph, build_indexes
+from kernels import centroid_ops, sparse_ops
 from kernels.compact_ops import expand_groups
-from kernels.layout import ClusterLayout
 
 
 def _sweep(name: str, configs, fn) -> list[dict]:
@@ -54,26 +50,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--score-only", action="store_true", help="prefill lookup: sweep the score pass's tiles only")
     args = parser.parse_args(argv)
     dev = torch.device("cuda")
-    settings = IndexSettings(dense_tail=DENSE_TAIL, kmeans_iters=5)
     q_all, k, v = extend(load_file(args.capture), args.length, args.hkv, args.hq, args.prefill + DENSE_TAIL, HEAD_DIM,
                          torch.bfloat16, dev)
-    index, _ = build_index(k, settings, 8, policies=(SqueezePolicy(),))
-    layout = ClusterLayout.from_labels(index["labels"], index["counts"].shape[1], DENSE_TAIL)
-    kp, vp = layout.permute(k), layout.permute(v)
-    policy = SqueezePolicy()
     scale = HEAD_DIM ** -0.5
-    calibration = policy.calibrate([CalibrationSet(index=index, queries=q_all[:, -DENSE_TAIL - 1 : -1].float())], scale, settings)
-    (threshold,) = policy.thresholds(calibration, args.sparsity)
+    indexes, calibrations, instances, _ = build_indexes(k, q_all[:, -DENSE_TAIL - 1 : -1].float(), ["squeeze"], scale,
+                                                        DENSE_TAIL, {"squeeze": {"kmeans_iters": 5}})
+    index = indexes["squeeze"]
+    layout = instances["squeeze"].layout(index)
+    kp, vp = layout.permute(k), layout.permute(v)
+    (threshold,) = instances["squeeze"].plan(calibrations["squeeze"], 1.0 - args.sparsity).decode
     lc = index["labels"].shape[1]
     out: dict = {"length": args.length, "hq": args.hq, "hkv": args.hkv, "sparsity": args.sparsity}
     only = args.only.split(",")
     for phase, lq in (("decode", 1), ("prefill", args.prefill)):
         q = q_all[:, -lq:]
-        keep, _ = lookup_ops.cluster_keep(q, index["centroids"], index["counts"], scale, threshold, args.hkv)
+        keep, _ = centroid_ops.cluster_keep(q, index["centroids"], index["counts"], scale, threshold, args.hkv)
         sel = expand_groups(keep, index["key_starts"], lc, DENSE_TAIL)
         out[f"{phase}_kept_fraction"] = round(float(sel.counts().double().mean()) / args.length, 4)
         if f"{phase}_lookup" in only:
-            base = lookup_ops.default_config(dev, lq, HEAD_DIM, num_centroids=index["centroids"].shape[1],
+            base = centroid_ops.default_config(dev, lq, HEAD_DIM, num_centroids=index["centroids"].shape[1],
                                              units=args.hkv)
             if lq > 1 and args.score_only:  # the score pass's tiles and warps, the denominator pass at its default
                 configs = [replace(base, score_block_m=sm, score_block_c=sc, score_warps=sw)
@@ -91,30 +86,30 @@ def main(argv: list[str] | None = None) -> int:
                            for c, st, sc, sst in itertools.product((64, 256), (2, 3), (64, 128, 256), (1, 2))]
 
             def select(cfg=None):
-                return lookup_ops.cluster_select(q, index["centroids"], index["counts"], scale, threshold, args.hkv,
+                return centroid_ops.cluster_select(q, index["centroids"], index["counts"], scale, threshold, args.hkv,
                                                  index["key_starts"], lc, DENSE_TAIL, config=cfg)
 
             out[f"{phase}_lookup_default"] = {"config": vars(base), "ms": round(bench_graph(select), 4)}
             out[f"{phase}_lookup"] = _sweep(f"{phase}_lookup", configs, select)
         if f"{phase}_attn" in only:
-            base = attention_ops.plan(q.shape[0] // args.hkv * lq, args.hkv, HEAD_DIM, sel.indices.numel(), sel.num_keys,
-                                      attention_ops._num_sms(dev))
+            base = sparse_ops.plan(q.shape[0] // args.hkv * lq, args.hkv, HEAD_DIM, sel.indices.numel(), sel.num_keys,
+                                      sparse_ops._num_sms(dev))
             out[f"{phase}_attn_default"] = {"config": vars(base), "ms": round(bench_graph(
-                lambda: attention_ops.sparse_attention(q, kp, vp, sel, scale)), 4)}
+                lambda: sparse_ops.sparse_attention(q, kp, vp, sel, scale)), 4)}
             if lq == 1:
-                sms = attention_ops._num_sms(dev)
+                sms = sparse_ops._num_sms(dev)
                 grid = itertools.product((64, 128, 256, 512), (32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (2, 3))
-                configs = [attention_ops.SparseAttentionConfig(split=True, block_m=16, block_n=n, num_warps=w, num_stages=st,
+                configs = [sparse_ops.SparseAttentionConfig(split=True, block_m=16, block_n=n, num_warps=w, num_stages=st,
                                                                chunk=c, workers=wps * sms)
                            for c, n, w, wps, st in grid if n <= c]
             else:  # packed K/V (the default), whole blocks through tensor descriptors or plain loads
                 tiles = ((64, 128, 4), (64, 64, 4), (128, 128, 8), (128, 64, 8), (128, 64, 4), (128, 32, 4))
                 grid = itertools.product(tiles, (2, 3, 4), (True, False))
-                configs = [attention_ops.SparseAttentionConfig(split=False, block_m=m, block_n=n, num_warps=w,
+                configs = [sparse_ops.SparseAttentionConfig(split=False, block_m=m, block_n=n, num_warps=w,
                                                                num_stages=st, gather=True, tma=tma)
                            for (m, n, w), st, tma in grid]
             out[f"{phase}_attn"] = _sweep(f"{phase}_attn", configs,
-                                          lambda cfg: attention_ops.sparse_attention(q, kp, vp, sel, scale, config=cfg))
+                                          lambda cfg: sparse_ops.sparse_attention(q, kp, vp, sel, scale, config=cfg))
     print(json.dumps(out))
     return 0
 

@@ -1,19 +1,63 @@
-"""The methods of the engine, by name. Building order matters: a policy may reuse what earlier ones built."""
+"""The methods of the engine, by name: one registry line per method. Everything that lists methods (the app, the
+command line, the benchmarks, the contract test) iterates over REGISTRY."""
 
-from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, StepPlan,
+                                  Tensors)
 from engine.policies.full import FullPolicy
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
+from engine.policies.quest import QuestPolicy
 from engine.policies.squeeze import SqueezePolicy
 
-POLICIES: dict[str, Policy] = {p.name: p for p in (FullPolicy(), SqueezePolicy(), HierarchicalSqueezePolicy())}
-METHODS = tuple(POLICIES)
+REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
+    FullPolicy,
+    SqueezePolicy,
+    HierarchicalSqueezePolicy,
+    QuestPolicy,
+)}
+METHODS = tuple(REGISTRY)
+SPARSE_METHODS = tuple(name for name, cls in REGISTRY.items() if cls.sparse)
 
 
-def get_policy(name: str) -> Policy:
+def method_class(name: str) -> type[Method]:
     try:
-        return POLICIES[name]
+        return REGISTRY[name]
     except KeyError:
         raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}") from None
 
 
-__all__ = ["POLICIES", "METHODS", "get_policy", "Policy", "Lookup", "LayerIndex", "CalibrationSet"]
+def make_method(name: str, settings: MethodSettings | dict | None = None) -> Method:
+    """An instance of method `name` with `settings` (its Settings, a dict of their fields, or None: defaults)."""
+    cls = method_class(name)
+    if isinstance(settings, dict):
+        fields = set(cls.Settings.__dataclass_fields__)
+        unknown = sorted(set(settings) - fields)
+        if unknown:
+            raise ValueError(f"unknown {name} setting(s) {', '.join(unknown)}; known: {', '.join(sorted(fields))}")
+        settings = cls.Settings(**settings)
+    return cls(settings)
+
+
+def build_order(names: Iterable[str]) -> list[str]:
+    """The sparse methods among `names` and everything they require, each after its requirements."""
+    order: list[str] = []
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        if name in path:
+            raise ValueError(f"methods require each other: {' -> '.join(path + (name,))}")
+        cls = method_class(name)
+        for req in cls.requires:
+            visit(req, path + (name,))
+        if cls.sparse and name not in order:
+            order.append(name)
+
+    for name in names:
+        visit(name, ())
+    return order
+
+
+__all__ = ["REGISTRY", "METHODS", "SPARSE_METHODS", "method_class", "make_method", "build_order", "Method",
+           "MethodSettings", "StepPlan", "Lookup", "LayerIndex", "LayerKeys", "CalibrationSet", "Tensors"]

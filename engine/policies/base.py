@@ -1,90 +1,174 @@
-"""The contract every method follows: an offline index per layer, a calibration, and an online lookup."""
+"""The method contract: what a sparse-attention method is to the engine.
+
+A method is one module registered by name (engine.policies.REGISTRY). It has
+- its own frozen settings (`Settings`): only what it builds, so only they enter its cache key;
+- `requires`: the methods whose artifacts its `build` reads (built first, passed in by name);
+- `prepare(lm)`: artifacts learned once per model (stored apart from documents; none by default);
+- `build(layer, required, prepared)`: its index of one global layer, at ingest or later from the stored K/V;
+- `calibrate(layers, scale)`: once per context, from every global layer's calibration queries;
+- `plan(calibration, budget)`: the typed `StepPlan` of a turn at a budget (host side, once per turn);
+- `lookup(q, layer, plan, scale, backend)`: at every step, a `Lookup` whose `Selection` the one sparse-attention
+  kernel reads; graph-capturable (static shapes, no host synchronisation);
+- `layout(layer)`: the order in which its selections see the layer's fixed K/V (None: positions).
+
+Artifact names (engine.artifacts) put every method in its own namespace: `{method}.layer{i}.{name}` and
+`{method}.calib.{name}`.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import ClassVar
 
 import torch
 
-from engine.config import IndexSettings
 from kernels.backend import Backend
+from kernels.layout import ClusterLayout
 from kernels.selection import Selection
 
-LayerIndex = dict[str, torch.Tensor]  # one global-attention layer's artifacts, by name
+Tensors = dict[str, torch.Tensor]  # artifacts by name
+
+
+@dataclass(frozen=True)
+class MethodSettings:
+    """A method's own settings (subclasses: frozen dataclasses validated in __post_init__). `as_dict` is what its
+    index's cache key holds."""
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a method does at one budget, decided on the host once per turn and read by every lookup of the turn.
+    Hashable: a captured decode step is keyed by its plan.
+
+    budget: the fraction of the fixed context's keys a step is asked to read (1 - sparsity)
+    """
+
+    budget: float
+
+    def describe(self) -> str:
+        """One line for the UI (what the turn's lookup used)."""
+        return f"budget {self.budget:.0%}"
+
+
+@dataclass
+class LayerIndex:
+    """One global layer's index of one method, as a lookup sees it.
+
+    tensors: the method's artifacts of the layer by their short names (plus its model-level ones of the layer)
+    num_keys: rows of the layer's fixed K/V (indexed part, then the dense tail)
+    tail: the last `tail` rows: the dense tail, read by every step of every method
+    """
+
+    tensors: Tensors
+    num_keys: int
+    tail: int
+
+    @property
+    def indexed(self) -> int:
+        """Rows of the fixed K/V that the index covers (the first ones, in original order)."""
+        return self.num_keys - self.tail
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.tensors
+
+
+@dataclass
+class LayerKeys:
+    """What `build` gets of one global layer: keys [Hkv, Lc, D] (as the attention sees them, RoPE applied) of the
+    indexed part of the fixed context, in original order; the dense tail (the last `tail` tokens) is not in it."""
+
+    layer_idx: int
+    keys: torch.Tensor
+    tail: int
 
 
 @dataclass
 class Lookup:
     """What a lookup decided for one layer and one step.
 
-    selection: keys of the fixed K/V to attend to; None means all of them (dense)
-    clusters: [rows, C] bool kept clusters, or None for methods without clusters
+    selection: keys of the fixed K/V to attend to (positions in the method's layout); None only for full attention
     index_elements: [Hkv] elements of index metadata read per KV head (centroids, counts, bounds)
-    scores: [rows, C] float32 the clusters' scores (S of eq. 1, reduced over the step), or None
+    units: [rows, U] bool the retrieval units kept (clusters, pages), or None
+    scores: [rows, U] float32 the units' scores (reduced over the step), or None
+    sizes: [Hkv, U] keys in each unit (the retrieved-units report), or None
     """
 
     selection: Selection | None
-    clusters: torch.Tensor | None
     index_elements: torch.Tensor
+    units: torch.Tensor | None = None
     scores: torch.Tensor | None = None
+    sizes: torch.Tensor | None = None
 
 
 @dataclass
 class CalibrationSet:
-    """One global-attention layer's index and calibration queries (q: [Hq, Nc, D])."""
+    """One global layer's index of the method being calibrated and its calibration queries (q: [Hq, Nc, D])."""
 
     index: LayerIndex
     queries: torch.Tensor
 
 
-class Policy(ABC):
-    """A sparse-attention method: `build` offline, `calibrate` once per context, `lookup` at every step."""
+class Method(ABC):
+    """A sparse-attention method (see the module docstring). An instance carries its settings."""
 
     name: ClassVar[str]
+    Settings: ClassVar[type[MethodSettings]] = MethodSettings
+    requires: ClassVar[tuple[str, ...]] = ()
     sparse: ClassVar[bool] = True
-    levels: ClassVar[int] = 0  # thresholds per phase (one per level of the lookup)
+    unit: ClassVar[str] = "cluster"  # what a lookup keeps, in the UI's words
+
+    def __init__(self, settings: MethodSettings | None = None):
+        settings = self.Settings() if settings is None else settings
+        if not isinstance(settings, self.Settings):
+            raise TypeError(f"{self.name} takes {self.Settings.__name__}, got {type(settings).__name__}")
+        self.settings = settings
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.settings!r})"
+
+    def prepare(self, lm) -> Tensors:
+        """Artifacts learned once per model (`layer{i}.{name}` for a layer's): none by default."""
+        return {}
 
     @abstractmethod
-    def build(self, keys: torch.Tensor, settings: IndexSettings, index: LayerIndex) -> LayerIndex:
-        """keys: [Hkv, Lc, D] clustered keys of one layer; `index` holds what earlier policies built.
-
-        Returns only the artifacts this policy adds.
-        """
+    def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
+        """The method's index of one global layer. required: each method of `requires` -> its artifacts of the layer;
+        prepared: this method's model-level artifacts of the layer."""
 
     @abstractmethod
-    def calibrate(self, layers: list[CalibrationSet], scale: float, settings: IndexSettings) -> dict[str, torch.Tensor]:
-        """Thresholds over the sparsity grid (SPARSITY_GRID), one global set for all layers and heads."""
+    def calibrate(self, layers: list[CalibrationSet], scale: float) -> Tensors:
+        """Once per context, from every global layer's calibration queries (what `plan` maps a budget with)."""
 
     @abstractmethod
-    def thresholds(self, calibration: dict[str, torch.Tensor], sparsity: float) -> tuple[float, ...]:
-        """The thresholds a turn at `sparsity` uses: the decode step's (one per level), then the question prefill's
-        (as many) where the calibration has them (see `step_thresholds`)."""
+    def plan(self, calibration: Tensors, budget: float) -> StepPlan:
+        """The turn's plan at `budget` (the fraction of the fixed context's keys a step reads), on the host."""
 
     @abstractmethod
-    def lookup(
-        self,
-        q: torch.Tensor,
-        index: LayerIndex,
-        thresholds: tuple[float, ...],
-        scale: float,
-        settings: IndexSettings,
-        backend: Backend,
-    ) -> Lookup:
-        """q: [Hq, Lq, D] the step's queries (Lq > 1 in the question's prefill: scores averaged over tokens)."""
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend: Backend) -> Lookup:
+        """q: [Hq, Lq, D] the step's queries (Lq > 1: the question's prefill). No host synchronisation."""
+
+    def layout(self, layer: LayerIndex) -> ClusterLayout | None:
+        """The order of the fixed K/V that this method's selections index (None: original positions)."""
+        return None
+
+    def unit_labels(self, layer: LayerIndex) -> torch.Tensor | None:
+        """[Hkv, indexed] int64: the unit (cluster, page) of each indexed key in original order (explanations)."""
+        return None
 
 
-def group_rows(settings: IndexSettings, hq: int, hkv: int) -> int:
-    """Rows of a selection: one per KV head (shared by its query heads) or one per query head."""
-    return hkv if settings.group == "kv" else hq
+def group_rows(group: str, hq: int, hkv: int) -> int:
+    """Rows of a selection: one per KV head (shared by its query heads: group "kv") or one per query head."""
+    return hkv if group == "kv" else hq
 
 
-
-def step_thresholds(thresholds: tuple[float, ...], levels: int, lq: int, settings: IndexSettings) -> tuple[float, ...]:
-    """A step's thresholds out of a policy's `thresholds` (decode's `levels` ones, then the prefill's where the
-    calibration has them): a question's prefill (Lq > 1 tokens, scored by max(token mean, last token)) uses the
-    prefill ones, calibrated on that score, where settings.prefill_threshold is "calibrated"; otherwise decode's."""
-    if lq > 1 and settings.prefill_threshold == "calibrated" and len(thresholds) >= 2 * levels:
-        return thresholds[levels : 2 * levels]
-    return thresholds[:levels]
+def check_budget(budget: float) -> float:
+    if not 0.0 < budget <= 1.0:
+        raise ValueError(f"budget must be in (0, 1], got {budget}")
+    return float(budget)

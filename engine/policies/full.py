@@ -1,4 +1,4 @@
-"""Full attention: every key of the fixed context, no index."""
+"""Full attention: every key of the fixed context, no index (the baseline every method is compared with)."""
 
 from __future__ import annotations
 
@@ -6,21 +6,21 @@ from typing import ClassVar
 
 import torch
 
-from engine.policies.base import Lookup, Policy
+from engine.policies.base import LayerIndex, Lookup, Method, StepPlan, Tensors
 
 
-class FullPolicy(Policy):
+class FullPolicy(Method):
     name: ClassVar[str] = "full"
     sparse: ClassVar[bool] = False
 
-    def build(self, keys, settings, index):
+    def build(self, layer, required, prepared) -> Tensors:
         return {}
 
-    def calibrate(self, layers, scale, settings):
+    def calibrate(self, layers, scale) -> Tensors:
         return {}
 
-    def thresholds(self, calibration, sparsity):
-        return ()
+    def plan(self, calibration: Tensors, budget: float) -> StepPlan:
+        return StepPlan(budget=1.0)
 
-    def lookup(self, q, index, thresholds, scale, settings, backend) -> Lookup:
-        return Lookup(selection=None, clusters=None, index_elements=torch.zeros(1, device=q.device))
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend) -> Lookup:
+        return Lookup(selection=None, index_elements=torch.zeros(1, device=q.device))

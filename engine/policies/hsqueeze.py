@@ -2,20 +2,51 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from engine.calibrate import pooled_thresholds, prefill_windows, threshold_at, window_scores
-from engine.config import SPARSITY_GRID, IndexSettings
+from engine.calibrate import pooled_thresholds, prefill_windows, window_scores
+from engine.config import SPARSITY_GRID
 from engine.kmeans import spherical_kmeans
-from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows, step_thresholds
-from engine.policies.squeeze import prefill_samples, row_counts, weighted_samples
-from kernels.layout import group_starts
-from kernels.reference import row_scores, select_clusters
+from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Tensors,
+                                  group_rows)
+from engine.policies.squeeze import (GROUPS, PREFILL_THRESHOLDS, ThresholdPlan, num_centroids, prefill_samples,
+                                     row_counts, threshold_plan, weighted_samples)
+from kernels.backend import REFERENCE, Backend
+from kernels.layout import ClusterLayout, group_starts
+from kernels.reference.centroid import row_scores, select_clusters
 
 
-def level1_prune(sparsity: float, settings: IndexSettings) -> float:
+@dataclass(frozen=True)
+class HierarchicalSettings(MethodSettings):
+    """level1_ratio: level-1 centroids as a fraction of the indexed keys (paper: 1%; at most squeeze's centroids)
+    level1_prune: fraction of the keys the level-1 threshold rules out (paper: about half)
+    kmeans_iters, seed: the level-1 k-means'; group, prefill_threshold: as squeeze's (SqueezeSettings)
+    """
+
+    level1_ratio: float = 0.01
+    level1_prune: float = 0.5
+    kmeans_iters: int = 20
+    seed: int = 0
+    group: str = "kv"
+    prefill_threshold: str = "decode"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.level1_ratio <= 1:
+            raise ValueError(f"level1_ratio must be in (0, 1], got {self.level1_ratio}")
+        if not 0 <= self.level1_prune < 1:
+            raise ValueError(f"level1_prune must be in [0, 1), got {self.level1_prune}")
+        if self.kmeans_iters < 1:
+            raise ValueError(f"kmeans_iters must be at least 1, got {self.kmeans_iters}")
+        if self.group not in GROUPS:
+            raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
+        if self.prefill_threshold not in PREFILL_THRESHOLDS:
+            raise ValueError(f"prefill_threshold must be one of {PREFILL_THRESHOLDS}, got {self.prefill_threshold!r}")
+
+
+def level1_prune(sparsity: float, settings: HierarchicalSettings) -> float:
     """Fraction of keys the level-1 threshold rules out for a target sparsity (never more than the target)."""
     return min(sparsity, settings.level1_prune)
 
@@ -28,16 +59,20 @@ def _level2_allowed(level1_keep: torch.Tensor, parent: torch.Tensor) -> torch.Te
     return torch.gather(level1_keep, -1, par)
 
 
-class HierarchicalSqueezePolicy(Policy):
-    name: ClassVar[str] = "hsqueeze"
-    levels: ClassVar[int] = 2
+class HierarchicalSqueezePolicy(Method):
+    """Squeezed Attention, hierarchical: squeeze's clusters (level 2) under coarse level-1 centroids."""
 
-    def build(self, keys: torch.Tensor, settings: IndexSettings, index: LayerIndex) -> LayerIndex:
-        """Cluster the level-2 centroids (from `squeeze`) into level-1 centroids, weighted by their sizes, then
-        renumber the level-2 clusters so that each level-1 cluster's children are contiguous: the children of the
-        kept level-1 clusters are then ranges (kernels.layout). Returns the renumbered labels/centroids/counts too."""
+    name: ClassVar[str] = "hsqueeze"
+    Settings: ClassVar[type] = HierarchicalSettings
+    requires: ClassVar[tuple[str, ...]] = ("squeeze",)
+
+    def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
+        """Cluster squeeze's centroids (level 2) into level-1 centroids, weighted by their sizes, then renumber the
+        level-2 clusters so that each level-1 cluster's children are contiguous: the children of the kept level-1
+        clusters are then ranges (kernels.layout). Returns its own renumbered labels/centroids/counts too."""
+        index, settings = required["squeeze"], self.settings
         c2 = index["centroids"]  # [Hkv, C2, D]
-        k1 = min(c2.shape[1], settings.num_centroids(keys.shape[1], settings.level1_ratio))
+        k1 = min(c2.shape[1], num_centroids(layer.keys.shape[1], settings.level1_ratio))
         result = spherical_kmeans(c2, k1, iters=settings.kmeans_iters, seed=settings.seed, weights=index["counts"])
         order = torch.argsort(result.labels, dim=1, stable=True)  # [Hkv, C2]: new id -> old id
         new_id = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order).contiguous())
@@ -51,7 +86,7 @@ class HierarchicalSqueezePolicy(Policy):
             "key_starts": group_starts(labels, c2.shape[1]),
             "centroids": torch.gather(c2, 1, order[:, :, None].expand_as(c2)),
             "counts": counts2,
-            "l1_centroids": result.centroids.to(keys.dtype),  # [Hkv, C1, D] key-weighted means
+            "l1_centroids": result.centroids.to(layer.keys.dtype),  # [Hkv, C1, D] key-weighted means
             "l1_counts": counts1,  # [Hkv, C1]
             "l1_parent": parent,  # [Hkv, C2] level-1 cluster of each level-2 cluster
             "l1_child_starts": group_starts(parent, k1),  # [Hkv, C1 + 1] children of c: [starts[c], starts[c+1])
@@ -61,11 +96,12 @@ class HierarchicalSqueezePolicy(Policy):
         """Calibration view: per token, the level-1 survivors and level-2 S over them.
         Returns (S2 [rows, Lq, C2], allowed2 [rows, Lq, C2] bool)."""
         hq = q.shape[0]
-        s1 = row_scores(backend.centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale), rows)
+        s1 = row_scores(backend.kernel("centroid").centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale), rows)
         keep1 = select_clusters(s1, t1) & (row_counts(index["l1_counts"], rows)[:, None, :] > 0)
         allowed2 = _level2_allowed(keep1, index["l1_parent"])  # [rows, Lq, C2]
         allowed_hq = allowed2.repeat_interleave(hq // rows, dim=0)
-        log2 = backend.centroid_log_scores(q, index["centroids"], index["counts"], scale, allowed=allowed_hq)
+        log2 = backend.kernel("centroid").centroid_log_scores(q, index["centroids"], index["counts"], scale,
+                                                              allowed=allowed_hq)
         return row_scores(log2, rows), allowed2
 
     def _window_scores(self, q, index, t1: float, scale, rows, windows, backend):
@@ -73,31 +109,31 @@ class HierarchicalSqueezePolicy(Policy):
         survivors by the window's prefill score (max of token mean and last token), level-2 S over the survivors'
         children (eq. 3), reduced the same way. Returns (S2 [rows, W, C2], allowed2 [rows, W, C2] bool)."""
         hq = q.shape[0]
-        s1 = row_scores(backend.centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale), rows)
+        s1 = row_scores(backend.kernel("centroid").centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale), rows)
         keep1 = select_clusters(window_scores(s1, windows), t1) & (row_counts(index["l1_counts"], rows)[:, None, :] > 0)
         allowed2 = _level2_allowed(keep1, index["l1_parent"])  # [rows, W, C2]
         s2 = []
         for w, (a, b, _) in enumerate(windows):
             allowed_hq = allowed2[:, w].repeat_interleave(hq // rows, dim=0)  # [Hq, C2], the same for every token
-            log2 = backend.centroid_log_scores(q[:, a:b], index["centroids"], index["counts"], scale, allowed=allowed_hq)
+            log2 = backend.kernel("centroid").centroid_log_scores(q[:, a:b], index["centroids"], index["counts"], scale,
+                                                                  allowed=allowed_hq)
             s2.append(window_scores(row_scores(log2, rows), [(0, b - a, 1.0)])[:, 0])
         return torch.stack(s2, dim=1), allowed2
 
-    def calibrate(self, layers: list[CalibrationSet], scale: float, settings: IndexSettings) -> dict[str, torch.Tensor]:
+    def calibrate(self, layers: list[CalibrationSet], scale: float) -> Tensors:
         """Decode's "threshold_l1" / "threshold_l2" from every calibration token's S; with settings.prefill_threshold
         = "calibrated" also the question prefill's "threshold_l1_prefill" / "threshold_l2_prefill" from the prefill
         score of windows of the calibration tokens (engine.calibrate.prefill_windows), each level as squeeze
         calibrates its two."""
-        from kernels.backend import REFERENCE
-
+        settings = self.settings
         # Level 1: the threshold that rules out min(s, settings.level1_prune) of the keys.
         l1_sparsities = [level1_prune(s, settings) for s in SPARSITY_GRID]
         prefill = settings.prefill_threshold == "calibrated"
         s1_all, w1_all, p1_all, pw1_all = [], [], [], []
         for layer in layers:
             hq, hkv = layer.queries.shape[0], layer.index["l1_counts"].shape[0]
-            rows = group_rows(settings, hq, hkv)
-            log1 = REFERENCE.centroid_log_scores(layer.queries, layer.index["l1_centroids"], layer.index["l1_counts"], scale)
+            rows = group_rows(settings.group, hq, hkv)
+            log1 = REFERENCE.kernel("centroid").centroid_log_scores(layer.queries, layer.index["l1_centroids"], layer.index["l1_counts"], scale)
             s1 = row_scores(log1, rows)
             sample, weight = weighted_samples(s1, layer.index["l1_counts"], rows)
             s1_all.append(sample)
@@ -114,7 +150,7 @@ class HierarchicalSqueezePolicy(Policy):
             scores, weights, p_scores, p_weights = [], [], [], []
             for layer in layers:
                 hq, hkv = layer.queries.shape[0], layer.index["counts"].shape[0]
-                rows = group_rows(settings, hq, hkv)
+                rows = group_rows(settings.group, hq, hkv)
                 s2, allowed2 = self._token_scores(layer.queries, layer.index, float(t1[i]), scale, rows, REFERENCE)
                 sample, weight = weighted_samples(torch.where(allowed2, s2, torch.zeros_like(s2)), layer.index["counts"], rows)
                 scores.append(sample)
@@ -136,30 +172,29 @@ class HierarchicalSqueezePolicy(Policy):
             out.update(threshold_l1_prefill=t1p, threshold_l2_prefill=torch.tensor(t2p, dtype=torch.float64))
         return out
 
-    def thresholds(self, calibration: dict[str, torch.Tensor], sparsity: float) -> tuple[float, ...]:
-        """(decode's T1, T2, then the question prefill's T1, T2); decode's only for a calibration without the latter
-        (prefill_threshold = "decode"), which `step_thresholds` then uses in both phases."""
-        out = (threshold_at(calibration["threshold_l1"], sparsity), threshold_at(calibration["threshold_l2"], sparsity))
-        if "threshold_l1_prefill" in calibration:
-            out += (threshold_at(calibration["threshold_l1_prefill"], sparsity),
-                    threshold_at(calibration["threshold_l2_prefill"], sparsity))
-        return out
+    def plan(self, calibration: Tensors, budget: float) -> ThresholdPlan:
+        """decode's (T1, T2) and the question prefill's (its own where calibrated, else decode's)."""
+        return threshold_plan(calibration, budget, ("threshold_l1", "threshold_l2"))
 
-    def lookup(self, q, index, thresholds, scale, settings, backend) -> Lookup:
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend) -> Lookup:
         """Level 1 over all C1 centroids; level 2 only over the kept level-1 clusters' children (eq. 3); the
-        layer's K/V are stored permuted by cluster (kernels.layout), index["key_starts"] says where."""
-        hq, hkv = q.shape[0], index["counts"].shape[0]
-        rows = group_rows(settings, hq, hkv)
-        c1, d = index["l1_centroids"].shape[1:]
-        c2 = index["centroids"].shape[1]
-        t1, t2 = step_thresholds(thresholds, self.levels, q.shape[1], settings)
-        _, _, candidates = backend.cluster_select(q, index["l1_centroids"], index["l1_counts"], scale, t1,
-                                                  rows, index["l1_child_starts"], c2)  # level-2 ids, per row
-        keep, score = backend.cluster_keep_among(q, index["centroids"], index["counts"], scale, t2, rows, candidates)
+        layer's K/V are stored permuted by cluster (`layout`), layer["key_starts"] says where."""
+        hq, hkv = q.shape[0], layer["counts"].shape[0]
+        rows = group_rows(self.settings.group, hq, hkv)
+        c1, d = layer["l1_centroids"].shape[1:]
+        c2 = layer["centroids"].shape[1]
+        t1, t2 = plan.at(q.shape[1])
+        centroid = backend.kernel("centroid")
+        _, _, candidates = centroid.cluster_select(q, layer["l1_centroids"], layer["l1_counts"], scale, t1,
+                                                   rows, layer["l1_child_starts"], c2)  # level-2 ids, per row
+        keep, score = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale, t2, rows, candidates)
         survivors = candidates.counts().reshape(hkv, rows // hkv).sum(dim=1).float()  # [Hkv] level-2 centroids read
-        return Lookup(
-            selection=backend.expand_groups(keep, index["key_starts"], index["labels"].shape[1], settings.dense_tail),
-            clusters=keep,
-            index_elements=(c1 + survivors) * (d + 1),
-            scores=score,
-        )
+        selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
+        return Lookup(selection=selection, index_elements=(c1 + survivors) * (d + 1), units=keep, scores=score,
+                      sizes=layer["counts"])
+
+    def layout(self, layer: LayerIndex) -> ClusterLayout:
+        return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)
+
+    def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
+        return layer["labels"]

@@ -2,17 +2,84 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from engine.calibrate import pooled_thresholds, prefill_windows, threshold_at, window_scores
-from engine.config import SPARSITY_GRID, IndexSettings
+from engine.config import SPARSITY_GRID
 from engine.kmeans import spherical_kmeans
-from engine.policies.base import CalibrationSet, LayerIndex, Lookup, Policy, group_rows, step_thresholds
-from kernels.backend import Backend
-from kernels.layout import group_starts
-from kernels.reference import row_scores
+from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, StepPlan,
+                                  Tensors, check_budget, group_rows)
+from kernels.backend import REFERENCE, Backend
+from kernels.layout import ClusterLayout, group_starts
+from kernels.reference.centroid import row_scores
+
+GROUPS = ("kv", "query")
+PREFILL_THRESHOLDS = ("calibrated", "decode")
+
+
+@dataclass(frozen=True)
+class SqueezeSettings(MethodSettings):
+    """centroid_ratio: centroids as a fraction of the indexed keys (paper: 5%)
+    kmeans_iters: most Lloyd iterations; seed: k-means initialisation seed
+    group: "kv": one selection per KV head from the mean of its query heads' scores (each selected key is read once
+        per GQA group); "query": one per query head (the paper's MHA form)
+    prefill_threshold: the question prefill's threshold (Lq > 1 tokens, scored by max(mean over the tokens of S,
+        the last token's S)): "decode": the decode step's (the union of the two terms then keeps up to twice the
+        budget); "calibrated": its own, calibrated on that score over windows of the calibration queries
+    """
+
+    centroid_ratio: float = 0.05
+    kmeans_iters: int = 20
+    seed: int = 0
+    group: str = "kv"
+    prefill_threshold: str = "decode"
+
+    def __post_init__(self) -> None:
+        if not 0 < self.centroid_ratio <= 1:
+            raise ValueError(f"centroid_ratio must be in (0, 1], got {self.centroid_ratio}")
+        if self.kmeans_iters < 1:
+            raise ValueError(f"kmeans_iters must be at least 1, got {self.kmeans_iters}")
+        if self.group not in GROUPS:
+            raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
+        if self.prefill_threshold not in PREFILL_THRESHOLDS:
+            raise ValueError(f"prefill_threshold must be one of {PREFILL_THRESHOLDS}, got {self.prefill_threshold!r}")
+
+
+@dataclass(frozen=True)
+class ThresholdPlan(StepPlan):
+    """A turn of a threshold method: decode's thresholds (one per level of the lookup) and the question prefill's."""
+
+    decode: tuple[float, ...]
+    prefill: tuple[float, ...]
+
+    def describe(self) -> str:
+        th = ", ".join(f"{x:.3g}" for x in self.decode)
+        if self.prefill != self.decode:
+            th += " (prefill " + ", ".join(f"{x:.3g}" for x in self.prefill) + ")"
+        return f"threshold {th}"
+
+    def at(self, lq: int) -> tuple[float, ...]:
+        """The thresholds of a step of `lq` query tokens (Lq > 1: the question's prefill)."""
+        return self.prefill if lq > 1 else self.decode
+
+
+def num_centroids(indexed: int, ratio: float) -> int:
+    """Centroids for `indexed` keys at `ratio`: at least 1, at most `indexed`."""
+    return max(1, min(indexed, round(indexed * ratio)))
+
+
+def threshold_plan(calibration: Tensors, budget: float, names: tuple[str, ...]) -> ThresholdPlan:
+    """The plan of a threshold method: each name's calibrated grid at sparsity 1 - budget; the prefill's from
+    `{name}_prefill` where the calibration has them, else decode's."""
+    sparsity = 1.0 - check_budget(budget)
+    sparsity = min(max(sparsity, 0.0), SPARSITY_GRID[-1])
+    decode = tuple(threshold_at(calibration[n], sparsity) for n in names)
+    prefill = tuple(threshold_at(calibration[f"{n}_prefill"], sparsity) for n in names) \
+        if all(f"{n}_prefill" in calibration for n in names) else decode
+    return ThresholdPlan(budget=budget, decode=decode, prefill=prefill)
 
 
 def per_token_scores(q: torch.Tensor, index: LayerIndex, scale: float, rows: int, backend: Backend) -> torch.Tensor:
@@ -20,7 +87,7 @@ def per_token_scores(q: torch.Tensor, index: LayerIndex, scale: float, rows: int
 
     q: [Hq, Nc, D] -> [rows, Nc, C].
     """
-    return row_scores(backend.centroid_log_scores(q, index["centroids"], index["counts"], scale), rows)
+    return row_scores(backend.kernel("centroid").centroid_log_scores(q, index["centroids"], index["counts"], scale), rows)
 
 
 def row_counts(counts: torch.Tensor, rows: int) -> torch.Tensor:
@@ -50,37 +117,38 @@ def prefill_samples(per_token: torch.Tensor, counts: torch.Tensor, rows: int,
     return weighted_samples(window_scores(per_token, windows), counts, rows, weights)
 
 
-class SqueezePolicy(Policy):
-    name: ClassVar[str] = "squeeze"
-    levels: ClassVar[int] = 1
+class SqueezePolicy(Method):
+    """Squeezed Attention, one level: k-means clusters of the keys, a centroid lookup against one global
+    threshold; the fixed K/V stored as an inverted file (each cluster's keys contiguous)."""
 
-    def build(self, keys: torch.Tensor, settings: IndexSettings, index: LayerIndex) -> LayerIndex:
-        k = settings.num_centroids(keys.shape[1])
-        result = spherical_kmeans(keys, k, iters=settings.kmeans_iters, seed=settings.seed)
+    name: ClassVar[str] = "squeeze"
+    Settings: ClassVar[type] = SqueezeSettings
+
+    def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
+        s = self.settings
+        k = num_centroids(layer.keys.shape[1], s.centroid_ratio)
+        result = spherical_kmeans(layer.keys, k, iters=s.kmeans_iters, seed=s.seed)
         return {
             "labels": result.labels,  # [Hkv, Lc]
-            "centroids": result.centroids.to(keys.dtype),  # [Hkv, C, D]
+            "centroids": result.centroids.to(layer.keys.dtype),  # [Hkv, C, D]
             "counts": result.counts,  # [Hkv, C]
             "key_starts": group_starts(result.labels, k),  # [Hkv, C + 1] cluster ranges of the permuted keys
         }
 
-    def calibrate(self, layers: list[CalibrationSet], scale: float, settings: IndexSettings) -> dict[str, torch.Tensor]:
+    def calibrate(self, layers: list[CalibrationSet], scale: float) -> Tensors:
         """"threshold": decode's, from every calibration token's S (a token keeps about 1 - s of the keys); with
-        settings.prefill_threshold = "calibrated" also "threshold_prefill": the question prefill's, from the prefill
-        score (max of the token mean and the last token) of windows of the calibration tokens
-        (engine.calibrate.prefill_windows), so that a question keeps about 1 - s of the keys too, not the union of
-        what its mean and its last token pass at decode's."""
-        from kernels.backend import REFERENCE  # calibration runs once; the reference is exact
-
+        prefill_threshold = "calibrated" also "threshold_prefill": the question prefill's, from the prefill score
+        (max of the token mean and the last token) of windows of the calibration tokens
+        (engine.calibrate.prefill_windows), so that a question keeps about 1 - s of the keys too."""
         scores, weights, p_scores, p_weights = [], [], [], []
         for layer in layers:
             hq, hkv = layer.queries.shape[0], layer.index["counts"].shape[0]
-            rows = group_rows(settings, hq, hkv)
-            s = per_token_scores(layer.queries, layer.index, scale, rows, REFERENCE)  # [rows, Nc, C]
+            rows = group_rows(self.settings.group, hq, hkv)
+            s = per_token_scores(layer.queries, layer.index, scale, rows, REFERENCE)  # [rows, Nc, C]; exact, once
             sample, weight = weighted_samples(s, layer.index["counts"], rows)
             scores.append(sample)
             weights.append(weight)
-            if settings.prefill_threshold == "calibrated":
+            if self.settings.prefill_threshold == "calibrated":
                 sample, weight = prefill_samples(s, layer.index["counts"], rows, prefill_windows(s.shape[1]))
                 p_scores.append(sample)
                 p_weights.append(weight)
@@ -89,28 +157,24 @@ class SqueezePolicy(Policy):
             out["threshold_prefill"] = pooled_thresholds(list(zip(p_scores, p_weights)), SPARSITY_GRID)
         return out
 
-    def thresholds(self, calibration: dict[str, torch.Tensor], sparsity: float) -> tuple[float, ...]:
-        """(decode's T, the question prefill's T), or (decode's T,) for a calibration without the latter
-        (prefill_threshold = "decode"), which `step_thresholds` then uses in both phases."""
-        out = (threshold_at(calibration["threshold"], sparsity),)
-        if "threshold_prefill" in calibration:
-            out += (threshold_at(calibration["threshold_prefill"], sparsity),)
-        return out
+    def plan(self, calibration: Tensors, budget: float) -> ThresholdPlan:
+        return threshold_plan(calibration, budget, ("threshold",))
 
-    def lookup(self, q, index, thresholds, scale, settings, backend) -> Lookup:
-        """The selection is of positions in the layer's K/V stored permuted by cluster (kernels.layout.ClusterLayout);
-        index["key_starts"] says where each cluster lies."""
-        hq, hkv = q.shape[0], index["counts"].shape[0]
-        rows = group_rows(settings, hq, hkv)
-        (threshold,) = step_thresholds(thresholds, self.levels, q.shape[1], settings)
-        keep, score, selection = backend.cluster_select(q, index["centroids"], index["counts"], scale, threshold,
-                                                        rows, index["key_starts"], index["labels"].shape[1],
-                                                        settings.dense_tail)
-        c, d = index["centroids"].shape[1:]
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend) -> Lookup:
+        """The selection is of positions in the layer's K/V stored permuted by cluster (`layout`);
+        layer["key_starts"] says where each cluster lies."""
+        hq, hkv = q.shape[0], layer["counts"].shape[0]
+        rows = group_rows(self.settings.group, hq, hkv)
+        (threshold,) = plan.at(q.shape[1])
+        keep, score, selection = backend.kernel("centroid").cluster_select(
+            q, layer["centroids"], layer["counts"], scale, threshold, rows, layer["key_starts"], layer.indexed,
+            layer.tail)
+        c, d = layer["centroids"].shape[1:]
         read = torch.full((hkv,), float(c * (d + 1)), device=q.device)  # every centroid and its count
-        return Lookup(
-            selection=selection,
-            clusters=keep,
-            index_elements=read,
-            scores=score,
-        )
+        return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
+
+    def layout(self, layer: LayerIndex) -> ClusterLayout:
+        return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)
+
+    def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
+        return layer["labels"]

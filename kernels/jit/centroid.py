@@ -1,6 +1,6 @@
 """Centroid lookup of Squeezed Attention (eq. 1, eq. 3 under candidates): @triton.jit kernels only.
 
-The typed wrappers, block sizes and grids live in kernels/lookup_ops.py; the semantics are those of
+The typed wrappers, block sizes and grids live in kernels/centroid_ops.py; the semantics are those of
 kernels.reference.cluster_keep. One kernel per pass (two forms of the score pass), each with tl.constexpr variants:
 
     centroid_denominator_kernel  grid (unit, query-row block, split): partial (max, sum) of N_j exp(s_j) over the

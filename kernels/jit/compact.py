@@ -2,7 +2,7 @@
 
 Two steps over a (row, block of BLOCK_G groups) grid, both fully parallel and free of atomics:
     block sums   kept positions per (row, block): `group_block_sums_kernel`, or the centroid lookup's score pass,
-                 which computes them while it decides keep (kernels.lookup_ops.cluster_select), saving a launch
+                 which computes them while it decides keep (kernels.centroid_ops.cluster_select), saving a launch
     expansion    `expand_groups_kernel`: each block finds its place in the packed list from the block sums (every
                  block of the rows before, then the blocks before it in its row, then a scan inside the block)
                  and writes its kept groups' positions; the row's first block also writes indptr and the tail.

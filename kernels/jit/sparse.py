@@ -1,4 +1,4 @@
-"""Sparse FlashAttention over a CSR selection of keys: the @triton.jit kernels (wrappers: kernels/attention_ops.py).
+"""Sparse FlashAttention over a CSR selection of keys: the @triton.jit kernels (wrappers: kernels/sparse_ops.py).
 
 Vocabulary (see kernels.selection.Selection and kernels.reference.sparse_attention):
     row r       one entry of the selection; it reads KV head r * Hkv // rows and serves G = Hq // rows query heads

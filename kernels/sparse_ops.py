@@ -1,6 +1,6 @@
 """Typed wrappers of the sparse-attention Triton kernels (kernels/jit/sparse.py): check, plan, launch.
 
-`sparse_attention(q, k, v, selection, scale)` has the signature and semantics of `kernels.reference.sparse_attention`
+`sparse_attention(q, k, v, selection, scale)` has the signature and semantics of `kernels.reference.sparse.sparse_attention`
 and never synchronises with the host: the keys per row are only known on the device, so every grid and buffer size
 below depends only on shapes and on the capacity of `selection.indices` (CUDA-graph friendly).
 
@@ -31,6 +31,7 @@ import triton
 
 from kernels.checks import LOG2E, check_qkv
 from kernels.jit.sparse import gather_selected_kernel, sparse_attn_fwd_kernel, sparse_attn_merge_kernel
+from kernels.reference import sparse as reference
 from kernels.selection import Selection
 
 try:  # Triton >= 3.4
@@ -207,7 +208,7 @@ def sparse_attention(
     scale: float,
     config: SparseAttentionConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of every query over only the keys its row selects; see kernels.reference.sparse_attention.
+    """Attention of every query over only the keys its row selects; see kernels.reference.sparse.sparse_attention.
 
     q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] (fp16, bf16 or fp32, any strides; q is cast to k's dtype, the dtype of the
     tensor-core inputs, when it differs); selection: rows in {Hq, Hkv}, indptr/indices int32 or int64, indices sorted
@@ -221,7 +222,7 @@ def sparse_attention(
 
 def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                     config: SparseAttentionConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every query over every key (no mask): kernels.reference.attention_with_lse without a mask, through the same
+    """Every query over every key (no mask): kernels.reference.sparse.attention_with_lse without a mask, through the same
     grids as `sparse_attention` (split-KV over persistent workers in decode, query blocks x KV heads in prefill)
     with each KV head's keys read in order and no index list. Memory O(Lq * D): no score matrix.
 
@@ -234,6 +235,15 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     if config is not None and config.gather:
         raise ValueError("dense_attention reads K/V in place: config.gather must be False")
     return _launch(q, k, v, indptr, selection.indices, hkv * lk, lk, scale, config, dense=True)
+
+
+def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """kernels.reference.sparse.attention_with_lse: without a mask through the dense mode of the sparse kernel; a
+    boolean mask (tests, tools; the engine masks by positions through the causal kernel) goes to the reference."""
+    if mask is not None:
+        return reference.attention_with_lse(q, k, v, scale, mask)
+    return dense_attention(q, k, v, scale)
 
 
 def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float,

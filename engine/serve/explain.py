@@ -15,15 +15,16 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from engine import artifacts as names
 from engine.attention import QueryCapture, StepContext
+from engine.config import ContextSettings
 from engine.generate import full_logits
 from engine.ingest import attention_scale
-from engine.policies import get_policy
+from engine.policies import REGISTRY, LayerIndex, StepPlan, make_method
 from engine.policies.base import group_rows
 from engine.prompt import question_ids
-from engine.service import settings_from_dict
 from engine.session import ContextSession
-from kernels.reference import centroid_log_scores, reduce_scores, row_scores
+from kernels.reference.centroid import centroid_log_scores, reduce_scores, row_scores
 from storage import Document, Store
 
 PASSAGE_CONTEXT_CHARS = 80  # text shown around a passage, each side
@@ -34,8 +35,10 @@ PASSAGE_RADIUS = 14  # tokens each side of a strongly retrieved token that make 
 MIN_MARK = 0.08  # highlight weight of a token whose cluster's S is just at the threshold
 
 
-def turn_scores(session: ContextSession, question: str, answer: str) -> dict[int, dict[str, torch.Tensor]]:
-    """S of eq. 1 for every cluster at every global layer, for a turn that has been answered.
+def turn_scores(session: ContextSession, method: str, question: str,
+                answer: str) -> dict[int, dict[str, torch.Tensor]]:
+    """S of eq. 1 for every cluster of a cluster method's index at every global layer, for a turn that has been
+    answered.
 
     Replays the question and the answer's tokens once with full attention, capturing their queries, and returns
     layer -> {"question": [rows, C] S reduced over the question as the prefill lookup reduces it (token mean, or
@@ -48,17 +51,17 @@ def turn_scores(session: ContextSession, question: str, answer: str) -> dict[int
     a_ids = torch.tensor(lm.tokenizer(answer, add_special_tokens=False)["input_ids"], dtype=torch.int64) if answer \
         else torch.zeros(0, dtype=torch.int64)
     capture = QueryCapture(start=session.fixed_len, queries={})
-    step = StepContext(cache=session.cache, policy=get_policy("full"), thresholds=(), settings=session.settings,
+    step = StepContext(cache=session.cache, method=session.method("full"), plan=StepPlan(1.0),
                        backend=session.backend, capture=capture)
     full_logits(lm, step, torch.cat([q_ids, a_ids]))
     nq = q_ids.numel()
     out = {}
     for layer_idx, chunks in capture.queries.items():
-        index = session.cache.layers[layer_idx].index
-        if "centroids" not in index:
+        index = session.cache.layers[layer_idx].indexes.get(method)
+        if index is None or "centroids" not in index:
             continue
         q = torch.cat(chunks, dim=1)  # [Hq, Lq + La, D]
-        rows = group_rows(session.settings, q.shape[0], index["counts"].shape[0])
+        rows = group_rows(session.methods[method].settings.group, q.shape[0], index["counts"].shape[0])
         log_s = centroid_log_scores(q, index["centroids"], index["counts"], attention_scale(lm, layer_idx))
         question_s = reduce_scores(log_s[:, :nq], rows)  # [rows, C]
         answer_s = row_scores(log_s[:, nq:], rows).amax(dim=1) if q.shape[1] > nq else torch.zeros_like(question_s)
@@ -100,13 +103,35 @@ def retrieval_report(clusters: list[dict], scores: dict[int, dict[str, torch.Ten
     return {"threshold": float(threshold), "layers": layers}
 
 
-def explain_turn(session: ContextSession, question: str, answer: str, clusters: list[dict], sparsity: float) -> dict:
-    """The retrieval report (see `retrieval_report`) of a finished turn over an open context; clusters whose S
-    passes the single-level threshold at `sparsity` count as retrieved by the answer's tokens."""
-    scores = turn_scores(session, question, answer)
-    counts = {layer: session.cache.layers[layer].index["counts"].cpu() for layer in scores}
-    threshold = session.thresholds("squeeze", sparsity)[0] if scores else 0.0
-    return retrieval_report(clusters, scores, counts, threshold)
+def unit_report(clusters: list[dict]) -> dict:
+    """The retrieval report of a method without cluster scores (e.g. Quest's pages): the units the question's
+    prefill kept, with their sizes, and their lookup scores as s_question where the turn has them."""
+    layers = []
+    for entry in clusters:
+        rows = []
+        for row in entry["rows"]:
+            scores = row.get("scores") or [0.0] * len(row["ids"])
+            order = sorted(range(len(row["ids"])), key=lambda i: -scores[i])[:MAX_REPORTED]
+            rows.append({"row": row["row"], "kv_head": row["kv_head"], "ids": [row["ids"][i] for i in order],
+                         "sizes": [row["sizes"][i] for i in order],
+                         "s_question": [round(float(scores[i]), 6) for i in order],
+                         "s_answer": [0.0] * len(order), "prefill": [True] * len(order)})
+        layers.append({"layer": entry["layer"], "rows": rows})
+    return {"threshold": 0.0, "layers": layers, "scored": False}
+
+
+def explain_turn(session: ContextSession, question: str, answer: str, clusters: list[dict], method: str,
+                 sparsity: float) -> dict:
+    """The retrieval report of a finished turn with `method` over an open context. Cluster methods (an index
+    with centroids): `retrieval_report`, where clusters whose S passes squeeze's decode threshold at `sparsity`
+    count as retrieved by the answer's tokens; other methods: `unit_report`. The report names its method and unit."""
+    head = {"method": method, "unit": REGISTRY[method].unit}
+    scores = turn_scores(session, method, question, answer) if method in session.methods else {}
+    if not scores or "squeeze" not in session.methods:
+        return {**unit_report(clusters), **head}
+    counts = {layer: session.cache.layers[layer].indexes[method]["counts"].cpu() for layer in scores}
+    threshold = session.plan("squeeze", sparsity).decode[0]
+    return {**retrieval_report(clusters, scores, counts, threshold), "scored": True, **head}
 
 
 @dataclass
@@ -114,7 +139,9 @@ class ContextData:
     """A ready context's artifacts that the views need, on the CPU.
 
     offsets: [L, 2] character span of each token in doc.text ((-1, -1) for specials)
-    labels: global layer -> [Hkv, Lc] cluster of each clustered key (the first Lc tokens; the rest is the dense tail)
+    global_layers: the layers with an index; kv_heads: KV heads per layer; tail: the dense tail's tokens
+    units: (method, its build's time) -> global layer -> [Hkv, Lc] unit (cluster, page) of each indexed key (the
+        first Lc tokens; the rest is the dense tail), filled on first use (ContextInspector.unit_labels)
     """
 
     context_id: str
@@ -123,20 +150,16 @@ class ContextData:
     settings: dict
     fixed_len: int
     offsets: np.ndarray
-    labels: dict[int, np.ndarray]
+    global_layers: list[int]
+    kv_heads: int
+    tail: int
+    units: dict[tuple, dict[int, np.ndarray]] = field(default_factory=dict)
     _token_pages: np.ndarray | None = field(default=None, repr=False)
 
     @property
-    def global_layers(self) -> list[int]:
-        return sorted(self.labels)
-
-    @property
     def clustered(self) -> int:
-        return next(iter(self.labels.values())).shape[1] if self.labels else 0
-
-    @property
-    def kv_heads(self) -> int:
-        return next(iter(self.labels.values())).shape[0] if self.labels else 0
+        """Indexed tokens (the rest is the dense tail)."""
+        return self.fixed_len - self.tail
 
     @property
     def token_pages(self) -> np.ndarray:
@@ -208,15 +231,16 @@ class ContextInspector:
             if context_id in self._data:
                 self._data.move_to_end(context_id)
                 return self._data[context_id]
-        ctx = self.store.get_context(context_id)
-        names = [a["name"] for a in self.store.list_artifacts(context_id)]
-        label_names = [n for n in names if n.startswith("layer") and n.endswith(".labels")]
-        loaded = self.store.load_artifacts(context_id, label_names + ["offsets"])
-        labels = {int(n[len("layer"):-len(".labels")]): loaded[n].numpy() for n in label_names}
-        offsets = loaded["offsets"].numpy()
-        data = ContextData(context_id=context_id, doc_id=ctx["doc_id"], doc=self.store.get_document(ctx["doc_id"]),
-                           settings=ctx["settings"], fixed_len=int(ctx["tokens"] or offsets.shape[0]),
-                           offsets=offsets, labels=labels)
+        ctx = self.store.contexts.get(context_id)
+        rows = {a["name"]: a for a in self.store.artifacts.list(context_id)}
+        layers = sorted(p[0] for p in map(names.split_layer, rows) if p is not None and p[1] == names.CALIB_QUERIES)
+        offsets = self.store.artifacts.load(context_id, [names.OFFSETS])[names.OFFSETS].numpy()
+        fixed_len = int(ctx["tokens"] or offsets.shape[0])
+        keys = rows.get(names.layer_name(layers[0], "keys")) if layers else None
+        data = ContextData(context_id=context_id, doc_id=ctx["doc_id"], doc=self.store.documents.get(ctx["doc_id"]),
+                           settings=ctx["settings"], fixed_len=fixed_len, offsets=offsets, global_layers=layers,
+                           kv_heads=int(keys["shape"][0]) if keys else 0,
+                           tail=min(ContextSettings.from_dict(ctx["settings"]).dense_tail, max(fixed_len - 1, 0)))
         with self._lock:
             self._data[context_id] = data
             while len(self._data) > self._cached:
@@ -230,18 +254,51 @@ class ContextInspector:
             else:
                 self._data.pop(context_id, None)
 
-    def thresholds(self, context_id: str, method: str, sparsity: float) -> tuple[float, ...]:
-        """The calibrated threshold(s) a turn at `sparsity` uses (interpolated over the calibration grid)."""
-        policy = get_policy(method)
-        if not policy.sparse:
-            return ()
-        prefix = f"calib.{method}."
-        names = [a["name"] for a in self.store.list_artifacts(context_id) if a["name"].startswith(prefix)]
-        calib = {n[len(prefix):]: t for n, t in self.store.load_artifacts(context_id, names).items()}
-        return policy.thresholds(calib, sparsity)
+    def _built(self, context_id: str, method: str):
+        """The method as built for the context (its settings from the store), or None when it is not built."""
+        build = self.store.methods.get(context_id, method)
+        if build is None or method not in REGISTRY:
+            return None
+        return make_method(method, build["settings"].get(method))
 
-    def settings(self, context_id: str):
-        return settings_from_dict(self.store.get_context(context_id)["settings"])
+    def _method_layer(self, context_id: str, method: str, layer: int) -> LayerIndex:
+        """A method's artifacts of one layer (CPU) as a lookup sees them."""
+        data = self.data(context_id)
+        prefix = names.method_layer_name(method, layer, "")
+        wanted = [a["name"] for a in self.store.artifacts.list(context_id) if a["name"].startswith(prefix)]
+        tensors = {n[len(prefix):]: t for n, t in self.store.artifacts.load(context_id, wanted).items()}
+        return LayerIndex(tensors=tensors, num_keys=data.fixed_len, tail=data.tail)
+
+    def unit_labels(self, context_id: str, method: str) -> dict[int, np.ndarray]:
+        """global layer -> [Hkv, Lc] the unit of each indexed key under `method` as built now ({} for a method not
+        built; a rebuild with other settings is another entry)."""
+        data = self.data(context_id)
+        build = self.store.methods.get(context_id, method)
+        key = (method, build["built_at"] if build else None)
+        with self._lock:
+            if key in data.units:
+                return data.units[key]
+        built = self._built(context_id, method)
+        out = {}
+        if built is not None:
+            for layer in data.global_layers:
+                labels = built.unit_labels(self._method_layer(context_id, method, layer))
+                if labels is not None:
+                    out[layer] = labels.cpu().numpy()
+        with self._lock:
+            data.units[key] = out
+        return out
+
+    def plan_text(self, context_id: str, method: str, sparsity: float) -> str | None:
+        """What a turn of `method` at `sparsity` would do (the plan's description), or None when the method is not
+        built for the context."""
+        built = self._built(context_id, method)
+        if built is None:
+            return None
+        prefix = names.method_calib_name(method, "")
+        wanted = [a["name"] for a in self.store.artifacts.list(context_id) if a["name"].startswith(prefix)]
+        calib = {n[len(prefix):]: t for n, t in self.store.artifacts.load(context_id, wanted).items()}
+        return built.plan(calib, 1.0 - sparsity).describe()
 
     # ------------------------------------------------------------------ passages
 
@@ -251,16 +308,18 @@ class ContextInspector:
         attended, is 0 here too): the largest S (question or answer) over the report's selections, on a log scale
         from the threshold (MIN_MARK) to the turn's largest S (1). layer / kv_head: only those selections."""
         data = self.data(context_id)
+        units = self.unit_labels(context_id, report.get("method", "squeeze"))
+        scored = report.get("scored", True)
         best = np.zeros(data.fixed_len, dtype=np.float64)  # largest S of each token's retrieved clusters
         for entry in report.get("layers", []):
-            labels = data.labels.get(entry["layer"])
+            labels = units.get(entry["layer"])
             if labels is None or (layer is not None and entry["layer"] != layer):
                 continue
             for row in entry["rows"]:
                 if (kv_head is not None and row["kv_head"] != kv_head) or not row["ids"]:
                     continue
                 s = np.maximum(np.asarray(row["s_question"], dtype=np.float64),
-                               np.asarray(row["s_answer"], dtype=np.float64))
+                               np.asarray(row["s_answer"], dtype=np.float64)) if scored else np.ones(len(row["ids"]))
                 per_cluster = np.zeros(int(labels.max()) + 1, dtype=np.float64)
                 per_cluster[np.asarray(row["ids"], dtype=np.int64)] = np.maximum(s, 1e-12)
                 head_labels = labels[row["kv_head"]]
@@ -338,10 +397,11 @@ class ContextInspector:
                                marks=self.marks(context_id, weights, lo, hi)))
         return out
 
-    def cluster_pages(self, context_id: str, layer: int, kv_head: int, cluster_ids: list[int]) -> dict[int, list[int]]:
-        """For each cluster id: the pages its keys' tokens lie on."""
+    def cluster_pages(self, context_id: str, method: str, layer: int, kv_head: int,
+                      cluster_ids: list[int]) -> dict[int, list[int]]:
+        """For each unit id (cluster, page) of `method`: the document pages its keys' tokens lie on."""
         data = self.data(context_id)
-        labels = data.labels[layer][kv_head]
+        labels = self.unit_labels(context_id, method)[layer][kv_head]
         out = {}
         for cid in cluster_ids:
             tokens = np.nonzero(labels == cid)[0]
@@ -349,10 +409,11 @@ class ContextInspector:
             out[cid] = sorted(p for p in pages if p is not None)
         return out
 
-    def cluster_preview(self, context_id: str, layer: int, kv_head: int, cluster_id: int, chars: int = 60) -> str:
-        """The text of a cluster's first few tokens, joined with " · " where they are not adjacent."""
+    def cluster_preview(self, context_id: str, method: str, layer: int, kv_head: int, cluster_id: int,
+                        chars: int = 60) -> str:
+        """The text of a unit's first few tokens, joined with " · " where they are not adjacent."""
         data = self.data(context_id)
-        tokens = np.nonzero(data.labels[layer][kv_head] == cluster_id)[0]
+        tokens = np.nonzero(self.unit_labels(context_id, method)[layer][kv_head] == cluster_id)[0]
         pieces, last = [], None
         for t in tokens[:12]:
             s, e = (int(x) for x in data.offsets[t])
@@ -367,20 +428,22 @@ class ContextInspector:
 
     # ------------------------------------------------------------------ projection
 
-    def projection(self, context_id: str, layer: int, kv_head: int, retrieved: list[int],
+    def projection(self, context_id: str, method: str, layer: int, kv_head: int, retrieved: list[int],
                    max_points: int = PROJECTION_POINTS, seed: int = 0) -> Projection:
-        """PCA (torch.pca_lowrank) of the layer's clustered keys for one KV head, with its centroids."""
+        """PCA (torch.pca_lowrank) of the layer's indexed keys for one KV head, with a cluster method's centroids."""
         data = self.data(context_id)
-        if layer not in data.labels:
-            raise ValueError(f"layer {layer} has no clusters; choose one of {data.global_layers}")
+        units = self.unit_labels(context_id, method)
+        if layer not in units:
+            raise ValueError(f"layer {layer} has no {method} index; choose one of {sorted(units)}")
         if not 0 <= kv_head < data.kv_heads:
             raise ValueError(f"kv_head must be in [0, {data.kv_heads}), got {kv_head}")
-        art = self.store.load_artifacts(context_id, [f"layer{layer}.keys", f"layer{layer}.centroids",
-                                                     f"layer{layer}.counts"])
+        index = self._method_layer(context_id, method, layer)
+        if "centroids" not in index:
+            raise ValueError(f"{method} has no centroids to project (its units are {REGISTRY[method].unit}s)")
         lc = data.clustered
-        keys = art[f"layer{layer}.keys"][kv_head, :lc].float()  # [Lc, D]
-        keys = torch.nn.functional.normalize(keys, dim=-1)
-        centroids = torch.nn.functional.normalize(art[f"layer{layer}.centroids"][kv_head].float(), dim=-1)  # [C, D]
+        keys = self.store.artifacts.load(context_id, [names.layer_name(layer, "keys")])[names.layer_name(layer, "keys")]
+        keys = torch.nn.functional.normalize(keys[kv_head, :lc].float(), dim=-1)  # [Lc, D]
+        centroids = torch.nn.functional.normalize(index["centroids"][kv_head].float(), dim=-1)  # [C, D]
         mean = keys.mean(dim=0, keepdim=True)
         torch.manual_seed(seed)
         _, s, v = torch.pca_lowrank(keys - mean, q=min(6, *keys.shape), center=False, niter=4)
@@ -388,11 +451,11 @@ class ContextInspector:
         total_var = float(((keys - mean) ** 2).sum())
         explained = float((s[:2] ** 2).sum()) / total_var if total_var > 0 else 0.0
         points = ((keys - mean) @ basis).numpy()
-        labels = data.labels[layer][kv_head]
+        labels = units[layer][kv_head]
         keep = _subsample(labels, set(retrieved), max_points, seed)
         return Projection(layer=layer, kv_head=kv_head, points=points[keep], labels=labels[keep],
                           centroids=((centroids - mean) @ basis).numpy(),
-                          sizes=art[f"layer{layer}.counts"][kv_head].numpy(), retrieved=sorted(retrieved),
+                          sizes=index["counts"][kv_head].numpy(), retrieved=sorted(retrieved),
                           explained=explained, total=lc)
 
 

@@ -23,7 +23,9 @@ Progress = Callable[[int, int], None]  # (written, handed over)
 
 
 class ArtifactSink(Protocol):
-    def save_artifact(self, context_id: str, name: str, tensor: torch.Tensor) -> object: ...
+    """Where artifacts go: the store's artifacts repository (`store.artifacts`)."""
+
+    def save(self, context_id: str, name: str, tensor: torch.Tensor) -> object: ...
 
 
 class ArtifactWriter:
@@ -109,7 +111,7 @@ class ArtifactWriter:
                     return  # closing and drained (or aborted)
                 name, tensor = self._queue[0]
             try:
-                self.store.save_artifact(self.context_id, name, tensor)
+                self.store.save(self.context_id, name, tensor)
             except BaseException as exc:  # noqa: BLE001 - handed to the ingest's thread by put/close
                 with self._cond:
                     self._error = exc

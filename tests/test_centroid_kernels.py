@@ -1,4 +1,4 @@
-"""The centroid-lookup kernels (kernels/lookup_ops.py) against kernels.reference.cluster_keep.
+"""The centroid-lookup kernels (kernels/centroid_ops.py) against kernels.reference.centroid.cluster_keep.
 
 On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1), so the shapes are
 tiny and the blocks small (16 or 32), which puts block tails everywhere: C = 37 centroids, Lq = 7 and 33 tokens,
@@ -15,9 +15,10 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels import reference
-from kernels.layout import expand_groups, group_starts
-from kernels.lookup_ops import LookupConfig, cluster_keep, cluster_keep_list, cluster_select
+from kernels.reference import centroid as reference
+from kernels.layout import group_starts
+from kernels.reference.compact import expand_groups
+from kernels.centroid_ops import LookupConfig, cluster_keep, cluster_keep_list, cluster_select
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

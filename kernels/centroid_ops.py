@@ -1,6 +1,6 @@
 """Typed wrappers of the centroid-lookup kernels (kernels/jit/centroid.py): check, pick block sizes, launch.
 
-Both functions have the semantics of `kernels.reference.cluster_keep` and never synchronise with the host: grids
+Both functions have the semantics of `kernels.reference.centroid.cluster_keep` and never synchronise with the host: grids
 depend only on shapes, the candidate lists' lengths are read on the device.
 
     cluster_keep       every centroid of the row's KV head (optionally under a dense `allowed` mask)
@@ -30,6 +30,8 @@ import triton
 from kernels.checks import LOG2E
 from kernels.compact_ops import expand_block_sums
 from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel, centroid_score_prefill_kernel
+# no kernels of their own (the calibration and the explanations use them): the backend's op names, from the reference
+from kernels.reference.centroid import centroid_log_scores, reduce_scores, row_scores, select_clusters  # noqa: F401
 from kernels.selection import Selection
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -263,7 +265,7 @@ def cluster_keep(
     *,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The centroid lookup of one step over every centroid: `kernels.reference.cluster_keep` on the GPU.
+    """The centroid lookup of one step over every centroid: `kernels.reference.centroid.cluster_keep` on the GPU.
 
     q: [Hq, Lq, D] float16/bfloat16/float32; centroids: [Hkv, C, D] same dtype; counts: [Hkv, C] int (0 = empty)
     rows: Hq or Hkv; row r reads KV head r * Hkv // rows and averages S over its Hq // rows query heads
@@ -371,3 +373,9 @@ def _output(out, name, shape, dtype, device) -> torch.Tensor:
 
 
 __all__ = ["LookupConfig", "cluster_keep", "cluster_keep_list", "cluster_select", "default_config"]
+
+
+def cluster_keep_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scale: float, threshold: float,
+                       rows: int, candidates: Selection) -> tuple[torch.Tensor, torch.Tensor]:
+    """`kernels.reference.centroid.cluster_keep_among` on the GPU: `cluster_keep_list` over the candidates' lists."""
+    return cluster_keep_list(q, centroids, counts, scale, threshold, rows, candidates.indptr, candidates.indices)

@@ -1,0 +1,104 @@
+"""Quest (Tang et al., 2024): pages of consecutive keys, each summarised by the element-wise minimum and maximum of
+its keys; a query's page score is the upper bound sum_i max(q_i min_i, q_i max_i) of q . k over the page; a step
+reads the top pages up to the plan's budget.
+
+GQA: group "kv" (default) sums the bounds of a KV head's query heads and keeps one set of pages per KV head (each
+page read once per group, as squeeze does); "query" keeps one set per query head (the union is what is read).
+Prefill (Quest is published for decode): a question's page score is max(the bound of its tokens' mean, the bound
+of its last token), summed over the row's heads, and the same number of pages is kept as at decode, so the
+budget holds in both phases (kernels/jit/pages.py computes both terms in one pass over the bounds).
+Pages are whole: a last partial page of the indexed keys is read at every step, like the dense tail, so that
+every row reads the same number of keys (the selection's offsets follow from the shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from engine.policies.base import (LayerIndex, LayerKeys, Lookup, Method, MethodSettings, StepPlan, Tensors,
+                                  check_budget, group_rows)
+from kernels.backend import Backend
+
+GROUPS = ("kv", "query")
+
+
+@dataclass(frozen=True)
+class QuestSettings(MethodSettings):
+    """page_size: consecutive keys per page (Quest: 16); group: "kv" or "query" (see the module docstring)."""
+
+    page_size: int = 16
+    group: str = "kv"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.group not in GROUPS:
+            raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
+
+
+@dataclass(frozen=True)
+class PagePlan(StepPlan):
+    """A top-K turn: each step reads the best `budget` fraction of the pages (at least one), in both phases."""
+
+    def describe(self) -> str:
+        return f"top {self.budget:.0%} of the pages"
+
+    def pages(self, total: int) -> int:
+        """Pages a step keeps out of `total` (a static shape: no host synchronisation)."""
+        return 0 if total == 0 else max(1, min(total, round(self.budget * total)))
+
+
+def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """keys: [Hkv, L, D] -> (min [Hkv, P, D], max [Hkv, P, D], starts [Hkv, P + 1] int64), P = ceil(L / page_size);
+    the last page may be shorter (its bounds cover its own keys only)."""
+    hkv, length, d = keys.shape
+    pages = -(-length // page_size)
+    pad = pages * page_size - length
+    lo = F.pad(keys, (0, 0, 0, pad), value=float("inf")).view(hkv, pages, page_size, d).amin(dim=2)
+    hi = F.pad(keys, (0, 0, 0, pad), value=float("-inf")).view(hkv, pages, page_size, d).amax(dim=2)
+    starts = (torch.arange(pages + 1, device=keys.device) * page_size).clamp(max=length)
+    return lo, hi, starts.expand(hkv, -1).contiguous()
+
+
+class QuestPolicy(Method):
+    name: ClassVar[str] = "quest"
+    Settings: ClassVar[type] = QuestSettings
+    unit: ClassVar[str] = "page"
+
+    def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
+        """The bounds of the full pages of the indexed keys (a last partial page is read at every step, as the
+        dense tail is: every row then reads the same number of keys)."""
+        page = self.settings.page_size
+        full = layer.keys.shape[1] // page * page
+        lo, hi, _ = page_bounds(layer.keys[:, :full], page)
+        return {"page_min": lo, "page_max": hi}  # [Hkv, P, D] each
+
+    def calibrate(self, layers, scale: float) -> Tensors:
+        return {}  # top-K: a budget is a number of pages, nothing to calibrate
+
+    def plan(self, calibration: Tensors, budget: float) -> PagePlan:
+        return PagePlan(budget=check_budget(budget))
+
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: PagePlan, scale: float, backend: Backend) -> Lookup:
+        """Page scores (one kernel), then the top pages and their keys (one kernel: k is a static shape, and every
+        row reads the same number of keys)."""
+        lo, hi = layer["page_min"], layer["page_max"]
+        hkv, pages, d = lo.shape
+        page = self.settings.page_size
+        rows = group_rows(self.settings.group, q.shape[0], hkv)
+        kernel = backend.kernel("pages")
+        scores = kernel.page_scores(q, lo, hi, rows)  # [rows, P]
+        keep, selection = kernel.select_pages(scores, plan.pages(pages), page, layer.num_keys)
+        read = torch.full((hkv,), float(pages * 2 * d), device=q.device)  # every page's two bounds
+        sizes = torch.full((hkv, pages), page, dtype=torch.int64, device=q.device)
+        return Lookup(selection=selection, index_elements=read, units=keep, scores=scores, sizes=sizes)
+
+    def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
+        """Page of each indexed key; the keys of a last partial page (read at every step) get the id P."""
+        hkv, pages = layer["page_min"].shape[:2]
+        labels = torch.arange(layer.indexed, device=layer["page_min"].device) // self.settings.page_size
+        return labels.clamp(max=pages).expand(hkv, -1)

@@ -1,0 +1,423 @@
+"""Background ingest: a worker thread per engine (so one job at a time per model), progress by stage, an estimate
+of the time left, and recovery of the jobs a previous process left unfinished.
+
+The request thread only hands over the uploaded bytes (`submit_bytes`) or a stored document with new settings or
+methods to index (`submit_document`); extraction, tokenizing, prefill, clustering, calibration and saving all run on
+the worker.
+
+The store's jobs table (`store.jobs`) is the one record of a job: what it asked for, its status and stage, the
+units done, what is known of the document, its error. The worker writes the stages it runs itself (loading the
+model, extracting) and the outcome; `Engine.ingest(job=...)` writes the rest of the progress into the same row.
+In memory the worker keeps only what cannot be stored: the uploaded bytes waiting for extraction, the queue order,
+and the timing behind the estimate (each job's marks on the worker's clock, the learned stage shares and seconds per
+token). A `JobView` is built from the store's row.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+from engine.config import ContextSettings
+from engine.prompt import DocumentTooLongError
+from engine.serve.service import DEFAULT_METHODS, Engine
+from storage import INTERRUPTED, DocumentError, load_document_bytes
+from storage.documents import DOC_ID_CHARS
+
+LOADING = "loading model"
+# Stages of one ingest, with the share of its time each takes before any job has been timed on this machine
+# (measured on 2 CPU cores with the embedded model, ~4K tokens); learned again from every finished job.
+DEFAULT_STAGE_SHARE = {
+    "extracting": 0.01,
+    "tokenizing": 0.01,
+    "prefill": 0.55,
+    "clustering": 0.35,
+    "calibrating": 0.04,
+    "saving": 0.04,
+}
+STAGES = tuple(DEFAULT_STAGE_SHARE)
+ACTIVE = ("queued", "running")
+LEARN_RATE = 0.5  # weight of the newest finished job in the learned stage shares and seconds per token
+MIN_FRACTION_FOR_ETA = 0.03  # below this, elapsed / fraction is too noisy to extrapolate
+CHARS_PER_TOKEN = 4.0  # rough guess for a job whose document is not tokenized yet
+KEEP_FINISHED = 100  # finished jobs a worker lists (and keeps the timing of)
+
+
+@dataclass
+class _Timing:
+    """A job's marks on the worker's clock, in seconds: submitted, the ingest's start (its first stage after the
+    model is loaded), each stage's start, finished."""
+
+    submitted: float
+    started: float | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+    finished: float | None = None
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A snapshot of a job for display, from its row in the store: `fraction` of the whole ingest done, `eta_s`
+    seconds left (None: unknown), `position` in the queue (0: running or finished).
+
+    status: "queued" | "running" | "done" | "failed"
+    stage: LOADING, one of STAGES, or "queued"/"ready"/"failed"; done/total count the stage's units
+    error_kind: "document" (the file cannot be read), "too_long", or "internal"; error is one plain line
+    """
+
+    id: int
+    name: str
+    doc_id: str
+    context_id: str | None
+    status: str
+    stage: str
+    done: int
+    total: int
+    fraction: float
+    eta_s: float | None
+    elapsed_s: float
+    position: int
+    tokens: int | None
+    pages: int | None
+    cached: bool
+    error: str | None
+    error_kind: str | None
+    settings: dict
+    methods: tuple[str, ...]
+
+    @property
+    def active(self) -> bool:
+        return self.status in ACTIVE
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+class IngestWorker:
+    """Runs `Engine.ingest` jobs one at a time on a daemon thread.
+
+    start=False: jobs wait in the queue until `start()` (tests; a controlled start-up)
+    preload: load the model on the worker as soon as it starts, so the first upload or question does not wait
+    resume: queue again the contexts that a previous process left pending or interrupted (for this model)
+    seconds_per_token: a prior for the time an ingest takes per token, until a job has been timed here
+
+    The worker lists (`views`) the jobs of its model that are active or were created since it started.
+    """
+
+    def __init__(self, engine: Engine, *, start: bool = True, preload: bool = False, resume: bool = False,
+                 seconds_per_token: float | None = None, clock: Callable[[], float] = time.monotonic):
+        self.engine, self.store, self.clock = engine, engine.store, clock
+        self._after = self.store.jobs.last_id()  # the jobs before the worker started are history (unless active)
+        self._cv = threading.Condition()
+        self._queue: deque[int] = deque()  # job ids, next first
+        self._current: int | None = None  # the job being run
+        self._uploads: dict[int, bytes] = {}  # the uploads, until they are extracted
+        self._timing: dict[int, _Timing] = {}
+        self._share = dict(DEFAULT_STAGE_SHARE)
+        self._seconds_per_token = seconds_per_token
+        self._preload = preload
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=f"ingest-{engine.model_id}", daemon=True)
+        if resume:
+            self.resume_interrupted()
+        if start:
+            self.start()
+
+    # ------------------------------------------------------------------ control
+
+    def start(self) -> None:
+        if not self._thread.is_alive():
+            self._thread.start()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Stop taking jobs; a running ingest finishes (or is left to `recover_interrupted` at the next start)."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def wait_idle(self, timeout: float = 60.0) -> bool:
+        """Block until no job of this worker is queued or running; False on timeout."""
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while self._queue or self._current is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.1))
+        return True
+
+    # ------------------------------------------------------------------ submitting
+
+    def submit_bytes(self, data: bytes, name: str, settings: ContextSettings | None = None,
+                     truncate: bool = False, methods: Sequence[str] = DEFAULT_METHODS) -> JobView:
+        """Queue an uploaded file. Its document id is known at once (from its bytes); a problem with the file
+        shows up as a failed job, not as an exception here."""
+        return self._submit(name, document_id(data), settings or ContextSettings(), truncate, data, tuple(methods))
+
+    def submit_document(self, doc_id: str, settings: ContextSettings, truncate: bool = True,
+                        methods: Sequence[str] = DEFAULT_METHODS) -> JobView:
+        """Queue a stored document with (new) settings, or methods to index (e.g. another centroid ratio).
+
+        truncate=True by default: the document was ingested before, so it either fits or was truncated then.
+        """
+        doc = self.store.documents.find(doc_id)
+        return self._submit(doc["name"], doc["id"], settings, truncate, None, tuple(methods))
+
+    def _submit(self, name: str, doc_id: str, settings: ContextSettings, truncate: bool, data: bytes | None,
+                methods: tuple[str, ...]) -> JobView:
+        with self._cv:
+            job_id, created = self.store.jobs.submit(doc_id, name, self.engine.model_id, settings.as_dict(),
+                                                     methods=methods, truncate=truncate)
+            if created:  # else the same work is already waiting or running
+                self._timing[job_id] = _Timing(submitted=self.clock())
+                if data is not None:
+                    self._uploads[job_id] = data
+                self._queue.append(job_id)
+                self._forget_old()
+                self._cv.notify_all()
+            return self._views([self.store.jobs.get(job_id)])[0]
+
+    def resume_interrupted(self) -> list[JobView]:
+        """Queue the contexts of this model left "pending", or failed as interrupted, by an earlier process (with
+        what their last job asked for)."""
+        jobs = []
+        for doc in self.store.documents.list():
+            for ctx in self.store.contexts.list(doc["id"]):
+                if ctx["model"] != self.engine.model_id:
+                    continue
+                if ctx["status"] == "pending" or (ctx["status"] == "failed" and ctx["error"] == INTERRUPTED):
+                    last = self.store.jobs.latest(context_id=ctx["id"])
+                    asked = {} if last is None else {"truncate": last["truncate"],
+                                                     "methods": last["methods"] or DEFAULT_METHODS}
+                    jobs.append(self.submit_document(doc["id"], ContextSettings.from_dict(ctx["settings"]), **asked))
+        return jobs
+
+    # ------------------------------------------------------------------ reading
+
+    def view(self, job_id: int) -> JobView:
+        """A job's view (NotFoundError for an unknown id)."""
+        return self._views([self.store.jobs.get(job_id)])[0]
+
+    def views(self, active_only: bool = False) -> list[JobView]:
+        """The jobs of this model that are active or were created since the worker started, oldest first."""
+        rows = self.store.jobs.list(model=self.engine.model_id, after=self._after, limit=KEEP_FINISHED)
+        return self._views([r for r in rows if r["status"] in ACTIVE or not active_only])
+
+    def latest_for_document(self, doc_id: str, settings: ContextSettings | None = None) -> JobView | None:
+        """The newest job of a document (with these settings, when given) among those `views` lists."""
+        row = self.store.jobs.latest(doc_id=doc_id, model=self.engine.model_id, after=self._after,
+                                     settings=None if settings is None else settings.as_dict())
+        return None if row is None else self._views([row])[0]
+
+    def _views(self, rows: list[dict]) -> list[JobView]:
+        with self._cv:
+            now = self.clock()
+            known = {r["id"]: r for r in rows}
+            for job_id in (self._current, *self._queue):  # what the estimate of a queued job adds up
+                if job_id is not None and job_id not in known:
+                    known[job_id] = self.store.jobs.get(job_id)
+            return [self._view(row, known, now) for row in rows]
+
+    def _view(self, row: dict, known: dict[int, dict], now: float) -> JobView:
+        queued_here = row["status"] == "queued" and row["id"] in self._queue
+        return JobView(
+            id=row["id"], name=row["name"], doc_id=row["doc_id"], context_id=row["context_id"],
+            status=row["status"], stage=row["stage"], done=row["done"], total=row["total"],
+            fraction=self._fraction(row), eta_s=self._eta(row, known, now), elapsed_s=self._elapsed(row, now),
+            position=self._queue.index(row["id"]) + 1 if queued_here else 0, tokens=row["tokens"],
+            pages=row["pages"], cached=row["cached"], error=row["error"], error_kind=row["error_kind"],
+            settings=row["settings"], methods=tuple(row["methods"]),
+        )
+
+    # ------------------------------------------------------------------ the estimate (callers hold self._cv)
+
+    def _elapsed(self, row: dict, now: float) -> float:
+        timing = self._timing.get(row["id"])
+        if timing is not None:
+            return (timing.finished if timing.finished is not None else now) - timing.submitted
+        end = _parse(row["finished_at"]) if row["finished_at"] else datetime.now(timezone.utc)
+        return max(0.0, (end - _parse(row["created_at"])).total_seconds())  # a job of another worker
+
+    def _fraction(self, row: dict) -> float:
+        """Share of the ingest done: the finished stages' shares plus the current stage's share times its progress."""
+        if row["status"] == "done":
+            return 1.0
+        if row["stage"] not in STAGES:
+            return 0.0
+        before = sum(self._share[s] for s in STAGES[: STAGES.index(row["stage"])])
+        within = row["done"] / row["total"] if row["total"] else 0.0
+        return min(1.0, before + self._share[row["stage"]] * within)
+
+    def _estimate_total(self, row: dict) -> float | None:
+        """Seconds a whole ingest of this job should take, from the seconds per token learned on this machine."""
+        if self._seconds_per_token is None:
+            return None
+        tokens = row["tokens"] or (row["chars"] / CHARS_PER_TOKEN if row["chars"] else None)
+        if tokens is None and row["id"] in self._uploads:
+            tokens = len(self._uploads[row["id"]]) / CHARS_PER_TOKEN
+        return None if tokens is None else self._seconds_per_token * tokens
+
+    def _eta(self, row: dict, known: dict[int, dict], now: float) -> float | None:
+        if row["status"] not in ACTIVE:
+            return 0.0 if row["status"] == "done" else None
+        if row["status"] == "queued" and row["id"] != self._current:  # (the current job may not be marked running yet)
+            if row["id"] not in self._queue:
+                return None  # queued by another process: its queue is not known here
+            ahead = 0.0
+            if self._current is not None:
+                left = self._eta(known[self._current], known, now)
+                if left is None:
+                    return None
+                ahead += left
+            for other in list(self._queue)[: self._queue.index(row["id"])]:
+                own = self._estimate_total(known[other])
+                if own is None:
+                    return None
+                ahead += own
+            own = self._estimate_total(row)
+            return None if own is None else ahead + own
+        timing = self._timing.get(row["id"])
+        if row["stage"] == LOADING or timing is None:
+            return None  # the model's loading time is not known; nor are another worker's marks
+        if timing.started is None:
+            return self._estimate_total(row)  # the ingest itself has not begun
+        fraction = self._fraction(row)
+        by_rate = None
+        total = self._estimate_total(row)
+        if total is not None:
+            by_rate = max(0.0, total * (1.0 - fraction))
+        if fraction >= MIN_FRACTION_FOR_ETA:
+            elapsed = now - timing.started
+            by_progress = elapsed * (1.0 - fraction) / fraction
+            if by_rate is None or fraction >= 0.2:
+                return max(0.0, by_progress)
+        return by_rate
+
+    def _learn(self, timing: _Timing, tokens: int, end: float) -> None:
+        """Update the stage shares and the seconds per token from a finished ingest."""
+        if timing.started is None or not tokens:
+            return
+        total = end - timing.started
+        if total <= 0:
+            return
+        marks = sorted((t, s) for s, t in timing.stages.items() if s in STAGES)
+        spans = {s: (marks[i + 1][0] if i + 1 < len(marks) else end) - t for i, (t, s) in enumerate(marks)}
+        if set(spans) == set(STAGES):
+            for stage in STAGES:
+                self._share[stage] = (1 - LEARN_RATE) * self._share[stage] + LEARN_RATE * spans[stage] / total
+            norm = sum(self._share.values())
+            self._share = {s: v / norm for s, v in self._share.items()}
+        rate = total / tokens
+        old = self._seconds_per_token
+        self._seconds_per_token = rate if old is None else (1 - LEARN_RATE) * old + LEARN_RATE * rate
+
+    def _forget_old(self) -> None:
+        finished = [k for k, t in self._timing.items() if t.finished is not None]
+        for key in finished[: max(0, len(finished) - KEEP_FINISHED)]:
+            del self._timing[key]
+
+    # ------------------------------------------------------------------ the worker
+
+    def _run(self) -> None:
+        if self._preload:
+            try:
+                self.engine.lm  # noqa: B018 - loads the model
+            except Exception:  # noqa: BLE001 - the first job reports the same error in plain words
+                pass
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if self._closed:
+                    return
+                job_id = self._current = self._queue.popleft()
+            try:
+                self._execute(job_id)
+            finally:
+                with self._cv:
+                    self._current = None
+                    self._cv.notify_all()
+
+    def _mark(self, job_id: int, stage: str) -> None:
+        """Note on the worker's clock when a stage starts (the estimate's timing; the stage itself is in the row)."""
+        with self._cv:
+            timing = self._timing.setdefault(job_id, _Timing(submitted=self.clock()))
+            now = self.clock()
+            timing.stages.setdefault(stage, now)
+            if stage in STAGES and timing.started is None:
+                timing.started = now
+
+    def _stage(self, job_id: int, stage: str, done: int, total: int) -> None:
+        """A stage the worker runs itself: recorded in the job's row, and marked."""
+        self.store.jobs.update(job_id, stage=stage, done=done, total=total)
+        self._mark(job_id, stage)
+
+    def _finished(self, job_id: int) -> _Timing:
+        with self._cv:
+            timing = self._timing.setdefault(job_id, _Timing(submitted=self.clock()))
+            timing.finished = self.clock()
+            self._uploads.pop(job_id, None)
+            return timing
+
+    def _execute(self, job_id: int) -> None:
+        job = self.store.jobs.start(job_id)
+        try:
+            settings = ContextSettings.from_dict(job["settings"])
+            if not self.engine.model_loaded:
+                self._stage(job_id, LOADING, 0, 1)
+                self.engine.lm  # noqa: B018 - loads the model (minutes the first time: dequantization)
+            self._stage(job_id, "extracting", 0, 1)
+            with self._cv:
+                data = self._uploads.get(job_id)
+            doc = (load_document_bytes(data, job["name"]) if data is not None
+                   else self.store.documents.get(job["doc_id"]))
+            doc_id, _ = self.store.documents.add(doc)
+            context = self.store.contexts.context_for(doc_id, self.engine.model_id, settings.as_dict())
+            self.store.jobs.update(job_id, context_id=context["id"], chars=len(doc.text), pages=doc.pages)
+            with self._cv:
+                self._uploads.pop(job_id, None)  # extracted: the estimate goes by the text's length now
+            self._stage(job_id, "extracting", 1, 1)
+            report = self.engine.ingest(doc, settings, truncate=job["truncate"], methods=tuple(job["methods"]),
+                                        progress=lambda stage, done, total: self._mark(job_id, stage), job=job_id)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes a plain message next to the document
+            self._finished(job_id)
+            self.store.jobs.fail(job_id, plain_error(exc), kind=error_kind(exc))
+            return
+        timing = self._finished(job_id)
+        self.store.jobs.finish(job_id, context_id=report.context_id, tokens=report.tokens, cached=report.cached)
+        if not report.cached:
+            with self._cv:
+                self._learn(timing, report.tokens, timing.finished)
+
+
+def document_id(data: bytes) -> str:
+    """The store's id of a document with these bytes (see storage.Document.doc_id), known before extraction."""
+    return hashlib.sha256(data).hexdigest()[:DOC_ID_CHARS]
+
+
+def error_kind(exc: BaseException) -> str:
+    """How a failed job is told: "too_long" (offer truncation), "document" (the file cannot be read), "internal"."""
+    if isinstance(exc, DocumentTooLongError):
+        return "too_long"
+    return "document" if isinstance(exc, DocumentError) else "internal"
+
+
+def plain_error(exc: BaseException) -> str:
+    """One line a reader understands: the exception's first line, or its type when it has no message."""
+    if isinstance(exc, MemoryError):
+        return "the machine ran out of memory while preparing the document"
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _parse(stamp: str) -> datetime:
+    try:
+        return datetime.fromisoformat(stamp)
+    except ValueError:  # not a time the store wrote
+        return datetime.now(timezone.utc)

@@ -1,0 +1,257 @@
+"""The engine as the CLI and the app see it: documents in, cached contexts on disk, answers out."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine import artifacts as names
+from engine.compiled import compile_layers
+from engine.config import ContextSettings
+from engine.ingest import ingest_tokens
+from engine.model import LoadedModel, load_model, model_id_for
+from engine.policies import METHODS, Method, MethodSettings, build_order, make_method
+from engine.prompt import tokenize_document
+from engine.session import Answer, ContextSession, Delta
+from engine.serve.writer import ArtifactWriter
+from kernels.backend import Backend
+from kernels.dispatch import backend_for
+from storage import Document, Store, load_document
+
+STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
+Progress = Callable[[str, int, int], None]
+DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
+
+
+def default_cache_dir() -> Path:
+    return Path(os.environ.get("SQUEEZE_CACHE_DIR") or Path.home() / ".cache" / "squeeze")
+
+
+@dataclass
+class IngestReport:
+    """The public result of an ingest (the CLI prints it as JSON)."""
+
+    doc_id: str
+    context_id: str
+    tokens: int
+    pages: int
+    seconds: float
+    cached: bool
+    truncated: bool = False
+
+    def to_json(self) -> dict:
+        return {"doc_id": self.doc_id, "context_id": self.context_id, "tokens": self.tokens, "pages": self.pages,
+                "seconds": round(self.seconds, 3), "cached": self.cached, "truncated": self.truncated}
+
+
+
+class Engine:
+    """Owns the model (loaded on first use), the store, and the open context.
+
+    cache_dir: where the SQLite index and the tensors live; model: None for the embedded Gemma 3 270M;
+    methods: each method's settings (its Settings or a dict of their fields; the others at their defaults): a
+    method's index of a context is (re)built with these when it is missing or was built with others.
+    """
+
+    def __init__(self, cache_dir: str | Path | None = None, model: str | None = None, device: str = "auto",
+                 backend: str | None = None, lm: LoadedModel | None = None, compile: bool = False,
+                 methods: Mapping[str, MethodSettings | dict] | None = None):
+        self.store = Store(Path(cache_dir) if cache_dir else default_cache_dir())
+        self.store.jobs.recover_interrupted()
+        self.model_name, self.device_name, self.backend_name = model, device, backend
+        self.compile = compile  # torch.compile the decoder layers once loaded (engine.compiled)
+        self.model_id = lm.model_id if lm is not None else model_id_for(model)
+        unknown = sorted(set(methods or {}) - set(METHODS))
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        self.method_settings = {name: make_method(name, (methods or {}).get(name)).settings for name in METHODS}
+        self._lm = lm
+        self._lm_lock = threading.Lock()  # the app loads the model from a worker thread and from request threads
+        self._device_lock = threading.RLock()  # building a method's index and answering share the open context
+        self._session: tuple[str, ContextSession] | None = None
+
+    @property
+    def lm(self) -> LoadedModel:
+        if self._lm is None:
+            with self._lm_lock:
+                if self._lm is None:
+                    lm = load_model(self.model_name, self.device_name, convert_dir=self.store.root / "models")
+                    if self.compile:
+                        compile_layers(lm)
+                    self._lm = lm
+        return self._lm
+
+    @property
+    def model_loaded(self) -> bool:
+        """Whether the model is in memory (the first `lm` access loads it, which can take a minute)."""
+        return self._lm is not None
+
+    @property
+    def backend(self) -> Backend:
+        return backend_for(self.lm.device, self.backend_name)
+
+    def configure(self, methods: Mapping[str, MethodSettings | dict]) -> None:
+        """Change some methods' settings: their indexes are rebuilt with them when next asked for (ensure_methods)."""
+        unknown = sorted(set(methods) - set(METHODS))
+        if unknown:
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        made = {name: make_method(name, value).settings for name, value in methods.items()}  # all valid, or none
+        with self._device_lock:
+            self.method_settings.update(made)
+
+    def method(self, name: str) -> Method:
+        """Method `name` with this engine's settings for it."""
+        if name not in self.method_settings:
+            raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+        return make_method(name, self.method_settings[name])
+
+    def build_key(self, name: str) -> dict:
+        """What a build of `name` depends on: its settings and those of the methods it requires (the cache key of
+        its index within a context)."""
+        return {n: self.method_settings[n].as_dict() for n in build_order([name])}
+
+    def stale_methods(self, context_id: str, methods: Sequence[str]) -> list[str]:
+        """The sparse methods among `methods` (and what they require), in build order, whose index of the context
+        is missing or was built with other settings than this engine's."""
+        out = []
+        for name in build_order(methods):
+            built = self.store.methods.get(context_id, name)
+            if built is None or built["settings"] != self.build_key(name) or any(r in out for r in
+                                                                                  self.method(name).requires):
+                out.append(name)
+        return out
+
+    def ingest(self, source: str | Path | Document, settings: ContextSettings | None = None, truncate: bool = False,
+               progress: Progress | None = None, methods: Sequence[str] = DEFAULT_METHODS,
+               job: int | None = None) -> IngestReport:
+        """Cache a document's context (a hit when the same bytes, model and settings were ingested before) with the
+        indexes of `methods` (built now if missing, also for a cached context).
+
+        job: a job of the store's (`store.jobs`) to record the progress in; whoever created it finishes it (the
+        ingest worker). None: the ingest records its own job, from start to finish, unless the context is cached."""
+        settings = settings or ContextSettings()
+        report = progress or (lambda stage, done, total: None)
+        start = time.perf_counter()
+        report("extracting", 0, 1)
+
+        def tracked(stage: str, done: int, total: int) -> None:
+            if job is not None:
+                self.store.jobs.update(job, stage=stage, done=done, total=total)
+            report(stage, done, total)
+
+        doc = source if isinstance(source, Document) else load_document(source)
+        doc_id, _ = self.store.documents.add(doc)
+        ctx = self.store.contexts.context_for(doc_id, self.model_id, settings.as_dict())
+        if job is not None:
+            self.store.jobs.update(job, context_id=ctx["id"])
+        if ctx["status"] == "ready":
+            self.ensure_methods(ctx["id"], methods, tracked)
+            return IngestReport(doc_id, ctx["id"], ctx["tokens"], doc.pages, time.perf_counter() - start, cached=True)
+        own = job is None
+        if own:
+            job = self.store.jobs.create(doc_id, doc.name, self.model_id, settings.as_dict(), methods=methods,
+                                         truncate=truncate, context_id=ctx["id"])
+            self.store.jobs.start(job)
+        self.store.contexts.set_status(ctx["id"], "running")
+        try:
+            tracked("tokenizing", 0, 1)
+            lm = self.lm
+            fixed = tokenize_document(lm.tokenizer, doc.text, lm.max_context, truncate=truncate)
+            self.store.jobs.update(job, tokens=fixed.ids.numel())
+            built = build_order(methods)
+            with ArtifactWriter(self.store.artifacts, ctx["id"]) as writer:  # saves each artifact while the rest is made
+                writer.put(names.OFFSETS, fixed.offsets)
+                out = ingest_tokens(lm, fixed.ids, settings, self.backend, [self.method(n) for n in built], tracked,
+                                    on_artifact=writer.put)
+                writer.close(lambda written, handed: tracked("saving", written, handed))
+            for name in built:
+                self.store.methods.mark_built(ctx["id"], name, self.build_key(name))
+            self.store.contexts.mark_ready(ctx["id"], out.tokens)
+            if own:
+                self.store.jobs.finish(job, context_id=ctx["id"], tokens=out.tokens)
+        except BaseException as exc:  # noqa: BLE001 - also Ctrl-C: the context must not stay "running"
+            reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            self.store.contexts.set_status(ctx["id"], "failed", error=reason)
+            if own:
+                self.store.jobs.fail(job, reason, kind=None)
+            raise
+        return IngestReport(doc_id, ctx["id"], out.tokens, doc.pages, time.perf_counter() - start, cached=False,
+                            truncated=fixed.truncated)
+
+    def ensure_methods(self, context_id: str, methods: Sequence[str], progress: Progress | None = None) -> list[str]:
+        """Build the indexes of `methods` that the context lacks (or has with other settings) from its stored K/V,
+        save them and open them in the session. Returns the methods built (in build order)."""
+        with self._device_lock:
+            todo = self.stale_methods(context_id, methods)
+            if not todo:
+                return []
+            session = self.session(context_id)
+            for name in todo:
+                self.store.methods.remove(context_id, name)
+                for artifact, tensor in session.build(self.method(name), progress).items():
+                    self.store.artifacts.save(context_id, artifact, tensor.cpu())
+                self.store.methods.mark_built(context_id, name, self.build_key(name))
+            return todo
+
+    def resolve(self, doc_or_path: str, truncate: bool = False, progress: Progress | None = None,
+                settings: ContextSettings | None = None) -> str:
+        """A context id for a cached document id (or prefix, or file name) or a path (ingested if new).
+
+        settings: the index settings the context must have (a cached document is ingested again with them if it has
+        no such context); None: a path gets the defaults, a cached document any ready context of this model."""
+        if Path(doc_or_path).is_file():
+            return self.ingest(doc_or_path, settings, truncate=truncate, progress=progress).context_id
+        doc = self.store.documents.find(doc_or_path)
+        if settings is not None:
+            return self.ingest(self.store.documents.get(doc["id"]), settings, truncate=truncate,
+                               progress=progress).context_id
+        for ctx in self.store.contexts.list(doc["id"]):
+            if ctx["model"] == self.model_id and ctx["status"] == "ready":
+                return ctx["id"]
+        raise ValueError(f"document {doc['id']} has no ready context for model {self.model_id}; ingest it first")
+
+    def session(self, context_id: str) -> ContextSession:
+        """The context on the model's device (the last one opened stays open), with the methods built for it with
+        this engine's settings (ensure_methods builds the others)."""
+        with self._device_lock:
+            if self._session is None or self._session[0] != context_id:
+                self._session = None  # free the previous context before loading the next
+                ctx = self.store.contexts.get(context_id)
+                current = {b["method"]: self.method(b["method"]) for b in self.store.methods.list(context_id)
+                           if b["method"] in METHODS and b["settings"] == self.build_key(b["method"])}
+                wanted = [r["name"] for r in self.store.artifacts.list(context_id)
+                          if not _method_prefix(r["name"]) or _method_prefix(r["name"]) in current]
+                artifacts = self.store.artifacts.load(context_id, wanted)
+                session = ContextSession(self.lm, artifacts, ContextSettings.from_dict(ctx["settings"]), self.backend,
+                                         methods=current)
+                self._session = (context_id, session)
+            return self._session[1]
+
+    def stream(self, context_id: str, question: str, method: str = "squeeze", sparsity: float = 0.9,
+               max_new_tokens: int = 64, progress: Progress | None = None) -> Iterator[Delta | Answer]:
+        """The answer's pieces, then the Answer; the method's index is built first if the context lacks it."""
+        with self._device_lock:
+            self.ensure_methods(context_id, [method], progress)
+            session = self.session(context_id)
+        yield from session.stream(question, method, sparsity, max_new_tokens)
+
+    def ask(self, context_id: str, question: str, method: str = "squeeze", sparsity: float = 0.9,
+            max_new_tokens: int = 64) -> Answer:
+        for event in self.stream(context_id, question, method, sparsity, max_new_tokens):
+            if isinstance(event, Answer):
+                return event
+        raise AssertionError("stream ended without an answer")
+
+    def list_documents(self) -> list[dict]:
+        return self.store.documents.list()
+
+    def delete_document(self, doc_id: str) -> str:
+        doc = self.store.documents.find(doc_id)
+        self._session = None
+        self.store.documents.delete(doc["id"])
+        return doc["id"]
+

@@ -1,0 +1,88 @@
+"""A turn of a chat, below the UI: the question answered (streamed), explained, compared with full attention when
+asked, and recorded in the store with its statistics; the app only shows what this yields."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from engine.policies import REGISTRY
+from engine.serve.explain import explain_turn
+from engine.serve.jobs import plain_error
+from engine.serve.service import Engine
+from engine.session import Answer, Delta
+
+STOPPED_MARK = " [stopped]"
+
+
+def same_answer(a: str, b: str) -> bool:
+    """Whether two answers say the same, ignoring case, spacing and trailing punctuation."""
+    def norm(s: str) -> str:
+        return " ".join(s.lower().split()).rstrip(" .!")
+    return norm(a) == norm(b)
+
+
+@dataclass
+class RecordedTurn:
+    """A turn as saved: the store's row (question, answer, method, sparsity, stats), and whether it was stopped."""
+
+    row: dict
+    stopped: bool
+
+
+class Turns:
+    """Answers, explains and records the turns of chats over one engine's contexts."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.store = engine, engine.store
+
+    def answer(self, chat_id: int, context_id: str, question: str, method: str, sparsity: float, max_new_tokens: int,
+               compare: bool = False, stop: threading.Event | None = None) -> Iterator[Delta | RecordedTurn]:
+        """Yield the answer's pieces, then the RecordedTurn. `stop` set while it streams ends the answer there: what
+        was said is kept (marked as stopped, without statistics). sparsity: the turn's (0 for full attention)."""
+        sparse = REGISTRY[method].sparse
+        sparsity = sparsity if sparse else 0.0
+        answer, text, stopped = None, "", False
+        stream = self.engine.stream(context_id, question, method, sparsity, max_new_tokens)
+        try:
+            for event in stream:
+                if isinstance(event, Delta):
+                    text += event.text
+                    yield event
+                elif isinstance(event, Answer):
+                    answer = event
+                if stop is not None and stop.is_set():
+                    stopped = answer is None
+                    break
+        finally:
+            stream.close()
+        if stopped:
+            text = text.strip()
+            stats = {"stopped": True, "context_id": context_id, "method": method, "sparsity": sparsity}
+            self.store.chats.add_turn(chat_id, question, text + STOPPED_MARK, method, sparsity, stats)
+        else:
+            stats = self.statistics(context_id, question, answer, method, sparsity)
+            if compare and sparse:
+                stats["compare"] = self.compare(context_id, question, answer, max_new_tokens)
+            self.store.chats.add_turn(chat_id, question, answer.text, method, sparsity, stats)
+        yield RecordedTurn(row=self.store.chats.turns(chat_id)[-1], stopped=stopped)
+
+    def statistics(self, context_id: str, question: str, answer: Answer, method: str, sparsity: float) -> dict:
+        """What is saved with a turn: TurnStats (with the plan the turn used), the context, and the retrieval
+        report (engine.serve.explain) the views are drawn from."""
+        stats = answer.stats.to_json()
+        stats["context_id"] = context_id
+        try:
+            stats["retrieval"] = explain_turn(self.engine.session(context_id), question, answer.text,
+                                              stats["clusters"], method, sparsity)
+        except Exception as exc:  # noqa: BLE001 - the answer stands; the views say what is missing
+            stats["retrieval"] = {"layers": [], "error": plain_error(exc)}
+        return stats
+
+    def compare(self, context_id: str, question: str, answer: Answer, max_new_tokens: int) -> dict:
+        """Full attention's answer to the same question, and whether it says the same."""
+        full = self.engine.ask(context_id, question, "full", 0.0, max_new_tokens)
+        return {"answer": full.text, "agree": same_answer(full.text, answer.text),
+                "total_s": full.stats.timings.get("total_s", 0.0),
+                "first_token_s": full.stats.timings.get("first_token_s", 0.0)}

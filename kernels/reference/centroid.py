@@ -1,0 +1,120 @@
+"""Reference of the centroid lookup (kernels/jit/centroid.py): eq. 1 (and eq. 3) of Squeezed Attention, reduced
+per row and compared with a threshold."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.reference._common import NEG_INF, _grouped, _ungrouped
+from kernels.reference.compact import expand_groups
+from kernels.selection import Selection
+
+
+def centroid_log_scores(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    allowed: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Eq. 1 of Squeezed Attention in log space: log S_i = s_i - log sum_j N_j exp(s_j), s = scale * q . C.
+
+    q: [Hq, Lq, D]; centroids: [Hkv, C, D]; counts: [Hkv, C] (keys per cluster, 0 for an empty cluster)
+    allowed: optional bool mask broadcastable to [Hq, Lq, C] ([Hq, C] is read as [Hq, 1, C]): only these
+             clusters enter the denominator (eq. 3, hierarchical level 2); the others get log S = -inf.
+    Returns [Hq, Lq, C] float32.
+    """
+    hq, lq, _ = q.shape
+    hkv = centroids.shape[0]
+    s = torch.matmul(_grouped(q.float(), hkv), centroids.float().transpose(1, 2)) * scale  # [Hkv, G*Lq, C]
+    s = _ungrouped(s, hq)  # [Hq, Lq, C]
+    log_n = torch.log(counts.float()).repeat_interleave(hq // hkv, dim=0)[:, None, :]  # [Hq, 1, C]
+    if allowed is not None:
+        allowed = allowed[:, None, :] if allowed.dim() == 2 else allowed
+        log_n = log_n.masked_fill(~allowed, NEG_INF)
+    out = s - torch.logsumexp(s + log_n, dim=-1, keepdim=True)  # [Hq, Lq, C]
+    if allowed is not None:
+        out = out.masked_fill(~allowed, NEG_INF)
+    return out
+
+
+def row_scores(log_scores: torch.Tensor, rows: int) -> torch.Tensor:
+    """S per token averaged over the query heads that share a row. [Hq, Lq, C] log S -> [rows, Lq, C] S."""
+    hq, lq, c = log_scores.shape
+    return torch.exp(log_scores).reshape(rows, hq // rows, lq, c).mean(dim=1)
+
+
+def reduce_scores(log_scores: torch.Tensor, rows: int) -> torch.Tensor:
+    """A row's cluster scores for one step: S averaged over the query heads that share the row, then over the
+    step's tokens (eq. 1 averaged over the question, as in the paper's prefill), except that the last token's own
+    score counts too: the last prompt token is the one that produces the first answer token, so it keeps the
+    clusters a decode step would. (A cluster is kept if either score passes the threshold.)
+
+    log_scores: [Hq, Lq, C] -> [rows, C] float32: max(mean over tokens, last token). Lq == 1 is the decode lookup.
+    """
+    per_token = row_scores(log_scores, rows)  # [rows, Lq, C]
+    return torch.maximum(per_token.mean(dim=1), per_token[:, -1])
+
+
+def select_clusters(mean_scores: torch.Tensor, threshold: float) -> torch.Tensor:
+    """mean S [rows, C] -> kept clusters [rows, C] bool: S > T (T <= 0 keeps every cluster, empty ones too;
+    the policies drop empty clusters by their counts)."""
+    return mean_scores > threshold if threshold > 0 else mean_scores >= 0
+
+
+def cluster_keep(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    threshold: float,
+    rows: int,
+    allowed: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The whole centroid lookup of one step: eq. 1 (eq. 3 under `allowed`), reduced per row, against T.
+
+    q: [Hq, Lq, D]; centroids: [Hkv, C, D]; counts: [Hkv, C]; rows: Hq or Hkv (see Selection)
+    allowed: optional [rows, C] bool, the candidate clusters (hierarchical level 2): only they enter the
+             denominator, and the others are neither scored nor kept.
+    Returns keep [rows, C] bool (S > T, or every non-empty candidate when T <= 0) and score [rows, C] float32
+    (reduce_scores: max of the token mean and the last token of S averaged over the row's query heads; 0 where
+    not allowed).
+    """
+    hq = q.shape[0]
+    allowed_hq = None if allowed is None else allowed.repeat_interleave(hq // rows, dim=0)
+    score = reduce_scores(centroid_log_scores(q, centroids, counts, scale, allowed=allowed_hq), rows)
+    keep = select_clusters(score, threshold) & (counts.repeat_interleave(rows // counts.shape[0], dim=0) > 0)
+    if allowed is not None:
+        keep &= allowed
+    return keep, score
+
+
+def cluster_keep_among(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    threshold: float,
+    rows: int,
+    candidates: Selection,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`cluster_keep` restricted to each row's candidate clusters (a Selection over cluster ids, num_keys = C):
+    the hierarchical level 2, whose denominator runs over the candidates only (eq. 3)."""
+    return cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask())
+
+
+def cluster_select(
+    q: torch.Tensor,
+    centroids: torch.Tensor,
+    counts: torch.Tensor,
+    scale: float,
+    threshold: float,
+    rows: int,
+    starts: torch.Tensor,
+    total: int,
+    tail: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, Selection]:
+    """`cluster_keep`, then the kept clusters' key positions (`kernels.layout.expand_groups(keep, starts, total,
+    tail)`: starts [Hkv, C + 1] where each cluster's keys lie). Returns (keep, score, Selection)."""
+    keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows)
+    return keep, score, expand_groups(keep, starts, total, tail)

@@ -1,0 +1,157 @@
+"""One contract, every registered method (engine.policies.REGISTRY): the same checks for each.
+
+- budget 1 reads every key and equals full attention;
+- a selection is valid (CSR rows, keys in range, no repeats, the dense tail in every row) in the method's layout;
+- the Triton backend's lookup equals the reference's (the kernels run in the interpreter on the CPU);
+- the measured budget respects the plan over the calibration queries.
+
+The context is synthetic: two global layers of clustered keys (so that a lookup has structure to find), GQA 4/2,
+the calibration queries drawn near the keys as a model's are.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.ingest import build_methods
+from engine.policies import REGISTRY, SPARSE_METHODS, LayerIndex, build_order, make_method
+from kernels.backend import REFERENCE, TRITON
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+HQ, HKV, D = 4, 2, 16
+INDEXED, TAIL = 640, 24
+SCALE = 1.0 / math.sqrt(D)
+LAYERS = (1, 3)
+# Attention of the same keys through the reference and through the kernels: float32 sums in another order.
+ATOL = 2e-5
+# Budgets within this much of the plan over the calibration queries: the thresholds are calibrated on these very
+# queries (pooled over layers and heads, so one layer may keep more and another less); top-K methods are exact up
+# to rounding a budget to whole pages.
+BUDGET_TOL = 0.08
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run compiled on a GPU, interpreted otherwise
+
+
+def synthetic_context(seed: int = 0):
+    """keys: layer -> [Hkv, INDEXED + TAIL, D]; values alike; queries: layer -> [Hq, TAIL, D] near the keys."""
+    g = torch.Generator().manual_seed(seed)
+    keys, values, queries = {}, {}, {}
+    for layer in LAYERS:
+        centers = torch.randn(HKV, 24, D, generator=g) * 2
+        which = torch.randint(0, 24, (HKV, INDEXED + TAIL), generator=g)
+        keys[layer] = torch.gather(centers, 1, which[:, :, None].expand(-1, -1, D)) + 0.5 * torch.randn(
+            HKV, INDEXED + TAIL, D, generator=g)
+        values[layer] = torch.randn(HKV, INDEXED + TAIL, D, generator=g)
+        pick = torch.randint(0, 24, (HQ, TAIL), generator=g)
+        group = torch.arange(HQ)[:, None] // (HQ // HKV)
+        queries[layer] = centers[group.expand(-1, TAIL), pick] + torch.randn(HQ, TAIL, D, generator=g)
+    return keys, values, queries
+
+
+@pytest.fixture(scope="module")
+def context():
+    keys, values, queries = synthetic_context()
+    methods = [make_method(n) for n in build_order(SPARSE_METHODS)]
+    artifacts = build_methods(keys, queries, TAIL, methods, SCALE, torch.device("cpu"))
+    return keys, values, queries, {m.name: m for m in methods}, artifacts
+
+
+def layer_index(artifacts, name, layer):
+    prefix = f"{name}.layer{layer}."
+    tensors = {k[len(prefix):]: v for k, v in artifacts.items() if k.startswith(prefix)}
+    return LayerIndex(tensors=tensors, num_keys=INDEXED + TAIL, tail=TAIL)
+
+
+def calibration(artifacts, name):
+    prefix = f"{name}.calib."
+    return {k[len(prefix):]: v for k, v in artifacts.items() if k.startswith(prefix)}
+
+
+def arranged(method, index, x):
+    """x [Hkv, L, D] in the method's layout (what its selections index)."""
+    layout = method.layout(index)
+    return x if layout is None else layout.permute(x)
+
+
+def test_registry_lists_every_method_once():
+    assert len(set(REGISTRY)) == len(REGISTRY) and "full" in REGISTRY
+    assert set(SPARSE_METHODS) == {n for n, cls in REGISTRY.items() if cls.sparse}
+    for name in SPARSE_METHODS:
+        order = build_order([name])
+        assert order[-1] == name and set(REGISTRY[name].requires) <= set(order)
+
+
+@pytest.mark.parametrize("name", SPARSE_METHODS)
+def test_full_budget_is_full_attention(context, name):
+    keys, values, queries, methods, artifacts = context
+    method = methods[name]
+    plan = method.plan(calibration(artifacts, name), 1.0)
+    for layer in LAYERS:
+        index = layer_index(artifacts, name, layer)
+        for q in (queries[layer][:, -1:], queries[layer][:, :7]):  # a decode step, a question's prefill
+            lookup = method.lookup(q, index, plan, SCALE, REFERENCE)
+            assert bool(lookup.selection.to_mask().all()), f"{name} at budget 1 skipped keys"
+            k, v = arranged(method, index, keys[layer]), arranged(method, index, values[layer])
+            sparse = REFERENCE.kernel("sparse").sparse_attention(q, k, v, lookup.selection, SCALE)
+            dense = REFERENCE.kernel("sparse").attention_with_lse(q, keys[layer], values[layer], SCALE)
+            torch.testing.assert_close(sparse[0], dense[0], rtol=1e-5, atol=ATOL)
+            torch.testing.assert_close(sparse[1], dense[1], rtol=1e-5, atol=ATOL)
+
+
+@pytest.mark.parametrize("name", SPARSE_METHODS)
+@pytest.mark.parametrize("budget", [0.1, 0.3])
+def test_selection_is_valid(context, name, budget):
+    keys, values, queries, methods, artifacts = context
+    method = methods[name]
+    plan = method.plan(calibration(artifacts, name), budget)
+    for layer in LAYERS:
+        index = layer_index(artifacts, name, layer)
+        for q in (queries[layer][:, -1:], queries[layer][:, :7]):
+            sel = method.lookup(q, index, plan, SCALE, REFERENCE).selection
+            indptr = sel.indptr
+            assert sel.num_keys == INDEXED + TAIL and sel.rows in (HQ, HKV)
+            assert int(indptr[0]) == 0 and bool((indptr[1:] >= indptr[:-1]).all())
+            for r in range(sel.rows):
+                row = sel.indices[indptr[r] : indptr[r + 1]].long()
+                assert bool(((row >= 0) & (row < sel.num_keys)).all())
+                assert row.unique().numel() == row.numel(), f"{name}: a key selected twice"
+                assert set(range(INDEXED, INDEXED + TAIL)) <= set(row.tolist()), f"{name}: the dense tail is missing"
+
+
+@pytest.mark.parametrize("name", SPARSE_METHODS)
+def test_triton_lookup_equals_reference(context, name):
+    keys, values, queries, methods, artifacts = context
+    method = methods[name]
+    plan = method.plan(calibration(artifacts, name), 0.25)
+    for layer in LAYERS:
+        index = layer_index(artifacts, name, layer)
+        on_device = LayerIndex({k: t.to(DEVICE) for k, t in index.tensors.items()}, index.num_keys, index.tail)
+        for q in (queries[layer][:, -1:], queries[layer][:, :7]):
+            ref = method.lookup(q, index, plan, SCALE, REFERENCE)
+            tri = method.lookup(q.to(DEVICE), on_device, plan, SCALE, TRITON)
+            assert torch.equal(ref.selection.to_mask(), tri.selection.to_mask().cpu()), f"{name}: selections differ"
+            torch.testing.assert_close(ref.index_elements.float(), tri.index_elements.float().cpu())
+            k, v = arranged(method, index, keys[layer]), arranged(method, index, values[layer])
+            out_ref = REFERENCE.kernel("sparse").sparse_attention(q, k, v, ref.selection, SCALE)
+            out_tri = TRITON.kernel("sparse").sparse_attention(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE),
+                                                               tri.selection, SCALE)
+            torch.testing.assert_close(out_tri[0].cpu(), out_ref[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", SPARSE_METHODS)
+@pytest.mark.parametrize("budget", [0.1, 0.3, 0.5])
+def test_measured_budget_respects_plan(context, name, budget):
+    keys, values, queries, methods, artifacts = context
+    method = methods[name]
+    plan = method.plan(calibration(artifacts, name), budget)
+    kept, total = 0.0, 0
+    for layer in LAYERS:
+        index = layer_index(artifacts, name, layer)
+        for t in range(TAIL):  # every calibration query as a decode step
+            sel = method.lookup(queries[layer][:, t : t + 1], index, plan, SCALE, REFERENCE).selection
+            kept += float((sel.counts() - TAIL).float().mean()) / INDEXED
+            total += 1
+    assert abs(kept / total - budget) <= BUDGET_TOL, f"{name} at budget {budget} read {kept / total:.3f}"

@@ -1,0 +1,175 @@
+"""Quest's page-score kernel (kernels/pages_ops.py) against kernels.reference.pages, and the reference against the
+bound's definition, sum_i max(q_i min_i, q_i max_i), computed elementwise.
+
+On the CPU the kernel runs in Triton's interpreter (tests/conftest.py), so the shapes are small: P = 37 and 130
+pages (block tails), Lq 1 (decode), 5 and 33 (a question's prefill), 1..4 query heads per row. The GPU tests
+(marker `gpu`) add bfloat16 bounds at the shape of a 128K context (8192 pages of 16 keys).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.policies.quest import page_bounds
+from kernels.reference.pages import page_scores as reference_scores
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The kernel and the reference sum the same float32 products in another order (D terms, heads, tokens): a few
+# ulps of a score of size ~sqrt(D) * heads. A wrong head, page or token moves a score by far more.
+TOL = dict(rtol=1e-5, atol=1e-4)
+# (Hq, Hkv, rows): GQA 1, 2, 4 with one selection per KV head or per query head
+GROUPS = [(2, 2, 2), (4, 2, 2), (4, 2, 4), (4, 1, 1), (4, 1, 4)]
+
+
+def make_bounds(hkv, pages, d, page_size=16, dtype=torch.float32, seed=0):
+    """Bounds of random keys with a per-page offset (pages differ), as QuestPolicy.build makes them."""
+    g = torch.Generator().manual_seed(seed)
+    length = pages * page_size - 3  # a short last page
+    offsets = torch.randn(hkv, pages, d, generator=g).repeat_interleave(page_size, dim=1)[:, :length]
+    keys = torch.randn(hkv, length, d, generator=g) + offsets
+    lo, hi, starts = page_bounds(keys.to(dtype), page_size)
+    return lo.to(DEVICE), hi.to(DEVICE), starts
+
+
+def by_definition(q, lo, hi, rows):
+    """[rows, P]: sum_i max(q_i lo_i, q_i hi_i) per token and head, summed over a row's heads, max(mean, last)."""
+    hq, hkv = q.shape[0], lo.shape[0]
+    lo_q = lo.float().repeat_interleave(hq // hkv, dim=0)[:, None]  # [Hq, 1, P, D]
+    hi_q = hi.float().repeat_interleave(hq // hkv, dim=0)[:, None]
+    qf = q.float()[:, :, None, :]  # [Hq, Lq, 1, D]
+    bound = torch.maximum(qf * lo_q, qf * hi_q).sum(dim=-1).reshape(rows, hq // rows, q.shape[1], -1).sum(dim=1)
+    return torch.maximum(bound.mean(dim=1), bound[:, -1])
+
+
+def test_page_bounds_cover_every_key():
+    keys = torch.randn(2, 45, 8)
+    lo, hi, starts = page_bounds(keys, 16)
+    assert lo.shape == hi.shape == (2, 3, 8)
+    assert starts.tolist() == [[0, 16, 32, 45]] * 2
+    for p in range(3):
+        page = keys[:, starts[0, p] : starts[0, p + 1]]
+        torch.testing.assert_close(lo[:, p], page.amin(dim=1), rtol=0, atol=0)
+        torch.testing.assert_close(hi[:, p], page.amax(dim=1), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("hq,hkv,rows", GROUPS)
+@pytest.mark.parametrize("lq", [1, 5])
+def test_reference_is_the_bound(hq, hkv, rows, lq):
+    lo, hi, _ = make_bounds(hkv, 37, 16)
+    q = torch.randn(hq, lq, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    torch.testing.assert_close(reference_scores(q, lo, hi, rows), by_definition(q, lo, hi, rows), **TOL)
+
+
+def test_bound_is_an_upper_bound():
+    """No key of a page scores above the page's bound (the property Quest's selection rests on)."""
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 64, 16, generator=g)
+    lo, hi, _ = page_bounds(keys, 16)
+    q = torch.randn(1, 1, 16, generator=g)
+    bound = reference_scores(q, lo, hi, 1)[0]  # [4]
+    exact = (keys[0] @ q[0, 0]).reshape(4, 16).amax(dim=1)
+    assert bool((exact <= bound + 1e-5).all())
+
+
+@pytest.mark.parametrize("hq,hkv,rows", GROUPS)
+@pytest.mark.parametrize("lq,pages", [(1, 37), (5, 130), (33, 37)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_matches_reference(hq, hkv, rows, lq, pages, dtype):
+    from kernels.pages_ops import page_scores
+
+    lo, hi, _ = make_bounds(hkv, pages, 16, dtype=dtype)
+    q = torch.randn(hq, lq, 16, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
+    torch.testing.assert_close(page_scores(q, lo, hi, rows), reference_scores(q, lo, hi, rows), **TOL)
+
+
+def test_kernel_reads_strided_queries():
+    """The model's queries arrive as a transposed view ([Hq, Lq, D] of a [Lq, Hq, D] buffer)."""
+    from kernels.pages_ops import page_scores
+
+    lo, hi, _ = make_bounds(2, 37, 16)
+    q = torch.randn(5, 4, 16, device=DEVICE).transpose(0, 1)  # [4, 5, 16], stride(1) != D
+    torch.testing.assert_close(page_scores(q, lo, hi, 2), reference_scores(q, lo, hi, 2), **TOL)
+
+
+def test_kernel_rejects_bad_rows():
+    from kernels.pages_ops import page_scores
+
+    lo, hi, _ = make_bounds(2, 8, 16)
+    with pytest.raises(ValueError, match="rows"):
+        page_scores(torch.randn(4, 1, 16, device=DEVICE), lo, hi, 3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("rows", [8, 32])
+@pytest.mark.parametrize("lq", [1, 64])
+def test_kernel_at_128k_bf16(rows, lq):
+    """Llama-3-8B shape at 128K: 32/8 heads, D 128, 8192 pages of 16, bfloat16 bounds, against the reference in
+    float32 from the same inputs."""
+    from kernels.pages_ops import page_scores
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lo = torch.randn(8, 8192, 128, device="cuda", generator=g).bfloat16()
+    hi = lo + torch.rand(8, 8192, 128, device="cuda", generator=g).bfloat16()
+    q = torch.randn(32, lq, 128, device="cuda", generator=g).bfloat16()
+    torch.testing.assert_close(page_scores(q, lo, hi, rows), reference_scores(q, lo, hi, rows), rtol=1e-4, atol=1e-2)
+
+
+@pytest.mark.parametrize("rows,pages,k", [(2, 37, 1), (3, 130, 13), (2, 130, 130), (1, 5000, 499)])
+def test_top_pages_matches_topk(rows, pages, k):
+    from kernels.pages_ops import top_pages
+    from kernels.reference.pages import top_pages as reference_top
+
+    scores = torch.randn(rows, pages, generator=torch.Generator().manual_seed(pages)).to(DEVICE)
+    scores[0, :3] = -scores[0, :3].abs() - 5  # negative scores order as floats do
+    keep = top_pages(scores, k)
+    assert torch.equal(keep, reference_top(scores, k))
+    assert keep.sum(dim=1).tolist() == [k] * rows
+
+
+def test_top_pages_chunked_search(monkeypatch):
+    """Rows longer than a register block are searched chunk by chunk (long contexts): the same result."""
+    from kernels import pages_ops
+    from kernels.reference.pages import top_pages as reference_top
+
+    monkeypatch.setattr(pages_ops, "MAX_SINGLE", 64)
+    monkeypatch.setattr(pages_ops, "TOP_CHUNK", 64)
+    scores = torch.randn(2, 300, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    assert torch.equal(pages_ops.top_pages(scores, 30), reference_top(scores, 30))
+
+
+def test_top_pages_keeps_ties():
+    from kernels.pages_ops import top_pages
+
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]], device=DEVICE)
+    assert top_pages(scores, 2).tolist() == [[False, True, True, False, True]]
+
+
+@pytest.mark.parametrize("rows,pages,k,page,rest", [(2, 37, 4, 16, 21), (3, 130, 13, 8, 5), (1, 9, 9, 4, 0),
+                                                    (2, 300, 30, 16, 100)])
+def test_select_pages_matches_reference(rows, pages, k, page, rest):
+    """The kept pages and the Selection (their keys in order, then every key past the pages), as the reference."""
+    from kernels.pages_ops import select_pages
+    from kernels.reference.pages import select_pages as reference_select
+
+    scores = torch.randn(rows, pages, generator=torch.Generator().manual_seed(pages)).to(DEVICE)
+    num_keys = pages * page + rest
+    keep, sel = select_pages(scores, k, page, num_keys)
+    want_keep, want = reference_select(scores, k, page, num_keys)
+    assert torch.equal(keep, want_keep)
+    assert torch.equal(sel.indptr, want.indptr) and sel.num_keys == want.num_keys
+    assert torch.equal(sel.indices[: int(sel.indptr[-1])].long(), want.indices.long())
+    assert sel.counts().tolist() == [k * page + rest] * rows
+
+
+def test_select_pages_breaks_ties_by_page_order():
+    """Exactly k pages, so that every row reads as many keys: among pages tied with the k-th, the first ones."""
+    from kernels.pages_ops import select_pages
+
+    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]], device=DEVICE)
+    keep, sel = select_pages(scores, 2, 4, 20)
+    assert keep.tolist() == [[False, True, True, False, False]]
+    assert sel.indices[: int(sel.indptr[-1])].tolist() == list(range(4, 12))
