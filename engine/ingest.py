@@ -116,7 +116,7 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
             if missing:
                 raise ValueError(f"{method.name} requires {', '.join(missing)} to be built with it")
             required = {r: built[r][layer_idx] for r in method.requires}
-            mine = _layer_part(prepared.get(method.name, {}), layer_idx)
+            mine = layer_part(prepared.get(method.name, {}), layer_idx)
             index = method.build(layer, required, mine)
             built[method.name][layer_idx] = index
             for name, t in index.items():
@@ -137,8 +137,8 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
     return out
 
 
-def _layer_part(artifacts: Tensors, layer_idx: int) -> Tensors:
-    """The `layer{i}.` artifacts of one layer, by their short names."""
+def layer_part(artifacts: Tensors, layer_idx: int) -> Tensors:
+    """The `layer{i}.` artifacts of one layer (e.g. a method's model-level ones), by their short names."""
     out = {}
     for name, t in artifacts.items():
         parsed = names.split_layer(name)

@@ -15,9 +15,9 @@ from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.generate import full_logits, greedy_tokens
 from engine.graph import DecodeGraphs, graphs_supported
-from engine.ingest import Progress, _no_progress, build_methods, global_scale
+from engine.ingest import Progress, _no_progress, build_methods, global_scale, layer_part
 from engine.model import LoadedModel
-from engine.policies import REGISTRY, LayerIndex, Method, build_order, make_method
+from engine.policies import REGISTRY, LayerIndex, Method, Tensors, build_order, make_method
 from engine.prompt import STOP_STRINGS, question_ids
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
@@ -43,7 +43,8 @@ class ContextSession:
     (engine.artifacts names them; engine.ingest makes them)."""
 
     def __init__(self, lm: LoadedModel, artifacts: dict[str, torch.Tensor], settings: ContextSettings,
-                 backend: Backend, methods: dict[str, Method] | None = None, graphs: bool = True):
+                 backend: Backend, methods: dict[str, Method] | None = None, graphs: bool = True,
+                 prepared: dict[str, Tensors] | None = None):
         """artifacts: a context's tensors by name. The fixed K/V are taken out of the dict (popped) layer by layer
         as they move into the session's cache, so that the session holds the only copy of the fixed context on the
         device (an ingest's K/V are reused in place where they sit on the right device).
@@ -51,7 +52,8 @@ class ContextSession:
             are ignored); None: every method whose artifacts are there, with its default settings. "full" is always
             there.
         graphs: replay decode steps from CUDA graphs where the model allows (engine.graph); False: every step
-        eager (benchmarks compare the two)."""
+        eager (benchmarks compare the two).
+        prepared: method -> its model-level artifacts (Method.prepare; `layer{i}.{name}` join layer i's index)."""
         self.lm, self.backend = lm, backend
         parsed = names.parse(artifacts, tuple(REGISTRY))
         self.tokens = parsed.tokens
@@ -72,22 +74,27 @@ class ContextSession:
         self.calibration: dict[str, dict[str, torch.Tensor]] = {"full": {}}
         for name, part in parsed.methods.items():
             if methods is None or name in methods:
-                self.add_method(methods[name] if methods is not None else make_method(name), part)
+                self.add_method(methods[name] if methods is not None else make_method(name), part,
+                                (prepared or {}).get(name))
         self.graphs = DecodeGraphs(lm) if graphs and backend.name == "triton" and graphs_supported(lm) else None
 
-    def add_method(self, method: Method, part: names.MethodArtifacts) -> None:
-        """Make a method's index (per global layer) and calibration available to the turns."""
+    def add_method(self, method: Method, part: names.MethodArtifacts, prepared: Tensors | None = None) -> None:
+        """Make a method's index (per global layer, with its model-level artifacts of the layer) and calibration
+        available to the turns."""
         for i, tensors in part.layers.items():
             layer = self.cache.layers[i]
             dev = layer.fixed_keys.device
+            tensors = {**layer_part(prepared or {}, i), **tensors}
             layer.indexes[method.name] = LayerIndex(tensors={k: t.to(dev) for k, t in tensors.items()},
                                                     num_keys=layer.fixed_keys.shape[1], tail=self.tail)
         self.methods[method.name] = method
         self.calibration[method.name] = dict(part.calibration)
 
-    def build(self, method: Method, progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    def build(self, method: Method, progress: Progress | None = None,
+              prepared: Tensors | None = None) -> dict[str, torch.Tensor]:
         """Build `method` (and what it requires, when not open) from the session's own K/V and calibration queries,
-        replacing an index of the same method; returns the new artifacts by name (for the store)."""
+        replacing an index of the same method; returns the new artifacts by name (for the store). prepared: the
+        method's model-level artifacts (Method.prepare)."""
         self.arrange(None)  # original order: what a method builds from
         global_layers = [i for i, layer in enumerate(self.cache.layers) if layer.sliding_window is None]
         keys = {i: self.cache.layers[i].fixed_keys for i in global_layers}
@@ -99,10 +106,11 @@ class ContextSession:
             m = method if name == method.name else make_method(name)
             have = {r: {i: self.cache.layers[i].indexes[r].tensors for i in global_layers} for r in m.requires
                     if r in self.methods}
+            mine = prepared if m is method else None
             built = build_methods(keys, queries, self.tail, [m], global_scale(self.lm), self.lm.device,
-                                  progress or _no_progress, required=have)
+                                  progress or _no_progress, prepared={name: mine or {}}, required=have)
             made.update(built)
-            self.add_method(m, names.parse(built, (name,)).methods.get(name, names.MethodArtifacts()))
+            self.add_method(m, names.parse(built, (name,)).methods.get(name, names.MethodArtifacts()), mine)
         return made
 
     def method(self, name: str) -> Method:

@@ -18,6 +18,7 @@ import torch
 
 from engine.ingest import build_methods
 from engine.policies import REGISTRY, SPARSE_METHODS, LayerIndex, build_order, make_method
+from engine.policies.quest import QuestPolicy
 from kernels.backend import REFERENCE, TRITON
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -155,3 +156,51 @@ def test_measured_budget_respects_plan(context, name, budget):
             kept += float((sel.counts() - TAIL).float().mean()) / INDEXED
             total += 1
     assert abs(kept / total - budget) <= BUDGET_TOL, f"{name} at budget {budget} read {kept / total:.3f}"
+
+
+class Probe(QuestPolicy):
+    """Quest with a model-level artifact: per global layer a vector learned "once per model" (here: the query
+    projection's first row), which every build and lookup must see in its layer's index."""
+
+    name = "probe"
+    prepared_calls = 0
+
+    def prepare(self, lm) -> dict:
+        type(self).prepared_calls += 1
+        return {f"layer{i}.learned": lm.model.get_decoder().layers[i].self_attn.q_proj.weight[0].detach().float()
+                for i in lm.global_layers}
+
+    def build(self, layer, required, prepared):
+        assert "learned" in prepared, "build did not get the model-level artifacts"
+        return super().build(layer, required, prepared)
+
+    def lookup(self, q, layer, plan, scale, backend):
+        assert "learned" in layer, "the lookup's index lacks the model-level artifacts"
+        return super().lookup(q, layer, plan, scale, backend)
+
+
+def test_model_level_artifacts_are_made_once_and_stored_apart(tmp_path, monkeypatch):
+    """Method.prepare runs once per model and settings; its artifacts live in the store's model table (not in any
+    context), reach `build` at ingest and on demand, and join the layer's index in a session, also after a
+    restart."""
+    from tiny_models import make_tiny_model
+
+    from engine.model import load_model
+    from engine.serve.service import Engine
+
+    monkeypatch.setitem(REGISTRY, "probe", Probe)
+    lm = load_model(str(make_tiny_model(tmp_path, "llama_gqa")), device="cpu")
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse keeper rang the bell at dawn and logged the weather every four hours. " * 6)
+    engine = Engine(tmp_path / "cache", lm=lm)
+    report = engine.ingest(doc, methods=("squeeze", "probe"))
+    assert Probe.prepared_calls == 1
+    names = engine.store.models.names(lm.model_id, "probe", engine.method("probe").settings.as_dict())
+    assert names == sorted(f"layer{i}.learned" for i in lm.global_layers)
+    assert not [a for a in engine.store.artifacts.list(report.context_id) if "learned" in a["name"]]
+    assert engine.ask(report.context_id, "Who rang the bell?", "probe", 0.5, 2).text is not None
+    restarted = Engine(tmp_path / "cache", lm=lm)  # a new process: read back from the store, not made again
+    assert restarted.ask(report.context_id, "Who rang the bell?", "probe", 0.5, 2).stats.method == "probe"
+    restarted.configure({"probe": {"page_size": 8}})  # other settings: rebuilt on demand, prepared for them
+    assert restarted.ask(report.context_id, "Who rang the bell?", "probe", 0.5, 2).stats.method == "probe"
+    assert Probe.prepared_calls == 2

@@ -14,7 +14,7 @@ from engine.compiled import compile_layers
 from engine.config import ContextSettings
 from engine.ingest import ingest_tokens
 from engine.model import LoadedModel, load_model, model_id_for
-from engine.policies import METHODS, Method, MethodSettings, build_order, make_method
+from engine.policies import REGISTRY, Method, MethodSettings, Tensors, build_order, make_method
 from engine.prompt import tokenize_document
 from engine.session import Answer, ContextSession, Delta
 from engine.serve.writer import ArtifactWriter
@@ -65,10 +65,11 @@ class Engine:
         self.model_name, self.device_name, self.backend_name = model, device, backend
         self.compile = compile  # torch.compile the decoder layers once loaded (engine.compiled)
         self.model_id = lm.model_id if lm is not None else model_id_for(model)
-        unknown = sorted(set(methods or {}) - set(METHODS))
+        unknown = sorted(set(methods or {}) - set(REGISTRY))
         if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-        self.method_settings = {name: make_method(name, (methods or {}).get(name)).settings for name in METHODS}
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(REGISTRY)}")
+        self.method_settings = {name: make_method(name, (methods or {}).get(name)).settings for name in REGISTRY}
+        self._prepared: dict[tuple, Tensors] = {}  # (method, settings) -> its model-level artifacts, once loaded
         self._lm = lm
         self._lm_lock = threading.Lock()  # the app loads the model from a worker thread and from request threads
         self._device_lock = threading.RLock()  # building a method's index and answering share the open context
@@ -96,9 +97,9 @@ class Engine:
 
     def configure(self, methods: Mapping[str, MethodSettings | dict]) -> None:
         """Change some methods' settings: their indexes are rebuilt with them when next asked for (ensure_methods)."""
-        unknown = sorted(set(methods) - set(METHODS))
+        unknown = sorted(set(methods) - set(REGISTRY))
         if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(REGISTRY)}")
         made = {name: make_method(name, value).settings for name, value in methods.items()}  # all valid, or none
         with self._device_lock:
             self.method_settings.update(made)
@@ -106,8 +107,25 @@ class Engine:
     def method(self, name: str) -> Method:
         """Method `name` with this engine's settings for it."""
         if name not in self.method_settings:
-            raise ValueError(f"unknown method {name!r}; choose one of {', '.join(METHODS)}")
+            raise ValueError(f"unknown method {name!r}; choose one of {', '.join(self.method_settings)}")
         return make_method(name, self.method_settings[name])
+
+    def prepared(self, name: str) -> Tensors:
+        """Method `name`'s model-level artifacts (learned once per model: `Method.prepare`), from the store, or made
+        now and stored (apart from documents: `store.models`); {} for a method that learns nothing per model."""
+        method = self.method(name)
+        if type(method).prepare is Method.prepare:
+            return {}
+        key = (name, tuple(sorted(method.settings.as_dict().items())))
+        if key not in self._prepared:
+            settings = method.settings.as_dict()
+            found = self.store.models.load(self.model_id, name, settings)
+            if not found:
+                found = {n: t.detach().cpu() for n, t in method.prepare(self.lm).items()}
+                for artifact, tensor in found.items():
+                    self.store.models.save(self.model_id, name, settings, artifact, tensor)
+            self._prepared[key] = found
+        return self._prepared[key]
 
     def build_key(self, name: str) -> dict:
         """What a build of `name` depends on: its settings and those of the methods it requires (the cache key of
@@ -166,7 +184,7 @@ class Engine:
             with ArtifactWriter(self.store.artifacts, ctx["id"]) as writer:  # saves each artifact while the rest is made
                 writer.put(names.OFFSETS, fixed.offsets)
                 out = ingest_tokens(lm, fixed.ids, settings, self.backend, [self.method(n) for n in built], tracked,
-                                    on_artifact=writer.put)
+                                    on_artifact=writer.put, prepared={n: self.prepared(n) for n in built})
                 writer.close(lambda written, handed: tracked("saving", written, handed))
             for name in built:
                 self.store.methods.mark_built(ctx["id"], name, self.build_key(name))
@@ -192,7 +210,7 @@ class Engine:
             session = self.session(context_id)
             for name in todo:
                 self.store.methods.remove(context_id, name)
-                for artifact, tensor in session.build(self.method(name), progress).items():
+                for artifact, tensor in session.build(self.method(name), progress, self.prepared(name)).items():
                     self.store.artifacts.save(context_id, artifact, tensor.cpu())
                 self.store.methods.mark_built(context_id, name, self.build_key(name))
             return todo
@@ -222,12 +240,12 @@ class Engine:
                 self._session = None  # free the previous context before loading the next
                 ctx = self.store.contexts.get(context_id)
                 current = {b["method"]: self.method(b["method"]) for b in self.store.methods.list(context_id)
-                           if b["method"] in METHODS and b["settings"] == self.build_key(b["method"])}
+                           if b["method"] in REGISTRY and b["settings"] == self.build_key(b["method"])}
                 wanted = [r["name"] for r in self.store.artifacts.list(context_id)
-                          if not _method_prefix(r["name"]) or _method_prefix(r["name"]) in current]
+                          if names.namespace(r["name"], tuple(REGISTRY)) in (None, *current)]
                 artifacts = self.store.artifacts.load(context_id, wanted)
                 session = ContextSession(self.lm, artifacts, ContextSettings.from_dict(ctx["settings"]), self.backend,
-                                         methods=current)
+                                         methods=current, prepared={n: self.prepared(n) for n in current})
                 self._session = (context_id, session)
             return self._session[1]
 
