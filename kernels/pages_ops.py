@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.jit.pages import page_scores_kernel, page_threshold_kernel, page_write_kernel, top_pages_kernel
+from kernels.jit.pages import page_scores_kernel, page_threshold_kernel, page_write_kernel
 from kernels.selection import Selection
 
 BLOCK_P = 64  # pages per program
@@ -65,26 +65,6 @@ def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
         HEADS_PER_ROW=hq // rows, ROWS_PER_KV=rows // hkv, REDUCED=reduced, D=d, BLOCK_P=BLOCK_P,
     )
     return out
-
-
-def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """scores: [rows, P] float32 -> keep [rows, P] bool: each row's k best pages (1 <= k <= P), and any page whose
-    score is tied with the k-th (within (max - min) / 2^TOP_ITERS of it). Same result as
-    kernels.reference.pages.top_pages where the scores have no such near-ties."""
-    if scores.dim() != 2 or scores.dtype != torch.float32:
-        raise ValueError(f"scores must be float32 [rows, P], got {scores.dtype} {tuple(scores.shape)}")
-    rows, pages = scores.shape
-    if not 1 <= k <= max(pages, 1):
-        raise ValueError(f"k must be in [1, {pages}], got {k}")
-    keep = torch.empty(rows, pages, dtype=torch.bool, device=scores.device)
-    if rows == 0 or pages == 0:
-        return keep
-    single = pages <= MAX_SINGLE
-    block = triton.next_power_of_2(pages) if single else TOP_CHUNK
-    warps = max(1, min(32, block // (32 * TOP_ELEMS)))
-    top_pages_kernel[(rows,)](scores.contiguous(), keep, pages, k, BLOCK=block, SINGLE=single, ITERS=TOP_ITERS,
-                              num_warps=warps)
-    return keep
 
 
 def select_pages(scores: torch.Tensor, k: int, page: int, num_keys: int) -> tuple[torch.Tensor, Selection]:

@@ -118,36 +118,6 @@ def test_kernel_at_128k_bf16(rows, lq):
     torch.testing.assert_close(page_scores(q, lo, hi, rows), reference_scores(q, lo, hi, rows), rtol=1e-4, atol=1e-2)
 
 
-@pytest.mark.parametrize("rows,pages,k", [(2, 37, 1), (3, 130, 13), (2, 130, 130), (1, 5000, 499)])
-def test_top_pages_matches_topk(rows, pages, k):
-    from kernels.pages_ops import top_pages
-    from kernels.reference.pages import top_pages as reference_top
-
-    scores = torch.randn(rows, pages, generator=torch.Generator().manual_seed(pages)).to(DEVICE)
-    scores[0, :3] = -scores[0, :3].abs() - 5  # negative scores order as floats do
-    keep = top_pages(scores, k)
-    assert torch.equal(keep, reference_top(scores, k))
-    assert keep.sum(dim=1).tolist() == [k] * rows
-
-
-def test_top_pages_chunked_search(monkeypatch):
-    """Rows longer than a register block are searched chunk by chunk (long contexts): the same result."""
-    from kernels import pages_ops
-    from kernels.reference.pages import top_pages as reference_top
-
-    monkeypatch.setattr(pages_ops, "MAX_SINGLE", 64)
-    monkeypatch.setattr(pages_ops, "TOP_CHUNK", 64)
-    scores = torch.randn(2, 300, generator=torch.Generator().manual_seed(7)).to(DEVICE)
-    assert torch.equal(pages_ops.top_pages(scores, 30), reference_top(scores, 30))
-
-
-def test_top_pages_keeps_ties():
-    from kernels.pages_ops import top_pages
-
-    scores = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0]], device=DEVICE)
-    assert top_pages(scores, 2).tolist() == [[False, True, True, False, True]]
-
-
 @pytest.mark.parametrize("rows,pages,k,page,rest", [(2, 37, 4, 16, 21), (3, 130, 13, 8, 5), (1, 9, 9, 4, 0),
                                                     (2, 300, 30, 16, 100)])
 def test_select_pages_matches_reference(rows, pages, k, page, rest):
@@ -173,3 +143,17 @@ def test_select_pages_breaks_ties_by_page_order():
     keep, sel = select_pages(scores, 2, 4, 20)
     assert keep.tolist() == [[False, True, True, False, False]]
     assert sel.indices[: int(sel.indptr[-1])].tolist() == list(range(4, 12))
+
+
+def test_select_pages_chunked_search(monkeypatch):
+    """Rows longer than a register block are searched chunk by chunk (contexts past 512K): the same result."""
+    from kernels import pages_ops
+    from kernels.reference.pages import select_pages as reference_select
+
+    monkeypatch.setattr(pages_ops, "MAX_SINGLE", 64)
+    monkeypatch.setattr(pages_ops, "TOP_CHUNK", 64)
+    scores = torch.randn(2, 300, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    keep, sel = pages_ops.select_pages(scores, 30, 4, 1300)
+    want_keep, want = reference_select(scores.cpu(), 30, 4, 1300)
+    assert torch.equal(keep.cpu(), want_keep)
+    assert torch.equal(sel.indices[: int(sel.indptr[-1])].long().cpu(), want.indices.long())

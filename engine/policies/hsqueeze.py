@@ -12,7 +12,7 @@ from engine.config import SPARSITY_GRID
 from engine.kmeans import spherical_kmeans
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Tensors,
                                   group_rows)
-from engine.policies.squeeze import (GROUPS, PREFILL_THRESHOLDS, ThresholdPlan, num_centroids, prefill_samples,
+from engine.policies.squeeze import (ThresholdPlan, check_threshold_settings, num_centroids, prefill_samples,
                                      row_counts, threshold_plan, weighted_samples)
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
@@ -38,12 +38,7 @@ class HierarchicalSettings(MethodSettings):
             raise ValueError(f"level1_ratio must be in (0, 1], got {self.level1_ratio}")
         if not 0 <= self.level1_prune < 1:
             raise ValueError(f"level1_prune must be in [0, 1), got {self.level1_prune}")
-        if self.kmeans_iters < 1:
-            raise ValueError(f"kmeans_iters must be at least 1, got {self.kmeans_iters}")
-        if self.group not in GROUPS:
-            raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
-        if self.prefill_threshold not in PREFILL_THRESHOLDS:
-            raise ValueError(f"prefill_threshold must be one of {PREFILL_THRESHOLDS}, got {self.prefill_threshold!r}")
+        check_threshold_settings(self)
 
 
 def level1_prune(sparsity: float, settings: HierarchicalSettings) -> float:

@@ -20,6 +20,16 @@ GROUPS = ("kv", "query")
 PREFILL_THRESHOLDS = ("calibrated", "decode")
 
 
+def check_threshold_settings(settings) -> None:
+    """The settings squeeze and hsqueeze share: kmeans_iters, group, prefill_threshold."""
+    if settings.kmeans_iters < 1:
+        raise ValueError(f"kmeans_iters must be at least 1, got {settings.kmeans_iters}")
+    if settings.group not in GROUPS:
+        raise ValueError(f"group must be one of {GROUPS}, got {settings.group!r}")
+    if settings.prefill_threshold not in PREFILL_THRESHOLDS:
+        raise ValueError(f"prefill_threshold must be one of {PREFILL_THRESHOLDS}, got {settings.prefill_threshold!r}")
+
+
 @dataclass(frozen=True)
 class SqueezeSettings(MethodSettings):
     """centroid_ratio: centroids as a fraction of the indexed keys (paper: 5%)
@@ -40,12 +50,7 @@ class SqueezeSettings(MethodSettings):
     def __post_init__(self) -> None:
         if not 0 < self.centroid_ratio <= 1:
             raise ValueError(f"centroid_ratio must be in (0, 1], got {self.centroid_ratio}")
-        if self.kmeans_iters < 1:
-            raise ValueError(f"kmeans_iters must be at least 1, got {self.kmeans_iters}")
-        if self.group not in GROUPS:
-            raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
-        if self.prefill_threshold not in PREFILL_THRESHOLDS:
-            raise ValueError(f"prefill_threshold must be one of {PREFILL_THRESHOLDS}, got {self.prefill_threshold!r}")
+        check_threshold_settings(self)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
     return torch.maximum(bound.mean(dim=1), bound[:, -1])
 
 
-def top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
+def _top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:
     """scores: [rows, P] float32 -> keep [rows, P] bool: each row's k best pages (torch.topk)."""
     if not 1 <= k <= max(scores.shape[1], 1):
         raise ValueError(f"k must be in [1, {scores.shape[1]}], got {k}")
@@ -42,7 +42,7 @@ def select_pages(scores: torch.Tensor, k: int, page: int, num_keys: int) -> tupl
     rows, pages = scores.shape
     if not 0 <= k <= pages or (pages and k < 1):
         raise ValueError(f"k must be in [1, {pages}], got {k}")
-    keep = top_pages(scores, k) if k else torch.zeros(rows, pages, dtype=torch.bool, device=scores.device)
+    keep = _top_pages(scores, k) if k else torch.zeros(rows, pages, dtype=torch.bool, device=scores.device)
     mask = torch.cat([keep.repeat_interleave(page, dim=1),
                       torch.ones(rows, num_keys - pages * page, dtype=torch.bool, device=scores.device)], dim=1)
     return keep, Selection.from_mask(mask)
