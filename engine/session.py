@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -17,7 +17,7 @@ from engine.generate import full_logits, greedy_tokens
 from engine.graph import DecodeGraphs, graphs_supported
 from engine.ingest import Progress, _no_progress, build_methods, global_scale, layer_part
 from engine.model import LoadedModel
-from engine.policies import REGISTRY, LayerIndex, Method, Tensors, build_order, make_method
+from engine.policies import REGISTRY, LayerIndex, Method, StepPlan, Tensors, build_order, make_method
 from engine.prompt import STOP_STRINGS, question_ids
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
@@ -32,10 +32,16 @@ class Delta:
 
 @dataclass
 class Answer:
-    """The whole answer and what attention did while producing it."""
+    """The whole answer and what attention did while producing it.
+
+    plan: the plan the turn's lookups used; unit_scores: what they scored (engine.stats.TurnRecorder.unit_scores:
+    the explanations' input, tensors that are not part of the saved statistics)
+    """
 
     text: str
     stats: TurnStats
+    plan: StepPlan | None = None
+    unit_scores: dict = field(default_factory=dict)
 
 
 class ContextSession:
@@ -196,7 +202,7 @@ class ContextSession:
         }
         stats = recorder.finish(method, sparsity if step.method.sparse else 0.0, len(generated), timings)
         stats.extra.update(unit=step.method.unit, plan=step.plan.describe())
-        yield Answer(text=text.strip(), stats=stats)
+        yield Answer(text=text.strip(), stats=stats, plan=step.plan, unit_scores=recorder.unit_scores())
 
     def ask(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64) -> Answer:
         """The whole answer at once."""

@@ -59,6 +59,7 @@ class StepTotals:
     rows: dict[int, int] = field(default_factory=dict)
     dense: set[int] = field(default_factory=set)
     steps: int = 0
+    unit_max: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [rows, U] the steps' best unit scores
 
     @classmethod
     def zeros(cls, layers: int, hq: int, device: torch.device) -> "StepTotals":
@@ -67,6 +68,8 @@ class StepTotals:
     def reset(self) -> None:
         self.kept.zero_()
         self.read.zero_()
+        for best in self.unit_max.values():  # in place: a captured step keeps adding into these buffers
+            best.fill_(float("-inf"))
         self.steps = 0
 
 
@@ -115,6 +118,9 @@ class TurnRecorder:
             self.decode = self.totals(totals.kept.device)
         self.decode.kept += totals.kept
         self.decode.read += totals.read
+        for layer, best in totals.unit_max.items():
+            mine = self.decode.unit_max.get(layer)
+            self.decode.unit_max[layer] = best.clone() if mine is None else torch.maximum(mine, best)
         self.decode.rows.update(totals.rows)
         self.decode.dense |= totals.dense
         self.decode.steps += steps
@@ -166,6 +172,12 @@ class TurnRecorder:
         totals.read[i] += index.to(totals.read.device)
         if totals is self.prefill and lookup.units is not None and lookup.sizes is not None:
             self.prefill_clusters[layer_idx] = (lookup.units, lookup.sizes, lookup.scores)
+        elif totals is not self.prefill and lookup.scores is not None:  # a decode step: its units' best scores
+            best = totals.unit_max.get(layer_idx)
+            if best is None:  # the first (eager or warm-up) step; a captured step finds the buffer and adds in place
+                totals.unit_max[layer_idx] = lookup.scores.detach().float().clone()
+            else:
+                torch.maximum(best, lookup.scores.float(), out=best)
 
     def _per_layer(self, totals: StepTotals) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One phase's sums on the CPU: kept keys per query head [layers, Hq] and elements read [layers] (float64),
@@ -216,6 +228,21 @@ class TurnRecorder:
                     entry["scores"] = [round(float(x), 6) for x in scores[r][ids]]
                 heads.append(entry)
             out.append({"layer": layer, "rows": heads})
+        return out
+
+    def unit_scores(self) -> dict[int, dict[str, torch.Tensor]]:
+        """What a turn's lookups scored, per global layer with units (clusters, pages), on the CPU: "question":
+        [rows, U] the prefill lookup's scores, "answer": [rows, U] the best score of each unit over the decode steps
+        (zeros without decode steps), "sizes": [Hkv, U] keys per unit. The explanations read these instead of
+        running the model again."""
+        out = {}
+        for layer, (_, sizes, scores) in self.prefill_clusters.items():
+            if scores is None:
+                continue
+            question = scores.float().cpu()
+            best = self.decode.unit_max.get(layer) if self.decode is not None else None
+            answer = best.float().cpu() if best is not None else torch.zeros_like(question)
+            out[layer] = {"question": question, "answer": answer, "sizes": sizes.cpu()}
         return out
 
     def finish(self, method: str, sparsity: float, new_tokens: int, timings: dict[str, float]) -> TurnStats:

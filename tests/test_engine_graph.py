@@ -171,10 +171,13 @@ def test_replayed_statistics_match_eager(session, method, sparsity):
         step = replace(session.step_context(method, sparsity, recorder), graphs=graphs)
         tokens = list(greedy_tokens(lm, step, prompt, STEPS))
         session.cache.reset_dynamic()
-        stats[graphs is None] = (tokens, recorder.finish(method, sparsity, len(tokens), {}))
-    (eager_tokens, eager), (replayed_tokens, replayed) = stats[True], stats[False]
+        stats[graphs is None] = (tokens, recorder.finish(method, sparsity, len(tokens), {}), recorder.unit_scores())
+    (eager_tokens, eager, eager_units), (replayed_tokens, replayed, replayed_units) = stats[True], stats[False]
     assert replayed.steps == eager.steps == len(eager_tokens)
+    assert set(replayed_units) == set(eager_units)
     if replayed_tokens == eager_tokens:  # the same steps: the same selections, to bf16 ties of the lookup
+        for layer, units in eager_units.items():  # the decode steps' best unit scores, kept on the device
+            torch.testing.assert_close(replayed_units[layer]["answer"], units["answer"], rtol=2e-2, atol=1e-3)
         assert replayed.kv_budget == pytest.approx(eager.kv_budget, rel=0.02, abs=1e-4)
         torch.testing.assert_close(torch.tensor(replayed.kept_fraction_decode),
                                    torch.tensor(eager.kept_fraction_decode), atol=0.02, rtol=0.0)

@@ -249,6 +249,33 @@ def test_high_sparsity_runs_and_reports(ctx, method):
     assert 0 < stats.kv_budget < 1
 
 
+@pytest.mark.parametrize("method", SPARSE_METHODS)
+def test_a_turn_records_what_its_lookups_scored(ctx, method):
+    """Answer.unit_scores: per global layer the prefill lookup's unit scores, the decode steps' best ones and the
+    units' sizes, from the turn itself; the explanation is built from them (no second pass of the model): a unit
+    the prefill kept has a score above the plan's threshold, and one retrieved by the answer's steps too."""
+    from engine.serve.explain import explain_turn  # noqa: PLC0415
+
+    answer = ctx.session.ask(QUESTION, method, 0.7, max_new_tokens=4)
+    assert set(answer.unit_scores) == set(ctx.lm.global_layers)
+    threshold = answer.plan.retrieval_threshold()
+    for entry in answer.stats.clusters:
+        units = answer.unit_scores[entry["layer"]]
+        assert units["question"].shape == units["answer"].shape
+        index = ctx.session.cache.layers[entry["layer"]].indexes[method]
+        if "counts" in index:  # clusters: their sizes; pages: all of one size
+            assert torch.equal(units["sizes"], index["counts"].cpu())
+        else:
+            assert (units["sizes"] == ctx.session.methods[method].settings.page_size).all()
+        for row in entry["rows"]:
+            assert row["scores"] == [round(float(units["question"][row["row"], i]), 6) for i in row["ids"]]
+            if threshold is not None:
+                assert all(units["question"][row["row"], i] > threshold for i in row["ids"])
+    report = explain_turn(answer, method)
+    assert report["method"] == method and report["scored"] == (threshold is not None)
+    assert [e["layer"] for e in report["layers"]] == ctx.lm.global_layers
+
+
 def test_prefill_threshold_option_end_to_end(ctx):
     """prefill_threshold="calibrated" (squeeze's and hsqueeze's settings): the ingest stores the question prefill's
     own thresholds and the plans carry them beside decode's (which do not change); at sparsity 0 it is still full

@@ -53,6 +53,11 @@ class StepPlan:
         """One line for the UI (what the turn's lookup used)."""
         return f"budget {self.budget:.0%}"
 
+    def retrieval_threshold(self) -> float | None:
+        """The score above which a decode step keeps a unit (the explanations' "retrieved by the answer"), or None
+        for a plan that keeps its best units whatever their scores (top-K)."""
+        return None
+
 
 @dataclass
 class LayerIndex:

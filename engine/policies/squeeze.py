@@ -66,6 +66,10 @@ class ThresholdPlan(StepPlan):
             th += " (prefill " + ", ".join(f"{x:.3g}" for x in self.prefill) + ")"
         return f"threshold {th}"
 
+    def retrieval_threshold(self) -> float:
+        """Decode's threshold of the last level (the one that decides which units' keys are read)."""
+        return self.decode[-1]
+
     def at(self, lq: int) -> tuple[float, ...]:
         """The thresholds of a step of `lq` query tokens (Lq > 1: the question's prefill)."""
         return self.prefill if lq > 1 else self.decode

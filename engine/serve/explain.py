@@ -1,9 +1,10 @@
-"""What a turn's attention looked at, in terms a reader can check: the clusters' scores for the question, the
-document passages their keys come from (with page numbers), and a 2-D projection of a layer's keys.
+"""What a turn's attention looked at, in terms a reader can check: the units' (clusters', pages') scores for the
+question and the answer, the document passages their keys come from (with page numbers), and a 2-D projection of
+a layer's keys.
 
-The app renders these; everything that touches tensors or the model is here. Apart from `question_scores` (one
-dense forward of the question over an open context) it works from a context's stored artifacts alone, so a turn
-saved in the chat history can be shown again after a restart without loading the model.
+The app renders these; everything that touches tensors is here. A turn's report comes from what its own lookups
+scored (engine.session.Answer.unit_scores); the rest works from a context's stored artifacts alone, so a turn saved
+in the chat history can be shown again after a restart without loading the model.
 """
 
 from __future__ import annotations
@@ -16,15 +17,9 @@ import numpy as np
 import torch
 
 from engine import artifacts as names
-from engine.attention import QueryCapture, StepContext
 from engine.config import ContextSettings
-from engine.generate import full_logits
-from engine.ingest import attention_scale
-from engine.policies import REGISTRY, LayerIndex, StepPlan, make_method
-from engine.policies.base import group_rows
-from engine.prompt import question_ids
-from engine.session import ContextSession
-from kernels.reference.centroid import centroid_log_scores, reduce_scores, row_scores
+from engine.policies import REGISTRY, LayerIndex, make_method
+from engine.session import Answer
 from storage import Document, Store
 
 PASSAGE_CONTEXT_CHARS = 80  # text shown around a passage, each side
@@ -33,40 +28,6 @@ CACHED_CONTEXTS = 2  # contexts whose artifacts the inspector keeps in memory
 MAX_REPORTED = 200  # clusters saved per layer and row with a turn at most (best S first)
 PASSAGE_RADIUS = 14  # tokens each side of a strongly retrieved token that make up its passage
 MIN_MARK = 0.08  # highlight weight of a token whose cluster's S is just at the threshold
-
-
-def turn_scores(session: ContextSession, method: str, question: str,
-                answer: str) -> dict[int, dict[str, torch.Tensor]]:
-    """S of eq. 1 for every cluster of a cluster method's index at every global layer, for a turn that has been
-    answered.
-
-    Replays the question and the answer's tokens once with full attention, capturing their queries, and returns
-    layer -> {"question": [rows, C] S reduced over the question as the prefill lookup reduces it (token mean, or
-    the last token's own S if higher), "answer": [rows, C] the largest S any answer token gave the cluster
-    (zeros when the answer is empty)}, float32 on the CPU. The answer is re-tokenized from its text, and its
-    queries come from full attention, so "answer" estimates what the sparse decode steps looked up.
-    """
-    lm = session.lm
-    q_ids = question_ids(lm.tokenizer, question)
-    a_ids = torch.tensor(lm.tokenizer(answer, add_special_tokens=False)["input_ids"], dtype=torch.int64) if answer \
-        else torch.zeros(0, dtype=torch.int64)
-    capture = QueryCapture(start=session.fixed_len, queries={})
-    step = StepContext(cache=session.cache, method=session.method("full"), plan=StepPlan(1.0),
-                       backend=session.backend, capture=capture)
-    full_logits(lm, step, torch.cat([q_ids, a_ids]))
-    nq = q_ids.numel()
-    out = {}
-    for layer_idx, chunks in capture.queries.items():
-        index = session.cache.layers[layer_idx].indexes.get(method)
-        if index is None or "centroids" not in index:
-            continue
-        q = torch.cat(chunks, dim=1)  # [Hq, Lq + La, D]
-        rows = group_rows(session.methods[method].settings.group, q.shape[0], index["counts"].shape[0])
-        log_s = centroid_log_scores(q, index["centroids"], index["counts"], attention_scale(lm, layer_idx))
-        question_s = reduce_scores(log_s[:, :nq], rows)  # [rows, C]
-        answer_s = row_scores(log_s[:, nq:], rows).amax(dim=1) if q.shape[1] > nq else torch.zeros_like(question_s)
-        out[layer_idx] = {"question": question_s.float().cpu(), "answer": answer_s.float().cpu()}
-    return out
 
 
 def retrieval_report(clusters: list[dict], scores: dict[int, dict[str, torch.Tensor]], counts: dict[int, torch.Tensor],
@@ -120,17 +81,18 @@ def unit_report(clusters: list[dict]) -> dict:
     return {"threshold": 0.0, "layers": layers, "scored": False}
 
 
-def explain_turn(session: ContextSession, question: str, answer: str, clusters: list[dict], method: str,
-                 sparsity: float) -> dict:
-    """The retrieval report of a finished turn with `method` over an open context. Cluster methods (an index
-    with centroids): `retrieval_report`, where clusters whose S passes squeeze's decode threshold at `sparsity`
-    count as retrieved by the answer's tokens; other methods: `unit_report`. The report names its method and unit."""
+def explain_turn(answer: Answer, method: str) -> dict:
+    """The retrieval report of a finished turn, from what its own lookups scored (Answer.unit_scores: no second pass
+    of the model). A plan with a threshold (the cluster methods): `retrieval_report`, the units passing it at a
+    decode step counting as retrieved by the answer; a top-K plan (pages): `unit_report`. The report names its
+    method and unit."""
     head = {"method": method, "unit": REGISTRY[method].unit}
-    scores = turn_scores(session, method, question, answer) if method in session.methods else {}
-    if not scores or "squeeze" not in session.methods:
+    clusters = answer.stats.clusters
+    threshold = answer.plan.retrieval_threshold() if answer.plan is not None else None
+    if threshold is None or not answer.unit_scores:
         return {**unit_report(clusters), **head}
-    counts = {layer: session.cache.layers[layer].indexes[method]["counts"].cpu() for layer in scores}
-    threshold = session.plan("squeeze", sparsity).decode[0]
+    scores = {layer: {"question": s["question"], "answer": s["answer"]} for layer, s in answer.unit_scores.items()}
+    counts = {layer: s["sizes"] for layer, s in answer.unit_scores.items()}
     return {**retrieval_report(clusters, scores, counts, threshold), "scored": True, **head}
 
 

@@ -62,20 +62,19 @@ class Turns:
             stats = {"stopped": True, "context_id": context_id, "method": method, "sparsity": sparsity}
             self.store.chats.add_turn(chat_id, question, text + STOPPED_MARK, method, sparsity, stats)
         else:
-            stats = self.statistics(context_id, question, answer, method, sparsity)
+            stats = self.statistics(context_id, answer, method)
             if compare and sparse:
                 stats["compare"] = self.compare(context_id, question, answer, max_new_tokens)
             self.store.chats.add_turn(chat_id, question, answer.text, method, sparsity, stats)
         yield RecordedTurn(row=self.store.chats.turns(chat_id)[-1], stopped=stopped)
 
-    def statistics(self, context_id: str, question: str, answer: Answer, method: str, sparsity: float) -> dict:
+    def statistics(self, context_id: str, answer: Answer, method: str) -> dict:
         """What is saved with a turn: TurnStats (with the plan the turn used), the context, and the retrieval
-        report (engine.serve.explain) the views are drawn from."""
+        report (engine.serve.explain, from what the turn's lookups scored) the views are drawn from."""
         stats = answer.stats.to_json()
         stats["context_id"] = context_id
         try:
-            stats["retrieval"] = explain_turn(self.engine.session(context_id), question, answer.text,
-                                              stats["clusters"], method, sparsity)
+            stats["retrieval"] = explain_turn(answer, method)
         except Exception as exc:  # noqa: BLE001 - the answer stands; the views say what is missing
             stats["retrieval"] = {"layers": [], "error": plain_error(exc)}
         return stats
