@@ -37,11 +37,16 @@ class Backend:
             raise ValueError(f"unknown kernel backend {self.name!r}; choose one of {BACKENDS}")
 
     def kernel(self, family: str) -> ModuleType:
-        """The module implementing `family`'s ops (imported on first use)."""
-        if family not in families():
-            raise ValueError(f"unknown kernel family {family!r}; the families are {', '.join(families())}")
-        module = f"kernels.reference.{family}" if self.name == "torch" else f"kernels.{family}_ops"
-        return importlib.import_module(module)
+        """The module implementing `family`'s ops (imported on first use; a dictionary lookup after that: the
+        engine asks for it per layer and step)."""
+        return _module(self.name, family)
+
+
+@lru_cache(maxsize=None)
+def _module(backend: str, family: str) -> ModuleType:
+    if family not in families():
+        raise ValueError(f"unknown kernel family {family!r}; the families are {', '.join(families())}")
+    return importlib.import_module(f"kernels.reference.{family}" if backend == "torch" else f"kernels.{family}_ops")
 
 
 REFERENCE = Backend("torch")
