@@ -9,8 +9,10 @@ from app import render
 from app.services import Services
 from storage import StorageError
 
-CLUSTER_ROWS = 60  # rows of the retrieved-clusters table at most (best scores first)
-CLUSTER_HEADERS = ["layer", "KV head", "cluster", "keys", "S question", "S answer", "prefill", "pages",
+CLUSTER_ROWS = 60  # rows of the retrieved-units table at most (best scores first)
+# A unit is what a method's lookup keeps: a cluster (squeeze, hsqueeze: its score is S of eq. 1) or a page (quest:
+# its score is the bound of q . k over the page).
+CLUSTER_HEADERS = ["layer", "KV head", "unit", "keys", "score (question)", "score (answer)", "prefill", "pages",
                    "text (first tokens)"]
 TOP_PASSAGES = 5
 ALL = "all"
@@ -35,8 +37,9 @@ class TurnViews:
         gr.Markdown("**(c) KV budget and time**")
         self.budget = gr.HTML("", elem_id="sq-view-budget")
         self.compare = gr.HTML("", elem_id="sq-view-compare")
-        gr.Markdown("**(b) Retrieved clusters**: kept by the question's lookup (exact) or above the threshold for "
-                    "the answer's tokens (estimated), and the passages their keys come from")
+        gr.Markdown("**(b) Retrieved units** (clusters, or pages for Quest): kept by the question's lookup, or by "
+                    "the answer's steps (their best score passed the threshold), and the passages their keys come "
+                    "from")
         self.clusters = gr.Dataframe(headers=CLUSTER_HEADERS, value=[], interactive=False, wrap=True, max_height=260,
                                      elem_id="sq-view-clusters")
         self.passages = gr.HTML("", elem_id="sq-view-passages")

@@ -175,7 +175,7 @@ def test_answers_stream_and_every_turn_shows_what_attention_did(app, ready_doc):
     # (c) KV budget and the time split
     assert re.search(r"KV budget <b class=\"sq-kv\">\d+\.\d%</b>", out["budget"]) and "lookup" in out["budget"]
     # (b) clusters with sizes and scores, passages with pages, the document with highlights
-    assert out["clusters"]["headers"][:5] == ["layer", "KV head", "cluster", "keys", "S question"]
+    assert out["clusters"]["headers"][:5] == ["layer", "KV head", "unit", "keys", "score (question)"]
     first = out["clusters"]["data"][0]
     assert first[0] in (0, 1) and first[1] in (0, 1) and int(first[3]) > 0 and first[7] == "1"
     assert '<ol class="sq-passages"' in out["passages"] and "p. 1" in out["passages"] and "<mark" in out["passages"]
@@ -212,6 +212,8 @@ def test_every_method_answers_and_full_reads_everything(app, ready_doc):
     assert "built at the first question" in client.predict("quest", 90, 0.05, 0.01, api_name="/threshold")
     out, _ = ask(client, "How many steps?", method="quest", sparsity=90)
     assert "top 10% of the pages" in out["budget"]
+    pages = out["clusters"]["data"]  # the pages the question kept, with their text: units of 16 keys
+    assert pages and all(row[3] == 16 for row in pages) and 'class="sq-passages"' in out["passages"]
     assert client.predict("quest", 90, 0.05, 0.01, api_name="/threshold") == \
         "At 90% sparsity, quest uses: top 10% of the pages"
     out, _ = ask(client, "How many steps?", method="hsqueeze", sparsity=90)
