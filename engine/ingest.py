@@ -13,7 +13,7 @@ from engine.attention import QueryCapture, StepContext
 from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.model import LoadedModel
-from engine.policies import CalibrationSet, LayerIndex, LayerKeys, Method, StepPlan, Tensors, build_order, make_method
+from engine.policies import CalibrationSet, LayerIndex, LayerKeys, Method, StepPlan, Tensors, make_method
 from kernels.backend import Backend
 
 PREFILL_CHUNK = 1024  # context tokens per forward call of the prefill

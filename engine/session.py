@@ -15,7 +15,7 @@ from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.generate import full_logits, greedy_tokens
 from engine.graph import DecodeGraphs, graphs_supported
-from engine.ingest import Progress, _no_progress, build_methods, global_scale, layer_part
+from engine.ingest import Progress, _no_progress, build_methods, effective_tail, global_scale, layer_part
 from engine.model import LoadedModel
 from engine.policies import REGISTRY, LayerIndex, Method, StepPlan, Tensors, build_order, make_method
 from engine.prompt import STOP_STRINGS, question_ids
@@ -65,7 +65,7 @@ class ContextSession:
         self.tokens = parsed.tokens
         self.fixed_len = int(self.tokens.numel())
         self.settings = settings
-        self.tail = min(settings.dense_tail, self.fixed_len - 1)
+        self.tail = effective_tail(settings, self.fixed_len)
         self.queries = {i: q.cpu() for i, q in parsed.queries.items()}  # calibration queries, to build methods later
         layers = []
         for i, window in enumerate(lm.sliding_windows):

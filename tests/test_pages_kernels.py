@@ -30,8 +30,8 @@ def make_bounds(hkv, pages, d, page_size=16, dtype=torch.float32, seed=0):
     length = pages * page_size - 3  # a short last page
     offsets = torch.randn(hkv, pages, d, generator=g).repeat_interleave(page_size, dim=1)[:, :length]
     keys = torch.randn(hkv, length, d, generator=g) + offsets
-    lo, hi, starts = page_bounds(keys.to(dtype), page_size)
-    return lo.to(DEVICE), hi.to(DEVICE), starts
+    lo, hi = page_bounds(keys.to(dtype), page_size)
+    return lo.to(DEVICE), hi.to(DEVICE)
 
 
 def by_definition(q, lo, hi, rows):
@@ -46,11 +46,10 @@ def by_definition(q, lo, hi, rows):
 
 def test_page_bounds_cover_every_key():
     keys = torch.randn(2, 45, 8)
-    lo, hi, starts = page_bounds(keys, 16)
+    lo, hi = page_bounds(keys, 16)
     assert lo.shape == hi.shape == (2, 3, 8)
-    assert starts.tolist() == [[0, 16, 32, 45]] * 2
-    for p in range(3):
-        page = keys[:, starts[0, p] : starts[0, p + 1]]
+    for p, (a, b) in enumerate([(0, 16), (16, 32), (32, 45)]):  # the last page is short
+        page = keys[:, a:b]
         torch.testing.assert_close(lo[:, p], page.amin(dim=1), rtol=0, atol=0)
         torch.testing.assert_close(hi[:, p], page.amax(dim=1), rtol=0, atol=0)
 
@@ -58,7 +57,7 @@ def test_page_bounds_cover_every_key():
 @pytest.mark.parametrize("hq,hkv,rows", GROUPS)
 @pytest.mark.parametrize("lq", [1, 5])
 def test_reference_is_the_bound(hq, hkv, rows, lq):
-    lo, hi, _ = make_bounds(hkv, 37, 16)
+    lo, hi = make_bounds(hkv, 37, 16)
     q = torch.randn(hq, lq, 16, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     torch.testing.assert_close(reference_scores(q, lo, hi, rows), by_definition(q, lo, hi, rows), **TOL)
 
@@ -67,7 +66,7 @@ def test_bound_is_an_upper_bound():
     """No key of a page scores above the page's bound (the property Quest's selection rests on)."""
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 64, 16, generator=g)
-    lo, hi, _ = page_bounds(keys, 16)
+    lo, hi = page_bounds(keys, 16)
     q = torch.randn(1, 1, 16, generator=g)
     bound = reference_scores(q, lo, hi, 1)[0]  # [4]
     exact = (keys[0] @ q[0, 0]).reshape(4, 16).amax(dim=1)
@@ -80,7 +79,7 @@ def test_bound_is_an_upper_bound():
 def test_kernel_matches_reference(hq, hkv, rows, lq, pages, dtype):
     from kernels.pages_ops import page_scores
 
-    lo, hi, _ = make_bounds(hkv, pages, 16, dtype=dtype)
+    lo, hi = make_bounds(hkv, pages, 16, dtype=dtype)
     q = torch.randn(hq, lq, 16, generator=torch.Generator().manual_seed(2)).to(dtype).to(DEVICE)
     torch.testing.assert_close(page_scores(q, lo, hi, rows), reference_scores(q, lo, hi, rows), **TOL)
 
@@ -89,7 +88,7 @@ def test_kernel_reads_strided_queries():
     """The model's queries arrive as a transposed view ([Hq, Lq, D] of a [Lq, Hq, D] buffer)."""
     from kernels.pages_ops import page_scores
 
-    lo, hi, _ = make_bounds(2, 37, 16)
+    lo, hi = make_bounds(2, 37, 16)
     q = torch.randn(5, 4, 16, device=DEVICE).transpose(0, 1)  # [4, 5, 16], stride(1) != D
     torch.testing.assert_close(page_scores(q, lo, hi, 2), reference_scores(q, lo, hi, 2), **TOL)
 
@@ -97,7 +96,7 @@ def test_kernel_reads_strided_queries():
 def test_kernel_rejects_bad_rows():
     from kernels.pages_ops import page_scores
 
-    lo, hi, _ = make_bounds(2, 8, 16)
+    lo, hi = make_bounds(2, 8, 16)
     with pytest.raises(ValueError, match="rows"):
         page_scores(torch.randn(4, 1, 16, device=DEVICE), lo, hi, 3)
 

@@ -52,16 +52,15 @@ class PagePlan(StepPlan):
         return 0 if total == 0 else max(1, min(total, round(self.budget * total)))
 
 
-def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """keys: [Hkv, L, D] -> (min [Hkv, P, D], max [Hkv, P, D], starts [Hkv, P + 1] int64), P = ceil(L / page_size);
-    the last page may be shorter (its bounds cover its own keys only)."""
+def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys: [Hkv, L, D] -> (min [Hkv, P, D], max [Hkv, P, D]), P = ceil(L / page_size); the last page may be
+    shorter (its bounds cover its own keys only)."""
     hkv, length, d = keys.shape
     pages = -(-length // page_size)
     pad = pages * page_size - length
     lo = F.pad(keys, (0, 0, 0, pad), value=float("inf")).view(hkv, pages, page_size, d).amin(dim=2)
     hi = F.pad(keys, (0, 0, 0, pad), value=float("-inf")).view(hkv, pages, page_size, d).amax(dim=2)
-    starts = (torch.arange(pages + 1, device=keys.device) * page_size).clamp(max=length)
-    return lo, hi, starts.expand(hkv, -1).contiguous()
+    return lo, hi
 
 
 class QuestPolicy(Method):
@@ -74,7 +73,7 @@ class QuestPolicy(Method):
         dense tail is: every row then reads the same number of keys)."""
         page = self.settings.page_size
         full = layer.keys.shape[1] // page * page
-        lo, hi, _ = page_bounds(layer.keys[:, :full], page)
+        lo, hi = page_bounds(layer.keys[:, :full], page)
         return {"page_min": lo, "page_max": hi}  # [Hkv, P, D] each
 
     def calibrate(self, layers, scale: float) -> Tensors:

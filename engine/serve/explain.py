@@ -18,6 +18,7 @@ import torch
 
 from engine import artifacts as names
 from engine.config import ContextSettings
+from engine.ingest import effective_tail
 from engine.policies import REGISTRY, LayerIndex, make_method
 from engine.session import Answer
 from storage import Document, Store
@@ -202,7 +203,7 @@ class ContextInspector:
         data = ContextData(context_id=context_id, doc_id=ctx["doc_id"], doc=self.store.documents.get(ctx["doc_id"]),
                            settings=ctx["settings"], fixed_len=fixed_len, offsets=offsets, global_layers=layers,
                            kv_heads=int(keys["shape"][0]) if keys else 0,
-                           tail=min(ContextSettings.from_dict(ctx["settings"]).dense_tail, max(fixed_len - 1, 0)))
+                           tail=effective_tail(ContextSettings.from_dict(ctx["settings"]), fixed_len))
         with self._lock:
             self._data[context_id] = data
             while len(self._data) > self._cached:
