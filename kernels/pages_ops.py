@@ -11,10 +11,8 @@ from kernels.selection import Selection
 
 BLOCK_P = 64  # pages per program
 MAX_SINGLE = 32768  # pages of a row that the top-K search keeps in registers (32 per thread at 32 warps)
-# H100, 8 rows: the search takes ~10 us at 8K pages and ~24 us at 32K; 16 steps save ~1 us at 128K and ~4 at 512K
-# (128K decode 2.94x dense SDPA instead of 2.89x) but widen the near-ties 16x: kept at 20.
 TOP_CHUNK = 8192  # pages per step of the search beyond that (re-read from the cache at each of its steps)
-TOP_ITERS = 20  # bisection steps of the search: the threshold ends within (max - min) / 2^20 of the k-th score
+TOP_ITERS = 13  # steps of the search, each a third of the bracket: it ends within (max - min) / 3^13 ~ 2^-20.6
 SELECT_CHUNK = 256  # pages per program of the selection's writing kernel (x page keys written)
 TOP_ELEMS = 32  # scores per thread of the search (its warps: pages / 32 / TOP_ELEMS, 1 to 32)
 
@@ -45,8 +43,11 @@ def reduced_queries(q: torch.Tensor, rows: int) -> torch.Tensor:
     return parts.view(rows, hq // rows, 4, d).sum(dim=1).contiguous()
 
 
-def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, rows: int) -> torch.Tensor:
-    """q: [Hq, Lq, D]; page_min, page_max: [Hkv, P, D]; rows: Hkv (each row sums its query heads' bounds) or Hq.
+def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, rows: int,
+                offset: torch.Tensor | None = None, step: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [Hq, Lq, D]; page_min, page_max: [Hkv, P, D] bounds, or uint8 codes with offset and step [Hkv, D]
+    (kernels.reference.pages.quantize_bounds: half the bytes); rows: Hkv (each row sums its query heads' bounds)
+    or Hq.
 
     Returns [rows, P] float32: per page, max(the bound of the tokens' mean, the bound of the last token), where a
     token's bound is sum_i max(q_i min_i, q_i max_i) summed over the row's query heads (kernels.reference.pages).
@@ -54,6 +55,9 @@ def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
     small torch ops), so the kernel reads four vectors per row whatever Lq is.
     """
     _check(q, page_min, page_max, rows)
+    quant = offset is not None
+    if quant != (step is not None) or quant != (page_min.dtype == torch.uint8 == page_max.dtype):
+        raise ValueError("uint8 codes need offset and step [Hkv, D]; bounds of the keys' dtype need neither")
     hq, lq, d = q.shape
     hkv, pages, _ = page_min.shape
     out = torch.empty(rows, pages, dtype=torch.float32, device=q.device)
@@ -63,9 +67,16 @@ def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
     pre = reduced_queries(q, rows) if reduced else out  # `out` stands in for the unused pointer
     q = q if q.stride(2) == 1 else q.contiguous()
     page_min, page_max = page_min.contiguous(), page_max.contiguous()
+    if quant:
+        if offset.shape != (hkv, d) or step.shape != (hkv, d):
+            raise ValueError(f"offset and step must be [Hkv, D] = {(hkv, d)}, got {tuple(offset.shape)}, "
+                             f"{tuple(step.shape)}")
+        offset, step = offset.float().contiguous(), step.float().contiguous()
+    else:
+        offset = step = out  # unused pointers
     page_scores_kernel[(rows, triton.cdiv(pages, BLOCK_P))](
-        q, pre, page_min, page_max, out, pages, q.stride(0), page_min.stride(0), page_min.stride(1),
-        HEADS_PER_ROW=hq // rows, ROWS_PER_KV=rows // hkv, REDUCED=reduced, D=d, BLOCK_P=BLOCK_P,
+        q, pre, page_min, page_max, offset, step, out, pages, q.stride(0), page_min.stride(0), page_min.stride(1),
+        HEADS_PER_ROW=hq // rows, ROWS_PER_KV=rows // hkv, REDUCED=reduced, QUANT=quant, D=d, BLOCK_P=BLOCK_P,
     )
     return out
 
@@ -75,8 +86,9 @@ def select_pages(scores: torch.Tensor, k: int, page: int, num_keys: int) -> tupl
     num_keys -> (keep [rows, P] bool: each row's k best pages, ties with the k-th broken by page order; the
     Selection of their keys, then every key from P * page on (a partial last page, the dense tail), in order).
     Every row reads k * page + num_keys - P * page keys, so indptr is fixed by the shapes: two launches (a search
-    per row, then a writer per chunk of pages), no host synchronisation. Same result as
-    kernels.reference.pages.select_pages where the scores have no near-ties (within (max - min) / 2^TOP_ITERS)."""
+    per row: a bracket of the k-th score, then a writer per chunk of pages), no host synchronisation. The same pages
+    as kernels.reference.pages.select_pages where no score but the k-th lies within (max - min) / 3^TOP_ITERS of
+    it (a near-tie is broken by page order, like a tie)."""
     if scores.dim() != 2 or scores.dtype != torch.float32:
         raise ValueError(f"scores must be float32 [rows, P], got {scores.dtype} {tuple(scores.shape)}")
     rows, pages = scores.shape

@@ -49,14 +49,16 @@ DECODE_STAGES = 3
 # Persistent workers per SM. Keep it at or below the programs that fit on an SM at once (~3 at 147-156 registers,
 # 4 warps, BLOCK_N 64, D 128): a worker that waits for a free slot finishes a whole share late.
 DECODE_WORKERS_PER_SM = 3  # H200, 128K, 32/8, 90%: 3 workers/SM with 256-key items 16.8 us, 2/SM with 64: 29.8 us
-# Keys per work item: the power of two in [MIN, MAX] that gives each worker ~ITEMS_PER_WORKER items at full capacity
-# (finer items balance better, coarser ones write fewer partials: M * D * 4 bytes per item).
+# Keys per work item: a multiple of the key block in [MIN, MAX] that cuts a row's expected keys into as many items
+# as the row's share of the workers, times ITEMS_PER_WORKER, so that the items end in one wave. (Session 9, H100,
+# Quest's 10% at 128K/512K, 32/8: rounding the chunk down to a power of two made 416 items for 396 workers, a second
+# wave for 20 of them: 31.6/101 us; one wave of 392 items: 26.9/82.5 us. Two items per worker: 28.7/84.5 us.)
 DECODE_ITEMS_PER_WORKER = 1
 # The capacity is the worst case (every key of every row); the selected keys are only known on the device. Items
 # are sized for a typical selection, this fraction of the keys (a heavier one just gives workers more items).
 DECODE_EXPECTED_FRACTION = 0.1
 DECODE_MIN_CHUNK = 64
-DECODE_MAX_CHUNK = 1024
+DECODE_MAX_CHUNK = 8192
 PREFILL_BLOCK_N = 128  # a quarter for D = 256 (shared memory; see plan)
 # Prefill copies the selected K/V into packed buffers first (config.gather): Triton pipelines contiguous loads into
 # shared memory, not the index-dependent ones. H200, 128K, 32/8 heads, 1024 new tokens, 16% kept (engine/bench,
@@ -136,10 +138,6 @@ def packed_buffer_entries(capacity: int, head_dim: int, elem_bytes: int) -> int:
     return max(1, min(capacity, GATHER_MAX_BYTES // (2 * head_dim * elem_bytes)))
 
 
-def _prev_power_of_2(x: int) -> int:
-    return 1 << (max(1, x).bit_length() - 1)
-
-
 def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num_sms: int,
          elem_bytes: int = 2, tma: bool = False, dense: bool = False) -> SparseAttentionConfig:
     """The default config for M = G * Lq query rows per row, from shapes only (never from device values).
@@ -152,8 +150,9 @@ def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num
         block_n = DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2
         target_workers = DECODE_WORKERS_PER_SM * num_sms
         expected = min(capacity, int(rows * num_keys * DECODE_EXPECTED_FRACTION))
-        chunk = _prev_power_of_2(expected // (target_workers * DECODE_ITEMS_PER_WORKER))
-        chunk = min(max(chunk, DECODE_MIN_CHUNK, block_n), DECODE_MAX_CHUNK)
+        row_items = max(1, target_workers // rows) * DECODE_ITEMS_PER_WORKER
+        chunk = block_n * triton.cdiv(triton.cdiv(max(1, expected // rows), row_items), block_n)
+        chunk = min(max(chunk, DECODE_MIN_CHUNK), DECODE_MAX_CHUNK)
         workers = max(1, min(max_items(capacity, rows, num_keys, chunk), target_workers))
         return SparseAttentionConfig(split=True, block_m=16, block_n=block_n, num_warps=DECODE_WARPS,
                                      num_stages=DECODE_STAGES, chunk=chunk, workers=workers)

@@ -181,3 +181,14 @@ def test_compile_both_measures_the_engine_twice_in_one_run(one_thread, tmp_path)
         assert row["speedup_vs_uncompiled"] == pytest.approx(
             doc["methods"][method]["decode_ms_median"] / row["decode_ms_median"], rel=1e-2)
     assert compiled["methods"]["full"]["speedup_vs_full"] == 1.0
+
+
+def test_kernel_bench_parses_method_settings():
+    """`squeeze bench kernels --set quest.bounds=int8`: typed like the setting's default; unknown ones refused."""
+    from engine.bench.kernels import parse_settings
+
+    assert parse_settings(["quest.bounds=int8", "quest.page_size=8", "squeeze.centroid_ratio=0.1"]) == {
+        "quest": {"bounds": "int8", "page_size": 8}, "squeeze": {"centroid_ratio": 0.1}}
+    for bad in ("quest.colour=red", "nope.bounds=int8", "quest.bounds"):
+        with pytest.raises(ValueError):
+            parse_settings([bad])

@@ -148,8 +148,30 @@ def measure(method: Method, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
     }
 
 
+def parse_settings(items: list[str]) -> dict[str, dict]:
+    """["quest.bounds=int8", ...] -> {"quest": {"bounds": "int8"}}, each value converted to the type of the
+    setting's default (engine.policies.REGISTRY)."""
+    import dataclasses
+
+    from engine.policies import REGISTRY
+
+    out: dict[str, dict] = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        method, _, field = name.partition(".")
+        if method not in REGISTRY or not value:
+            raise ValueError(f"expected METHOD.SETTING=VALUE with a registered method, got {item!r}")
+        fields = {f.name: f for f in dataclasses.fields(REGISTRY[method].Settings)}
+        if field not in fields:
+            raise ValueError(f"{method} has no setting {field!r}; it has {', '.join(fields)}")
+        kind = type(getattr(REGISTRY[method].Settings(), field))
+        out.setdefault(method, {})[field] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
+    return out
+
+
 def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], budgets: list[float],
-        phases: list[int], methods: list[str], device: str = "cuda", flex: bool = True) -> dict:
+        phases: list[int], methods: list[str], device: str = "cuda", flex: bool = True,
+        settings: dict[str, dict] | None = None) -> dict:
     from safetensors.torch import load_file
 
     from engine.bench.extend import extend
@@ -165,7 +187,7 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], bud
         "dtype": "bfloat16",
         "head_dim": HEAD_DIM,
         "dense_tail": DENSE_TAIL,
-        "method_settings": {m: make_method(m).settings.as_dict() for m in build_order(methods)},
+        "method_settings": {m: make_method(m, (settings or {}).get(m)).settings.as_dict() for m in build_order(methods)},
         "copy_bandwidth_GBps": round(copy_bandwidth(dev), 1),
         "results": [],
         "builds": [],
@@ -180,7 +202,7 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], bud
         for hq, hkv in heads:
             q_all, k, v = extend(captured, length, hkv, hq, longest_q + DENSE_TAIL, HEAD_DIM, torch.bfloat16, dev)
             calib_q = q_all[:, -DENSE_TAIL - 1 : -1].float()
-            indexes, calibrations, instances, build_s = build_indexes(k, calib_q, methods, scale)
+            indexes, calibrations, instances, build_s = build_indexes(k, calib_q, methods, scale, settings=settings)
             out["builds"].append({"length": length, "hq": hq, "hkv": hkv, "seconds": build_s})
             dense_ms = {lq: bench_graph(lambda q=q_all[:, -lq:]: dense_sdpa(q, k, v, scale)) for lq in phases}
             for name in methods:  # every method against the same dense timings
@@ -224,8 +246,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--methods", default=",".join(SPARSE_METHODS),
                         help=f"comma-separated, of {', '.join(SPARSE_METHODS)}")
     parser.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (prefill only)")
+    parser.add_argument("--set", action="append", default=[], metavar="METHOD.SETTING=VALUE",
+                        help="a method's setting (repeatable), e.g. --set quest.bounds=int8")
     parser.add_argument("--json", action="store_true", help="print only the JSON document on stdout")
     args = parser.parse_args(argv)
+    try:
+        settings = parse_settings(args.set)
+    except ValueError as exc:
+        parser.error(str(exc))
     if not torch.cuda.is_available():
         print("error: the kernel benchmark needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -235,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown sparse method(s) {', '.join(unknown)}; choose from {', '.join(SPARSE_METHODS)}")
     heads = [tuple(int(x) for x in h.split("/")) for h in args.heads.split(",")]
     result = run(args.capture, _ints(args.lengths), heads, [float(b) for b in args.budgets.split(",")],
-                 _ints(args.phases), methods, flex=not args.no_flex)
+                 _ints(args.phases), methods, flex=not args.no_flex, settings=settings)
     print(json.dumps(result, indent=None if args.json else 1))
     return 0
 

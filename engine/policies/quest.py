@@ -7,6 +7,8 @@ page read once per group, as squeeze does); "query" keeps one set per query head
 Prefill (Quest is published for decode): a question's page score is max(the bound of its tokens' mean, the bound
 of its last token), summed over the row's heads, and the same number of pages is kept as at decode, so the
 budget holds in both phases (kernels/jit/pages.py computes both terms in one pass over the bounds).
+Bounds keep the keys' dtype; "int8" stores one byte each (rounded outwards, per KV head and dim over the context's
+range: still an upper bound, half the bytes a step reads for its scores, but looser).
 Pages are whole: a last partial page of the indexed keys is read at every step, like the dense tail, so that
 every row reads the same number of keys (the selection's offsets follow from the shapes).
 """
@@ -22,22 +24,29 @@ import torch.nn.functional as F
 from engine.policies.base import (LayerIndex, LayerKeys, Lookup, Method, MethodSettings, StepPlan, Tensors,
                                   check_budget, group_rows)
 from kernels.backend import Backend
+from kernels.reference.pages import quantize_bounds
 
 GROUPS = ("kv", "query")
+BOUNDS = ("int8", "exact")
 
 
 @dataclass(frozen=True)
 class QuestSettings(MethodSettings):
-    """page_size: consecutive keys per page (Quest: 16); group: "kv" or "query" (see the module docstring)."""
+    """page_size: consecutive keys per page (Quest: 16); group: "kv" or "query" (see the module docstring);
+    bounds: "exact" (the keys' own dtype, as the paper) or "int8" (one byte per bound, rounded outwards:
+    kernels.reference.pages.quantize_bounds; half the bytes a step reads for its page scores, a looser bound)."""
 
     page_size: int = 16
     group: str = "kv"
+    bounds: str = "exact"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a power of two, got {self.page_size}")
         if self.group not in GROUPS:
             raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
+        if self.bounds not in BOUNDS:
+            raise ValueError(f"bounds must be one of {BOUNDS}, got {self.bounds!r}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,8 @@ class QuestPolicy(Method):
         page = self.settings.page_size
         full = layer.keys.shape[1] // page * page
         lo, hi = page_bounds(layer.keys[:, :full], page)
+        if self.settings.bounds == "int8":
+            return quantize_bounds(lo, hi)  # uint8 codes [Hkv, P, D], offset and step [Hkv, D]
         return {"page_min": lo, "page_max": hi}  # [Hkv, P, D] each
 
     def calibrate(self, layers, scale: float) -> Tensors:
@@ -90,10 +101,16 @@ class QuestPolicy(Method):
         page = self.settings.page_size
         rows = group_rows(self.settings.group, q.shape[0], hkv)
         kernel = backend.kernel("pages")
-        scores = kernel.page_scores(q, lo, hi, rows)  # [rows, P]
+        quant = "bound_offset" in layer
+        offset, step = (layer["bound_offset"], layer["bound_step"]) if quant else (None, None)
+        scores = kernel.page_scores(q, lo, hi, rows, offset, step)  # [rows, P]
         keep, selection = kernel.select_pages(scores, plan.pages(pages), page, layer.num_keys)
-        read = torch.full((hkv,), float(pages * 2 * d), device=q.device)  # every page's two bounds
-        sizes = torch.full((hkv, pages), page, dtype=torch.int64, device=q.device)
+        # every page's two bounds (+ the offsets and steps), in elements of the keys' dtype (q's)
+        elements = (pages * 2 * d * lo.element_size() + (2 * d * 4 if quant else 0)) / q.element_size()
+        read = torch.full((hkv,), float(elements), device=q.device)
+        sizes = None  # the statistics list a question's units only: a decode step saves the launch
+        if q.shape[1] > 1:
+            sizes = torch.full((hkv, pages), page, dtype=torch.int64, device=q.device)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=scores, sizes=sizes)
 
     def unit_labels(self, layer: LayerIndex) -> torch.Tensor:

@@ -13,12 +13,43 @@ import torch
 from kernels.selection import Selection
 
 
-def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, rows: int) -> torch.Tensor:
-    """q: [Hq, Lq, D]; page_min, page_max: [Hkv, P, D]; rows: Hkv or Hq. Returns [rows, P] float32."""
+CODES = 255  # int8 bounds: codes 0..255 per (KV head, dim), uint8
+
+
+def quantize_bounds(page_min: torch.Tensor, page_max: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Bounds [Hkv, P, D] -> one byte per element, rounded outwards so that they still bound every key: per KV head
+    and dim, offset = the smallest minimum and step = (the largest maximum - offset) / 255; a minimum's code is
+    floor((min - offset) / step), a maximum's ceil((max - offset) / step). Returns {"page_min", "page_max": uint8
+    [Hkv, P, D], "bound_offset", "bound_step": float32 [Hkv, D]}. Each bound moves outwards by less than one step
+    (1/255 of the dim's range over the context): half the bytes of bf16 bounds for a slightly looser score."""
+    lo, hi = page_min.double(), page_max.double()
+    offset = lo.amin(dim=1)  # [Hkv, D]
+    step = ((hi.amax(dim=1) - offset) / CODES * (1 + 1e-6)).clamp(min=1e-30)  # code 255 reaches the maximum
+    offset32, step32 = offset.float(), step.float()
+    # codes from the float32 offset and step the kernels read, and checked in float32 as the kernels dequantize
+    code_lo = torch.floor((lo - offset32.double()[:, None]) / step32.double()[:, None]).clamp(0, CODES)
+    code_hi = torch.ceil((hi - offset32.double()[:, None]) / step32.double()[:, None]).clamp(0, CODES)
+    code_lo = code_lo - (offset32[:, None] + step32[:, None] * code_lo.float() > page_min.float()).double()
+    code_hi = code_hi + (offset32[:, None] + step32[:, None] * code_hi.float() < page_max.float()).double()
+    return {"page_min": code_lo.clamp(0, CODES).to(torch.uint8), "page_max": code_hi.clamp(0, CODES).to(torch.uint8),
+            "bound_offset": offset32, "bound_step": step32}
+
+
+def dequantize_bounds(codes: torch.Tensor, offset: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [Hkv, P, D] with offset, step [Hkv, D] -> float32 bounds [Hkv, P, D] (quantize_bounds)."""
+    return offset[:, None] + step[:, None] * codes.float()
+
+
+def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, rows: int,
+                offset: torch.Tensor | None = None, step: torch.Tensor | None = None) -> torch.Tensor:
+    """q: [Hq, Lq, D]; page_min, page_max: [Hkv, P, D] bounds, or uint8 codes with offset and step [Hkv, D]
+    (quantize_bounds); rows: Hkv or Hq. Returns [rows, P] float32."""
     hq, lq, _ = q.shape
     hkv = page_min.shape[0]
     if hkv == 0 or hq % hkv or rows not in (hq, hkv):
         raise ValueError(f"rows must be Hq={hq} or Hkv={hkv} (Hq a multiple of Hkv), got {rows}")
+    if offset is not None:
+        page_min, page_max = dequantize_bounds(page_min, offset, step), dequantize_bounds(page_max, offset, step)
     group = hq // hkv
     lo = page_min.float().repeat_interleave(group, dim=0)  # [Hq, P, D]
     hi = page_max.float().repeat_interleave(group, dim=0)
