@@ -7,6 +7,7 @@ import torch
 import triton
 
 from kernels.jit.pages import page_scores_kernel, page_threshold_kernel, page_write_kernel
+from kernels.reference.pages import dequantize_bounds, quantize_bounds  # the one-byte format: torch on both backends
 from kernels.selection import Selection
 
 BLOCK_P = 64  # pages per program
@@ -120,3 +121,6 @@ def select_pages(scores: torch.Tensor, k: int, page: int, num_keys: int) -> tupl
                                        num_keys, per_row, PAGE=page, CHUNK=chunk,
                                        BLOCK_N=max(16, triton.next_power_of_2(nch)), num_warps=4)
     return keep, Selection(indptr=indptr, indices=indices, num_keys=num_keys)
+
+
+__all__ = ["dequantize_bounds", "page_scores", "quantize_bounds", "reduced_queries", "select_pages"]
