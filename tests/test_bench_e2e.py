@@ -74,7 +74,8 @@ def test_ingest_stages(run):
     ingest = doc["ingest"]
     assert "error" not in ingest
     assert STAGES <= set(ingest["stages"]) and all(s > 0 for s in ingest["stages"].values())
-    assert sum(ingest["stages"].values()) <= ingest["seconds"] + 1e-3
+    # each figure is rounded to 1 ms: the stages' sum may pass the rounded total by half a ms per figure
+    assert sum(ingest["stages"].values()) <= ingest["seconds"] + 0.5e-3 * (len(ingest["stages"]) + 1) + 1e-9
     assert doc["session"]["open_s"] >= 0
 
 
