@@ -68,7 +68,8 @@ class ChatTab:
                 with gr.Accordion("Method and sparsity", open=True):
                     self.method = gr.Radio(list(METHODS), value=cfg.method, label="Method", elem_id="sq-method")
                     self.sparsity = gr.Slider(SPARSITY_MIN, SPARSITY_MAX, value=cfg.sparsity_pct, step=1,
-                                              label="Sparsity (%): share of the document's keys skipped",
+                                              label="Sparsity (%): 100 - the KV budget, the share of the "
+                                                    "document's K/V bytes a step reads, index included",
                                               elem_id="sq-sparsity")
                     self.threshold = gr.Markdown("", elem_id="sq-threshold")
                     with gr.Row():

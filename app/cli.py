@@ -100,6 +100,7 @@ def cmd_ask(args) -> int:
     else:
         print()
         print(f"[{stats['method']} sparsity={stats['sparsity']} kv_budget={stats['kv_budget']:.3f} "
+              f"(question {stats['kv_budget_prefill']:.3f}, answer {stats['kv_budget_decode']:.3f}) "
               f"first token {stats['timings']['first_token_s']:.2f}s, {stats['timings']['tokens_per_s']:.1f} tok/s]",
               file=sys.stderr)
     return 0
@@ -178,7 +179,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("doc", metavar="DOC_ID_OR_PATH")
     p.add_argument("question")
     p.add_argument("--method", choices=METHODS, default="squeeze")
-    p.add_argument("--sparsity", type=_sparsity, default=0.9)
+    p.add_argument("--sparsity", type=_sparsity, default=0.9,
+                   help="1 - the KV budget: a step reads 1 - SPARSITY of the document's K/V bytes, its method's "
+                        "index included, in the question's prefill as in decoding (default 0.9)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--truncate", action="store_true")
     p.set_defaults(func=cmd_ask)

@@ -176,6 +176,7 @@ def budget_html(stats: dict) -> str:
         keys += (f'<span class="sq-key sq-note">lookup and attention timed over {timed} of {steps} steps; the '
                  f'{steps - timed} replayed from a CUDA graph count in the rest</span>')
     budget, prefill = float(stats.get("kv_budget", 0.0)), float(stats.get("kv_budget_prefill", 0.0))
+    decode = stats.get("kv_budget_decode")  # absent from turns recorded before it was counted
     method = stats.get("method", "?")
     sparsity = stats.get("sparsity", 0.0)
     plan = (stats.get("extra") or {}).get("plan", "") if sparsity else ""
@@ -184,7 +185,8 @@ def budget_html(stats: dict) -> str:
         f'<div class="sq-row"><b>{esc(method)}</b>{f" at {100 * sparsity:.0f}% sparsity" if sparsity else ""}'
         f'{f" · {esc(plan)}" if plan else ""}</div>'
         f'<div class="sq-row">KV budget <b class="sq-kv">{100 * budget:.1f}%</b> of the fixed context\'s K/V bytes per '
-        f'step (question prefill {100 * prefill:.1f}%)</div>'
+        f'step (question prefill {100 * prefill:.1f}%'
+        f'{f", answer {100 * float(decode):.1f}%" if decode is not None else ""})</div>'
         f'<div class="sq-bar sq-kvbar"><div class="sq-fill" style="width:{min(100.0, 100 * budget):.1f}%"></div></div>'
         f'<div class="sq-row">Time {total:.2f} s · first token {float(t.get("first_token_s", 0.0)):.2f} s · '
         f'{float(t.get("tokens_per_s", 0.0)):.1f} tokens/s · {stats.get("new_tokens", 0)} tokens</div>'

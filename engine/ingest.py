@@ -14,6 +14,7 @@ from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.model import LoadedModel
 from engine.policies import CalibrationSet, LayerIndex, LayerKeys, Method, StepPlan, Tensors, make_method
+from engine.policies.budget import budget_curves
 from kernels.backend import Backend
 
 PREFILL_CHUNK = 1024  # context tokens per forward call of the prefill
@@ -126,10 +127,14 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
     progress("clustering", len(layers), len(layers))
     progress("calibrating", 0, len(methods))
     for n, method in enumerate(methods):
-        sets = [CalibrationSet(index=LayerIndex(tensors={k: t.to(device) for k, t in built[method.name][i].items()},
+        own = prepared.get(method.name, {})  # a lookup sees its layer's model-level artifacts too (as in a session)
+        sets = [CalibrationSet(index=LayerIndex(tensors={k: t.to(device) for k, t in
+                                                         {**built[method.name][i], **layer_part(own, i)}.items()},
                                                 num_keys=keys[i].shape[1], tail=tail),
                                queries=queries[i].to(device)) for i in layers]
-        for name, t in method.calibrate(sets, scale).items():
+        calibration = method.calibrate(sets, scale)
+        calibration.update(budget_curves(method, sets, scale, calibration))  # what a budget reads: Method.plan
+        for name, t in calibration.items():
             full_name = names.method_calib_name(method.name, name)
             out[full_name] = t
             on_artifact(full_name, t)

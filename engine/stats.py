@@ -19,7 +19,7 @@ class TurnStats:
     kept_fraction_prefill/decode: [global layer][query head] kept keys / fixed-context length
     kept_fraction: the same averaged over all steps (the question's prefill counts as one step)
     kv_budget: fraction of the global layers' fixed-context K and V bytes read per step (index bytes included),
-               averaged over the turn's steps
+               averaged over the turn's steps; kv_budget_prefill / kv_budget_decode: the same for each phase
     clusters: per global layer, per selection row, the units (clusters, pages) the question's prefill retrieved
               (ids, sizes, and the lookup's scores of them)
     """
@@ -33,6 +33,7 @@ class TurnStats:
     kept_fraction_decode: list[list[float]]
     kv_budget: float
     kv_budget_prefill: float
+    kv_budget_decode: float
     clusters: list[dict]
     timings: dict[str, float]
     steps: int
@@ -263,6 +264,7 @@ class TurnRecorder:
             kept_fraction_decode=self._kept_matrix(decode),
             kv_budget=round(self._budget(prefill + decode), 6),
             kv_budget_prefill=round(self._budget(prefill), 6),
+            kv_budget_decode=round(self._budget(decode), 6),
             clusters=self._clusters(),
             timings={**{f"{k}_s": round(v, 6) for k, v in self.seconds.items()}, "timed_steps": self.timed_steps,
                      **timings},

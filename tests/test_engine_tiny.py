@@ -253,7 +253,7 @@ def test_high_sparsity_runs_and_reports(ctx, method):
 def test_a_turn_records_what_its_lookups_scored(ctx, method):
     """Answer.unit_scores: per global layer the prefill lookup's unit scores, the decode steps' best ones and the
     units' sizes, from the turn itself; the explanation is built from them (no second pass of the model): a unit
-    the prefill kept has a score above the plan's threshold, and one retrieved by the answer's steps too."""
+    the prefill kept has a score above the plan's prefill threshold; the answer's steps are read against decode's."""
     from engine.serve.explain import explain_turn  # noqa: PLC0415
 
     answer = ctx.session.ask(QUESTION, method, 0.7, max_new_tokens=4)
@@ -269,31 +269,32 @@ def test_a_turn_records_what_its_lookups_scored(ctx, method):
             assert (units["sizes"] == ctx.session.methods[method].settings.page_size).all()
         for row in entry["rows"]:
             assert row["scores"] == [round(float(units["question"][row["row"], i]), 6) for i in row["ids"]]
-            if threshold is not None:
-                assert all(units["question"][row["row"], i] > threshold for i in row["ids"])
+            if threshold is not None:  # the question's units passed the prefill's own threshold
+                assert all(units["question"][row["row"], i] > answer.plan.prefill[-1] for i in row["ids"])
     report = explain_turn(answer, method)
     assert report["method"] == method and report["scored"] == (threshold is not None)
     assert [e["layer"] for e in report["layers"]] == ctx.lm.global_layers
 
 
 def test_prefill_threshold_option_end_to_end(ctx):
-    """prefill_threshold="calibrated" (squeeze's and hsqueeze's settings): the ingest stores the question prefill's
-    own thresholds and the plans carry them beside decode's (which do not change); at sparsity 0 it is still full
-    attention. The default stores none."""
-    calibrated = {"prefill_threshold": "calibrated"}
-    methods = all_methods(squeeze={**METHOD_SETTINGS["squeeze"], **calibrated},
-                          hsqueeze={**METHOD_SETTINGS["hsqueeze"], **calibrated})
+    """prefill_threshold (squeeze's and hsqueeze's settings): by default ("calibrated") the ingest stores the
+    question prefill's own thresholds and the plans carry them beside decode's; "decode" stores none and a question
+    uses decode's thresholds (which are the same in both: a decode step reads the same either way). At sparsity 0
+    it is still full attention."""
+    same = {"prefill_threshold": "decode"}
+    methods = all_methods(squeeze={**METHOD_SETTINGS["squeeze"], **same},
+                          hsqueeze={**METHOD_SETTINGS["hsqueeze"], **same})
     out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, methods)
     names = {"squeeze.calib.threshold_prefill", "hsqueeze.calib.threshold_l1_prefill",
              "hsqueeze.calib.threshold_l2_prefill"}
-    assert names <= set(out.artifacts)
-    assert "threshold_prefill" not in ctx.session.calibration["squeeze"]
+    assert not names & set(out.artifacts)
+    assert "threshold_prefill" in ctx.session.calibration["squeeze"]
     session = ContextSession(ctx.lm, out.artifacts, SETTINGS, REFERENCE, methods={m.name: m for m in methods})
     full = ctx.session.logits(QUESTION, "full")
     for method in ("squeeze", "hsqueeze"):
-        plan = session.plan(method, HIGH_SPARSITY)
-        assert plan.prefill != plan.decode
-        assert plan.decode == ctx.session.plan(method, HIGH_SPARSITY).decode
+        plan, calibrated = session.plan(method, HIGH_SPARSITY), ctx.session.plan(method, HIGH_SPARSITY)
+        assert plan.prefill == plan.decode and calibrated.prefill != calibrated.decode
+        assert plan.decode == calibrated.decode
         torch.testing.assert_close(session.logits(QUESTION, method, 0.0), full, **TOL)
         assert torch.isfinite(session.logits(QUESTION, method, HIGH_SPARSITY)).all()
 

@@ -3,7 +3,7 @@
 - budget 1 reads every key and equals full attention;
 - a selection is valid (CSR rows, keys in range, no repeats, the dense tail in every row) in the method's layout;
 - the Triton backend's lookup equals the reference's (the kernels run in the interpreter on the CPU);
-- the measured budget respects the plan over the calibration queries.
+- a budget is what a step reads, index included, in both phases, over the calibration queries.
 
 The context is synthetic: two global layers of clustered keys (so that a lookup has structure to find), GQA 4/2,
 the calibration queries drawn near the keys as a model's are.
@@ -29,10 +29,10 @@ SCALE = 1.0 / math.sqrt(D)
 LAYERS = (1, 3)
 # Attention of the same keys through the reference and through the kernels: float32 sums in another order.
 ATOL = 2e-5
-# Budgets within this much of the plan over the calibration queries: the thresholds are calibrated on these very
-# queries (pooled over layers and heads, so one layer may keep more and another less); top-K methods are exact up
-# to rounding a budget to whole pages.
-BUDGET_TOL = 0.08
+# A budget's measured read over the calibration queries, within this much of it (issue 13): the reads are
+# calibrated on these very queries, at grid points between which the plan interpolates (a threshold keeps a
+# different share of the keys at each step; a top-K method rounds to whole pages).
+BUDGET_TOL = 0.03
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run compiled on a GPU, interpreted otherwise
 
 
@@ -143,19 +143,30 @@ def test_triton_lookup_equals_reference(context, name):
 
 
 @pytest.mark.parametrize("name", SPARSE_METHODS)
-@pytest.mark.parametrize("budget", [0.1, 0.3, 0.5])
-def test_measured_budget_respects_plan(context, name, budget):
+@pytest.mark.parametrize("budget", [0.2, 0.3, 0.5])
+def test_measured_budget_is_the_asked_one(context, name, budget):
+    """The knob is a KV budget: over the calibration queries, a decode step and a question's prefill each read
+    within BUDGET_TOL of the asked share of the K/V bytes, the index's bytes included (engine.policies.budget).
+    Budgets from 0.2: below, this small context's index and dense tail alone (~0.06-0.1) leave little to keep."""
+    from engine.calibrate import prefill_windows
+    from engine.policies.budget import read_fraction
+
     keys, values, queries, methods, artifacts = context
     method = methods[name]
     plan = method.plan(calibration(artifacts, name), budget)
-    kept, total = 0.0, 0
+    decode, prefill, weight = [], 0.0, 0.0
     for layer in LAYERS:
         index = layer_index(artifacts, name, layer)
         for t in range(TAIL):  # every calibration query as a decode step
-            sel = method.lookup(queries[layer][:, t : t + 1], index, plan, SCALE, REFERENCE).selection
-            kept += float((sel.counts() - TAIL).float().mean()) / INDEXED
-            total += 1
-    assert abs(kept / total - budget) <= BUDGET_TOL, f"{name} at budget {budget} read {kept / total:.3f}"
+            decode.append(read_fraction(method.lookup(queries[layer][:, t : t + 1], index, plan, SCALE, REFERENCE),
+                                        D, INDEXED + TAIL))
+        for a, b, w in prefill_windows(TAIL):  # windows of them as questions
+            found = method.lookup(queries[layer][:, a:b], index, plan, SCALE, REFERENCE)
+            prefill += w * read_fraction(found, D, INDEXED + TAIL)
+            weight += w
+    read_decode, read_prefill = sum(decode) / len(decode), prefill / weight
+    assert abs(read_decode - budget) <= BUDGET_TOL, f"{name} decode at budget {budget} read {read_decode:.3f}"
+    assert abs(read_prefill - budget) <= BUDGET_TOL, f"{name} prefill at budget {budget} read {read_prefill:.3f}"
 
 
 class Probe(QuestPolicy):

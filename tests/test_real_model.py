@@ -50,14 +50,19 @@ def passkey_sessions(real_lm):
     return sessions
 
 
+# The knob is a KV budget (issue 13): sparsity 0.85 reads 15% of the K/V bytes, centroids and dense tail
+# included, which is what "90%" read before the budget counted them (0.141-0.149 on these turns, session 8).
+SPARSITY = 0.85
+
+
 @pytest.fixture(scope="module")
-def answers_at_90(passkey_sessions):
-    """(depth, method) -> the passkey answer at 90% sparsity, asked once for the budget and the retrieval tests."""
+def answers_at_85(passkey_sessions):
+    """(depth, method) -> the passkey answer at 85% sparsity, asked once for the budget and the retrieval tests."""
     cache = {}
 
     def ask(depth, method):
         if (depth, method) not in cache:
-            cache[depth, method] = passkey_sessions[depth].ask(PASSKEY_QUESTION, method, 0.9, max_new_tokens=12)
+            cache[depth, method] = passkey_sessions[depth].ask(PASSKEY_QUESTION, method, SPARSITY, max_new_tokens=12)
         return cache[depth, method]
     return ask
 
@@ -95,33 +100,36 @@ def test_passkey_retrieved_by_full_attention(passkey_sessions, depth):
 
 @pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("method", ["squeeze", "hsqueeze"])
-def test_kv_budget_at_90_percent(answers_at_90, depth, method):
-    """10% of the keys + centroids + the dense tail (~2.5%) of the global layers, averaged over the turn. Squeeze
-    reads all its 10% centroids (5% of the bytes) at every step, hsqueeze the 1% level-1 centroids and the survivors'
-    children; the answer's sharp decode steps keep fewer keys than the calibrated 10%. Measured on these passkey
-    turns: squeeze 0.141-0.149, hsqueeze 0.126-0.134 (seed 0)."""
-    stats = answers_at_90(depth, method).stats
-    assert 0.05 <= stats.kv_budget <= 0.16
+def test_kv_budget_at_85_percent(answers_at_85, depth, method):
+    """The question's prefill reads its budget, 15% of the global layers' K/V bytes, within 0.03 (the reads are
+    calibrated on the context's last tokens); the answer's decode steps read a little less (they are sharper than
+    the calibration tokens). Measured (session 9): prefill 0.138-0.157, decode 0.110-0.132."""
+    stats = answers_at_85(depth, method).stats
+    assert abs(stats.kv_budget_prefill - (1 - SPARSITY)) <= 0.03
+    assert 0.05 <= stats.kv_budget_decode <= 1 - SPARSITY + 0.03
     assert all(0.0 < k <= 1.0 for layer in stats.kept_fraction for k in layer)
 
 
 @pytest.mark.parametrize("depth", DEPTHS)
 @pytest.mark.parametrize("method", ["squeeze", "hsqueeze"])
-def test_passkey_retrieved_at_90_percent(answers_at_90, depth, method):
+def test_passkey_retrieved_at_85_percent(answers_at_85, depth, method):
     """The answer's decode steps need the one key after the digit just read (an induction head); with 10% centroids
-    (PASSKEY_INDEX) its cluster stays above the threshold. Measured: 29/30 (k-means seed, depth) draws for each
-    method at seeds 0-9, 18/18 at seeds 0-2 (this test uses seed 0)."""
-    answer = answers_at_90(depth, method)
-    assert KEY in answer.text, f"{method}@0.9 at depth {depth} answered {answer.text!r}"
+    (PASSKEY_INDEX) its cluster stays above the threshold. At 85% (a 15% KV budget) 6/6 (session 9); at 90% (10%,
+    of which the centroids take 5 points and the dense tail 2.5) squeeze answered at one depth of three and
+    hsqueeze at two."""
+    answer = answers_at_85(depth, method)
+    assert KEY in answer.text, f"{method}@{SPARSITY} at depth {depth} answered {answer.text!r}"
 
 
 @pytest.mark.parametrize("depth", DEPTHS)
-def test_quest_retrieves_the_passkey_at_70_percent(passkey_sessions, depth):
+def test_quest_retrieves_the_passkey_at_60_percent(passkey_sessions, depth):
     """Quest's page bounds are loose on this model (head_dim 256, QK-normed and rotated keys): with the question's
-    queries the passkey's page ranks 50-120th of 242 by its bound at the global layers, where the exact q . k ranks it
-    first to sixth (scratch measurement, session 8), so at 90% (24 pages) Quest loses it; from 70% it answers."""
-    answer = passkey_sessions[depth].ask(PASSKEY_QUESTION, "quest", 0.7, max_new_tokens=12)
-    assert KEY in answer.text, f"quest@0.7 at depth {depth} answered {answer.text!r}"
+    queries the passkey's page ranks 10th-118th of 248 by the group's summed bound where the exact q . k ranks it
+    first or second (session 9). At 60% sparsity (a 40% budget: 6.25 points for the bounds, 2.5 for the tail, 31%
+    of the pages) it answers at every depth here; at 70% (21% of the pages) only at depth 0.9."""
+    answer = passkey_sessions[depth].ask(PASSKEY_QUESTION, "quest", 0.6, max_new_tokens=12)
+    assert KEY in answer.text, f"quest@0.6 at depth {depth} answered {answer.text!r}"
+    assert abs(answer.stats.kv_budget - 0.4) <= 0.03
 
 
 def test_same_answer_at_zero_sparsity(passkey_sessions):

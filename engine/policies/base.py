@@ -5,8 +5,11 @@ A method is one module registered by name (engine.policies.REGISTRY). It has
 - `requires`: the methods whose artifacts its `build` reads (built first, passed in by name);
 - `prepare(lm)`: artifacts learned once per model (stored apart from documents; none by default);
 - `build(layer, required, prepared)`: its index of one global layer, at ingest or later from the stored K/V;
-- `calibrate(layers, scale)`: once per context, from every global layer's calibration queries;
-- `plan(calibration, budget)`: the typed `StepPlan` of a turn at a budget (host side, once per turn);
+- `calibrate(layers, scale)`: once per context, from every global layer's calibration queries (the engine adds
+  the measured reads of its lookups, engine.policies.budget);
+- `plan_keys(calibration, budget, decode_keys, prefill_keys)`: the typed `StepPlan` that keeps those fractions of
+  the indexed keys in each phase; `plan(calibration, budget)`, common to all, maps a KV budget (the share of the
+  fixed K/V bytes a step reads, index included) to them, so a budget means the same for every method and phase;
 - `lookup(q, layer, plan, scale, backend)`: at every step, a `Lookup` whose `Selection` the one sparse-attention
   kernel reads; graph-capturable (static shapes, no host synchronisation);
 - `layout(layer)`: the order in which its selections see the layer's fixed K/V (None: positions).
@@ -23,6 +26,7 @@ from typing import ClassVar
 
 import torch
 
+from engine.policies.budget import keys_for
 from kernels.backend import Backend
 from kernels.layout import ClusterLayout
 from kernels.selection import Selection
@@ -44,7 +48,7 @@ class StepPlan:
     """What a method does at one budget, decided on the host once per turn and read by every lookup of the turn.
     Hashable: a captured decode step is keyed by its plan.
 
-    budget: the fraction of the fixed context's keys a step is asked to read (1 - sparsity)
+    budget: the share of the fixed context's K/V bytes a step is asked to read, index included (1 - sparsity)
     """
 
     budget: float
@@ -151,9 +155,21 @@ class Method(ABC):
     def calibrate(self, layers: list[CalibrationSet], scale: float) -> Tensors:
         """Once per context, from every global layer's calibration queries (what `plan` maps a budget with)."""
 
-    @abstractmethod
     def plan(self, calibration: Tensors, budget: float) -> StepPlan:
-        """The turn's plan at `budget` (the fraction of the fixed context's keys a step reads), on the host."""
+        """The turn's plan at `budget`, the share of the fixed context's K/V bytes a step reads (index included), on
+        the host: each phase's key fraction from the calibrated reads (engine.policies.budget), then plan_keys.
+        A calibration without them (made by hand, or by a tool that skips them) reads the budget as key fractions."""
+        budget = check_budget(budget)
+        if budget >= 1.0:  # every key (what the index costs on top is the price of asking for all)
+            return self.plan_keys(calibration, 1.0, 1.0, 1.0)
+        decode = keys_for(calibration["budget_decode"], budget) if "budget_decode" in calibration else budget
+        prefill = keys_for(calibration["budget_prefill"], budget) if "budget_prefill" in calibration else decode
+        return self.plan_keys(calibration, budget, decode, prefill)
+
+    @abstractmethod
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> StepPlan:
+        """The plan that keeps about `decode_keys` of the indexed keys at a decode step and `prefill_keys` at a
+        question's prefill (fractions in (0, 1]); `budget` is what the plan reports (StepPlan.budget)."""
 
     @abstractmethod
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend: Backend) -> Lookup:

@@ -22,5 +22,8 @@ class FullPolicy(Method):
     def plan(self, calibration: Tensors, budget: float) -> StepPlan:
         return StepPlan(budget=1.0)
 
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> StepPlan:
+        return StepPlan(budget=1.0)
+
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend) -> Lookup:
         return Lookup(selection=None, index_elements=torch.zeros(1, device=q.device))

@@ -31,7 +31,7 @@ class HierarchicalSettings(MethodSettings):
     kmeans_iters: int = 20
     seed: int = 0
     group: str = "kv"
-    prefill_threshold: str = "decode"
+    prefill_threshold: str = "calibrated"
 
     def __post_init__(self) -> None:
         if not 0 < self.level1_ratio <= 1:
@@ -167,9 +167,9 @@ class HierarchicalSqueezePolicy(Method):
             out.update(threshold_l1_prefill=t1p, threshold_l2_prefill=torch.tensor(t2p, dtype=torch.float64))
         return out
 
-    def plan(self, calibration: Tensors, budget: float) -> ThresholdPlan:
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> ThresholdPlan:
         """decode's (T1, T2) and the question prefill's (its own where calibrated, else decode's)."""
-        return threshold_plan(calibration, budget, ("threshold_l1", "threshold_l2"))
+        return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold_l1", "threshold_l2"))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend) -> Lookup:
         """Level 1 over all C1 centroids; level 2 only over the kept level-1 clusters' children (eq. 3); the

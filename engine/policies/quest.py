@@ -51,14 +51,17 @@ class QuestSettings(MethodSettings):
 
 @dataclass(frozen=True)
 class PagePlan(StepPlan):
-    """A top-K turn: each step reads the best `budget` fraction of the pages (at least one), in both phases."""
+    """A top-K turn: each step reads the best `keys` fraction of the pages (at least one), in both phases (the
+    same pages read the same bytes in both)."""
+
+    keys: float = 1.0
 
     def describe(self) -> str:
-        return f"top {self.budget:.0%} of the pages"
+        return f"top {self.keys:.1%} of the pages"
 
     def pages(self, total: int) -> int:
         """Pages a step keeps out of `total` (a static shape: no host synchronisation)."""
-        return 0 if total == 0 else max(1, min(total, round(self.budget * total)))
+        return 0 if total == 0 else max(1, min(total, round(self.keys * total)))
 
 
 def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -88,10 +91,10 @@ class QuestPolicy(Method):
         return {"page_min": lo, "page_max": hi}  # [Hkv, P, D] each
 
     def calibrate(self, layers, scale: float) -> Tensors:
-        return {}  # top-K: a budget is a number of pages, nothing to calibrate
+        return {}  # top-K: a key fraction is a number of pages (the engine measures what the pages and bounds read)
 
-    def plan(self, calibration: Tensors, budget: float) -> PagePlan:
-        return PagePlan(budget=check_budget(budget))
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> PagePlan:
+        return PagePlan(budget=check_budget(budget), keys=check_budget(decode_keys))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: PagePlan, scale: float, backend: Backend) -> Lookup:
         """Page scores (one kernel), then the top pages and their keys (one kernel: k is a static shape, and every

@@ -37,15 +37,16 @@ class SqueezeSettings(MethodSettings):
     group: "kv": one selection per KV head from the mean of its query heads' scores (each selected key is read once
         per GQA group); "query": one per query head (the paper's MHA form)
     prefill_threshold: the question prefill's threshold (Lq > 1 tokens, scored by max(mean over the tokens of S,
-        the last token's S)): "decode": the decode step's (the union of the two terms then keeps up to twice the
-        budget); "calibrated": its own, calibrated on that score over windows of the calibration queries
+        the last token's S)): "calibrated" (default): its own, calibrated on that score over windows of the
+        calibration queries, so that a question reads its budget too; "decode": the decode step's (the union of the
+        two terms then reads up to twice the budget)
     """
 
     centroid_ratio: float = 0.05
     kmeans_iters: int = 20
     seed: int = 0
     group: str = "kv"
-    prefill_threshold: str = "decode"
+    prefill_threshold: str = "calibrated"
 
     def __post_init__(self) -> None:
         if not 0 < self.centroid_ratio <= 1:
@@ -80,15 +81,17 @@ def num_centroids(indexed: int, ratio: float) -> int:
     return max(1, min(indexed, round(indexed * ratio)))
 
 
-def threshold_plan(calibration: Tensors, budget: float, names: tuple[str, ...]) -> ThresholdPlan:
-    """The plan of a threshold method: each name's calibrated grid at sparsity 1 - budget; the prefill's from
-    `{name}_prefill` where the calibration has them, else decode's."""
-    sparsity = 1.0 - check_budget(budget)
-    sparsity = min(max(sparsity, 0.0), SPARSITY_GRID[-1])
-    decode = tuple(threshold_at(calibration[n], sparsity) for n in names)
-    prefill = tuple(threshold_at(calibration[f"{n}_prefill"], sparsity) for n in names) \
+def threshold_plan(calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float,
+                   names: tuple[str, ...]) -> ThresholdPlan:
+    """The plan of a threshold method: each name's calibrated grid at key sparsity 1 - decode_keys; the prefill's
+    from `{name}_prefill` at 1 - prefill_keys where the calibration has them, else decode's."""
+    def sparsity(keys: float) -> float:
+        return min(max(1.0 - check_budget(keys), 0.0), SPARSITY_GRID[-1])
+
+    decode = tuple(threshold_at(calibration[n], sparsity(decode_keys)) for n in names)
+    prefill = tuple(threshold_at(calibration[f"{n}_prefill"], sparsity(prefill_keys)) for n in names) \
         if all(f"{n}_prefill" in calibration for n in names) else decode
-    return ThresholdPlan(budget=budget, decode=decode, prefill=prefill)
+    return ThresholdPlan(budget=check_budget(budget), decode=decode, prefill=prefill)
 
 
 def per_token_scores(q: torch.Tensor, index: LayerIndex, scale: float, rows: int, backend: Backend) -> torch.Tensor:
@@ -166,8 +169,8 @@ class SqueezePolicy(Method):
             out["threshold_prefill"] = pooled_thresholds(list(zip(p_scores, p_weights)), SPARSITY_GRID)
         return out
 
-    def plan(self, calibration: Tensors, budget: float) -> ThresholdPlan:
-        return threshold_plan(calibration, budget, ("threshold",))
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> ThresholdPlan:
+        return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold",))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend) -> Lookup:
         """The selection is of positions in the layer's K/V stored permuted by cluster (`layout`);

@@ -15,6 +15,7 @@ from engine.config import ContextSettings
 from engine.ingest import ingest_tokens
 from engine.model import LoadedModel, load_model, model_id_for
 from engine.policies import REGISTRY, Method, MethodSettings, Tensors, build_order, make_method
+from engine.policies.budget import CALIBRATION_VERSION
 from engine.prompt import tokenize_document
 from engine.session import Answer, ContextSession, Delta
 from engine.serve.writer import ArtifactWriter
@@ -130,7 +131,7 @@ class Engine:
     def build_key(self, name: str) -> dict:
         """What a build of `name` depends on: its settings and those of the methods it requires (the cache key of
         its index within a context)."""
-        return {n: self.method_settings[n].as_dict() for n in build_order([name])}
+        return {"calibration": CALIBRATION_VERSION, **{n: self.method_settings[n].as_dict() for n in build_order([name])}}
 
     def stale_methods(self, context_id: str, methods: Sequence[str]) -> list[str]:
         """The sparse methods among `methods` (and what they require), in build order, whose index of the context

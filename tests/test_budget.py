@@ -1,0 +1,50 @@
+"""The KV budget's calibration (engine.policies.budget): inverting a method's measured reads, and what one step
+reads (the definition engine.stats' kv_budget uses)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.policies.base import Lookup
+from engine.policies.budget import KEYS_GRID, keys_for, read_fraction
+from kernels.selection import Selection
+
+
+def linear_reads(index: float) -> torch.Tensor:
+    """Reads of a method whose index costs `index` on top of the keys it keeps."""
+    return torch.tensor([k + index for k in KEYS_GRID], dtype=torch.float64)
+
+
+def test_keys_for_inverts_the_reads():
+    curve = linear_reads(0.05)
+    for budget in (0.1, 0.2, 0.33, 0.5):
+        assert keys_for(curve, budget) == pytest.approx(budget - 0.05, abs=1e-9)
+    assert keys_for(curve, KEYS_GRID[5] + 0.05) == pytest.approx(KEYS_GRID[5])
+
+
+def test_keys_for_clamps_at_both_ends():
+    curve = linear_reads(0.05)
+    assert keys_for(curve, 1.1) == 1.0  # at least what every key reads: all of them (Method.plan: budget 1 = all)
+    assert keys_for(curve, 1.0) == pytest.approx(0.95)
+    assert keys_for(curve, 0.03) == KEYS_GRID[-1]  # below what the index alone reads: the fewest keys
+
+
+def test_keys_for_ignores_a_non_monotone_point():
+    """A noisy point (more keys reading less) never makes the plan jump: the reads are made monotone first."""
+    curve = linear_reads(0.0)
+    i = KEYS_GRID.index(0.3)
+    curve[i] = 0.1  # 0.3 of the keys "read" 0.1
+    assert keys_for(curve, 0.2) == pytest.approx(0.2)
+    assert 0.275 <= keys_for(curve, 0.29) <= 0.35  # within the interval the lifted point spans
+
+
+def test_read_fraction_counts_a_kv_heads_keys_once_and_the_index():
+    """Two query-head rows of one KV head selecting overlapping keys read their union; the index's elements are
+    added; over Hkv x L x 2 x D."""
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[0, :4] = True
+    mask[1, 2:6] = True  # union: keys 0..5
+    lookup = Lookup(selection=Selection.from_mask(mask), index_elements=torch.tensor([8.0]))
+    assert read_fraction(lookup, head_dim=4, num_keys=10) == pytest.approx((6 * 2 * 4 + 8) / (10 * 2 * 4))
+    assert read_fraction(Lookup(selection=None, index_elements=torch.zeros(1)), 4, 10) == 1.0
