@@ -38,16 +38,44 @@ def passkey_methods() -> dict:
 
 
 @pytest.fixture(scope="module")
-def passkey_sessions(real_lm):
-    """One ingested context per passkey depth."""
-    sessions = {}
+def passkey_contexts(real_lm):
+    """One ingested context per passkey depth: (session, calibration queries by global layer)."""
+    contexts = {}
     for depth in DEPTHS:
         text = insert_passkey(SAMPLE.read_text(), KEY, depth)
         fixed = tokenize_document(real_lm.tokenizer, text, real_lm.max_context)
         methods = passkey_methods()
         out = ingest_tokens(real_lm, fixed.ids, ContextSettings(), REFERENCE, list(methods.values()))
-        sessions[depth] = ContextSession(real_lm, out.artifacts, ContextSettings(), REFERENCE, methods=methods)
-    return sessions
+        queries = {i: out.artifacts[f"layer{i}.calib_queries"] for i in real_lm.global_layers}
+        contexts[depth] = (ContextSession(real_lm, out.artifacts, ContextSettings(), REFERENCE, methods=methods),
+                           queries)
+    return contexts
+
+
+@pytest.fixture(scope="module")
+def passkey_sessions(passkey_contexts):
+    return {depth: session for depth, (session, _) in passkey_contexts.items()}
+
+
+@pytest.mark.parametrize("method", SPARSE_METHODS)
+@pytest.mark.parametrize("budget", [0.15, 0.3])
+def test_budget_read_on_the_calibration_queries(passkey_contexts, method, budget):
+    """On this context's calibration queries (its last 100 tokens) a decode step reads its KV budget within 0.03,
+    index and dense tail included (engine.policies.budget), for every method."""
+    from engine.ingest import global_scale
+    from engine.policies.budget import read_fraction
+
+    session, queries = passkey_contexts[0.5]
+    scale = global_scale(session.lm)
+    policy = session.method(method)
+    plan = session.plan(method, 1 - budget)
+    reads = []
+    for i, q in queries.items():
+        index = session.cache.layers[i].indexes[method]
+        for t in range(q.shape[1]):
+            reads.append(read_fraction(policy.lookup(q[:, t : t + 1], index, plan, scale, REFERENCE),
+                                       q.shape[2], index.num_keys))
+    assert abs(sum(reads) / len(reads) - budget) <= 0.03, f"{method} at {budget} read {sum(reads) / len(reads):.3f}"
 
 
 # The knob is a KV budget (issue 13): sparsity 0.85 reads 15% of the K/V bytes, centroids and dense tail
