@@ -27,7 +27,7 @@ from kernels.backend import Backend
 from kernels.reference.pages import quantize_bounds
 
 GROUPS = ("kv", "query")
-BOUNDS = ("int8", "exact")
+BOUNDS = ("exact", "int8")
 
 
 @dataclass(frozen=True)
