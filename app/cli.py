@@ -145,6 +145,12 @@ def cmd_bench(args) -> int:
     return bench_main(args.rest)
 
 
+def cmd_eval(args) -> int:
+    from engine.bench.needles import main as eval_main  # noqa: PLC0415
+
+    return eval_main(args.rest)
+
+
 def _sparsity(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 0.99:
@@ -201,11 +207,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `squeeze bench kernels --help`)")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
+    p = sub.add_parser("eval", add_help=False,  # every option after `eval` is its own (main)
+                       help="every sparse method beside full attention at equal KV budgets: needles in haystacks of "
+                            "real text (JSON; --table for a summary; `squeeze eval --help`)")
+    p.set_defaults(func=cmd_eval, rest=[], debug=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser()
+    # `eval` takes every option after it as its own (argparse's remainder does not start at an option)
+    args = parser.parse_args(argv[:1]) if argv[:1] == ["eval"] else parser.parse_args(argv)
+    if argv[:1] == ["eval"]:
+        args.rest = argv[1:]
     try:
         return args.func(args)
     except KeyboardInterrupt:

