@@ -72,23 +72,24 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
 
     backend = backend_for(lm.device)
     folder = essays_dir()
-    cells, full_found = [], {}
+    cells, stacks = [], {}
     cases = [(n, d, k) for n in lengths for d in depths for k in passkeys(keys)]
     for i, (length, depth, key) in enumerate(cases):
         progress(i, len(cases), f"{length} tokens, depth {depth}")
-        text = insert_passkey(haystack(lm.tokenizer, length, folder), key, depth)
+        if length not in stacks:
+            stacks[length] = haystack(lm.tokenizer, length, folder)
+        text = insert_passkey(stacks[length], key, depth)
         fixed = tokenize_document(lm.tokenizer, text, lm.max_context)
         instances = {m.name: m for m in (make_method(n) for n in build_order(methods))}
         out = ingest_tokens(lm, fixed.ids, ContextSettings(), backend, list(instances.values()))
         session = ContextSession(lm, out.artifacts, ContextSettings(), backend, methods=instances)
-        full = session.ask(PASSKEY_QUESTION, "full", 0.0, MAX_NEW_TOKENS)
-        full_found[length, depth, key] = key in full.text
+        full_found = key in session.ask(PASSKEY_QUESTION, "full", 0.0, MAX_NEW_TOKENS).text
         for method in methods:
             for budget in budgets:
                 answer = session.ask(PASSKEY_QUESTION, method, 1.0 - budget, MAX_NEW_TOKENS)
                 cells.append({"length": length, "tokens": int(fixed.ids.numel()), "depth": depth, "key": key,
                               "method": method, "budget": budget, "found": key in answer.text,
-                              "full_found": full_found[length, depth, key], "answer": answer.text,
+                              "full_found": full_found, "answer": answer.text,
                               "kv_budget_prefill": answer.stats.kv_budget_prefill,
                               # None: the answer ended at its first token (no decode step read anything)
                               "kv_budget_decode": answer.stats.kv_budget_decode or None})
