@@ -142,6 +142,7 @@ def measure(method: Method, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
         "total_ms": round(total_ms, 4),
         "total_eager_ms": round(total_eager_ms, 4),
         "bytes_read": int(key_bytes + index_bytes),
+        "kv_read": round((key_bytes + index_bytes) / (hkv * length * 2 * d * kp.element_size()), 4),
         "index_bytes": int(index_bytes),
         "bandwidth_GBps": round((key_bytes + index_bytes) / (total_ms * 1e-3) / 1e9, 1),
         **peer,
@@ -201,7 +202,7 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], bud
     for length in lengths:
         for hq, hkv in heads:
             q_all, k, v = extend(captured, length, hkv, hq, longest_q + DENSE_TAIL, HEAD_DIM, torch.bfloat16, dev)
-            calib_q = q_all[:, -DENSE_TAIL - 1 : -1].float()
+            calib_q = q_all[:, -DENSE_TAIL - 1 : -1]  # in the keys' dtype, as an ingest captures them
             indexes, calibrations, instances, build_s = build_indexes(k, calib_q, methods, scale, settings=settings)
             out["builds"].append({"length": length, "hq": hq, "hkv": hkv, "seconds": build_s})
             dense_ms = {lq: bench_graph(lambda q=q_all[:, -lq:]: dense_sdpa(q, k, v, scale)) for lq in phases}
@@ -241,7 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capture", required=True, help="keys captured by `squeeze bench capture`")
     parser.add_argument("--lengths", default="32768,131072,524288")
     parser.add_argument("--heads", default="32/8,32/32", help="query/KV heads, comma-separated")
-    parser.add_argument("--budgets", default="0.1,0.2,0.3", help="fractions of the fixed context's keys read")
+    parser.add_argument("--budgets", default="0.1,0.2,0.3",
+                        help="KV budgets: shares of the fixed context's K/V bytes a step reads, index included (each "
+                             "method's calibration turns one into a key fraction; each row reports kv_read)")
     parser.add_argument("--phases", default="1,1024,4096", help="new tokens: 1 = decode, more = prefill")
     parser.add_argument("--methods", default=",".join(SPARSE_METHODS),
                         help=f"comma-separated, of {', '.join(SPARSE_METHODS)}")

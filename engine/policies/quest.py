@@ -108,8 +108,10 @@ class QuestPolicy(Method):
         offset, step = (layer["bound_offset"], layer["bound_step"]) if quant else (None, None)
         scores = kernel.page_scores(q, lo, hi, rows, offset, step)  # [rows, P]
         keep, selection = kernel.select_pages(scores, plan.pages(pages), page, layer.num_keys)
-        # every page's two bounds (+ the offsets and steps), in elements of the keys' dtype (q's)
-        elements = (pages * 2 * d * lo.element_size() + (2 * d * 4 if quant else 0)) / q.element_size()
+        # every page's two bounds (+ the offsets and steps), in elements of the keys' dtype: exact bounds have it;
+        # one-byte codes are counted against q's, which is the keys' dtype in the engine
+        key_size = q.element_size() if quant else lo.element_size()
+        elements = (pages * 2 * d * lo.element_size() + (2 * d * 4 if quant else 0)) / key_size
         read = torch.full((hkv,), float(elements), device=q.device)
         sizes = None  # the statistics list a question's units only: a decode step saves the launch
         if q.shape[1] > 1:
