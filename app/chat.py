@@ -85,6 +85,8 @@ class ChatTab:
                         self.max_new = gr.Slider(8, cfg.max_new_tokens_limit, value=cfg.max_new_tokens, step=8,
                                                  label="Max answer tokens")
                     self.new_chat = gr.Button("New chat", size="sm")
+                with gr.Accordion("The methods against full attention at equal KV budgets", open=False):
+                    self.evaluation = gr.HTML("", elem_id="sq-evaluation")  # filled at each page load (app.demo)
             with gr.Column(scale=6, min_width=420, elem_id="sq-views"):
                 gr.Markdown("### What attention did")
                 self.views.render()
@@ -97,7 +99,7 @@ class ChatTab:
     def open_outputs(self) -> list:
         """What opening a document updates (the browser remembers it, to open it again after a reload)."""
         return [self.state, self.doc, self.status, self.chatbot, self.views.turn, self.threshold, *self.views.outputs,
-                self.last_doc]
+                self.evaluation, self.last_doc]
 
     def wire(self) -> None:
         controls = [self.method, self.sparsity, self.centroid, self.level1]
@@ -140,7 +142,7 @@ class ChatTab:
         if not doc_id:
             state.update(doc_id=None, chat_id=None)
             return [state, gr.update(value=None), render.notice_html("No document open."), [],
-                    gr.update(choices=[], value=None), "", *self.views.empty(), None]
+                    gr.update(choices=[], value=None), "", *self.views.empty(), self.evaluation_html(), None]
         self.services.engine.configure(method_settings(state["centroid_ratio"], state["level1_ratio"]))
         status = doc_status(self.services, doc_id, method)
         try:
@@ -155,7 +157,17 @@ class ChatTab:
                 self.status_html(status), history,
                 gr.update(choices=self.views.turn_choices(turns), value=last["idx"] if last else None),
                 self.threshold_text(state, method, sparsity_pct),
-                *self.views.show(last), doc_id]
+                *self.views.show(last), self.evaluation_html(), doc_id]
+
+    def evaluation_html(self) -> str:
+        """The latest `squeeze eval` of the model that answers the open document (the engine's: an app serves one
+        model), or how to make one."""
+        model = self.services.model_id
+        try:
+            doc = self.services.engine.latest_eval(model)
+        except (StorageError, ValueError) as exc:
+            return render.notice_html(f"The evaluation of {model} could not be read: {plain_error(exc)}", "error")
+        return render.eval_html(doc, model)
 
     def status_html(self, status) -> str:
         if status.state == "preparing" and status.job is not None:

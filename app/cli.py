@@ -146,7 +146,7 @@ def cmd_bench(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from engine.bench.needles import main as eval_main  # noqa: PLC0415
+    from engine.bench.evaluate import main as eval_main  # noqa: PLC0415
 
     return eval_main(args.rest)
 

@@ -67,6 +67,7 @@ def build_demo(engine: Engine, store: Store | None = None, *, worker: IngestWork
 
         demo.load(restore, [last_doc, state, chat.method, chat.sparsity],
                   [library.jobs, library.table, library.selected, *chat.open_outputs, tabs], api_visibility="private")
+        demo.load(chat.evaluation_html, None, [chat.evaluation], api_name="evaluation", show_progress="hidden")
     demo.queue(max_size=config.queue_size, default_concurrency_limit=2)
     demo.services = services  # for the caller: the worker to close, the store, the engine
     return demo

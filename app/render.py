@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import math
 from collections.abc import Sequence
+from datetime import datetime
 
 from engine.serve.jobs import LOADING, STAGES
 
@@ -202,6 +203,77 @@ def compare_html(compare: dict | None) -> str:
              else '<span class="sq-badge sq-differ">answers differ</span>')
     return (f'<div class="sq-compare">{badge} Full attention said: <q>{esc(compare.get("answer", ""))}</q> '
             f'(KV budget 100%, {float(compare.get("total_s", 0.0)):.2f} s)</div>')
+
+
+# ---------------------------------------------------------------------- methods against full attention
+
+
+# The columns of the evaluation table, each with what it means (shown as the header's tooltip).
+EVAL_COLUMNS = (
+    ("method", "the sparse method"),
+    ("KV budget", "the share of the context's K/V bytes a step may read, index included (100 - sparsity)"),
+    ("needles as good as full", "share of the needle cells where the method did as well as full attention"),
+    ("recall (oracle)", "share of full attention's weight on the keys read; in brackets the best top-k keys "
+                        "at that budget"),
+    ("top-1", "next tokens the same as full attention's"),
+    ("KL", "mean KL(full || method) of the next-token distributions"),
+    ("read (question / answer)", "KV budget measured in the question's prefill / the answer's steps"),
+)
+NO_VALUE = "–"
+
+
+def format_date(iso: str | None) -> str:
+    """An ISO time as local 'YYYY-MM-DD HH:MM' ('-' for none; as given when it is no ISO time)."""
+    if not iso:
+        return "-"
+    try:
+        return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
+    except (TypeError, ValueError):
+        return str(iso)
+
+
+def _number(value: object, spec: str, scale: float = 1.0, unit: str = "") -> str:
+    """A number formatted (times `scale`, then `unit`), or NO_VALUE for a missing one (null, or no number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return NO_VALUE
+    return format(value * scale, spec) + unit
+
+
+def eval_rows(doc: dict) -> list[list[str]]:
+    """The summary of a `squeeze eval` document as table cells, in its order (one row per method and budget)."""
+    rows = []
+    for r in doc.get("summary") or []:
+        recall, oracle = _number(r.get("recall"), ".2f"), _number(r.get("oracle"), ".2f")
+        rows.append([
+            str(r.get("method", "?")),
+            _number(r.get("budget"), ".0f", 100, "%"),
+            _number(r.get("needles"), ".0f", 100, "%"),
+            recall if oracle == NO_VALUE else f"{recall} ({oracle})",
+            _number(r.get("top1"), ".0f", 100, "%"),
+            _number(r.get("kl"), ".3g"),
+            f"{_number(r.get('read_prefill'), '.3f')} / {_number(r.get('read_decode'), '.3f')}",
+        ])
+    return rows
+
+
+def eval_html(doc: dict | None, model: str) -> str:
+    """The latest `squeeze eval` of `model`: every sparse method beside full attention at equal KV budgets, with the
+    date and the model of the results; one plain line when there is none."""
+    if not doc or not doc.get("summary"):
+        return notice_html(f"No evaluation yet for {model}: run `squeeze eval` (about 15 minutes on a CPU).")
+    head = "".join(f'<th title="{esc(why)}">{esc(name)}</th>' for name, why in EVAL_COLUMNS)
+    body = "".join("<tr>" + "".join(f"<td>{esc(cell)}</td>" for cell in row) + "</tr>" for row in eval_rows(doc))
+    caption = f"Latest squeeze eval of {doc.get('model', model)}, {format_date(doc.get('created'))}"
+    ran = [str(doc["device"])] if doc.get("device") else []
+    if isinstance(doc.get("seconds"), (int, float)):
+        ran.append(format_seconds(doc["seconds"]))
+    if ran:
+        caption += f" ({', '.join(ran)})"
+    full = doc.get("full") or {}
+    if "needles_found" in full and "needles_cells" in full:
+        caption += f"; full attention found {full['needles_found']}/{full['needles_cells']} needles"
+    return (f'<div class="sq-eval" id="sq-eval"><div class="sq-caption">{esc(caption)}</div>'
+            f'<table class="sq-eval-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>')
 
 
 # ---------------------------------------------------------------------- (b) passages

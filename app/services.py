@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
-from datetime import datetime
 
 from app.config import AppConfig
-from app.render import stage_text, time_left
+from app.render import format_date, stage_text, time_left
 from engine.config import ContextSettings
 from engine.serve.explain import ContextInspector
 from engine.serve.jobs import IngestWorker, JobView
@@ -146,7 +145,7 @@ def library_rows(services: Services) -> list[dict]:
             status = "not prepared"
         tokens = (ready or {}).get("tokens") or doc.get("tokens") or (job.tokens if job else None)
         rows.append({"id": doc["id"], "name": doc["name"], "pages": doc["pages"], "tokens": tokens or "-",
-                     "status": status, "added": _date(doc["added_at"])})
+                     "status": status, "added": format_date(doc["added_at"])})
     for job in jobs.values():  # uploads not in the index (yet): being extracted, or unreadable
         if job.doc_id in seen or not (job.status in ("queued", "running") or job.context_id is None):
             continue
@@ -169,12 +168,3 @@ def _cut(text: str, chars: int) -> str:
 def doc_choices(rows: list[dict]) -> list[tuple[str, str]]:
     """(label, id) pairs for a document picker; a document that is not ready says so in its label."""
     return [(r["name"] if r["status"] == "ready" else f"{r['name']} ({r['status']})", r["id"]) for r in rows]
-
-
-def _date(iso: str | None) -> str:
-    if not iso:
-        return "-"
-    try:
-        return datetime.fromisoformat(iso).astimezone().strftime("%Y-%m-%d %H:%M")
-    except ValueError:
-        return iso

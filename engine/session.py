@@ -106,7 +106,7 @@ class ContextSession:
         keys = {i: self.cache.layers[i].fixed_keys for i in global_layers}
         queries = {i: self.queries[i] for i in global_layers}
         made: dict[str, torch.Tensor] = {}
-        for name in build_order([method.name]):
+        for name in [*build_order(list(method.requires)), method.name]:  # a method need not be registered
             if name != method.name and name in self.methods:
                 continue  # a requirement built before
             m = method if name == method.name else make_method(name)

@@ -167,5 +167,18 @@ CREATE INDEX jobs_context_id ON jobs(context_id);
 CREATE INDEX jobs_status ON jobs(status);
 """
 
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3))
+# 4: the results of `squeeze eval` (every sparse method beside full attention at equal KV budgets), one row per run:
+# its summary rows apart (listed without the whole document), and the whole JSON document.
+_V4 = """
+CREATE TABLE evals (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,  -- in the order they were stored: the newest has the highest id
+    model TEXT NOT NULL,                 -- the model id the evaluation ran (its document's "model")
+    created_at TEXT NOT NULL,            -- when it was stored
+    summary TEXT NOT NULL,               -- JSON list: the document's "summary" rows
+    doc TEXT NOT NULL                    -- JSON object: the whole document
+);
+CREATE INDEX evals_model ON evals(model, id);
+"""
+
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4))
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -2,7 +2,7 @@
 
 Layout of ``Store(root)``::
 
-    root/index.db                                        documents, contexts, artifacts, builds, jobs, chats
+    root/index.db                                        documents, contexts, artifacts, builds, jobs, chats, evals
     root/blobs/<context_id>/<name>.<hex>.safetensors       a context's artifacts, one tensor per file
     root/blobs/models/<16 hex>/<name>.<hex>.safetensors    artifacts learned once per model and method
 
@@ -13,7 +13,7 @@ the one writer, readers per thread, migrations) and one repository per concept
     store.documents.add(doc)                      store.contexts.context_for(doc_id, model, settings)
     store.artifacts.save(context_id, name, t)     store.methods.mark_built(context_id, method, settings)
     store.models.load(model, method, settings)    store.jobs.create(doc_id, name, model, settings)
-    store.chats.add_turn(chat_id, ...)
+    store.chats.add_turn(chat_id, ...)            store.evals.add(model, doc)
 """
 
 from __future__ import annotations
@@ -25,11 +25,12 @@ from pathlib import Path
 import sqlite_utils
 
 from .database import Database
-from .repositories import Artifacts, Chats, Contexts, Documents, Jobs, MethodBuilds, ModelArtifacts
+from .repositories import Artifacts, Chats, Contexts, Documents, Evals, Jobs, MethodBuilds, ModelArtifacts
 
 
 class Store:
-    """Documents, prepared contexts and their tensors, method builds, model-level tensors, ingest jobs, chats.
+    """Documents, prepared contexts and their tensors, method builds, model-level tensors, ingest jobs, chats,
+    evaluations.
 
     ``Store(root)`` opens (or creates) ``root/index.db`` and ``root/blobs/``.
     ``Store(memory=True)`` or ``Store.memory()`` keeps the index in memory and the
@@ -50,6 +51,7 @@ class Store:
         self.models = ModelArtifacts(self.database)  # tensors learned once per model and method
         self.jobs = Jobs(self.database)
         self.chats = Chats(self.database)
+        self.evals = Evals(self.database)  # results of `squeeze eval`, per model
 
     @classmethod
     def memory(cls) -> Store:

@@ -17,10 +17,12 @@ from tiny_models import make_tiny_model
 
 from app.config import AppConfig
 from app.demo import build_demo, launch_kwargs
+from engine.policies import SPARSE_METHODS
 from engine.serve.jobs import IngestWorker
 from engine.model import load_model
 from engine.prompt import ANSWER_RESERVE
 from engine.serve.service import Engine
+from engine.serve.turns import same_answer
 from storage import NotFoundError
 
 pytestmark = [
@@ -109,7 +111,8 @@ def poll(client: Client) -> dict:
 def open_doc(client: Client, doc_id: str) -> dict:
     out = client.predict(doc_id, "squeeze", 80, api_name="/open_document")
     names = ["doc", "status", "chat", "turn", "threshold", "heatmap", "budget", "compare", "clusters", "passages",
-             "document", "layer", "head", "projection"]
+             "document", "layer", "head", "projection", "evaluation", "last_doc"]
+    assert len(out) == len(names)
     return dict(zip(names, out))
 
 
@@ -190,16 +193,19 @@ def test_answers_stream_and_every_turn_shows_what_attention_did(app, ready_doc):
     assert again[0] == out["heatmap"]
 
 
-def test_compare_with_full_attention_says_whether_the_answers_agree(app, ready_doc):
+def test_the_latest_evaluation_of_the_model_is_shown(app, ready_doc):
+    """The chat tab shows the newest `squeeze eval` of the app's model, again when a document is opened."""
     client = app.client()
-    open_doc(client, ready_doc)
-    out, _ = ask(client, "Who kept the light?", compare=True)
-    chat = texts(out["chat"])
-    assert len(chat) == 3 and chat[2].startswith("Full attention: ")
-    assert chat[2].endswith(("✓ the answers agree", "✗ the answers differ"))
-    assert re.search(r'sq-badge sq-(agree|differ)">answers (agree|differ)', out["compare"])
-    turn = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]
-    assert turn["stats"]["compare"]["agree"] == chat[2].endswith("agree")
+    model = app.engine.model_id
+    assert f"No evaluation yet for {model}: run `squeeze eval`" in open_doc(client, ready_doc)["evaluation"]
+    doc = {"bench": "eval", "model": model, "device": "cpu", "created": "2025-01-02T03:04:05+00:00",
+           "summary": [{"method": m, "budget": 0.2, "needles": 1.0, "recall": 0.9, "oracle": 0.95, "top1": 1.0,
+                        "kl": 0.01, "read_prefill": 0.2, "read_decode": 0.19} for m in SPARSE_METHODS]}
+    app.engine.record_eval(doc)
+    shown = open_doc(client, ready_doc)["evaluation"]
+    assert client.predict(api_name="/evaluation") == shown  # as a page load shows it
+    assert f"Latest squeeze eval of {model}" in shown
+    assert re.findall(r"<tr><td>(\w+)</td><td>20%</td><td>100%</td>", shown) == list(SPARSE_METHODS)
 
 
 def test_every_method_answers_and_full_reads_everything(app, ready_doc):
@@ -222,6 +228,29 @@ def test_every_method_answers_and_full_reads_everything(app, ready_doc):
     out, _ = ask(client, "How many steps?", method="full")
     assert "KV budget <b class=\"sq-kv\">100.0%</b>" in out["budget"]
     assert set(re.findall(r'data-kept="([0-9.]+)"', out["heatmap"])) == {"1.0000"}
+
+
+@pytest.mark.parametrize("method", SPARSE_METHODS)
+def test_compare_with_full_attention_says_whether_the_answers_agree(app, ready_doc, method):
+    """Every sparse method's turn compared through the app: full attention's answer is the one it gives to the same
+    question alone, and the verdict says whether the two answers are the same. (After the test above, which needs
+    quest unbuilt.)"""
+    client = app.client()
+    open_doc(client, ready_doc)
+    question, max_new = "Who kept the light?", 16
+    out, _ = ask(client, question, method=method, compare=True, max_new=max_new)
+    chat = texts(out["chat"])
+    assert len(chat) == 3 and chat[2].startswith("Full attention: ")
+    assert chat[2].endswith(("✓ the answers agree", "✗ the answers differ"))
+    assert re.search(r'sq-badge sq-(agree|differ)">answers (agree|differ)', out["compare"])
+    turn = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]
+    compare = turn["stats"]["compare"]
+    assert (turn["question"], turn["method"], turn["stats"]["method"]) == (question, method, method)
+    alone = app.engine.ask(turn["stats"]["context_id"], question, "full", 0.0, max_new)
+    assert compare["answer"] == alone.text and chat[2] == f"Full attention: {alone.text}\n\n" + (
+        "✓ the answers agree" if compare["agree"] else "✗ the answers differ")
+    assert compare["agree"] == same_answer(alone.text, turn["answer"]) and chat[1] == turn["answer"]
+    assert compare["total_s"] > 0
 
 
 def test_stop_ends_the_answer_and_keeps_what_was_said(app, ready_doc):

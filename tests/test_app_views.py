@@ -163,3 +163,69 @@ def test_small_formatters():
                    methods=("squeeze",))
     html = render.jobs_html([view])
     assert "Could not prepare it: a.pdf: not a PDF file (no %PDF header)" in html and 'data-status="failed"' in html
+
+
+# --------------------------------------------------------------------------- the latest `squeeze eval`
+
+EVAL_MODEL = "tiny-eval-<model>"  # escaped where it is shown
+
+
+def eval_doc(model: str = EVAL_MODEL) -> dict:
+    """A `squeeze eval` document as the command writes it: a row with every figure, one with nulls."""
+    return {"bench": "eval", "model": model, "device": "cpu", "methods": ["squeeze", "quest"], "budgets": [0.1],
+            "created": "2025-01-02T03:04:05+00:00", "seconds": 812.3, "opaque": {"kept": True},
+            "summary": [{"method": "squeeze", "budget": 0.1, "needles": 0.833, "recall": 0.912, "oracle": 0.974,
+                         "top1": 0.98, "kl": 0.0123, "read_prefill": 0.1012, "read_decode": 0.0994},
+                        {"method": "quest", "budget": 0.1, "needles": None, "recall": None, "oracle": None,
+                         "top1": None, "kl": None, "read_prefill": 0.1, "read_decode": None}],
+            "full": {"needles_found": 6, "needles_cells": 6}}
+
+
+def test_eval_table_from_a_document():
+    assert render.eval_rows(eval_doc()) == [
+        ["squeeze", "10%", "83%", "0.91 (0.97)", "98%", "0.0123", "0.101 / 0.099"],
+        ["quest", "10%", "–", "–", "–", "–", "0.100 / –"],
+    ]
+    html = render.eval_html(eval_doc(), EVAL_MODEL)
+    assert [h for h, _ in render.EVAL_COLUMNS] == re.findall(r'<th title="[^"]*">([^<]*)</th>', html)
+    assert html.count("<tr>") == 3 and "<td>0.91 (0.97)</td>" in html
+    caption = re.search(r'<div class="sq-caption">([^<]*)</div>', html).group(1)
+    local = render.format_date("2025-01-02T03:04:05+00:00")
+    assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", local)
+    assert caption == (f"Latest squeeze eval of tiny-eval-&lt;model&gt;, {local} (cpu, 14 min); "
+                       "full attention found 6/6 needles")
+    assert render.format_date("not a time") == "not a time" and render.format_date(None) == "-"
+
+
+def test_no_eval_is_one_plain_line():
+    expected = "No evaluation yet for m&lt;1&gt;: run `squeeze eval` (about 15 minutes on a CPU)."
+    for doc in (None, {"model": "m<1>", "summary": []}):
+        html = render.eval_html(doc, "m<1>")
+        assert html == f'<div class="sq-notice sq-info">{expected}</div>'
+
+
+def test_the_chat_tab_shows_the_latest_eval_of_its_model(tmp_path, monkeypatch):
+    import engine.serve.service as service
+    from app.chat import ChatTab, new_state
+    from app.config import AppConfig
+    from app.services import Services
+    from engine.serve.jobs import IngestWorker
+    from engine.serve.service import Engine
+
+    monkeypatch.setattr(service, "SHIPPED_EVAL", tmp_path / "absent.json")
+    engine = Engine(tmp_path / "cache", model=EVAL_MODEL)  # named, never loaded
+    services = Services(engine=engine, store=engine.store, worker=IngestWorker(engine, start=False),
+                        inspector=ContextInspector(engine.store), config=AppConfig())
+    chat = ChatTab(services, state=None, last_doc=None)
+    assert "No evaluation yet for tiny-eval-&lt;model&gt;" in chat.evaluation_html()
+    engine.record_eval(eval_doc("another-model"))
+    assert "No evaluation yet" in chat.evaluation_html()  # another model's results are not this one's
+    engine.record_eval(eval_doc())
+    newer = eval_doc()
+    newer["summary"][0]["needles"] = 0.5
+    engine.record_eval(newer)
+    html = chat.evaluation_html()
+    assert html == render.eval_html(newer, EVAL_MODEL) and "<td>50%</td>" in html
+    opened = chat.open_document(None, new_state(AppConfig()))  # opening (or closing) a document shows it again
+    assert opened[-2] == html and not engine.model_loaded
+    engine.store.close()

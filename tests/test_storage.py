@@ -524,6 +524,48 @@ def test_model_artifacts_outlive_documents_and_orphan_sweeps(store):
     assert torch.equal(store.models.load(MODEL, "duo", GATES)["gates"], torch.arange(4))
 
 
+# --------------------------------------------------------------------------- evaluations
+
+
+def eval_doc(model: str = MODEL, budget: float = 0.1, **extra) -> dict:
+    """An evaluation document of the shape `squeeze eval` writes (with a key the store does not know)."""
+    row = {"method": "squeeze", "budget": budget, "needles": 0.5, "recall": 0.91, "oracle": 0.97, "top1": None,
+           "kl": float("nan"), "read_prefill": 0.101, "read_decode": 0.099}
+    return {"bench": "eval", "model": model, "device": "cpu", "methods": ["squeeze"], "budgets": [budget],
+            "created": "2025-01-02T03:04:05+00:00", "seconds": 81.5, "summary": [row],
+            "full": {"needles_found": 6, "needles_cells": 6}, "needles": {"cells": []}, "opaque": [1, {"x": 2}],
+            **extra}
+
+
+def test_evals_round_trip_newest_first_per_model(store):
+    assert store.evals.latest(MODEL) is None and store.evals.list() == []
+    first = store.evals.add(MODEL, eval_doc(budget=0.1))
+    other = store.evals.add("m2", eval_doc("m2", budget=0.2))
+    newest = store.evals.add(MODEL, eval_doc(budget=0.3))
+    assert first < other < newest
+    latest = store.evals.latest(MODEL)
+    kl = latest["summary"][0].pop("kl")
+    assert kl != kl  # NaN comes back as NaN
+    expected = eval_doc(budget=0.3)
+    del expected["summary"][0]["kl"]
+    assert latest == expected  # the whole document, unknown keys included
+    assert store.evals.latest("m2")["budgets"] == [0.2] and store.evals.latest("m3") is None
+    assert store.evals.get(first)["budgets"] == [0.1]
+    listed = store.evals.list(MODEL)
+    assert [r["id"] for r in listed] == [newest, first] and all(r["model"] == MODEL for r in listed)
+    assert set(listed[0]) == {"id", "model", "created_at", "summary"} and listed[0]["summary"][0]["budget"] == 0.3
+    assert [r["id"] for r in store.evals.list()] == [newest, other, first]
+    assert listed[0]["created_at"] >= listed[1]["created_at"]
+    with pytest.raises(NotFoundError):
+        store.evals.get(10_000)
+    for model, doc in (("", eval_doc()), (None, eval_doc()), (MODEL, [1]), (MODEL, {"summary": {"a": 1}})):
+        with pytest.raises(ValueError):
+            store.evals.add(model, doc)
+    with pytest.raises(TypeError):
+        store.evals.add(MODEL, {"summary": [], "bad": object()})
+    assert len(store.evals.list()) == 3  # nothing stored by the refused ones
+
+
 # --------------------------------------------------------------------------- migrations
 
 
@@ -551,6 +593,27 @@ def test_a_version_1_index_is_migrated_with_its_jobs(tmp_path, monkeypatch):
         assert (running["finished_at"], done["finished_at"], done["stage"]) == (None, "t3", "queued")
         assert store.methods.list(context["id"]) == []
         assert store.jobs.create(context["doc_id"], "n", MODEL, SETTINGS) == 3  # the ids go on
+
+
+def test_a_version_3_index_gains_evals_and_keeps_its_rows(tmp_path, monkeypatch):
+    import storage.database
+
+    monkeypatch.setattr(storage.database, "MIGRATIONS", MIGRATIONS[:3])
+    monkeypatch.setattr(storage.database, "SCHEMA_VERSION", 3)
+    with Store(tmp_path) as old:
+        context = new_context(old)
+        chat_id = old.chats.create(context["doc_id"], context["id"])
+        old.chats.add_turn(chat_id, "q", "a", "squeeze", 0.9, {"ms": 1.0})
+        with old.transaction() as db:
+            assert "evals" not in db.table_names()
+    monkeypatch.undo()
+    with Store(tmp_path) as store:
+        assert store.schema_version() == SCHEMA_VERSION
+        assert [t["answer"] for t in store.chats.turns(chat_id)] == ["a"]
+        assert store.evals.latest(MODEL) is None
+        eval_id = store.evals.add(MODEL, eval_doc())
+    with Store(tmp_path) as store:  # kept on disk
+        assert store.evals.list(MODEL)[0]["id"] == eval_id and store.evals.latest(MODEL)["bench"] == "eval"
 
 
 def test_a_failed_migration_changes_nothing(tmp_path, monkeypatch):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -13,7 +14,7 @@ from engine import artifacts as names
 from engine.compiled import compile_layers
 from engine.config import ContextSettings
 from engine.ingest import ingest_tokens
-from engine.model import LoadedModel, load_model, model_id_for
+from engine.model import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model, model_id_for
 from engine.policies import REGISTRY, Method, MethodSettings, Tensors, build_order, make_method
 from engine.policies.budget import CALIBRATION_VERSION
 from engine.prompt import tokenize_document
@@ -26,6 +27,8 @@ from storage import Document, Store, load_document
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
 Progress = Callable[[str, int, int], None]
 DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
+# `squeeze eval` of the embedded model as shipped (read-only): what `latest_eval` shows until one is recorded
+SHIPPED_EVAL = Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu-eval.json"
 
 
 def default_cache_dir() -> Path:
@@ -268,9 +271,38 @@ class Engine:
     def list_documents(self) -> list[dict]:
         return self.store.documents.list()
 
+    def record_eval(self, doc: dict) -> int:
+        """Store a `squeeze eval` document under the model it names (doc["model"]); returns its id."""
+        model = doc.get("model") if isinstance(doc, dict) else None
+        if not isinstance(model, str) or not model:
+            raise ValueError("an evaluation document names its model (\"model\": the model id it ran)")
+        return self.store.evals.add(model, doc)
+
+    def latest_eval(self, model: str | None = None) -> dict | None:
+        """The newest `squeeze eval` document of `model` (default: this engine's model, known without loading it), or
+        None. For the embedded model, the one shipped with the package (SHIPPED_EVAL) until one is recorded."""
+        model = model or self.model_id
+        found = self.store.evals.latest(model)
+        if found is not None or model != _embedded_model_id():
+            return found
+        try:
+            shipped = json.loads(SHIPPED_EVAL.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"{SHIPPED_EVAL.name} cannot be read: {exc}") from exc
+        return shipped if isinstance(shipped, dict) and shipped.get("model") == model else None
+
     def delete_document(self, doc_id: str) -> str:
         doc = self.store.documents.find(doc_id)
         self._session = None
         self.store.documents.delete(doc["id"])
         return doc["id"]
 
+
+def _embedded_model_id() -> str | None:
+    """The embedded model's id, or None when its package is not installed."""
+    try:
+        return model_id_for(EMBEDDED_MODEL)
+    except ModelLoadError:
+        return None

@@ -6,13 +6,15 @@
 * :mod:`.model_artifacts`: tensors learned once per model and method (not per document)
 * :mod:`.jobs`: ingest jobs, the one record of their state
 * :mod:`.chats`: chats about a document and their turns
+* :mod:`.evals`: results of ``squeeze eval``, per model
 """
 
 from .chats import Chats
 from .contexts import Artifacts, Contexts
 from .documents import Documents
+from .evals import Evals
 from .jobs import Jobs
 from .method_builds import MethodBuilds
 from .model_artifacts import ModelArtifacts
 
-__all__ = ["Artifacts", "Chats", "Contexts", "Documents", "Jobs", "MethodBuilds", "ModelArtifacts"]
+__all__ = ["Artifacts", "Chats", "Contexts", "Documents", "Evals", "Jobs", "MethodBuilds", "ModelArtifacts"]

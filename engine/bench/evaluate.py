@@ -1,0 +1,188 @@
+"""`squeeze eval`: every registered sparse method beside full attention at equal KV budgets, on one model (issue 13).
+
+    squeeze eval [--parts needles,recall,agreement] [--budgets 0.05,0.1,0.2,0.3] [--lengths 2048,4096]
+                 [--depths 0.1,0.3,0.5,0.7,0.9] [--keys 1] [--document FILE] [--questions FILE]
+                 [--out FILE] [--plot FILE] [--table] [--no-save] [--model M] [--device D] [--cache-dir DIR]
+
+Parts (each in its own module):
+- needles (engine.bench.needles): passkeys at several depths of haystacks of real essays; success = the key in
+  the answer, full attention's beside it;
+- agreement and recall (engine.bench.fidelity): over one document and a fixed set of questions about it, the
+  top-1 next-token agreement and KL divergence with full attention on teacher-forced answers, and the attention
+  recall of each method's selections against the oracle top-k at the same budget, per global layer and head.
+A budget is the share of the fixed context's K/V bytes a step reads, index included; every cell records what it
+really read. Ends with one JSON document on stdout (or a Markdown table with --table), also written to --out, a
+figure to --plot (PNG), and the results recorded in the cache's index (unless --no-save), where the app shows the
+latest ones for its model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import sys
+import time
+from pathlib import Path
+
+PARTS = ("needles", "recall", "agreement")
+BUDGETS = "0.05,0.1,0.2,0.3"
+
+
+def summarize(doc: dict) -> list[dict]:
+    """One row per (method, budget) over the parts that ran: needles (share of cells as good as full attention),
+    recall and the oracle's (decode steps), top-1 agreement, KL, and what the cells read in each phase (the mean over
+    the parts that measured it)."""
+    rows: dict[tuple[str, float], dict] = {}
+
+    def row(method: str, budget: float) -> dict:
+        return rows.setdefault((method, budget), {"method": method, "budget": budget, "needles": None,
+                                                  "recall": None, "oracle": None, "top1": None, "kl": None,
+                                                  "read_prefill": None, "read_decode": None, "_reads": []})
+
+    for r in (doc.get("needles") or {}).get("summary", []):
+        row(r["method"], r["budget"]).update(needles=r["as_good_as_full"])
+        row(r["method"], r["budget"])["_reads"].append((r["read_prefill"], r["read_decode"]))
+    for r in (doc.get("recall") or {}).get("rows", []):
+        decode = r.get("decode") or r.get("prefill") or {}
+        row(r["method"], r["budget"]).update(recall=decode.get("recall"), oracle=decode.get("oracle"))
+    for r in (doc.get("agreement") or {}).get("rows", []):
+        row(r["method"], r["budget"]).update(top1=r["top1"], kl=r["kl"])
+        row(r["method"], r["budget"])["_reads"].append((r["read_prefill"], r["read_decode"]))
+    out = []
+    for key in sorted(rows):
+        r = rows[key]
+        reads = r.pop("_reads")
+        for i, name in enumerate(("read_prefill", "read_decode")):
+            values = [x[i] for x in reads if x[i] is not None]
+            r[name] = round(sum(values) / len(values), 4) if values else None
+        out.append(r)
+    return out
+
+
+def table(doc: dict) -> str:
+    """The summary as a Markdown table (a dash where a part did not run)."""
+    def cell(value, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
+    full = doc.get("full") or {}
+    lines = [f"Model {doc['model']} on {doc['device']}, {doc['created']}"
+             + (f"; full attention found {full['needles_found']}/{full['needles_cells']} needles" if full else ""),
+             "",
+             "| method | KV budget | needles as good as full | recall (oracle) | top-1 | KL | read (question / answer) |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["summary"]:
+        recall = "-" if r["recall"] is None else f"{r['recall']:.3f} ({cell(r['oracle'], '.3f')})"
+        lines.append(f"| {r['method']} | {r['budget']:.0%} | {cell(r['needles'], '.0%')} | {recall} | "
+                     f"{cell(r['top1'], '.1%')} | {cell(r['kl'], '.4f')} | "
+                     f"{cell(r['read_prefill'], '.3f')} / {cell(r['read_decode'], '.3f')} |")
+    return "\n".join(lines)
+
+
+def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths: list[int], depths: list[float],
+        keys: int, document: Path, questions: list[str], answer_tokens: int, progress=lambda *a: None) -> dict:
+    """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc)."""
+    from engine.bench import fidelity, needles
+    from engine.bench.oracle import OraclePolicy
+
+    start = time.monotonic()
+    doc: dict = {"bench": "eval", "model": lm.model_id, "device": str(lm.device), "methods": methods,
+                 "budgets": budgets, "parts": parts,
+                 "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
+    if "needles" in parts:
+        doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress)
+        cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
+        doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells)}
+    if "recall" in parts or "agreement" in parts:
+        text = document.read_text(encoding="utf-8", errors="replace")
+        session = needles.context_session(lm, text, methods, extra=[OraclePolicy()])
+        agreement, recall = fidelity.run(session, methods, budgets, questions, answer_tokens, progress,
+                                         recall="recall" in parts, agreement="agreement" in parts,
+                                         ceiling=OraclePolicy.name)
+        doc["document"] = {"path": str(document), "tokens": session.fixed_len, "questions": len(questions)}
+        if agreement is not None:
+            doc["agreement"] = agreement
+        if recall is not None:
+            doc["recall"] = recall
+    doc["summary"] = summarize(doc)
+    doc["seconds"] = round(time.monotonic() - start, 1)
+    return doc
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> int:
+    from engine.bench.fidelity import ANSWER_TOKENS, DOCUMENT, QUESTIONS, load_questions
+    from engine.bench.needles import essays_dir
+    from engine.policies import SPARSE_METHODS
+
+    parser = argparse.ArgumentParser(prog="squeeze eval", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--methods", default=",".join(SPARSE_METHODS))
+    parser.add_argument("--budgets", default=BUDGETS, help="KV budgets: shares of the K/V bytes a step reads")
+    parser.add_argument("--lengths", default="2048,4096", help="needles: haystack tokens, comma-separated")
+    parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needles: where the key goes")
+    parser.add_argument("--keys", type=int, default=1, help="needles: passkeys per (length, depth)")
+    parser.add_argument("--document", type=Path, default=DOCUMENT, help="recall and agreement: the document")
+    parser.add_argument("--questions", type=Path, default=QUESTIONS,
+                        help='recall and agreement: a JSON list of {"question": ...} about the document')
+    parser.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
+                        help="recall and agreement: full attention's answer tokens that are teacher-forced")
+    parser.add_argument("--model", default=None, help="model id or path (default: the embedded Gemma 3 270M)")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--cache-dir", default=None, help="the cache whose index records the results")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON document here")
+    parser.add_argument("--plot", type=Path, default=None, help="write the figure here (PNG)")
+    parser.add_argument("--table", action="store_true", help="print the summary table instead of the JSON")
+    parser.add_argument("--no-save", action="store_true", help="do not record the results in the cache's index")
+    args = parser.parse_args(argv)
+    parts = [p for p in args.parts.split(",") if p]
+    methods = [m for m in args.methods.split(",") if m]
+    budgets = _floats(args.budgets)
+    if not parts or set(parts) - set(PARTS):
+        parser.error(f"--parts: choose from {', '.join(PARTS)}")
+    unknown = [m for m in methods if m not in SPARSE_METHODS]
+    if unknown or not methods:
+        parser.error(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(SPARSE_METHODS)}")
+    if not budgets or not all(0.0 < b <= 1.0 for b in budgets):
+        parser.error("budgets must be in (0, 1]")
+    if args.answer_tokens < 1:
+        parser.error("--answer-tokens must be at least 1")
+    questions: list[str] = []
+    try:  # clear errors before the model loads
+        if "needles" in parts:
+            essays_dir()
+        if "recall" in parts or "agreement" in parts:
+            if not args.document.is_file():
+                raise ValueError(f"no document at {args.document}")
+            questions = load_questions(args.questions)
+    except (OSError, ValueError, RuntimeError, KeyError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    from engine.serve.service import Engine
+
+    engine = Engine(args.cache_dir, args.model, args.device)
+    start = time.monotonic()
+
+    def progress(done: int, total: int, what: str) -> None:
+        print(f"[eval {time.monotonic() - start:6.0f}s] {done}/{total} {what}", file=sys.stderr, flush=True)
+
+    doc = run(engine.lm, parts, methods, budgets, [int(x) for x in args.lengths.split(",") if x],
+              _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(doc, indent=1))
+    if args.plot is not None:
+        from engine.bench.eval_plot import save_figure
+
+        save_figure(doc, args.plot)
+    if not args.no_save:
+        engine.record_eval(doc)
+    print(table(doc) if args.table else json.dumps(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

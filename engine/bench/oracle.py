@@ -1,0 +1,58 @@
+"""The oracle top-k as a method the engine can run: the ceiling of `squeeze eval`'s agreement part.
+
+Not a sparse-attention method (it is not registered: the app and the CLI never offer it). To choose, it reads every
+indexed key: per KV head and step, the exact softmax weights of the step's queries over the indexed keys, summed over
+the group's query heads and the step's tokens, and it keeps the `keys x indexed` keys with the most weight (plus the
+dense tail, as every method does). Its index is a copy of the keys, which it does not count: what a turn reports
+that it read is the keys it attends to only, so that at a budget b it attends to b of the K/V, the best any
+selection of that size can do for the group. The same oracle the recall part computes in closed form
+(engine.bench.fidelity.oracle_mask), here inside the model's forward so that its next-token distributions can be
+compared with full attention's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from engine.policies.base import LayerIndex, LayerKeys, Lookup, Method, StepPlan, Tensors, check_budget
+from kernels.backend import Backend
+
+
+@dataclass(frozen=True)
+class KeysPlan(StepPlan):
+    """The oracle's turn: the share of the indexed keys each step keeps."""
+
+    keys: float
+
+    def describe(self) -> str:
+        return f"the {self.keys:.1%} heaviest keys"
+
+    def count(self, indexed: int) -> int:
+        return 0 if indexed == 0 else max(1, min(indexed, round(self.keys * indexed)))
+
+
+class OraclePolicy(Method):
+    name: ClassVar[str] = "oracle"
+    unit: ClassVar[str] = "key"
+
+    def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
+        return {"keys": layer.keys}  # [Hkv, Lc, D]: the indexed keys, in original order
+
+    def calibrate(self, layers, scale: float) -> Tensors:
+        return {}
+
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> KeysPlan:
+        return KeysPlan(budget=check_budget(budget), keys=check_budget(decode_keys))
+
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: KeysPlan, scale: float, backend: Backend) -> Lookup:
+        """q: [Hq, Lq, D] -> the selection of the heaviest keys per KV head (one for the step's Lq tokens)."""
+        keys = layer["keys"]
+        hkv, indexed, d = keys.shape
+        hq, lq = q.shape[:2]
+        s = torch.matmul(q.float().reshape(hkv, (hq // hkv) * lq, d), keys.float().transpose(1, 2)) * scale
+        weight = torch.softmax(s, dim=-1).sum(dim=1)  # [Hkv, Lc]: the group's and the step's weight on each key
+        _, selection = backend.kernel("pages").select_pages(weight, plan.count(indexed), 1, layer.num_keys)
+        return Lookup(selection=selection, index_elements=torch.zeros(hkv, device=q.device))
