@@ -85,7 +85,7 @@ class TurnViews:
         inspector = self.services.inspector
         weights = inspector.token_weights(ctx, report)
         passages = inspector.passages(ctx, weights, top=TOP_PASSAGES)
-        tail = data.offsets[data.clustered:] if data.clustered < data.fixed_len else None
+        tail = data.offsets[data.tail_start:] if data.tail_start < data.fixed_len else None
         tail_start = int(tail[tail[:, 0] >= 0][0, 0]) if tail is not None and (tail[:, 0] >= 0).any() else None
         layers = data.global_layers
         layer = layer if layer in layers else (layers[0] if layers else None)

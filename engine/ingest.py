@@ -12,6 +12,7 @@ from engine import artifacts as names
 from engine.attention import QueryCapture, StepContext
 from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
+from engine.fixed_rows import FixedRows
 from engine.model import LoadedModel
 from engine.policies import CalibrationSet, LayerIndex, LayerKeys, Method, StepPlan, Tensors, make_method
 from engine.policies.budget import budget_curves
@@ -32,18 +33,12 @@ def _no_artifact(name: str, tensor: torch.Tensor) -> None:
 
 @dataclass
 class IngestOutput:
-    """artifacts: name -> tensor, ready for storage (engine.artifacts); tokens: fixed-context length."""
+    """artifacts: name -> tensor, ready for storage (engine.artifacts); tokens: fixed-context length; rows: which
+    token each row of a global layer's K/V holds."""
 
     artifacts: dict[str, torch.Tensor]
     tokens: int
-    dense_tail: int
-
-
-def effective_tail(settings: ContextSettings, tokens: int) -> int:
-    """The dense tail cannot cover the whole context: keep at least one indexed key."""
-    if tokens < 2:
-        raise ValueError(f"the document has {tokens} token(s); at least 2 are needed")
-    return min(settings.dense_tail, tokens - 1)
+    rows: FixedRows
 
 
 def prefill(lm: LoadedModel, ids: torch.Tensor, tail: int, backend: Backend,
@@ -94,7 +89,8 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
                   required: dict[str, dict[int, Tensors]] | None = None) -> dict[str, torch.Tensor]:
     """Each method's index of every global layer, then its calibration, as named artifacts.
 
-    keys: global layer -> its fixed keys [Hkv, L, D] (original order; the last `tail` rows are the dense tail);
+    keys: global layer -> its fixed keys [Hkv, L, D] (rows as engine.fixed_rows arranges them: the indexed tokens in
+    order, then `tail` dense rows);
     queries: global layer -> its calibration queries [Hq, n, D]; methods: in build order (each after what it
     requires: engine.policies.build_order); scale: the layers' softmax scale; device: where the calibrations run
     (one pools every global layer: with device_map="auto" the layers sit on several GPUs); prepared: method -> its model-level artifacts (`layer{i}.{name}`);
@@ -162,8 +158,12 @@ def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings,
     on_artifact: called once per artifact as soon as it is final, so that a caller can save it while the rest is
     made (engine.serve.writer): `tokens` and the sliding layers' K/V right after the prefill, each global layer's K/V
     before its indexing and its indexes after, the calibrations last. The tensor must not be modified by the callee."""
-    tail = effective_tail(settings, ids.numel())
-    cache, capture = prefill(lm, ids, tail, backend, progress)
+    rows = settings.rows(ids.numel())
+    cache, capture = prefill(lm, ids, rows.tail, backend, progress)
+    with torch.inference_mode():  # the cache's tensors are inference tensors
+        for i in lm.global_layers:  # the sink's rows after the indexed ones (engine.fixed_rows)
+            rows.arrange(cache.layers[i].fixed_keys)
+            rows.arrange(cache.layers[i].fixed_values)
     artifacts: dict[str, torch.Tensor] = {names.TOKENS: ids.cpu()}
     on_artifact(names.TOKENS, artifacts[names.TOKENS])
     for i, layer in enumerate(cache.layers):
@@ -183,6 +183,6 @@ def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings,
 
     keys = {i: cache.layers[i].fixed_keys for i in lm.global_layers}
     scale = global_scale(lm)
-    artifacts.update(build_methods(keys, queries, tail, methods or [], scale, lm.device, progress, on_artifact,
+    artifacts.update(build_methods(keys, queries, rows.dense, methods or [], scale, lm.device, progress, on_artifact,
                                    hand_over, prepared))
-    return IngestOutput(artifacts=artifacts, tokens=ids.numel(), dense_tail=tail)
+    return IngestOutput(artifacts=artifacts, tokens=ids.numel(), rows=rows)

@@ -15,7 +15,7 @@ from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.generate import full_logits, greedy_tokens
 from engine.graph import DecodeGraphs, graphs_supported
-from engine.ingest import Progress, _no_progress, build_methods, effective_tail, global_scale, layer_part
+from engine.ingest import Progress, _no_progress, build_methods, global_scale, layer_part
 from engine.model import LoadedModel
 from engine.policies import REGISTRY, LayerIndex, Method, StepPlan, Tensors, build_order, make_method
 from engine.prompt import STOP_STRINGS, question_ids
@@ -65,7 +65,8 @@ class ContextSession:
         self.tokens = parsed.tokens
         self.fixed_len = int(self.tokens.numel())
         self.settings = settings
-        self.tail = effective_tail(settings, self.fixed_len)
+        self.rows = settings.rows(self.fixed_len)  # which token each global layer's K/V row holds
+        self.tail = self.rows.dense  # the rows every step reads (the sink's and the tail's)
         self.queries = {i: q.cpu() for i, q in parsed.queries.items()}  # calibration queries, to build methods later
         layers = []
         for i, window in enumerate(lm.sliding_windows):
@@ -75,7 +76,7 @@ class ContextSession:
             layers.append(FixedContextLayer(fixed_keys=keys, fixed_values=values, fixed_len=self.fixed_len,
                                             sliding_window=window))
         self.cache = FixedContextCache(layers)
-        self._arranged_for: str | None = None  # the method whose layout the K/V are in (None: original order)
+        self._arranged_for: str | None = None  # the method whose layout the K/V are in (None: as stored, engine.fixed_rows)
         self.methods: dict[str, Method] = {"full": make_method("full")}
         self.calibration: dict[str, dict[str, torch.Tensor]] = {"full": {}}
         for name, part in parsed.methods.items():
@@ -101,7 +102,7 @@ class ContextSession:
         """Build `method` (and what it requires, when not open) from the session's own K/V and calibration queries,
         replacing an index of the same method; returns the new artifacts by name (for the store). prepared: the
         method's model-level artifacts (Method.prepare)."""
-        self.arrange(None)  # original order: what a method builds from
+        self.arrange(None)  # as stored: what a method builds from
         global_layers = [i for i, layer in enumerate(self.cache.layers) if layer.sliding_window is None]
         keys = {i: self.cache.layers[i].fixed_keys for i in global_layers}
         queries = {i: self.queries[i] for i in global_layers}
@@ -130,7 +131,7 @@ class ContextSession:
         return self.method(method).plan(self.calibration[method], 1.0 - sparsity)
 
     def arrange(self, method: Method | None) -> None:
-        """Put every global layer's fixed K/V in `method`'s layout (None: original order), in place: the tensors
+        """Put every global layer's fixed K/V in `method`'s layout (None: as stored, engine.fixed_rows), in place: the tensors
         keep their storage, so captured decode steps stay valid. A copy of one layer at a time; the layouts are
         computed again from the methods' indexes rather than kept (an order is 8 bytes per key and head)."""
         current = self.methods.get(self._arranged_for) if self._arranged_for is not None else None

@@ -21,28 +21,31 @@ LAYER, HKV, D, CLUSTERS, TAIL = 5, 2, 8, 5, 3
 SECRET = {"passkey", "48213."}  # their tokens form cluster 0 of KV head 0
 
 
-@pytest.fixture(scope="module")
-def ctx():
-    """A ready context of a two-page PDF: one token per word, one clustered layer with two KV heads."""
+@pytest.fixture(scope="module", params=[0, 2], ids=["no-sink", "sink"])
+def ctx(request):
+    """A ready context of a two-page PDF: one token per word, one clustered layer with two KV heads; with a sink,
+    its first tokens stored after the indexed ones (engine.fixed_rows), which the labels then start after."""
+    sink = request.param
     store = Store.memory()
     doc = load_document_bytes(make_text_pdf([PAGE1, PAGE2]), "guide.pdf")
     doc_id, _ = store.documents.add(doc)
     words = [(m.start(), m.end()) for m in re.finditer(r"\S+", doc.text)]
     offsets = torch.tensor([(-1, -1)] + words, dtype=torch.int64)  # BOS first
     n = offsets.shape[0]
-    lc = n - TAIL
-    labels = torch.zeros(HKV, lc, dtype=torch.int64)
-    for t in range(lc):
+    lc = n - TAIL - sink
+    labels = torch.zeros(HKV, lc, dtype=torch.int64)  # per indexed row j: token sink + j
+    for j in range(lc):
+        t = sink + j
         s, e = offsets[t].tolist()
         word = doc.text[s:e] if s >= 0 else ""
-        labels[0, t] = 0 if word in SECRET else 1 + t % (CLUSTERS - 1)
-        labels[1, t] = t % CLUSTERS
+        labels[0, j] = 0 if word in SECRET else 1 + t % (CLUSTERS - 1)
+        labels[1, j] = t % CLUSTERS
     gen = torch.Generator().manual_seed(0)
     directions = torch.nn.functional.normalize(torch.randn(HKV, CLUSTERS, D, generator=gen), dim=-1)
     keys = torch.stack([directions[h, labels[h]] for h in range(HKV)]) + 0.05 * torch.randn(HKV, lc, D, generator=gen)
-    keys = torch.cat([keys, torch.randn(HKV, TAIL, D, generator=gen)], dim=1)
+    keys = torch.cat([keys, torch.randn(HKV, sink + TAIL, D, generator=gen)], dim=1)  # the dense rows
     counts = torch.stack([torch.bincount(labels[h], minlength=CLUSTERS) for h in range(HKV)])
-    context = store.contexts.context_for(doc_id, "hand-made", {"dense_tail": TAIL})
+    context = store.contexts.context_for(doc_id, "hand-made", {"dense_tail": TAIL, "sink": sink})
     for name, t in {f"squeeze.layer{LAYER}.labels": labels, f"layer{LAYER}.keys": keys,
                     f"layer{LAYER}.calib_queries": torch.zeros(2 * HKV, TAIL, D),
                     f"squeeze.layer{LAYER}.centroids": directions, f"squeeze.layer{LAYER}.counts": counts,
@@ -50,7 +53,7 @@ def ctx():
         store.artifacts.save(context["id"], name, t)
     store.methods.mark_built(context["id"], "squeeze", {"squeeze": {"centroid_ratio": 0.05}})
     store.contexts.mark_ready(context["id"], n)
-    yield store, context["id"], doc, labels
+    yield store, context["id"], doc, labels, sink
     store.close()
 
 
@@ -64,18 +67,20 @@ def report(threshold=0.01):
 
 
 def test_token_weights_scale_from_the_threshold_to_the_best_cluster(ctx):
-    store, cid, doc, labels = ctx
+    store, cid, doc, labels, sink = ctx
     inspector = ContextInspector(store)
     w = inspector.token_weights(cid, report())
     lc = labels.shape[1]
-    assert np.allclose(w[:lc][labels[0].numpy() == 0], 1.0)
-    assert np.allclose(w[:lc][labels[0].numpy() == 1], MIN_MARK)
-    assert (w[:lc][labels[0].numpy() >= 2] == 0).all() and (w[lc:] == 0).all()  # not retrieved; the dense tail
+    indexed = w[sink : sink + lc]  # the indexed tokens
+    assert np.allclose(indexed[labels[0].numpy() == 0], 1.0)
+    assert np.allclose(indexed[labels[0].numpy() == 1], MIN_MARK)
+    assert (indexed[labels[0].numpy() >= 2] == 0).all()  # not retrieved
+    assert (w[:sink] == 0).all() and (w[sink + lc :] == 0).all()  # the sink and the dense tail: in no cluster
     assert (inspector.token_weights(cid, report(), kv_head=1) == 0).all()
 
 
 def test_the_strongest_passage_comes_first_with_its_page(ctx):
-    store, cid, doc, _ = ctx
+    store, cid, doc, _, _ = ctx
     inspector = ContextInspector(store)
     w = inspector.token_weights(cid, report())
     passages = inspector.passages(cid, w, top=3)
@@ -91,7 +96,7 @@ def test_the_strongest_passage_comes_first_with_its_page(ctx):
 
 
 def test_projection_of_one_head_marks_the_retrieved_clusters(ctx):
-    store, cid, _, labels = ctx
+    store, cid, _, labels, _ = ctx
     proj = ContextInspector(store).projection(cid, "squeeze", LAYER, 0, retrieved=[0], max_points=10)
     assert proj.points.shape == (10, 2) and proj.centroids.shape == (CLUSTERS, 2)
     assert (proj.labels == 0).sum() == (labels[0] == 0).sum()  # every retrieved key is drawn
@@ -117,7 +122,7 @@ def test_retrieval_report_flags_prefill_and_answer_clusters():
 
 
 def test_document_markup_escapes_text_and_marks_pages(ctx):
-    store, cid, doc, _ = ctx
+    store, cid, doc, _, _ = ctx
     inspector = ContextInspector(store)
     w = inspector.token_weights(cid, report())
     html = render.document_html(doc.text, inspector.marks(cid, w), doc.page_starts)

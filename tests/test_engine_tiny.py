@@ -17,7 +17,7 @@ from tiny_models import GEMMA_SLIDING_WINDOW, byte_tokenizer, tiny_model_path  #
 from engine.attention import ATTN_NAME
 from engine.config import ContextSettings
 from engine.generate import greedy_tokens
-from engine.ingest import effective_tail, ingest_tokens, prefill
+from engine.ingest import ingest_tokens, prefill
 from engine.model import LoadedModel, load_model
 from engine.policies import METHODS, SPARSE_METHODS, build_order, make_method
 from engine.prompt import ANSWER_RESERVE, STOP_STRINGS, DocumentTooLongError, question_ids, tokenize_document
@@ -350,7 +350,7 @@ def test_sliding_window_changes_the_reference(tiny_model_path):  # noqa: F811
 def test_chunked_prefill_equals_one_chunk(ctx, chunk):
     """The fixed K/V (sliding layers trimmed between chunks) and the captured calibration queries do not
     depend on how the prefill is chunked."""
-    tail = effective_tail(SETTINGS, ctx.fixed_ids.numel())
+    tail = SETTINGS.rows(ctx.fixed_ids.numel()).tail
     whole, whole_q = prefill(ctx.lm, ctx.fixed_ids, tail, REFERENCE)
     chunked, chunked_q = prefill(ctx.lm, ctx.fixed_ids, tail, REFERENCE, chunk=chunk)
     for a, b in zip(whole.layers, chunked.layers):

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from engine.bench.oracle import OraclePolicy
+
+CEILING = OraclePolicy.name  # the eval's oracle top-k: its rows drawn dashed beside the methods
 PANELS = (  # (summary key, title, y label, log scale)
     ("needles", "Needles", "as good as full attention", False),
     ("recall", "Attention recall (decode)", "share of full attention's weight", False),
@@ -38,15 +41,15 @@ def save_figure(doc: dict, path: str | Path) -> Path:
     panels = [p for p in PANELS if series(doc["summary"], p[0])]
     if not panels:
         raise ValueError("the eval document has no measures to draw")
+    methods = sorted({row["method"] for row in doc["summary"]} - {CEILING})
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}  # a method keeps its colour in every panel
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6), squeeze=False)
     for ax, (key, title, ylabel, log) in zip(axes[0], panels):
         for method, (xs, ys) in series(doc["summary"], key).items():
-            ax.plot(xs, ys, marker="o", label=method)
-        if key == "recall":
-            oracle = series(doc["summary"], "oracle")
-            if oracle:
-                xs, ys = next(iter(oracle.values()))  # one oracle per budget: the same for every method
+            if method == CEILING:  # the ceiling of any selection at that budget
                 ax.plot(xs, ys, linestyle="--", color="black", label="oracle top-k")
+            else:
+                ax.plot(xs, ys, marker="o", color=colors[method], label=method)
         if key in ("needles", "recall", "top1"):
             ax.set_ylim(-0.02, 1.02)
         if log:
@@ -55,7 +58,11 @@ def save_figure(doc: dict, path: str | Path) -> Path:
         ax.set_xlabel("KV budget (share of K/V bytes read)")
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
+    handles = {}
+    for ax in axes[0]:  # one legend: every method and the oracle, wherever they were drawn
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    axes[0][0].legend(handles.values(), handles.keys(), fontsize=8)
     fig.suptitle(f"{doc.get('model', '?')} on {doc.get('device', '?')}: sparse methods against full attention",
                  fontsize=10)
     fig.tight_layout()

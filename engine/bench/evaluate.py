@@ -10,6 +10,8 @@ Parts (each in its own module):
 - agreement and recall (engine.bench.fidelity): over one document and a fixed set of questions about it, the
   top-1 next-token agreement and KL divergence with full attention on teacher-forced answers, and the attention
   recall of each method's selections against the oracle top-k at the same budget, per global layer and head.
+The oracle top-k (engine.bench.oracle: per KV head and step, the keys with the most weight, no index) answers the
+needles and the agreement questions too: the ceiling of any selection at that budget, a row of its own.
 A budget is the share of the fixed context's K/V bytes a step reads, index included; every cell records what it
 really read. Ends with one JSON document on stdout (or a Markdown table with --table), also written to --out, a
 figure to --plot (PNG), and the results recorded in the cache's index (unless --no-save), where the app shows the
@@ -26,6 +28,7 @@ import time
 from pathlib import Path
 
 PARTS = ("needles", "recall", "agreement")
+ORACLE = "oracle"  # engine.bench.oracle.OraclePolicy.name (not imported here: the module stays light to import)
 BUDGETS = "0.05,0.1,0.2,0.3"
 
 
@@ -46,6 +49,7 @@ def summarize(doc: dict) -> list[dict]:
     for r in (doc.get("recall") or {}).get("rows", []):
         decode = r.get("decode") or r.get("prefill") or {}
         row(r["method"], r["budget"]).update(recall=decode.get("recall"), oracle=decode.get("oracle"))
+        row(ORACLE, r["budget"]).update(recall=decode.get("oracle"), oracle=decode.get("oracle"))  # its own row
     for r in (doc.get("agreement") or {}).get("rows", []):
         row(r["method"], r["budget"]).update(top1=r["top1"], kl=r["kl"])
         row(r["method"], r["budget"])["_reads"].append((r["read_prefill"], r["read_decode"]))
@@ -90,7 +94,7 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
                  "budgets": budgets, "parts": parts,
                  "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if "needles" in parts:
-        doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress)
+        doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()])
         cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
         doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells)}
     if "recall" in parts or "agreement" in parts:

@@ -52,10 +52,12 @@ def passkeys(count: int, seed: int = 0) -> list[str]:
     return [str(rng.randrange(10000, 100000)) for _ in range(count)]
 
 
-def context_session(lm, text: str, methods: list[str], settings: dict[str, dict] | None = None, extra=()):
+def context_session(lm, text: str, methods: list[str], settings: dict[str, dict] | None = None, extra=(),
+                    context=None):
     """`text` prepared as a fixed context with every method of `methods` (and what they require) built, in memory
     (nothing stored): an engine.session.ContextSession on the model's device. settings: method -> its settings
-    (the others at their defaults); extra: more Method instances to build (not registered: the eval's oracle)."""
+    (the others at their defaults); extra: more Method instances to build (not registered: the eval's oracle);
+    context: the engine.config.ContextSettings (None: the defaults)."""
     from engine.config import ContextSettings
     from engine.ingest import ingest_tokens
     from engine.policies import build_order, make_method
@@ -66,18 +68,20 @@ def context_session(lm, text: str, methods: list[str], settings: dict[str, dict]
     backend = backend_for(lm.device)
     fixed = tokenize_document(lm.tokenizer, text, lm.max_context)
     instances = {m.name: m for m in (make_method(n, (settings or {}).get(n)) for n in build_order(methods))}
-    out = ingest_tokens(lm, fixed.ids, ContextSettings(), backend, list(instances.values()))
-    session = ContextSession(lm, out.artifacts, ContextSettings(), backend, methods=instances)
+    context = context or ContextSettings()
+    out = ingest_tokens(lm, fixed.ids, context, backend, list(instances.values()))
+    session = ContextSession(lm, out.artifacts, context, backend, methods=instances)
     for method in extra:  # built from the session's own K/V and calibration queries
         session.build(method)
     return session
 
 
 def run(lm, lengths: list[int], depths: list[float], budgets: list[float], methods: list[str], keys: int = 1,
-        progress=lambda *a: None) -> dict:
+        progress=lambda *a: None, extra=()) -> dict:
     """Every (length, depth, key) context, full attention and every (method, budget). Returns the JSON document:
     `cells` (one per answer) and `summary` (per method and budget: the share found, full attention's share on
-    the same contexts, the mean KV budget read in each phase)."""
+    the same contexts, the mean KV budget read in each phase). extra: more Method instances (not registered: the
+    eval's oracle) answered as the methods are."""
     folder = essays_dir()
     cells, stacks = [], {}
     cases = [(n, d, k) for n in lengths for d in depths for k in passkeys(keys)]
@@ -85,9 +89,9 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
         progress(i, len(cases), f"needles: {length} tokens, depth {depth}")
         if length not in stacks:
             stacks[length] = haystack(lm.tokenizer, length, folder)
-        session = context_session(lm, insert_passkey(stacks[length], key, depth), methods)
+        session = context_session(lm, insert_passkey(stacks[length], key, depth), methods, extra=extra)
         full_found = key in session.ask(PASSKEY_QUESTION, "full", 0.0, MAX_NEW_TOKENS).text
-        for method in methods:
+        for method in [*methods, *(m.name for m in extra)]:
             for budget in budgets:
                 answer = session.ask(PASSKEY_QUESTION, method, 1.0 - budget, MAX_NEW_TOKENS)
                 cells.append({"length": length, "tokens": session.fixed_len, "depth": depth, "key": key,

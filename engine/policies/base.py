@@ -68,8 +68,9 @@ class LayerIndex:
     """One global layer's index of one method, as a lookup sees it.
 
     tensors: the method's artifacts of the layer by their short names (plus its model-level ones of the layer)
-    num_keys: rows of the layer's fixed K/V (indexed part, then the dense tail)
-    tail: the last `tail` rows: the dense tail, read by every step of every method
+    num_keys: rows of the layer's fixed K/V (the indexed rows, then the dense rows)
+    tail: the last `tail` rows, read by every step of every method: the dense rows (the context's sink and its last
+        tokens: engine.fixed_rows)
     """
 
     tensors: Tensors
@@ -78,7 +79,7 @@ class LayerIndex:
 
     @property
     def indexed(self) -> int:
-        """Rows of the fixed K/V that the index covers (the first ones, in original order)."""
+        """Rows of the fixed K/V that the index covers (the first ones: tokens sink .. L - dense tail, in order)."""
         return self.num_keys - self.tail
 
     def __getitem__(self, name: str) -> torch.Tensor:
@@ -91,7 +92,7 @@ class LayerIndex:
 @dataclass
 class LayerKeys:
     """What `build` gets of one global layer: keys [Hkv, Lc, D] (as the attention sees them, RoPE applied) of the
-    indexed part of the fixed context, in original order; the dense tail (the last `tail` tokens) is not in it."""
+    indexed part of the fixed context, in token order; the `tail` dense rows (engine.fixed_rows) are not in it."""
 
     layer_idx: int
     keys: torch.Tensor

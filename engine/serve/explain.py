@@ -18,7 +18,7 @@ import torch
 
 from engine import artifacts as names
 from engine.config import ContextSettings
-from engine.ingest import effective_tail
+from engine.fixed_rows import FixedRows
 from engine.policies import REGISTRY, LayerIndex, make_method
 from engine.session import Answer
 from storage import Document, Store
@@ -102,9 +102,10 @@ class ContextData:
     """A ready context's artifacts that the views need, on the CPU.
 
     offsets: [L, 2] character span of each token in doc.text ((-1, -1) for specials)
-    global_layers: the layers with an index; kv_heads: KV heads per layer; tail: the dense tail's tokens
-    units: (method, its build's time) -> global layer -> [Hkv, Lc] unit (cluster, page) of each indexed key (the
-        first Lc tokens; the rest is the dense tail), filled on first use (ContextInspector.unit_labels)
+    global_layers: the layers with an index; kv_heads: KV heads per layer; rows: which token each K/V row holds
+        (the indexed tokens, then the dense rows: the sink and the tail; engine.fixed_rows)
+    units: (method, its build's time) -> global layer -> [Hkv, L - tail] unit (cluster, page) of each token before
+        the dense tail (-1: a sink token, read by every step), filled on first use (ContextInspector.unit_labels)
     """
 
     context_id: str
@@ -115,14 +116,19 @@ class ContextData:
     offsets: np.ndarray
     global_layers: list[int]
     kv_heads: int
-    tail: int
+    rows: FixedRows
     units: dict[tuple, dict[int, np.ndarray]] = field(default_factory=dict)
     _token_pages: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def clustered(self) -> int:
-        """Indexed tokens (the rest is the dense tail)."""
-        return self.fixed_len - self.tail
+        """Indexed tokens (the rest are the sink's and the tail's, read by every step)."""
+        return self.rows.indexed
+
+    @property
+    def tail_start(self) -> int:
+        """The first token of the dense tail (the context's last tokens, read by every step)."""
+        return self.fixed_len - self.rows.tail
 
     @property
     def token_pages(self) -> np.ndarray:
@@ -203,7 +209,7 @@ class ContextInspector:
         data = ContextData(context_id=context_id, doc_id=ctx["doc_id"], doc=self.store.documents.get(ctx["doc_id"]),
                            settings=ctx["settings"], fixed_len=fixed_len, offsets=offsets, global_layers=layers,
                            kv_heads=int(keys["shape"][0]) if keys else 0,
-                           tail=effective_tail(ContextSettings.from_dict(ctx["settings"]), fixed_len))
+                           rows=ContextSettings.from_dict(ctx["settings"]).rows(fixed_len))
         with self._lock:
             self._data[context_id] = data
             while len(self._data) > self._cached:
@@ -230,11 +236,12 @@ class ContextInspector:
         prefix = names.method_layer_name(method, layer, "")
         wanted = [a["name"] for a in self.store.artifacts.list(context_id) if a["name"].startswith(prefix)]
         tensors = {n[len(prefix):]: t for n, t in self.store.artifacts.load(context_id, wanted).items()}
-        return LayerIndex(tensors=tensors, num_keys=data.fixed_len, tail=data.tail)
+        return LayerIndex(tensors=tensors, num_keys=data.fixed_len, tail=data.rows.dense)
 
     def unit_labels(self, context_id: str, method: str) -> dict[int, np.ndarray]:
-        """global layer -> [Hkv, Lc] the unit of each indexed key under `method` as built now ({} for a method not
-        built; a rebuild with other settings is another entry)."""
+        """global layer -> [Hkv, L - tail] the unit of each token before the dense tail under `method` as built now
+        (-1 for the sink's tokens, which no unit holds; {} for a method not built; a rebuild with other settings is
+        another entry)."""
         data = self.data(context_id)
         build = self.store.methods.get(context_id, method)
         key = (method, build["built_at"] if build else None)
@@ -246,8 +253,10 @@ class ContextInspector:
         if built is not None:
             for layer in data.global_layers:
                 labels = built.unit_labels(self._method_layer(context_id, method, layer))
-                if labels is not None:
-                    out[layer] = labels.cpu().numpy()
+                if labels is not None:  # per indexed row, i.e. token sink + row: the sink's tokens first, as -1
+                    labels = labels.cpu().numpy()
+                    out[layer] = np.concatenate([np.full((labels.shape[0], data.rows.sink), -1, labels.dtype), labels],
+                                                axis=1)
         with self._lock:
             data.units[key] = out
         return out
@@ -286,7 +295,8 @@ class ContextInspector:
                 per_cluster = np.zeros(int(labels.max()) + 1, dtype=np.float64)
                 per_cluster[np.asarray(row["ids"], dtype=np.int64)] = np.maximum(s, 1e-12)
                 head_labels = labels[row["kv_head"]]
-                np.maximum(best[: head_labels.shape[0]], per_cluster[head_labels], out=best[: head_labels.shape[0]])
+                got = np.where(head_labels >= 0, per_cluster[np.maximum(head_labels, 0)], 0.0)  # -1: the sink
+                np.maximum(best[: head_labels.shape[0]], got, out=best[: head_labels.shape[0]])
         hit = best > 0
         if not hit.any():
             return best
@@ -414,7 +424,7 @@ class ContextInspector:
         total_var = float(((keys - mean) ** 2).sum())
         explained = float((s[:2] ** 2).sum()) / total_var if total_var > 0 else 0.0
         points = ((keys - mean) @ basis).numpy()
-        labels = units[layer][kv_head]
+        labels = units[layer][kv_head][data.rows.sink :]  # the indexed rows' (the sink's tokens are not indexed)
         keep = _subsample(labels, set(retrieved), max_points, seed)
         return Projection(layer=layer, kv_head=kv_head, points=points[keep], labels=labels[keep],
                           centroids=((centroids - mean) @ basis).numpy(),
