@@ -10,8 +10,8 @@ so that "the dense rows" is one range at the end, the one the sparse kernels alr
 `tail` of kernels.selection.Selection and of engine.policies.LayerIndex). The sink is the attention sink of
 StreamingLLM: the first tokens take a large share of most heads' weight (on the embedded Gemma 3 270M, 35-43% of
 a decode step's weight at every global layer falls on the first token), so a selection that misses them distorts
-every step it serves; four rows cost nothing beside a budget. It is off by default for now: engine.config's
-DEFAULT_SINK says why. The tail's queries are the calibration queries.
+every step it serves; a few rows cost nothing beside a budget (engine.config's DEFAULT_SINK says how many, and
+why). The tail's queries are the calibration queries.
 Sliding-window layers keep their last window in token order (no index, no sink).
 """
 
