@@ -2,7 +2,7 @@
 
     squeeze eval [--parts needles,recall,agreement] [--budgets 0.05,0.1,0.2,0.3] [--lengths 2048,4096]
                  [--depths 0.1,0.3,0.5,0.7,0.9] [--keys 1] [--document FILE] [--questions FILE]
-                 [--out FILE] [--plot FILE] [--table] [--no-save] [--model M] [--device D] [--cache-dir DIR]
+                 [--out FILE] [--plot FILE] [--table] [--no-save] [--sink N] [--model M] [--device D] [--cache-dir DIR]
 
 Parts (each in its own module):
 - needles (engine.bench.needles): passkeys at several depths of haystacks of real essays; success = the key in
@@ -26,6 +26,8 @@ import json
 import sys
 import time
 from pathlib import Path
+
+from engine.config import ContextSettings
 
 PARTS = ("needles", "recall", "agreement")
 ORACLE = "oracle"  # engine.bench.oracle.OraclePolicy.name (not imported here: the module stays light to import)
@@ -84,22 +86,25 @@ def table(doc: dict) -> str:
 
 
 def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths: list[int], depths: list[float],
-        keys: int, document: Path, questions: list[str], answer_tokens: int, progress=lambda *a: None) -> dict:
-    """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc)."""
+        keys: int, document: Path, questions: list[str], answer_tokens: int, progress=lambda *a: None,
+        context: ContextSettings | None = None) -> dict:
+    """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc).
+    context: how the documents become contexts (None: the defaults; e.g. another sink)."""
     from engine.bench import fidelity, needles
     from engine.bench.oracle import OraclePolicy
 
     start = time.monotonic()
     doc: dict = {"bench": "eval", "model": lm.model_id, "device": str(lm.device), "methods": methods,
-                 "budgets": budgets, "parts": parts,
+                 "budgets": budgets, "parts": parts, "context": (context or ContextSettings()).as_dict(),
                  "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if "needles" in parts:
-        doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()])
+        doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()],
+                                     context=context)
         cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
         doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells)}
     if "recall" in parts or "agreement" in parts:
         text = document.read_text(encoding="utf-8", errors="replace")
-        session = needles.context_session(lm, text, methods, extra=[OraclePolicy()])
+        session = needles.context_session(lm, text, methods, extra=[OraclePolicy()], context=context)
         agreement, recall = fidelity.run(session, methods, budgets, questions, answer_tokens, progress,
                                          recall="recall" in parts, agreement="agreement" in parts,
                                          ceiling=OraclePolicy.name)
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="write the figure here (PNG)")
     parser.add_argument("--table", action="store_true", help="print the summary table instead of the JSON")
     parser.add_argument("--no-save", action="store_true", help="do not record the results in the cache's index")
+    parser.add_argument("--sink", type=int, default=None,
+                        help="first context tokens read densely (ContextSettings.sink; default: its default)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     methods = [m for m in args.methods.split(",") if m]
@@ -154,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("budgets must be in (0, 1]")
     if args.answer_tokens < 1:
         parser.error("--answer-tokens must be at least 1")
+    if args.sink is not None and args.sink < 0:
+        parser.error("--sink must be at least 0")
+    context = ContextSettings() if args.sink is None else ContextSettings(sink=args.sink)
     questions: list[str] = []
     try:  # clear errors before the model loads
         if "needles" in parts:
@@ -174,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[eval {time.monotonic() - start:6.0f}s] {done}/{total} {what}", file=sys.stderr, flush=True)
 
     doc = run(engine.lm, parts, methods, budgets, [int(x) for x in args.lengths.split(",") if x],
-              _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress)
+              _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress, context)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))
