@@ -87,17 +87,12 @@ def check_against_eager(session, method: str, sparsity: float, tokens: list[int]
             logits = forward_step(lm, eager, torch.tensor(tokens[i - 1 : i], device=lm.device), position)
             position += 1
             if i >= 2:  # tokens[i] came from replay i - 2 (tokens[1] from the warm step)
-                near = False
                 if max_mismatch:
                     off = ~torch.isclose(replayed[i - 2], logits.float(), **tol)
                     assert off.float().mean() <= max_mismatch, f"step {i}: {int(off.sum())} logits off"
-                    # logits equal within tol may rank two tokens either way where they differ by less than it
-                    # (a random tiny model's logits are nearly flat: |logit| ~0.3 against atol 0.05)
-                    best = float(logits.max())
-                    near = best - float(logits[0, tokens[i]]) <= tol["atol"] + tol["rtol"] * abs(best)
                 else:
                     torch.testing.assert_close(replayed[i - 2], logits.float(), **tol)
-                assert int(logits.argmax()) == tokens[i] or _tie(logits, tokens[i]) or near
+                assert int(logits.argmax()) == tokens[i] or _tie(logits, tokens[i])
     cache.reset_dynamic()
 
 
@@ -125,9 +120,7 @@ def test_compiled_replayed_decode_matches_eager(compiled_session, session, metho
     uncompiled model's logits. The fused element-wise kernels skip some intermediate bf16 roundings, so the
     tolerance is the two-GPU test's (a few bf16 ulps of logits of order 1, over the layers). A sparse method's
     queries then differ by those roundings too, which may flip a cluster whose score sits at the threshold (seen:
-    1 logit of 258 off by 0.07 with hsqueeze at 0.7): there, 2% of the logits may miss, and the replay's token must
-    score within that tolerance of the eager step's best (seen with a one-token sink: 222 for 111, on this model's
-    nearly flat logits)."""
+    1 logit of 258 off by 0.07 with hsqueeze at 0.7): there, 2% of the logits may miss; the token must not."""
     assert compiled_session.graphs is not None
     tokens, replayed = replayed_turn(compiled_session, method, sparsity)
     check_against_eager(session, method, sparsity, tokens, replayed, COMPILED_TOL,

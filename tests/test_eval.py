@@ -141,10 +141,7 @@ def test_recall_falls_with_the_budget_and_stays_under_the_oracle(tiny):
         assert row["decode"]["recall"] <= row["decode"]["oracle"] + 0.03, row
     for row in agreement["rows"]:
         assert 0.0 <= row["top1"] <= 1.0 and row["kl"] >= 0.0
-        # a real question is not a calibration window: on this 590-token context (a level-1 cluster of hsqueeze is
-        # ~3% of the keys) its prefill read 0.19-0.35 at 0.3 as the sink or the seed moved; the calibration's own
-        # tolerance (0.03) is the contract test's
-        assert row["read_prefill"] <= 0.3 + 0.06, row
+        assert row["read_prefill"] <= 0.33 + 1e-9, row
     (oracle,) = [r for r in agreement["rows"] if r["method"] == "oracle"]
     assert oracle["read_prefill"] == pytest.approx(0.3, abs=0.01)  # its keys only: its index is not counted
     assert oracle["read_decode"] == pytest.approx(0.3, abs=0.01)

@@ -27,10 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+from engine.bench.oracle import OraclePolicy
 from engine.config import ContextSettings
 
 PARTS = ("needles", "recall", "agreement")
-ORACLE = "oracle"  # engine.bench.oracle.OraclePolicy.name (not imported here: the module stays light to import)
 BUDGETS = "0.05,0.1,0.2,0.3"
 
 
@@ -51,7 +51,7 @@ def summarize(doc: dict) -> list[dict]:
     for r in (doc.get("recall") or {}).get("rows", []):
         decode = r.get("decode") or r.get("prefill") or {}
         row(r["method"], r["budget"]).update(recall=decode.get("recall"), oracle=decode.get("oracle"))
-        row(ORACLE, r["budget"]).update(recall=decode.get("oracle"), oracle=decode.get("oracle"))  # its own row
+        row(OraclePolicy.name, r["budget"]).update(recall=decode.get("oracle"), oracle=decode.get("oracle"))  # its own row
     for r in (doc.get("agreement") or {}).get("rows", []):
         row(r["method"], r["budget"]).update(top1=r["top1"], kl=r["kl"])
         row(r["method"], r["budget"])["_reads"].append((r["read_prefill"], r["read_decode"]))
@@ -91,7 +91,6 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
     """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc).
     context: how the documents become contexts (None: the defaults; e.g. another sink)."""
     from engine.bench import fidelity, needles
-    from engine.bench.oracle import OraclePolicy
 
     start = time.monotonic()
     doc: dict = {"bench": "eval", "model": lm.model_id, "device": str(lm.device), "methods": methods,

@@ -17,6 +17,7 @@ from typing import ClassVar
 
 import torch
 
+from engine.bench.recall import full_probs
 from engine.policies.base import LayerIndex, LayerKeys, Lookup, Method, StepPlan, Tensors, check_budget
 from kernels.backend import Backend
 
@@ -50,9 +51,8 @@ class OraclePolicy(Method):
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: KeysPlan, scale: float, backend: Backend) -> Lookup:
         """q: [Hq, Lq, D] -> the selection of the heaviest keys per KV head (one for the step's Lq tokens)."""
         keys = layer["keys"]
-        hkv, indexed, d = keys.shape
-        hq, lq = q.shape[:2]
-        s = torch.matmul(q.float().reshape(hkv, (hq // hkv) * lq, d), keys.float().transpose(1, 2)) * scale
-        weight = torch.softmax(s, dim=-1).sum(dim=1)  # [Hkv, Lc]: the group's and the step's weight on each key
+        hkv, indexed = keys.shape[:2]
+        # [Hq, Lq, Lc] -> [Hkv, Lc]: the group's and the step's weight on each key
+        weight = full_probs(q, keys, scale).reshape(hkv, -1, indexed).sum(dim=1)
         _, selection = backend.kernel("pages").select_pages(weight, plan.count(indexed), 1, layer.num_keys)
         return Lookup(selection=selection, index_elements=torch.zeros(hkv, device=q.device))
