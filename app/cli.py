@@ -27,6 +27,10 @@ def _progress(enabled: bool):
     return report
 
 
+# Methods that learn something once per model (Method.prepare): what `squeeze train` trains.
+TRAINED_METHODS = tuple(n for n, cls in REGISTRY.items() if "prepare" in vars(cls))
+
+
 def _engine(args):
     from engine.serve.service import Engine  # noqa: PLC0415 - keep `squeeze --help` fast
 
@@ -103,6 +107,17 @@ def cmd_ask(args) -> int:
               f"(question {stats['kv_budget_prefill']:.3f}, answer {stats['kv_budget_decode']:.3f}) "
               f"first token {stats['timings']['first_token_s']:.2f}s, {stats['timings']['tokens_per_s']:.1f} tok/s]",
               file=sys.stderr)
+    return 0
+
+
+def cmd_train(args) -> int:
+    """Learn a method's model-level artifacts now (e.g. DuoAttention's gates); stored for every later document."""
+    engine = _engine(args)
+    start = time.perf_counter()
+    found = engine.prepared(args.method, _progress(not args.quiet))
+    out = {"method": args.method, "model": engine.model_id, "seconds": round(time.perf_counter() - start, 1),
+           "artifacts": {name: [round(float(x), 4) for x in t.flatten()] for name, t in sorted(found.items())}}
+    print(json.dumps(out) if args.json else "\n".join(f"{name}: {values}" for name, values in out["artifacts"].items()))
     return 0
 
 
@@ -191,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--truncate", action="store_true")
     p.set_defaults(func=cmd_ask)
+    p = sub.add_parser("train", parents=[common, method_options],
+                       help="learn a method's model-level artifacts once (DuoAttention's gates), with a progress line "
+                            "per step; resumes a stopped run; later documents reuse them")
+    p.add_argument("method", choices=TRAINED_METHODS)
+    p.set_defaults(func=cmd_train)
     p = sub.add_parser("list", parents=[common], help="cached documents")
     p.set_defaults(func=cmd_list)
     p = sub.add_parser("delete", parents=[common], help="delete a cached document and its contexts")

@@ -11,6 +11,7 @@ from app.render import format_date, stage_text, time_left
 from engine.config import ContextSettings
 from engine.serve.explain import ContextInspector
 from engine.serve.jobs import IngestWorker, JobView
+from engine.serve.preparer import Preparer
 from engine.serve.service import Engine
 from engine.serve.turns import Turns
 from storage import NotFoundError, Store
@@ -43,10 +44,13 @@ class Services:
     config: AppConfig
     stops: StopFlags = field(default_factory=StopFlags)
     turns: Turns | None = None  # made from the engine when not given
+    preparer: Preparer | None = None  # likewise: methods' model-level artifacts learned in the background
 
     def __post_init__(self) -> None:
         if self.turns is None:
             self.turns = Turns(self.engine)
+        if self.preparer is None:
+            self.preparer = Preparer(self.engine)
 
     @property
     def model_id(self) -> str:
@@ -97,6 +101,15 @@ def doc_status(services: Services, doc_id: str, method: str | None = None) -> Do
     wanted = ContextSettings().as_dict()
     ready = next((c for c in contexts if c["settings"] == wanted and c["status"] == "ready"), None)
     active = job is not None and job.status in ("queued", "running")
+    if ready is not None and method:
+        training = services.preparer.start(method)  # the first use of a method that learns per model starts it
+        if training is not None and training.state == "running":
+            return DocStatus(doc_id, name, "preparing", ready["id"], False, job,
+                             f"{method} learns once per model first, in the background: {training.stage} "
+                             f"({time_left(training.seconds_left)})")
+        if training is not None and training.state == "failed":
+            return DocStatus(doc_id, name, "failed", ready["id"], False, job,
+                             f"{method} could not learn what it needs: {training.error}; ask again to retry")
     if ready is not None:
         stale = services.engine.stale_methods(ready["id"], [method]) if method else []
         if not stale:

@@ -129,7 +129,8 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
                                                 num_keys=keys[i].shape[1], tail=tail),
                                queries=queries[i].to(device)) for i in layers]
         calibration = method.calibrate(sets, scale)
-        calibration.update(budget_curves(method, sets, scale, calibration))  # what a budget reads: Method.plan
+        if "budget_decode" not in calibration:  # what a budget reads (Method.plan), unless the method knows it exactly
+            calibration.update(budget_curves(method, sets, scale, calibration))
         for name, t in calibration.items():
             full_name = names.method_calib_name(method.name, name)
             out[full_name] = t

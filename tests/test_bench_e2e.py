@@ -12,6 +12,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from tiny_models import gates_for
+
 from engine.bench.e2e import SHAPES, build_shape, even_device_map, main, measure_peer, peer_model
 from engine.config import ContextSettings
 from engine.policies import build_order, make_method, SPARSE_METHODS
@@ -115,7 +117,8 @@ def test_peer_is_the_engine_model(one_thread):
     settings = ContextSettings(dense_tail=8)
     methods = [make_method(n, {"kmeans_iters": 2} if n in ("squeeze", "hsqueeze") else None)
                for n in build_order(SPARSE_METHODS)]
-    session = ContextSession(lm, ingest_tokens(lm, ids, settings, REFERENCE, methods).artifacts, settings, REFERENCE)
+    session = ContextSession(lm, ingest_tokens(lm, ids, settings, REFERENCE, methods, prepared=gates_for(lm, methods)).artifacts,
+                             settings, REFERENCE)
     ours = full_logits(lm, session.step_context("full", 0.0), prompt)
     with torch.inference_mode():
         theirs = peer(input_ids=torch.cat([ids, prompt])[None]).logits[0, -prompt.numel():]

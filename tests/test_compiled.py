@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_model_path  # noqa: F401 (fixture)
+from tiny_models import gates_for, tiny_model_path  # noqa: F401 (fixture)
 
 from engine.compiled import compile_layers, layers_compiled
 from engine.generate import greedy_tokens
@@ -38,7 +38,8 @@ def sessions(tiny_model_path):  # noqa: F811
     assert compile_layers(compiled_lm) == 0  # idempotent
     assert not layers_compiled(eager_lm)
     ids = tokenize_document(eager_lm.tokenizer, DOCUMENT, eager_lm.max_context).ids
-    artifacts = ingest_tokens(eager_lm, ids, SETTINGS, REFERENCE, all_methods()).artifacts
+    artifacts = ingest_tokens(eager_lm, ids, SETTINGS, REFERENCE, all_methods(),
+                  prepared=gates_for(eager_lm, all_methods())).artifacts
     clone = lambda: {k: v.clone() for k, v in artifacts.items()}  # noqa: E731
     return (ContextSession(compiled_lm, clone(), SETTINGS, REFERENCE),
             ContextSession(eager_lm, clone(), SETTINGS, REFERENCE))
@@ -59,8 +60,10 @@ def test_compiled_ingest_matches_eager(sessions, tiny_model_path):  # noqa: F811
     """The ingest's chunked prefill through compiled layers: the same K/V (the same index follows from them)."""
     compiled, eager = sessions
     ids = tokenize_document(eager.lm.tokenizer, DOCUMENT, eager.lm.max_context).ids
-    got = ingest_tokens(compiled.lm, ids, SETTINGS, REFERENCE, all_methods()).artifacts
-    want = ingest_tokens(eager.lm, ids, SETTINGS, REFERENCE, all_methods()).artifacts
+    got = ingest_tokens(compiled.lm, ids, SETTINGS, REFERENCE, all_methods(),
+                  prepared=gates_for(compiled.lm, all_methods())).artifacts
+    want = ingest_tokens(eager.lm, ids, SETTINGS, REFERENCE, all_methods(),
+                  prepared=gates_for(eager.lm, all_methods())).artifacts
     for i in range(eager.lm.num_layers):
         torch.testing.assert_close(got[f"layer{i}.keys"], want[f"layer{i}.keys"], **TOL)
         torch.testing.assert_close(got[f"layer{i}.values"], want[f"layer{i}.values"], **TOL)

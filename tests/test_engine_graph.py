@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_models import tiny_model_path  # noqa: F401 (fixture)
+from tiny_models import gates_for, tiny_model_path  # noqa: F401 (fixture)
 
 from engine.compiled import compile_layers
 from engine.generate import forward_step, greedy_tokens
@@ -41,7 +41,8 @@ def session(tiny_model_path):  # noqa: F811
     lm = load_model(str(tiny_model_path), device="cuda")
     backend = backend_for(lm.device, "triton")
     ids = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context).ids
-    return ContextSession(lm, ingest_tokens(lm, ids, SETTINGS, backend, all_methods()).artifacts, SETTINGS, backend)
+    return ContextSession(lm, ingest_tokens(lm, ids, SETTINGS, backend, all_methods(),
+                  prepared=gates_for(lm, all_methods())).artifacts, SETTINGS, backend)
 
 
 def _prompt(session):
@@ -110,7 +111,8 @@ def compiled_session(tiny_model_path, session):  # noqa: F811
     lm = load_model(str(tiny_model_path), device="cuda")
     compile_layers(lm)
     ids = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context).ids
-    artifacts = ingest_tokens(session.lm, ids, SETTINGS, session.backend, all_methods()).artifacts
+    artifacts = ingest_tokens(session.lm, ids, SETTINGS, session.backend, all_methods(),
+                  prepared=gates_for(session.lm, all_methods())).artifacts
     return ContextSession(lm, artifacts, SETTINGS, session.backend)
 
 

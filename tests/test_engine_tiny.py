@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_models import GEMMA_SLIDING_WINDOW, byte_tokenizer, tiny_model_path  # noqa: F401 (fixture)
+from tiny_models import GEMMA_SLIDING_WINDOW, byte_tokenizer, gates_for, tiny_model_path  # noqa: F401 (fixture)
 
 from engine.attention import ATTN_NAME
 from engine.config import ContextSettings
@@ -64,7 +64,7 @@ def ctx(tiny_model_path) -> TinyContext:  # noqa: F811 (the fixture imported abo
     lm = load_model(str(tiny_model_path), device="cpu")
     fc = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context)
     methods = all_methods()
-    out = ingest_tokens(lm, fc.ids, SETTINGS, REFERENCE, methods)
+    out = ingest_tokens(lm, fc.ids, SETTINGS, REFERENCE, methods, prepared=gates_for(lm, methods))
     session = ContextSession(lm, out.artifacts, SETTINGS, REFERENCE, methods={m.name: m for m in methods})
     return TinyContext(tiny_model_path.name, lm, fc.ids, session)
 
@@ -169,7 +169,9 @@ def test_session_turns_leave_fixed_context_unchanged(ctx):
 def test_session_takes_over_the_fixed_kv(ctx):
     """The session pops the fixed K/V out of the artifacts: one copy of the context on the device. A layer that is
     not permuted by cluster (a sliding window's) keeps the ingest's very tensor."""
-    artifacts = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, all_methods()).artifacts
+    methods = all_methods()
+    artifacts = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, methods,
+                              prepared=gates_for(ctx.lm, methods)).artifacts
     made = {i: artifacts[f"layer{i}.keys"].data_ptr() for i in range(ctx.lm.num_layers)}
     session = ContextSession(ctx.lm, artifacts, SETTINGS, REFERENCE)
     assert not [name for name in artifacts if name.endswith((".keys", ".values"))]
@@ -257,6 +259,10 @@ def test_a_turn_records_what_its_lookups_scored(ctx, method):
     from engine.serve.explain import explain_turn  # noqa: PLC0415
 
     answer = ctx.session.ask(QUESTION, method, 0.7, max_new_tokens=4)
+    layer = ctx.session.cache.layers[ctx.lm.global_layers[0]].indexes[method]
+    if ctx.session.methods[method].unit_labels(layer) is None:  # no units (duo: heads read all or a window)
+        assert answer.unit_scores == {} and answer.stats.clusters == []
+        return
     assert set(answer.unit_scores) == set(ctx.lm.global_layers)
     threshold = answer.plan.retrieval_threshold()
     for entry in answer.stats.clusters:
@@ -284,7 +290,7 @@ def test_prefill_threshold_option_end_to_end(ctx):
     same = {"prefill_threshold": "decode"}
     methods = all_methods(squeeze={**METHOD_SETTINGS["squeeze"], **same},
                           hsqueeze={**METHOD_SETTINGS["hsqueeze"], **same})
-    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, methods)
+    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, methods, prepared=gates_for(ctx.lm, methods))
     names = {"squeeze.calib.threshold_prefill", "hsqueeze.calib.threshold_l1_prefill",
              "hsqueeze.calib.threshold_l2_prefill"}
     assert not names & set(out.artifacts)
@@ -303,8 +309,9 @@ def test_ingest_hands_each_artifact_over_once_when_final(ctx):
     """on_artifact (engine.serve.writer saves through it): every artifact once, the very tensors returned; each global
     layer's K/V before its clustering (ahead of its index), every index before the calibrations."""
     handed: list[tuple[str, torch.Tensor]] = []
-    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, all_methods(),
-                        on_artifact=lambda n, t: handed.append((n, t)))
+    methods = all_methods()
+    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, methods,
+                        on_artifact=lambda n, t: handed.append((n, t)), prepared=gates_for(ctx.lm, methods))
     names = [n for n, _ in handed]
     assert sorted(names) == sorted(out.artifacts) and len(set(names)) == len(names)
     assert all(t is out.artifacts[n] for n, t in handed)

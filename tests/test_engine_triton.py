@@ -11,7 +11,7 @@ import dataclasses
 
 import pytest
 import torch
-from tiny_models import tiny_model_path  # noqa: F401 (fixture)
+from tiny_models import gates_for, tiny_model_path  # noqa: F401 (fixture)
 
 from engine.ingest import ingest_tokens
 from engine.model import load_model
@@ -87,7 +87,8 @@ def ingested(tiny_model_path):  # noqa: F811
     """The tiny model and the document's artifacts (ingested once, by the reference), shared by the sessions."""
     lm = load_model(str(tiny_model_path), device="cuda" if ON_GPU else "cpu")
     fc = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context)
-    return lm, ingest_tokens(lm, fc.ids, SETTINGS, REFERENCE, all_methods()).artifacts
+    return lm, ingest_tokens(lm, fc.ids, SETTINGS, REFERENCE, all_methods(),
+                  prepared=gates_for(lm, all_methods())).artifacts
 
 
 def own(artifacts: dict) -> dict:

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import gates_for, make_tiny_model
 
 from app.cli import main as cli_main
 from engine.bench import evaluate, fidelity
@@ -17,7 +17,7 @@ from engine.bench.eval_plot import save_figure, series
 from engine.bench.needles import context_session
 from engine.bench.oracle import OraclePolicy
 from engine.model import load_model
-from engine.policies import SPARSE_METHODS
+from engine.policies import SPARSE_METHODS, make_method
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -108,7 +108,11 @@ def tiny(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("eval_model"), "llama_gqa")
     lm = load_model(str(path), device="cpu")
     text = " ".join(f"Line {i}: the harbour light turns every {i % 7 + 2} seconds." for i in range(12))
-    return lm, context_session(lm, text, list(SPARSE_METHODS), extra=[OraclePolicy()]), path
+    # duo's streaming window scaled to this ~700-token document (its defaults, 64 + 256 keys, would read half of it
+    # at any budget: the method's floor)
+    return lm, context_session(lm, text, list(SPARSE_METHODS), {"duo": {"sink": 4, "recent": 24}},
+                               extra=[OraclePolicy()],
+                               prepared=gates_for(lm, [make_method(n) for n in SPARSE_METHODS])), path
 
 
 def test_full_budget_agrees_with_full_attention(tiny):

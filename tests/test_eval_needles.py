@@ -9,7 +9,8 @@ import pytest
 
 from engine.bench.evaluate import summarize as summarize_eval
 from engine.bench.evaluate import table
-from engine.bench.needles import essays_dir, haystack, passkeys, run, summarize
+from engine.bench.needles import passkeys, run, summarize
+from engine.corpus import essays_dir, haystack
 
 
 def test_the_essays_are_there():

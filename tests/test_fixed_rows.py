@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import make_tiny_model
+from tiny_models import gates_for, make_tiny_model
 
 from engine.bench import fidelity
 from engine.bench.needles import context_session
 from engine.config import ContextSettings
 from engine.fixed_rows import FixedRows
 from engine.model import load_model
-from engine.policies import SPARSE_METHODS
+from engine.policies import SPARSE_METHODS, make_method
 from kernels.backend import REFERENCE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -63,7 +63,8 @@ def sessions(tmp_path_factory):
     """The same document with and without a sink, every method built."""
     path = make_tiny_model(tmp_path_factory.mktemp("rows_model"), "llama_gqa")
     lm = load_model(str(path), device="cpu")
-    return {sink: context_session(lm, TEXT, list(SPARSE_METHODS), context=ContextSettings(dense_tail=8, sink=sink))
+    return {sink: context_session(lm, TEXT, list(SPARSE_METHODS), context=ContextSettings(dense_tail=8, sink=sink),
+                                  prepared=gates_for(lm, [make_method(n) for n in SPARSE_METHODS]))
             for sink in (0, 4)}
 
 

@@ -33,6 +33,9 @@ ATOL = 2e-5
 # calibrated on these very queries, at grid points between which the plan interpolates (a threshold keeps a
 # different share of the keys at each step; a top-K method rounds to whole pages).
 BUDGET_TOL = 0.03
+# Settings scaled to this 664-key context where a method's defaults assume a document (DuoAttention's streaming
+# window: 64 sink + 256 recent keys would be half of it, a floor above the budgets tested below).
+SMALL_CONTEXT = {"duo": {"sink": 8, "recent": 48}}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run compiled on a GPU, interpreted otherwise
 
 
@@ -55,8 +58,11 @@ def synthetic_context(seed: int = 0):
 @pytest.fixture(scope="module")
 def context():
     keys, values, queries = synthetic_context()
-    methods = [make_method(n) for n in build_order(SPARSE_METHODS)]
-    artifacts = build_methods(keys, queries, TAIL, methods, SCALE, torch.device("cpu"))
+    methods = [make_method(n, SMALL_CONTEXT.get(n)) for n in build_order(SPARSE_METHODS)]
+    prepared = {m.name: m.stand_in(list(LAYERS), HKV) for m in methods}  # what a trained model would have given
+    artifacts = build_methods(keys, queries, TAIL, methods, SCALE, torch.device("cpu"), prepared=prepared)
+    for method in methods:  # a session's index joins the model-level artifacts to each layer's (engine.session)
+        artifacts.update({f"{method.name}.{name}": t for name, t in prepared[method.name].items()})
     return keys, values, queries, {m.name: m for m in methods}, artifacts
 
 
@@ -176,7 +182,7 @@ class Probe(QuestPolicy):
     name = "probe"
     prepared_calls = 0
 
-    def prepare(self, lm) -> dict:
+    def prepare(self, lm, preparation=None) -> dict:
         type(self).prepared_calls += 1
         return {f"layer{i}.learned": lm.model.get_decoder().layers[i].self_attn.q_proj.weight[0].detach().float()
                 for i in lm.global_layers}

@@ -81,6 +81,14 @@ def _config(arch: str, tokenizer: PreTrainedTokenizerFast):
     raise ValueError(f"unknown tiny arch {arch!r}; choose one of {', '.join(ARCHS)}")
 
 
+def gates_for(lm, methods) -> dict:
+    """Untrained model-level artifacts for `methods` (Method.stand_in: DuoAttention's gates spread over [0, 1]): what
+    a test of the mechanics gives a method that learns per model (tests/test_duo.py trains them)."""
+    from engine.policies import stand_ins
+
+    return stand_ins(methods, lm.global_layers, lm.num_kv_heads)
+
+
 def make_tiny_model(tmp_path: Path, arch: str) -> Path:
     """Build a seeded random-weight `arch` model and save it with `byte_tokenizer()` under tmp_path/arch."""
     tokenizer = byte_tokenizer()

@@ -41,7 +41,7 @@ from engine.config import ContextSettings
 from engine.generate import greedy_tokens
 from engine.ingest import IngestOutput, ingest_tokens
 from engine.model import LoadedModel, layer_devices, load_model
-from engine.policies import METHODS, build_order, make_method
+from engine.policies import METHODS, build_order, make_method, stand_ins
 from engine.session import ContextSession
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
@@ -280,7 +280,9 @@ def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, ba
     ingest = None
     start = time.perf_counter()
     try:
-        ingest = ingest_tokens(lm, ids, settings, backend, [make_method(m) for m in build_order(methods)], clock)
+        instances = [make_method(m) for m in build_order(methods)]
+        ingest = ingest_tokens(lm, ids, settings, backend, instances, clock,
+                               prepared=stand_ins(instances, lm.global_layers, lm.num_kv_heads))
         clock.close()
     except Exception as exc:  # noqa: BLE001 - reported in the JSON
         report["error"] = _error(exc)
@@ -537,7 +539,9 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
     _log(f"warm-up ingest of {warmup.numel()} tokens")
     start = time.perf_counter()
     try:
-        ingest_tokens(lm, warmup, settings, backend, [make_method(m) for m in build_order(methods)])
+        instances = [make_method(m) for m in build_order(methods)]
+        ingest_tokens(lm, warmup, settings, backend, instances,
+                      prepared=stand_ins(instances, lm.global_layers, lm.num_kv_heads))
         warmup_error = None
     except Exception as exc:  # noqa: BLE001 - the timed ingest reports what fails
         warmup_error = _error(exc)

@@ -87,9 +87,11 @@ def table(doc: dict) -> str:
 
 def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths: list[int], depths: list[float],
         keys: int, document: Path, questions: list[str], answer_tokens: int, progress=lambda *a: None,
-        context: ContextSettings | None = None) -> dict:
+        context: ContextSettings | None = None, prepared: dict | None = None) -> dict:
     """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc).
-    context: how the documents become contexts (None: the defaults; e.g. another sink)."""
+    context: how the documents become contexts (None: the defaults; e.g. another sink); prepared: method -> its
+    model-level artifacts (needed by a method that learns per model: main gets them from the cache's store, training
+    them first where they are missing)."""
     from engine.bench import fidelity, needles
 
     start = time.monotonic()
@@ -98,12 +100,13 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
                  "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if "needles" in parts:
         doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()],
-                                     context=context)
+                                     context=context, prepared=prepared)
         cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
         doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells)}
     if "recall" in parts or "agreement" in parts:
         text = document.read_text(encoding="utf-8", errors="replace")
-        session = needles.context_session(lm, text, methods, extra=[OraclePolicy()], context=context)
+        session = needles.context_session(lm, text, methods, extra=[OraclePolicy()], context=context,
+                                          prepared=prepared)
         agreement, recall = fidelity.run(session, methods, budgets, questions, answer_tokens, progress,
                                          recall="recall" in parts, agreement="agreement" in parts,
                                          ceiling=OraclePolicy.name)
@@ -123,8 +126,8 @@ def _floats(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.bench.fidelity import ANSWER_TOKENS, DOCUMENT, QUESTIONS, load_questions
-    from engine.bench.needles import essays_dir
-    from engine.policies import SPARSE_METHODS
+    from engine.corpus import essays_dir
+    from engine.policies import SPARSE_METHODS, build_order
 
     parser = argparse.ArgumentParser(prog="squeeze eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
@@ -182,8 +185,13 @@ def main(argv: list[str] | None = None) -> int:
     def progress(done: int, total: int, what: str) -> None:
         print(f"[eval {time.monotonic() - start:6.0f}s] {done}/{total} {what}", file=sys.stderr, flush=True)
 
+    def training(stage: str, done: int, total: int) -> None:
+        progress(done, total, stage)
+
+    prepared = {name: engine.prepared(name, training) for name in build_order(methods)}
     doc = run(engine.lm, parts, methods, budgets, [int(x) for x in args.lengths.split(",") if x],
-              _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress, context)
+              _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress, context,
+              prepared)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))

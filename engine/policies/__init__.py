@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, StepPlan,
-                                  Tensors)
+from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Preparation,
+                                  StepPlan, Tensors)
+from engine.policies.duo import DuoPolicy
 from engine.policies.full import FullPolicy
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
 from engine.policies.quest import QuestPolicy
@@ -17,6 +18,7 @@ REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
     SqueezePolicy,
     HierarchicalSqueezePolicy,
     QuestPolicy,
+    DuoPolicy,
 )}
 METHODS = tuple(REGISTRY)
 SPARSE_METHODS = tuple(name for name, cls in REGISTRY.items() if cls.sparse)
@@ -41,6 +43,12 @@ def make_method(name: str, settings: MethodSettings | dict | None = None) -> Met
     return cls(settings)
 
 
+def stand_ins(methods: Iterable[Method], layers: list[int], num_kv_heads: int) -> dict[str, Tensors]:
+    """Each method's model-level artifacts made without a model (Method.stand_in): for benchmarks that time
+    random-weight models and for tests of the mechanics; a fidelity measurement needs the trained ones."""
+    return {m.name: m.stand_in(list(layers), num_kv_heads) for m in methods}
+
+
 def build_order(names: Iterable[str]) -> list[str]:
     """The sparse methods among `names` and everything they require, each after its requirements."""
     order: list[str] = []
@@ -59,5 +67,5 @@ def build_order(names: Iterable[str]) -> list[str]:
     return order
 
 
-__all__ = ["REGISTRY", "METHODS", "SPARSE_METHODS", "method_class", "make_method", "build_order", "Method",
-           "MethodSettings", "StepPlan", "Lookup", "LayerIndex", "LayerKeys", "CalibrationSet", "Tensors"]
+__all__ = ["REGISTRY", "METHODS", "SPARSE_METHODS", "method_class", "make_method", "build_order", "stand_ins", "Method",
+           "MethodSettings", "Preparation", "StepPlan", "Lookup", "LayerIndex", "LayerKeys", "CalibrationSet", "Tensors"]

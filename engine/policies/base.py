@@ -3,7 +3,8 @@
 A method is one module registered by name (engine.policies.REGISTRY). It has
 - its own frozen settings (`Settings`): only what it builds, so only they enter its cache key;
 - `requires`: the methods whose artifacts its `build` reads (built first, passed in by name);
-- `prepare(lm)`: artifacts learned once per model (stored apart from documents; none by default);
+- `prepare(lm, preparation)`: artifacts learned once per model (stored apart from documents; none by default), with
+  progress and a checkpoint to resume from (`Preparation`); `prepare_key()`: the settings they depend on;
 - `build(layer, required, prepared)`: its index of one global layer, at ingest or later from the stored K/V;
 - `calibrate(layers, scale)`: once per context, from every global layer's calibration queries (the engine adds
   the measured reads of its lookups, engine.policies.budget);
@@ -21,7 +22,8 @@ Artifact names (engine.artifacts) put every method in its own namespace: `{metho
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 from typing import ClassVar
 
 import torch
@@ -76,6 +78,15 @@ class LayerIndex:
     tensors: Tensors
     num_keys: int
     tail: int
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
+
+    def memo(self, key, make: Callable[[], object]):
+        """What a method derives from this index and a plan (a value of `key`), made once and kept with the index:
+        a selection that does not depend on the step's queries (DuoAttention's) is then made at the turn's first
+        step and reused by every later one, and by a captured decode step (no kernel left to replay)."""
+        if key not in self.derived:
+            self.derived[key] = make()
+        return self.derived[key]
 
     @property
     def indexed(self) -> int:
@@ -125,6 +136,16 @@ class CalibrationSet:
     queries: torch.Tensor
 
 
+@dataclass
+class Preparation:
+    """What `Method.prepare` may use besides the model: `progress(done, total, message)`, and a checkpoint: `load()`
+    the state a stopped preparation saved ({} when none), `save(state)` to keep one (named tensors)."""
+
+    progress: Callable[[int, int, str], None] = lambda done, total, message: None
+    load: Callable[[], Tensors] = dict
+    save: Callable[[Tensors], None] = lambda state: None
+
+
 class Method(ABC):
     """A sparse-attention method (see the module docstring). An instance carries its settings."""
 
@@ -143,8 +164,17 @@ class Method(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.settings!r})"
 
-    def prepare(self, lm) -> Tensors:
+    def prepare(self, lm, preparation: Preparation | None = None) -> Tensors:
         """Artifacts learned once per model (`layer{i}.{name}` for a layer's): none by default."""
+        return {}
+
+    def prepare_key(self) -> dict:
+        """The settings `prepare` depends on (the key of its artifacts in the store): all of them by default."""
+        return self.settings.as_dict()
+
+    def stand_in(self, layers: list[int], num_kv_heads: int) -> Tensors:
+        """Model-level artifacts of the right shapes where no model is at hand (a synthetic context's tests), made
+        without training; none by default."""
         return {}
 
     @abstractmethod

@@ -15,7 +15,7 @@ from engine.compiled import compile_layers
 from engine.config import ContextSettings
 from engine.ingest import ingest_tokens
 from engine.model import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model, model_id_for
-from engine.policies import REGISTRY, Method, MethodSettings, Tensors, build_order, make_method
+from engine.policies import REGISTRY, Method, MethodSettings, Preparation, Tensors, build_order, make_method
 from engine.policies.budget import CALIBRATION_VERSION
 from engine.prompt import tokenize_document
 from engine.session import Answer, ContextSession, Delta
@@ -26,6 +26,7 @@ from storage import Document, Store, load_document
 
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
 Progress = Callable[[str, int, int], None]
+CHECKPOINT = ":checkpoint"  # a preparation's checkpoint in store.models: under the method's name with this suffix
 DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
 # `squeeze eval` of the embedded model as shipped (read-only): what `latest_eval` shows until one is recorded
 SHIPPED_EVAL = Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu-eval.json"
@@ -114,22 +115,53 @@ class Engine:
             raise ValueError(f"unknown method {name!r}; choose one of {', '.join(self.method_settings)}")
         return make_method(name, self.method_settings[name])
 
-    def prepared(self, name: str) -> Tensors:
+    def needs_preparation(self, name: str) -> bool:
+        """Whether method `name` learns something per model that is not made yet (neither loaded nor stored)."""
+        method = self.method(name)
+        if type(method).prepare is Method.prepare:
+            return False
+        settings = method.prepare_key()
+        if (name, tuple(sorted(settings.items()))) in self._prepared:
+            return False
+        return not self.store.models.names(self.model_id, name, settings)
+
+    def prepared(self, name: str, progress: Progress | None = None) -> Tensors:
         """Method `name`'s model-level artifacts (learned once per model: `Method.prepare`), from the store, or made
-        now and stored (apart from documents: `store.models`); {} for a method that learns nothing per model."""
+        now and stored (apart from documents: `store.models`); {} for a method that learns nothing per model.
+
+        Making them (e.g. DuoAttention's gates, minutes) holds the device (nothing else runs the model meanwhile),
+        reports each step to `progress` as (f"training {name}: ...", done, total), and keeps a checkpoint in the store
+        (method f"{name}{CHECKPOINT}") that a stopped preparation resumes from; it is dropped once the artifacts are
+        stored."""
         method = self.method(name)
         if type(method).prepare is Method.prepare:
             return {}
-        key = (name, tuple(sorted(method.settings.as_dict().items())))
-        if key not in self._prepared:
-            settings = method.settings.as_dict()
-            found = self.store.models.load(self.model_id, name, settings)
-            if not found:
-                found = {n: t.detach().cpu() for n, t in method.prepare(self.lm).items()}
-                for artifact, tensor in found.items():
-                    self.store.models.save(self.model_id, name, settings, artifact, tensor)
-            self._prepared[key] = found
-        return self._prepared[key]
+        settings = method.prepare_key()
+        key = (name, tuple(sorted(settings.items())))
+        with self._device_lock:
+            if key not in self._prepared:
+                found = self.store.models.load(self.model_id, name, settings)
+                if not found:
+                    found = self._prepare(method, settings, progress)
+                self._prepared[key] = found
+            return self._prepared[key]
+
+    def _prepare(self, method: Method, settings: dict, progress: Progress | None) -> Tensors:
+        name, report = method.name, progress or (lambda stage, done, total: None)
+        checkpoint = name + CHECKPOINT
+
+        def save(state: Tensors) -> None:
+            for artifact, tensor in state.items():
+                self.store.models.save(self.model_id, checkpoint, settings, artifact, tensor.detach().cpu())
+
+        preparation = Preparation(progress=lambda done, total, message: report(f"training {name}: {message}", done,
+                                                                                total),
+                                  load=lambda: self.store.models.load(self.model_id, checkpoint, settings), save=save)
+        found = {n: t.detach().cpu() for n, t in method.prepare(self.lm, preparation).items()}
+        for artifact, tensor in found.items():
+            self.store.models.save(self.model_id, name, settings, artifact, tensor)
+        self.store.models.remove(self.model_id, checkpoint)
+        return found
 
     def build_key(self, name: str) -> dict:
         """What a build of `name` depends on: its settings and those of the methods it requires (the cache key of
@@ -188,7 +220,7 @@ class Engine:
             with ArtifactWriter(self.store.artifacts, ctx["id"]) as writer:  # saves each artifact while the rest is made
                 writer.put(names.OFFSETS, fixed.offsets)
                 out = ingest_tokens(lm, fixed.ids, settings, self.backend, [self.method(n) for n in built], tracked,
-                                    on_artifact=writer.put, prepared={n: self.prepared(n) for n in built})
+                                    on_artifact=writer.put, prepared={n: self.prepared(n, tracked) for n in built})
                 writer.close(lambda written, handed: tracked("saving", written, handed))
             for name in built:
                 self.store.methods.mark_built(ctx["id"], name, self.build_key(name))
@@ -214,7 +246,7 @@ class Engine:
             session = self.session(context_id)
             for name in todo:
                 self.store.methods.remove(context_id, name)
-                for artifact, tensor in session.build(self.method(name), progress, self.prepared(name)).items():
+                for artifact, tensor in session.build(self.method(name), progress, self.prepared(name, progress)).items():
                     self.store.artifacts.save(context_id, artifact, tensor.cpu())
                 self.store.methods.mark_built(context_id, name, self.build_key(name))
             return todo
