@@ -111,8 +111,10 @@ def _colour(v: float) -> str:
     return f"rgb({r},{g},{b})"
 
 
-def heatmap_svg(matrix: list[list[float]], layers: Sequence[int], title: str) -> str:
-    """Kept fraction per global layer (rows) and query head (columns), with the value in each cell."""
+def heatmap_svg(matrix: list[list[float]], layers: Sequence[int], title: str, roles: bool = False) -> str:
+    """Kept fraction per global layer (rows) and query head (columns), with the value in each cell. roles: the
+    method's units are heads (DuoAttention): a head that read every key is marked R (retrieval), the others S
+    (streaming: the sink and the recent keys)."""
     if not matrix:
         return (f'<div class="sq-heatmap sq-empty"><div class="sq-title">{esc(title)}</div>'
                 "no steps (the answer had one token)</div>")
@@ -130,12 +132,14 @@ def heatmap_svg(matrix: list[list[float]], layers: Sequence[int], title: str) ->
         for c, v in enumerate(row):
             x = left + c * CELL
             ink = "#fff" if v > 0.5 else "#123"
+            role = ("retrieval" if v >= 1 - 1e-4 else "streaming") if roles else ""
             parts.append(
                 f'<rect class="sq-cell" x="{x}" y="{y}" width="{CELL - 2}" height="{CELL - 2}" fill="{_colour(v)}" '
-                f'data-layer="{layers[r]}" data-head="{c}" data-kept="{v:.4f}"><title>layer {layers[r]}, head {c}: '
-                f'{100 * v:.1f}% of the keys</title></rect>'
+                f'data-layer="{layers[r]}" data-head="{c}" data-kept="{v:.4f}"'
+                + (f' data-role="{role}"' if role else "") + f'><title>layer {layers[r]}, head {c}: '
+                f'{100 * v:.1f}% of the keys{f" ({role} head)" if role else ""}</title></rect>'
                 f'<text x="{x + (CELL - 2) / 2}" y="{y + CELL / 2 + 3}" fill="{ink}" class="sq-cellv" '
-                f'text-anchor="middle">{100 * v:.0f}</text>'
+                f'text-anchor="middle">{role[:1].upper() if role else f"{100 * v:.0f}"}</text>'
             )
     parts.append("</svg>")
     return f'<div class="sq-heatmap"><div class="sq-title">{esc(title)}</div>{"".join(parts)}</div>'
@@ -145,14 +149,16 @@ def heatmaps_html(stats: dict) -> str:
     """(a) Kept fraction for the question's prefill and averaged over the answer's tokens, side by side."""
     layers = stats.get("global_layers", [])
     steps = max(0, stats.get("steps", 1) - 1)
+    roles = (stats.get("extra") or {}).get("unit") == "head"  # DuoAttention: retrieval or streaming heads
     legend = ('<div class="sq-legend"><span>kept % of the fixed context</span>'
               f'<span class="sq-ramp" style="background:linear-gradient(90deg,{_colour(0)},{_colour(1)})"></span>'
               "<span>0</span><span>100</span></div>")
     return (
         '<div class="sq-heatmaps" id="sq-heatmaps">'
-        + heatmap_svg(stats.get("kept_fraction_prefill", []), layers, "question prefill")
-        + heatmap_svg(stats.get("kept_fraction_decode", []), layers, f"answer ({steps} steps, mean)")
-        + legend + "</div>"
+        + heatmap_svg(stats.get("kept_fraction_prefill", []), layers, "question prefill", roles)
+        + heatmap_svg(stats.get("kept_fraction_decode", []), layers, f"answer ({steps} steps, mean)", roles)
+        + legend + ('<div class="sq-legend"><span>R: a retrieval head (every key); S: a streaming head (the first '
+                    'and the last tokens)</span></div>' if roles else "") + "</div>"
     )
 
 

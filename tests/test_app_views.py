@@ -154,6 +154,18 @@ def test_heatmap_and_budget_markup():
                                                           "extra": {"plan": "top 10% of the pages"}})
     assert "threshold" not in render.budget_html({**stats, "sparsity": 0.0, "method": "full"})
     assert render.heatmap_svg([], [], "answer").count("no steps") == 1
+    assert "data-role" not in html and "retrieval head" not in html
+
+
+def test_heatmap_marks_duo_heads_as_retrieval_or_streaming():
+    """DuoAttention's units are heads: a head that read every key is a retrieval head (R), the others streaming (S)."""
+    stats = {"global_layers": [5, 11], "kept_fraction_prefill": [[1.0, 1.0], [0.08, 0.08]],
+             "kept_fraction_decode": [[1.0, 1.0], [0.08, 0.08]], "steps": 3, "extra": {"unit": "head"}}
+    html = render.heatmaps_html(stats)
+    assert html.count('data-role="retrieval"') == 4 and html.count('data-role="streaming"') == 4
+    assert "layer 11, head 0: 8.0% of the keys (streaming head)" in html
+    assert re.search(r'class="sq-cellv" text-anchor="middle">R</text>', html)
+    assert "R: a retrieval head (every key)" in html
 
 
 def test_small_formatters():

@@ -23,7 +23,8 @@ from engine.policies import REGISTRY
 from engine.session import ContextSession
 from kernels.backend import REFERENCE
 
-CONTEXT, STEPS, QUESTIONS = 300, 4, ("8", "16")
+# 1,024 tokens: duo's streaming window (64 + 256 tokens) is then a part of the context, as sparsity needs
+CONTEXT, STEPS, QUESTIONS = 1024, 4, ("8", "16")
 STAGES = {"prefill", "clustering", "calibrating"}  # engine.ingest's progress stages
 
 

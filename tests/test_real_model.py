@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_models import gates_for
+
 from engine.config import ContextSettings
 from engine.policies import SPARSE_METHODS, build_order, make_method
 from engine.ingest import ingest_tokens
@@ -34,7 +36,7 @@ PASSKEY_INDEX = {"squeeze": {"centroid_ratio": 0.1}, "hsqueeze": {"level1_prune"
 
 def passkey_methods() -> dict:
     """Every sparse method, squeeze and hsqueeze with PASSKEY_INDEX."""
-    return {n: make_method(n, PASSKEY_INDEX.get(n)) for n in build_order(["squeeze", "hsqueeze", "quest"])}
+    return {n: make_method(n, PASSKEY_INDEX.get(n)) for n in build_order(SPARSE_METHODS)}
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +47,10 @@ def passkey_contexts(real_lm):
         text = insert_passkey(SAMPLE.read_text(), KEY, depth)
         fixed = tokenize_document(real_lm.tokenizer, text, real_lm.max_context)
         methods = passkey_methods()
-        out = ingest_tokens(real_lm, fixed.ids, ContextSettings(), REFERENCE, list(methods.values()))
+        # duo with untrained gates (training takes minutes: tests/test_duo.py trains them on tiny models); what is
+        # checked here of it is mechanics: the budget it reads, full attention at budget 1
+        out = ingest_tokens(real_lm, fixed.ids, ContextSettings(), REFERENCE, list(methods.values()),
+                            prepared=gates_for(real_lm, list(methods.values())))
         queries = {i: out.artifacts[f"layer{i}.calib_queries"] for i in real_lm.global_layers}
         contexts[depth] = (ContextSession(real_lm, out.artifacts, ContextSettings(), REFERENCE, methods=methods),
                            queries)

@@ -160,8 +160,10 @@ def run(capture_path: str, length: int, hq: int, hkv: int, sparsities: list[floa
     for name in methods:
         index = indexes[name]
         layout = instances[name].layout(index)
-        for group in ("kv", "query"):  # every sparse method has the `group` setting
-            policy = type(instances[name])(replace(instances[name].settings, group=group))
+        grouped = "group" in instances[name].Settings.__dataclass_fields__  # duo: a row per KV head, always
+        for group in ("kv", "query") if grouped else ("kv",):
+            policy = type(instances[name])(replace(instances[name].settings, group=group)) if grouped \
+                else instances[name]
             calibration = policy.calibrate([CalibrationSet(index=index, queries=calib_q)], scale)
             for sparsity in sparsities:
                 plan = policy.plan(calibration, 1.0 - sparsity)
