@@ -66,3 +66,27 @@ class Selection:
         flat = (self.indptr[:-1, None] + pos[None, :]).clamp(max=max(self.indices.numel() - 1, 0))
         idx = self.indices[flat] if self.indices.numel() else torch.zeros_like(flat)
         return torch.where(valid, idx, torch.zeros_like(idx)), valid
+
+
+def replace_rows(selection: Selection, take: torch.Tensor, fixed: torch.Tensor) -> Selection:
+    """The rows of `selection` where `take` [rows] bool is set replaced by `fixed` [rows, W] (each row's keys,
+    sorted; only the taken rows are read); the other rows as they are. On the device, without host
+    synchronisation: the new indices buffer holds selection.indices.numel() + rows * W entries (a static size), of
+    which indptr[-1] are used."""
+    rows, width = fixed.shape
+    if take.shape != (rows,) or selection.rows != rows:
+        raise ValueError(f"take must be [{selection.rows}] and fixed [{selection.rows}, W]; got {tuple(take.shape)}, "
+                         f"{tuple(fixed.shape)}")
+    device = selection.indptr.device
+    counts = torch.where(take, torch.full_like(selection.counts(), width), selection.counts())
+    indptr = torch.zeros(rows + 1, dtype=torch.int64, device=device)
+    indptr[1:] = torch.cumsum(counts, dim=0)
+    entry = torch.arange(selection.indices.numel() + rows * width, device=device)
+    row = torch.searchsorted(indptr[1:], entry, right=True).clamp(max=max(rows - 1, 0))
+    offset = entry - indptr[row]
+    last = max(selection.indices.numel() - 1, 0)
+    mine = selection.indices[(selection.indptr[row] + offset).clamp(0, last)] if selection.indices.numel() \
+        else torch.zeros_like(entry, dtype=fixed.dtype)
+    theirs = fixed[row, offset.clamp(0, max(width - 1, 0))] if width else torch.zeros_like(mine)
+    indices = torch.where(take[row], theirs.to(mine.dtype), mine)
+    return Selection(indptr=indptr, indices=indices, num_keys=selection.num_keys)

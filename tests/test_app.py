@@ -205,7 +205,7 @@ def test_the_latest_evaluation_of_the_model_is_shown(app, ready_doc):
     shown = open_doc(client, ready_doc)["evaluation"]
     assert client.predict(api_name="/evaluation") == shown  # as a page load shows it
     assert f"Latest squeeze eval of {model}" in shown
-    assert re.findall(r"<tr><td>(\w+)</td><td>20%</td><td>100%</td>", shown) == list(SPARSE_METHODS)
+    assert re.findall(r"<tr><td>([\w-]+)</td><td>20%</td><td>100%</td>", shown) == list(SPARSE_METHODS)
 
 
 def test_every_method_answers_and_full_reads_everything(app, ready_doc):

@@ -242,3 +242,53 @@ def test_cli_trains_duo(tmp_path, capsys):
     assert out["method"] == "duo" and len(out["artifacts"]) == 2
     gates = next(v for k, v in out["artifacts"].items() if k.endswith(".gates"))
     assert all(0.0 <= g <= 1.0 for g in gates) and not math.isnan(sum(gates))
+
+
+def test_replace_rows_equals_the_mask_by_hand():
+    from kernels.selection import Selection, replace_rows
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(4, 30, generator=g) < 0.3
+    fixed = torch.stack([torch.randperm(30, generator=g)[:6].sort().values for _ in range(4)]).to(torch.int32)
+    take = torch.tensor([True, False, False, True])
+    got = replace_rows(Selection.from_mask(mask), take, fixed)
+    want = mask.clone()
+    for r in (0, 3):
+        want[r] = False
+        want[r, fixed[r].long()] = True
+    assert torch.equal(got.to_mask(), want)
+    assert got.counts().tolist() == [6, int(mask[1].sum()), int(mask[2].sum()), 6]
+
+
+def test_duo_squeeze_streams_the_low_heads_and_looks_up_the_high_ones():
+    """duo-squeeze: the heads of rank >= its retrieval share read their window (the sink's and the recent tokens,
+    found in squeeze's layout, then the dense rows); the others exactly squeeze's selection at the plan's threshold."""
+    from engine.ingest import build_methods
+    from engine.policies import build_order, stand_ins
+    from kernels.backend import REFERENCE
+
+    g = torch.Generator().manual_seed(1)
+    hkv, hq, d, n = 2, 4, 8, INDEXED + TAIL
+    keys = {0: torch.randn(hkv, n, d, generator=g), 1: torch.randn(hkv, n, d, generator=g)}
+    queries = {i: torch.randn(hq, TAIL, d, generator=g) for i in keys}
+    methods = [make_method(m, {"sink": 4, "recent": 30} if m != "squeeze" else None)
+               for m in build_order(["duo-squeeze"])]
+    artifacts = build_methods(keys, queries, TAIL, methods, d ** -0.5, torch.device("cpu"),
+                              prepared=stand_ins(methods, [0, 1], hkv))
+    part = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.layer0.")}
+    calib = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.calib.")}
+    sq = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("squeeze.layer0.")}
+    method = methods[-1]
+    plan = method.plan(calib, 0.4)
+    assert plan.retrieval_heads == 2  # half of the model's four KV heads
+    index = LayerIndex(part, n, TAIL)
+    q = queries[0][:, -1:]
+    got = method.lookup(q, index, plan, d ** -0.5, REFERENCE).selection.to_mask()
+    squeeze = make_method("squeeze").lookup(q, LayerIndex(sq, n, TAIL), plan, d ** -0.5, REFERENCE).selection.to_mask()
+    order = method.layout(index).order  # original position of each place
+    for h in range(hkv):
+        if int(part["rank"][h]) < plan.retrieval_heads:
+            assert torch.equal(got[h], squeeze[h])
+        else:
+            tokens = set(order[h][got[h]].tolist())
+            assert tokens == set(range(4)) | set(range(INDEXED - 20, n))  # sink 4; recent 30 = 20 + the tail's 10

@@ -108,9 +108,10 @@ def tiny(tmp_path_factory):
     path = make_tiny_model(tmp_path_factory.mktemp("eval_model"), "llama_gqa")
     lm = load_model(str(path), device="cpu")
     text = " ".join(f"Line {i}: the harbour light turns every {i % 7 + 2} seconds." for i in range(12))
-    # duo's streaming window scaled to this ~700-token document (its defaults, 64 + 256 keys, would read half of it
+    # duo's streaming windows scaled to this ~700-token document (its defaults, 64 + 256 keys, would read half of it
     # at any budget: the method's floor)
-    return lm, context_session(lm, text, list(SPARSE_METHODS), {"duo": {"sink": 4, "recent": 24}},
+    small = {"sink": 4, "recent": 24}
+    return lm, context_session(lm, text, list(SPARSE_METHODS), {"duo": small, "duo-squeeze": small},
                                extra=[OraclePolicy()],
                                prepared=gates_for(lm, [make_method(n) for n in SPARSE_METHODS])), path
 

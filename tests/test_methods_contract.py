@@ -35,7 +35,7 @@ ATOL = 2e-5
 BUDGET_TOL = 0.03
 # Settings scaled to this 664-key context where a method's defaults assume a document (DuoAttention's streaming
 # window: 64 sink + 256 recent keys would be half of it, a floor above the budgets tested below).
-SMALL_CONTEXT = {"duo": {"sink": 8, "recent": 48}}
+SMALL_CONTEXT = {"duo": {"sink": 8, "recent": 48}, "duo-squeeze": {"sink": 8, "recent": 48}}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run compiled on a GPU, interpreted otherwise
 
 

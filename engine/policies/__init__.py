@@ -8,6 +8,7 @@ from collections.abc import Iterable
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Preparation,
                                   StepPlan, Tensors)
 from engine.policies.duo import DuoPolicy
+from engine.policies.duo_squeeze import DuoSqueezePolicy
 from engine.policies.full import FullPolicy
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
 from engine.policies.quest import QuestPolicy
@@ -19,6 +20,7 @@ REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
     HierarchicalSqueezePolicy,
     QuestPolicy,
     DuoPolicy,
+    DuoSqueezePolicy,
 )}
 METHODS = tuple(REGISTRY)
 SPARSE_METHODS = tuple(name for name, cls in REGISTRY.items() if cls.sparse)

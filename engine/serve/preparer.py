@@ -63,7 +63,8 @@ class Preparer:
                 run.update(stage=stage, done=done, total=total)
 
         try:
-            self.engine.prepared(name, progress)
+            for needed in self.engine.needs_preparation(name):  # the method's own, or what it requires (duo's gates)
+                self.engine.prepared(needed, progress)
             state, error = "done", None
         except Exception as exc:  # noqa: BLE001 - reported to whoever asks next, in plain words
             state, error = "failed", str(exc).splitlines()[0] if str(exc) else type(exc).__name__

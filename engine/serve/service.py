@@ -115,15 +115,19 @@ class Engine:
             raise ValueError(f"unknown method {name!r}; choose one of {', '.join(self.method_settings)}")
         return make_method(name, self.method_settings[name])
 
-    def needs_preparation(self, name: str) -> bool:
-        """Whether method `name` learns something per model that is not made yet (neither loaded nor stored)."""
-        method = self.method(name)
-        if type(method).prepare is Method.prepare:
-            return False
-        settings = method.prepare_key()
-        if (name, tuple(sorted(settings.items()))) in self._prepared:
-            return False
-        return not self.store.models.names(self.model_id, name, settings)
+    def needs_preparation(self, name: str) -> list[str]:
+        """The methods among `name` and what it requires that learn something per model not made yet (neither
+        loaded nor stored), in build order; [] when none."""
+        out = []
+        for n in build_order([name]):
+            method = self.method(n)
+            if type(method).prepare is Method.prepare:
+                continue
+            settings = method.prepare_key()
+            if (n, tuple(sorted(settings.items()))) not in self._prepared and \
+                    not self.store.models.names(self.model_id, n, settings):
+                out.append(n)
+        return out
 
     def prepared(self, name: str, progress: Progress | None = None) -> Tensors:
         """Method `name`'s model-level artifacts (learned once per model: `Method.prepare`), from the store, or made

@@ -1,0 +1,110 @@
+"""Duo + Squeeze (neither paper has it): DuoAttention's streaming heads stay streaming (the context's first and last
+tokens), its retrieval heads read through squeeze's centroid lookup instead of every key.
+
+Built from both methods (`requires`): duo's ranks of the heads (gates trained once per model) and squeeze's clusters,
+whose K/V layout (an inverted file) this method reads. A fixed share of the model's heads, `retrieval`, the highest
+gates, are retrieval heads; the budget sets squeeze's global threshold for them (calibrated as squeeze's, the reads
+measured with the streaming heads' windows: engine.policies.budget). A streaming head's window is its tokens'
+places in squeeze's layout, found once at build. Every head's centroids are scored (one kernel for the layer) and
+counted in what a step reads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Tensors,
+                                  check_budget)
+from engine.policies.duo import Window
+from engine.policies.squeeze import SqueezePolicy, ThresholdPlan, threshold_plan
+from kernels.backend import Backend
+from kernels.layout import ClusterLayout
+from kernels.selection import replace_rows
+
+SQUEEZE_PARTS = ("labels", "centroids", "counts", "key_starts")  # what the lookup reads of squeeze's index
+
+
+@dataclass(frozen=True)
+class DuoSqueezeSettings(MethodSettings):
+    """retrieval: the share of the model's KV heads (highest gates first) that retrieve through squeeze's lookup;
+    sink, recent: what a streaming head reads of the context (as duo's)."""
+
+    retrieval: float = 0.5
+    sink: int = 64
+    recent: int = 256
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.retrieval <= 1.0:
+            raise ValueError(f"retrieval must be in [0, 1], got {self.retrieval}")
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError(f"sink and recent must be at least 0, got {self.sink}, {self.recent}")
+
+
+@dataclass(frozen=True)
+class HeadThresholdPlan(ThresholdPlan):
+    """squeeze's thresholds for the heads of rank < `retrieval_heads`; the others stream."""
+
+    retrieval_heads: int = 0
+
+    def describe(self) -> str:
+        return f"{self.retrieval_heads} retrieval head(s) at " + super().describe()
+
+
+class DuoSqueezePolicy(Method):
+    name: ClassVar[str] = "duo-squeeze"
+    Settings: ClassVar[type] = DuoSqueezeSettings
+    requires: ClassVar[tuple[str, ...]] = ("duo", "squeeze")
+
+    def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
+        """squeeze's clusters and duo's ranks, and `window` [Hkv, W + tail] int32: each head's streaming keys as places
+        in squeeze's layout (sorted), then the dense rows."""
+        squeeze, duo = required["squeeze"], required["duo"]
+        hkv, indexed = layer.keys.shape[:2]
+        window = Window.of(self.settings, indexed, layer.tail)
+        tokens = torch.cat([torch.arange(window.front), torch.arange(indexed - window.back, indexed)])
+        layout = ClusterLayout.from_labels(squeeze["labels"], squeeze["counts"].shape[1], layer.tail)
+        place = torch.empty_like(layout.order)
+        place.scatter_(1, layout.order, torch.arange(layout.order.shape[1]).expand(hkv, -1).contiguous())
+        rows = torch.sort(place[:, tokens.to(place.device)], dim=1).values
+        dense = torch.arange(indexed, indexed + layer.tail, device=rows.device).expand(hkv, -1)
+        return {**{k: squeeze[k] for k in SQUEEZE_PARTS}, "rank": duo["rank"].clone(),
+                "window": torch.cat([rows, dense], dim=1).to(torch.int32)}
+
+    def calibrate(self, layers: list[CalibrationSet], scale: float) -> Tensors:
+        """squeeze's thresholds (over every head's calibration queries) and "heads", the model's KV heads."""
+        out = SqueezePolicy().calibrate(layers, scale)
+        out["heads"] = torch.tensor(sum(int(layer.index["rank"].numel()) for layer in layers))
+        return out
+
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float,
+                  prefill_keys: float) -> HeadThresholdPlan:
+        plan = threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold",))
+        heads = int(calibration["heads"])
+        retrieval = heads if check_budget(budget) >= 1.0 else round(self.settings.retrieval * heads)
+        return HeadThresholdPlan(budget=plan.budget, decode=plan.decode, prefill=plan.prefill,
+                                 retrieval_heads=retrieval)
+
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadThresholdPlan, scale: float,
+               backend: Backend) -> Lookup:
+        """squeeze's lookup for every KV head (one row each), then the streaming heads' rows replaced by their
+        windows."""
+        hkv = layer["counts"].shape[0]
+        (threshold,) = plan.at(q.shape[1])
+        keep, score, selection = backend.kernel("centroid").cluster_select(
+            q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
+            layer.tail)
+        streaming = layer["rank"].to(q.device) >= plan.retrieval_heads  # [Hkv]
+        selection = replace_rows(selection, streaming, layer["window"])
+        c, d = layer["centroids"].shape[1:]
+        read = torch.full((hkv,), float(c * (d + 1)), device=q.device)  # every head's centroids are scored
+        return Lookup(selection=selection, index_elements=read, units=keep & ~streaming[:, None], scores=score,
+                      sizes=layer["counts"])
+
+    def layout(self, layer: LayerIndex) -> ClusterLayout:
+        return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)
+
+    def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
+        return layer["labels"]
