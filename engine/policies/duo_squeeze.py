@@ -64,12 +64,14 @@ class DuoSqueezePolicy(Method):
         squeeze, duo = required["squeeze"], required["duo"]
         hkv, indexed = layer.keys.shape[:2]
         window = Window.of(self.settings, indexed, layer.tail)
-        tokens = torch.cat([torch.arange(window.front), torch.arange(indexed - window.back, indexed)])
         layout = ClusterLayout.from_labels(squeeze["labels"], squeeze["counts"].shape[1], layer.tail)
+        device = layout.order.device
+        tokens = torch.cat([torch.arange(window.front, device=device),
+                            torch.arange(indexed - window.back, indexed, device=device)])
         place = torch.empty_like(layout.order)
-        place.scatter_(1, layout.order, torch.arange(layout.order.shape[1]).expand(hkv, -1).contiguous())
-        rows = torch.sort(place[:, tokens.to(place.device)], dim=1).values
-        dense = torch.arange(indexed, indexed + layer.tail, device=rows.device).expand(hkv, -1)
+        place.scatter_(1, layout.order, torch.arange(layout.order.shape[1], device=device).expand(hkv, -1).contiguous())
+        rows = torch.sort(place[:, tokens], dim=1).values
+        dense = torch.arange(indexed, indexed + layer.tail, device=device).expand(hkv, -1)
         return {**{k: squeeze[k] for k in SQUEEZE_PARTS}, "rank": duo["rank"].clone(),
                 "window": torch.cat([rows, dense], dim=1).to(torch.int32)}
 
