@@ -17,7 +17,8 @@ WARMUP_STEPS left out). In the same run:
 - the byte bound of a decode step: the bytes it must read (the weights, the global layers' fixed-context K/V times
   the decode steps' KV budget, the sliding layers' windows, the turn's new K/V) over the measured copy bandwidth;
 - ratios against the engine's `full` and the peer's best decode, and of the ingest against the peer's prefill.
-Weights are random: the figures are about time, not answers. Progress goes to stderr; ends with one JSON line on
+Weights are random: the figures are about time, not answers; so are what a method learns per model (duo's gates are
+its stand-ins, Method.stand_in: settings.stand_in lists those methods). Progress goes to stderr; ends with one JSON line on
 stdout. The exit status is 1 when a phase failed (its "error" is in the JSON).
 """
 
@@ -662,7 +663,9 @@ def run(args: argparse.Namespace) -> dict:
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
                          "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs, "compile": args.compile,
                          "context_settings": settings.as_dict(),
-                         "method_settings": {m: make_method(m).settings.as_dict() for m in build_order(methods)}})
+                         "method_settings": {m: make_method(m).settings.as_dict() for m in build_order(methods)},
+                         # what a method learns per model (duo's gates) is not trained here: Method.stand_in
+                         "stand_in": [m for m in build_order(methods) if "prepare" in vars(type(make_method(m)))]})
     try:
         _log("copy bandwidth")
         out["bandwidth_gbs"] = round(copy_bandwidth(device), 1)
