@@ -100,7 +100,8 @@ def mixed_attention(module, query: torch.Tensor, key: torch.Tensor, value: torch
                                             attn_mask=causal_lower_right(lq, kept.numel()), scale=scaling,
                                             enable_gqa=True)
     alpha = duo_mix.gates[duo_mix.rows[module.layer_idx]].repeat_interleave(group)  # [Hq]
-    alpha = torch.stack([torch.ones_like(alpha), alpha])[:, :, None, None].to(query.dtype)  # [2, Hq, 1, 1]
+    # [2, Hq, 1, 1] on the layer's device (with device_map="auto" the gates live on the first GPU, a layer maybe not)
+    alpha = torch.stack([torch.ones_like(alpha), alpha])[:, :, None, None].to(query.device, query.dtype)
     out = alpha * full + (1 - alpha) * stream
     return out.transpose(1, 2).contiguous(), None
 

@@ -126,7 +126,8 @@ def test_mixed_attention_is_alpha_full_plus_streaming(alpha):
     g = torch.Generator().manual_seed(0)
     hq, hkv, s, lq, d = 4, 2, 40, 5, 8
     q = torch.randn(2, hq, lq, d, generator=g)
-    k, v = torch.randn(1, hkv, s, d, generator=g).expand(2, -1, -1, -1), torch.randn(1, hkv, s, d, generator=g).expand(2, -1, -1, -1)
+    k = torch.randn(1, hkv, s, d, generator=g).expand(2, -1, -1, -1)
+    v = torch.randn(1, hkv, s, d, generator=g).expand(2, -1, -1, -1)
     gates = torch.tensor([[alpha, 1.0 - alpha]])
     mix = GateMix(gates=gates, rows={3: 0}, sink=3, recent=6, context_len=s - lq)
     out, _ = mixed_attention(_Module(), q, k, v, None, scaling=d ** -0.5, duo_mix=mix)  # [2, Lq, Hq, D]
@@ -292,3 +293,14 @@ def test_duo_squeeze_streams_the_low_heads_and_looks_up_the_high_ones():
         else:
             tokens = set(order[h][got[h]].tolist())
             assert tokens == set(range(4)) | set(range(INDEXED - 20, n))  # sink 4; recent 30 = 20 + the tail's 10
+
+
+def test_gate_training_bench_prints_its_json(capsys):
+    """engine.bench.gates on the tiny random shape (a word-level stand-in tokenizer): one JSON line, times > 0."""
+    from engine.bench.gates import main as bench
+
+    assert bench(["--shape", "tiny", "--steps", "2", "--min-tokens", "300", "--max-tokens", "400", "--device", "cpu",
+                  "--passkeys", "2", "--words", "3"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["bench"] == "gates" and doc["weights"] == "random" and doc["steps_timed"] == 2
+    assert doc["seconds_per_step"] > 0 and 0.0 <= doc["gates_mean"] <= 1.0

@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     lm = open_model(None if args.model else args.shape, args.model, args.device)
     if lm.tokenizer is None:
         lm.tokenizer = WordIds(lm.model.config.vocab_size)
-        corpus = torch.randint(2, lm.model.config.vocab_size, (4 * args.max_tokens,), generator=torch.Generator().manual_seed(0)).tolist()
+        g = torch.Generator().manual_seed(0)
+        corpus = torch.randint(2, lm.model.config.vocab_size, (4 * args.max_tokens,), generator=g).tolist()
     else:
         from engine.corpus import corpus_ids
 

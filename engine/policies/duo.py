@@ -96,7 +96,7 @@ class Window:
         return self.front + self.back
 
     def head_keys(self, rank: torch.Tensor, plan: HeadPlan) -> torch.Tensor:
-        """rank [...] int64 -> [...] int64: the indexed keys each head reads under `plan` (front first, then the back)."""
+        """rank [...] int64 -> [...] int64: the indexed keys each head reads under `plan` (the front, then the back)."""
         boundary = min(self.back + plan.extra, self.indexed - self.front)
         back = torch.where(rank == plan.full, torch.full_like(rank, boundary), torch.full_like(rank, self.back))
         return torch.where(rank < plan.full, torch.full_like(rank, self.indexed), self.front + back)
