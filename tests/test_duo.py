@@ -304,3 +304,49 @@ def test_gate_training_bench_prints_its_json(capsys):
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["bench"] == "gates" and doc["weights"] == "random" and doc["steps_timed"] == 2
     assert doc["seconds_per_step"] > 0 and 0.0 <= doc["gates_mean"] <= 1.0
+
+
+def test_preparer_reports_progress_a_failure_once_then_retries():
+    """engine.serve.preparer.Preparer with a stand-in engine: a run reports its steps and an estimate of the time left;
+    a failure is shown once with its error, and the next start tries again; nothing to prepare gives None."""
+    import threading
+    import time
+
+    from engine.serve.preparer import Preparer
+
+    class FakeEngine:
+        def __init__(self):
+            self.calls, self.fail, self.done, self.gate = 0, True, False, threading.Event()
+
+        def needs_preparation(self, name):
+            return [] if self.done else ["duo"]
+
+        def prepared(self, name, progress):
+            self.calls += 1
+            progress("training duo: step 1/4", 1, 4)
+            time.sleep(0.01)
+            progress("training duo: step 2/4", 2, 4)
+            self.gate.wait(5)
+            if self.fail:
+                raise RuntimeError("out of memory\nmore lines")
+            self.done = True
+
+    engine = FakeEngine()
+    preparer = Preparer(engine)
+    first = preparer.start("duo")
+    assert first.state == "running"
+    deadline = time.monotonic() + 5
+    while preparer.view("duo").done < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    running = preparer.start("duo")  # under way: the same run, not a second one
+    assert running.state == "running" and running.done == 2 and running.seconds_left is not None
+    engine.gate.set()
+    while preparer.view("duo").state == "running" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    failed = preparer.start("duo")
+    assert (failed.state, failed.error, engine.calls) == ("failed", "out of memory", 1)
+    engine.fail = False
+    assert preparer.start("duo").state == "running" and engine.calls >= 1  # retried
+    while preparer.view("duo").state == "running" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert preparer.view("duo").state == "done" and engine.calls == 2 and preparer.start("duo") is None

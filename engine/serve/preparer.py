@@ -79,4 +79,4 @@ class Preparer:
             rate = (time.monotonic() - t0) / (run["done"] - d0)
             left = rate * (run["total"] - run["done"])
         return PrepView(method=name, state=run["state"], done=run["done"], total=run["total"], stage=run["stage"],
-                           error=run["error"], seconds_left=left)
+                        error=run["error"], seconds_left=left)
