@@ -28,7 +28,7 @@ def _progress(enabled: bool):
 
 
 # Methods that learn something once per model (Method.prepare): what `squeeze train` trains.
-TRAINED_METHODS = tuple(n for n, cls in REGISTRY.items() if "prepare" in vars(cls))
+TRAINED_METHODS = tuple(n for n, cls in REGISTRY.items() if cls.learns_per_model())
 
 
 def _engine(args):

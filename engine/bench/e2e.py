@@ -42,7 +42,7 @@ from engine.config import ContextSettings
 from engine.generate import greedy_tokens
 from engine.ingest import IngestOutput, ingest_tokens
 from engine.model import LoadedModel, layer_devices, load_model
-from engine.policies import METHODS, build_order, make_method, stand_ins
+from engine.policies import METHODS, REGISTRY, build_order, make_method, stand_ins
 from engine.session import ContextSession
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
@@ -665,7 +665,7 @@ def run(args: argparse.Namespace) -> dict:
                          "context_settings": settings.as_dict(),
                          "method_settings": {m: make_method(m).settings.as_dict() for m in build_order(methods)},
                          # what a method learns per model (duo's gates) is not trained here: Method.stand_in
-                         "stand_in": [m for m in build_order(methods) if "prepare" in vars(type(make_method(m)))]})
+                         "stand_in": [m for m in build_order(methods) if REGISTRY[m].learns_per_model()]})
     try:
         _log("copy bandwidth")
         out["bandwidth_gbs"] = round(copy_bandwidth(device), 1)

@@ -168,6 +168,11 @@ class Method(ABC):
         """Artifacts learned once per model (`layer{i}.{name}` for a layer's): none by default."""
         return {}
 
+    @classmethod
+    def learns_per_model(cls) -> bool:
+        """Whether the method makes model-level artifacts (it overrides `prepare`, itself or through a parent)."""
+        return cls.prepare is not Method.prepare
+
     def prepare_key(self) -> dict:
         """The settings `prepare` depends on (the key of its artifacts in the store): all of them by default."""
         return self.settings.as_dict()

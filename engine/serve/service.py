@@ -121,11 +121,8 @@ class Engine:
         out = []
         for n in build_order([name]):
             method = self.method(n)
-            if type(method).prepare is Method.prepare:
-                continue
-            settings = method.prepare_key()
-            if (n, tuple(sorted(settings.items()))) not in self._prepared and \
-                    not self.store.models.names(self.model_id, n, settings):
+            if method.learns_per_model() and _prepared_key(method) not in self._prepared and \
+                    not self.store.models.names(self.model_id, n, method.prepare_key()):
                 out.append(n)
         return out
 
@@ -138,10 +135,9 @@ class Engine:
         (method f"{name}{CHECKPOINT}") that a stopped preparation resumes from; it is dropped once the artifacts are
         stored."""
         method = self.method(name)
-        if type(method).prepare is Method.prepare:
+        if not method.learns_per_model():
             return {}
-        settings = method.prepare_key()
-        key = (name, tuple(sorted(settings.items())))
+        settings, key = method.prepare_key(), _prepared_key(method)
         with self._device_lock:
             if key not in self._prepared:
                 found = self.store.models.load(self.model_id, name, settings)
@@ -334,6 +330,11 @@ class Engine:
         self._session = None
         self.store.documents.delete(doc["id"])
         return doc["id"]
+
+
+def _prepared_key(method: Method) -> tuple:
+    """The key of a method's model-level artifacts in Engine._prepared: its name and the settings they depend on."""
+    return method.name, tuple(sorted(method.prepare_key().items()))
 
 
 def _embedded_model_id() -> str | None:
