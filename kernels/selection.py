@@ -68,6 +68,18 @@ class Selection:
         return torch.where(valid, idx, torch.zeros_like(idx)), valid
 
 
+def entry_rows(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CSR rows of `counts` [rows] int64 keys each, laid out in a buffer of `capacity` entries: (indptr [rows + 1]
+    int64, row [capacity], offset [capacity]: each entry's row and its place in that row). Entries past indptr[-1]
+    (spare capacity) fall in the last row, past its count. On the device, without host synchronisation."""
+    rows = counts.numel()
+    indptr = torch.zeros(rows + 1, dtype=torch.int64, device=counts.device)
+    indptr[1:] = torch.cumsum(counts, dim=0)
+    entry = torch.arange(capacity, device=counts.device)
+    row = torch.searchsorted(indptr[1:], entry, right=True).clamp(max=max(rows - 1, 0))
+    return indptr, row, entry - indptr[row]
+
+
 def replace_rows(selection: Selection, take: torch.Tensor, fixed: torch.Tensor) -> Selection:
     """The rows of `selection` where `take` [rows] bool is set replaced by `fixed` [rows, W] (each row's keys,
     sorted; only the taken rows are read); the other rows as they are. On the device, without host
@@ -77,16 +89,11 @@ def replace_rows(selection: Selection, take: torch.Tensor, fixed: torch.Tensor) 
     if take.shape != (rows,) or selection.rows != rows:
         raise ValueError(f"take must be [{selection.rows}] and fixed [{selection.rows}, W]; got {tuple(take.shape)}, "
                          f"{tuple(fixed.shape)}")
-    device = selection.indptr.device
     counts = torch.where(take, torch.full_like(selection.counts(), width), selection.counts())
-    indptr = torch.zeros(rows + 1, dtype=torch.int64, device=device)
-    indptr[1:] = torch.cumsum(counts, dim=0)
-    entry = torch.arange(selection.indices.numel() + rows * width, device=device)
-    row = torch.searchsorted(indptr[1:], entry, right=True).clamp(max=max(rows - 1, 0))
-    offset = entry - indptr[row]
+    indptr, row, offset = entry_rows(counts, selection.indices.numel() + rows * width)
     last = max(selection.indices.numel() - 1, 0)
     mine = selection.indices[(selection.indptr[row] + offset).clamp(0, last)] if selection.indices.numel() \
-        else torch.zeros_like(entry, dtype=fixed.dtype)
+        else torch.zeros_like(offset, dtype=fixed.dtype)
     theirs = fixed[row, offset.clamp(0, max(width - 1, 0))] if width else torch.zeros_like(mine)
     indices = torch.where(take[row], theirs.to(mine.dtype), mine)
     return Selection(indptr=indptr, indices=indices, num_keys=selection.num_keys)

@@ -26,7 +26,7 @@ from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup,
                                   StepPlan, Tensors, check_budget)
 from engine.policies.budget import KEYS_GRID
 from kernels.backend import Backend
-from kernels.selection import Selection
+from kernels.selection import Selection, entry_rows
 
 TRAINING_PREFIX = "train_"  # the settings the gates depend on (with `seed`): the key of the stored gates
 CORPUS_SPARE = 4  # corpus tokens read for training: this many times the longest haystack (the haystacks' offsets vary)
@@ -191,11 +191,6 @@ def head_selection(layer: LayerIndex, window: Window, plan: HeadPlan, device: to
     hkv, num_keys, tail = rank.numel(), layer.num_keys, layer.tail
     count = window.head_keys(rank, plan) + tail  # [Hkv]
     front = torch.where(rank < plan.full, torch.full_like(rank, num_keys), torch.full_like(rank, window.front))
-    indptr = torch.zeros(hkv + 1, dtype=torch.int64, device=device)
-    indptr[1:] = torch.cumsum(count, dim=0)
-    capacity = min(hkv, plan.full + 1) * num_keys + hkv * (window.keys + tail)
-    entry = torch.arange(capacity, device=device)
-    row = torch.searchsorted(indptr[1:], entry, right=True).clamp(max=hkv - 1)
-    offset = entry - indptr[row]
+    indptr, row, offset = entry_rows(count, min(hkv, plan.full + 1) * num_keys + hkv * (window.keys + tail))
     keys = torch.where(offset < front[row], offset, num_keys - count[row] + offset)
     return Selection(indptr=indptr, indices=keys.clamp(0, num_keys - 1).to(torch.int32), num_keys=num_keys)
