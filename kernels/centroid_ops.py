@@ -32,7 +32,7 @@ from kernels.compact_ops import expand_block_sums
 from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel, centroid_score_prefill_kernel
 # no kernels of their own (the calibration and the explanations use them): the backend's op names, from the reference
 from kernels.reference.centroid import centroid_log_scores, reduce_scores, row_scores, select_clusters  # noqa: F401
-from kernels.selection import Selection
+from kernels.selection import Fixed, Selection
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -298,6 +298,7 @@ def cluster_select(
     total: int,
     tail: int = 0,
     *,
+    fixed: Fixed | None = None,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """The lookup and the expansion of its kept clusters into key positions, in three launches: the denominator
@@ -305,7 +306,8 @@ def cluster_select(
 
     q, centroids, counts, scale, threshold, rows: as cluster_keep; starts: [Hkv, C + 1] int64, cluster c of head h
     holds positions [starts[h, c], starts[h, c + 1]); total: starts[h, C] (the same for every head); tail: dense
-    positions total .. total + tail - 1 that every row keeps.
+    positions total .. total + tail - 1 that every row keeps; fixed: the rows of the heads it marks read its lists
+    instead of their clusters and the tail (written by the expansion: no extra launch).
     Returns keep, score (as cluster_keep) and the Selection of `kernels.layout.expand_groups(keep, starts, total,
     tail)`; no host synchronisation.
     """
@@ -321,7 +323,7 @@ def cluster_select(
     block_sums = torch.empty(rows, max(1, triton.cdiv(c, score_c)), dtype=torch.int64, device=q.device)  # all written
     starts = starts.contiguous()
     _launch(q, centroids, counts, scale, threshold, rows, None, None, None, keep, score, cfg, starts, block_sums)
-    return keep, score, expand_block_sums(keep, starts, block_sums, score_c, total, tail)
+    return keep, score, expand_block_sums(keep, starts, block_sums, score_c, total, tail, fixed=fixed)
 
 
 def cluster_keep_list(

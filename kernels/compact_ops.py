@@ -6,7 +6,7 @@ import torch
 import triton
 
 from kernels.jit.compact import expand_groups_kernel, group_block_sums_kernel
-from kernels.selection import Selection
+from kernels.selection import Fixed, Selection
 
 BLOCK_G = 256  # groups (clusters) per program of the standalone expansion
 # Write tiles of the expansion: a step writes SUB_G groups x BLOCK_K positions, up to the longest of its SUB_G groups.
@@ -15,12 +15,15 @@ BLOCK_G = 256  # groups (clusters) per program of the standalone expansion
 # keep/starts, which wait on the stores before them, not to the masked lanes.
 BLOCK_K = 8
 SUB_G = 128
+BLOCK_T = 64  # tail (or fixed-list) positions a program writes per step; a row's programs share them
 SUM_TILE = 2048  # block sums an expansion program reads per step
 
 
-def _check(keep: torch.Tensor, starts: torch.Tensor) -> None:
+def _check(keep: torch.Tensor, starts: torch.Tensor, fixed: Fixed | None = None) -> None:
     rows, groups = keep.shape
     hkv = starts.shape[0]
+    if fixed is not None:
+        fixed.check(hkv, keep.device)
     if starts.shape[1] != groups + 1:
         raise ValueError(f"keep has {groups} groups but starts has {starts.shape[1]} columns (expected {groups + 1})")
     if rows % hkv:
@@ -29,15 +32,17 @@ def _check(keep: torch.Tensor, starts: torch.Tensor) -> None:
         raise ValueError(f"keep is on {keep.device} but starts on {starts.device}")
 
 
-def expand_groups(keep: torch.Tensor, starts: torch.Tensor, total: int, tail: int = 0) -> Selection:
+def expand_groups(keep: torch.Tensor, starts: torch.Tensor, total: int, tail: int = 0, *,
+                  fixed: Fixed | None = None) -> Selection:
     """Same result as `kernels.layout.expand_groups`, computed without the host.
 
     keep: [rows, G] bool; starts: [Hkv, G + 1] int64 (row r uses head r * Hkv // rows, rows a multiple of Hkv);
-    total: positions the groups cover (starts[h, -1] for every h; passed in so that nothing is read back).
+    total: positions the groups cover (starts[h, -1] for every h; passed in so that nothing is read back);
+    fixed: rows whose head it marks read its list instead (kernels.selection.Fixed).
     Returns Selection(indptr [rows + 1] int64, indices [rows * num_keys] int32 (only the first indptr[-1] are
     meaningful: the capacity is the worst case, every group kept), num_keys = total positions + tail).
     """
-    _check(keep, starts)
+    _check(keep, starts, fixed)
     rows, groups = keep.shape
     nb = max(1, triton.cdiv(groups, BLOCK_G))
     block_sums = torch.empty(rows, nb, dtype=torch.int64, device=keep.device)
@@ -45,16 +50,17 @@ def expand_groups(keep: torch.Tensor, starts: torch.Tensor, total: int, tail: in
         keep, starts = keep.contiguous(), starts.contiguous()
         group_block_sums_kernel[(rows, nb)](keep, starts, block_sums, groups, nb, rows // starts.shape[0],
                                            BLOCK_G=BLOCK_G, num_stages=1)
-    return expand_block_sums(keep, starts, block_sums, BLOCK_G, total, tail)
+    return expand_block_sums(keep, starts, block_sums, BLOCK_G, total, tail, fixed=fixed)
 
 
 def expand_block_sums(keep: torch.Tensor, starts: torch.Tensor, block_sums: torch.Tensor, block_g: int, total: int,
-                      tail: int = 0, *, sub: int = SUB_G, block_k: int = BLOCK_K) -> Selection:
+                      tail: int = 0, *, fixed: Fixed | None = None, sub: int = SUB_G,
+                      block_k: int = BLOCK_K) -> Selection:
     """The expansion step alone, from the kept positions of each block of `block_g` groups (computed by
     group_block_sums_kernel or by the lookup's score pass). keep, starts, total, tail: as expand_groups;
     block_sums: [rows, cdiv(G, block_g)] int64; sub, block_k: write tiles (tuning). Returns the same Selection as
     expand_groups."""
-    _check(keep, starts)
+    _check(keep, starts, fixed)
     rows, groups = keep.shape
     nb = max(1, triton.cdiv(groups, block_g))
     if tuple(block_sums.shape) != (rows, nb) or block_sums.dtype != torch.int64:
@@ -68,8 +74,8 @@ def expand_block_sums(keep: torch.Tensor, starts: torch.Tensor, block_sums: torc
         block_nb = max(2, triton.next_power_of_2(nb))
         expand_groups_kernel[(rows, nb)](
             keep.contiguous(), starts.contiguous(), block_sums.contiguous(), indptr, out, groups, nb,
-            rows // starts.shape[0], tail,
+            rows // starts.shape[0], tail, *(fixed.launch_args() if fixed is not None else (out, out, 0)),
             BLOCK_G=block_g, BLOCK_K=block_k, SUB=min(sub, block_g), RCHUNK=max(1, min(triton.next_power_of_2(rows), SUM_TILE // block_nb)),
-            BLOCK_NB=block_nb, num_stages=1,  # no pipeline buffers: they would only cost occupancy
+            BLOCK_NB=block_nb, BLOCK_T=BLOCK_T, HAS_FIXED=fixed is not None, num_stages=1,  # no pipeline buffers: they would only cost occupancy
         )
     return Selection(indptr=indptr, indices=out, num_keys=num_keys)

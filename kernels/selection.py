@@ -68,6 +68,42 @@ class Selection:
         return torch.where(valid, idx, torch.zeros_like(idx)), valid
 
 
+@dataclass(frozen=True)
+class Fixed:
+    """Rows that read a fixed list of keys instead of what their lookup kept (DuoAttention's streaming heads).
+
+    lists: [Hkv, W] int32, head h's keys (sorted, in [0, num_keys), the dense tail included if it reads it);
+    on: [Hkv] bool, whether the rows of head h read lists[h]. Both on the lookup's device.
+    """
+
+    lists: torch.Tensor
+    on: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return self.lists.shape[1]
+
+    def check(self, hkv: int, device: torch.device) -> None:
+        if self.lists.dim() != 2 or self.lists.shape[0] != hkv or self.lists.dtype != torch.int32:
+            raise ValueError(f"fixed lists must be int32 [Hkv = {hkv}, W], got {self.lists.dtype} "
+                             f"{tuple(self.lists.shape)}")
+        if tuple(self.on.shape) != (hkv,) or self.on.dtype != torch.bool:
+            raise ValueError(f"fixed on must be bool [Hkv = {hkv}], got {self.on.dtype} {tuple(self.on.shape)}")
+        if self.lists.device != device or self.on.device != device:
+            raise ValueError(f"fixed lists and on must be on {device}, got {self.lists.device}, {self.on.device}")
+
+    def launch_args(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(lists, on, W) as the expansion kernel takes them."""
+        return self.lists.contiguous(), self.on.contiguous(), self.width
+
+    def apply(self, selection: Selection) -> Selection:
+        """The reference: `selection`'s rows (row r of head r * Hkv // rows) of marked heads replaced."""
+        hkv = self.lists.shape[0]
+        self.check(hkv, selection.indptr.device)
+        head = torch.arange(selection.rows, device=self.on.device) * hkv // max(selection.rows, 1)
+        return replace_rows(selection, self.on[head], self.lists[head])
+
+
 def entry_rows(counts: torch.Tensor, capacity: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CSR rows of `counts` [rows] int64 keys each, laid out in a buffer of `capacity` entries: (indptr [rows + 1]
     int64, row [capacity], offset [capacity]: each entry's row and its place in that row). Entries past indptr[-1]

@@ -19,6 +19,7 @@ from kernels.reference import centroid as reference
 from kernels.layout import group_starts
 from kernels.reference.compact import expand_groups
 from kernels.centroid_ops import LookupConfig, cluster_keep, cluster_keep_list, cluster_select
+from kernels.selection import Fixed
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -135,7 +136,7 @@ def clustered_counts(hkv, lc, c, seed):
 def assert_same_selection(got, want):
     assert torch.equal(got.indptr.cpu(), want.indptr.cpu()) and got.num_keys == want.num_keys
     nnz = int(want.indptr[-1])
-    assert torch.equal(got.indices[:nnz].long().cpu(), want.indices.long().cpu())
+    assert torch.equal(got.indices[:nnz].long().cpu(), want.indices[:nnz].long().cpu())
 
 
 def check_select(hq, hkv, rows, lq, config=None, seed=0, tail=3):
@@ -157,6 +158,23 @@ def check_select(hq, hkv, rows, lq, config=None, seed=0, tail=3):
 def test_cluster_select(hq, hkv, rows, lq):
     """Lookup + expansion fused (the score pass sums each block's kept keys) = cluster_keep + expand_groups."""
     check_select(hq, hkv, rows, lq)
+
+
+def test_cluster_select_with_fixed_rows():
+    """The streaming heads of duo-squeeze: rows of the marked heads read a fixed list instead of their clusters and
+    the tail, written by the fused expansion; the result is the reference's (its expansion, then replace_rows)."""
+    hq, hkv, lq = 8, 2, 1
+    q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, 5)
+    lc, tail = 150, 3
+    counts, starts = clustered_counts(hkv, lc, C, 6)
+    window = torch.tensor([[0, 1, 140, 149, 150, 151, 152]] * hkv, dtype=torch.int32, device=DEVICE)
+    for rows in (hkv, hq):
+        fixed = Fixed(window, torch.tensor([False, True], device=DEVICE))
+        want = reference.cluster_select(q, centroids, counts, scale, 0.0, rows, starts, lc, tail, fixed=fixed)
+        keep, score, sel = cluster_select(q, centroids, counts, scale, 0.0, rows, starts, lc, tail, fixed=fixed)
+        assert torch.equal(keep, want[0])
+        assert_same_selection(sel, want[2])
+        assert sel.counts().tolist()[rows // 2:] == [7] * (rows // 2)  # the second head's rows: the window
 
 
 def test_cluster_select_score_tiles():
@@ -358,3 +376,13 @@ def test_gpu_cluster_select_bfloat16(lq, length, exact_float32_matmul):
     keep, score, sel = no_host_sync(cluster_select, q, centroids, counts, scale, threshold, hkv, starts, lc, 100)
     assert_matches((keep, score), want, threshold, GPU_TOL)
     assert_same_selection(sel, expand_groups(keep, starts, lc, 100))
+    # duo-squeeze's form: every other head reads a window (320 places and the 100 dense rows) instead
+    window = torch.cat([torch.randperm(lc, device="cuda")[:320].sort().values,
+                        torch.arange(lc, lc + 100, device="cuda")]).to(torch.int32).expand(hkv, -1).contiguous()
+    fixed = Fixed(window, torch.arange(hkv, device="cuda") % 2 == 1)
+    keep, score, sel = no_host_sync(cluster_select, q, centroids, counts, scale, threshold, hkv, starts, lc, 100,
+                                    fixed=fixed)
+    want_sel = expand_groups(keep, starts, lc, 100, fixed=fixed)
+    assert torch.equal(sel.indptr, want_sel.indptr)
+    n = int(want_sel.indptr[-1])
+    assert torch.equal(sel.indices[:n].long(), want_sel.indices[:n].long())

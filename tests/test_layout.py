@@ -94,3 +94,43 @@ def test_triton_expansion_scans_many_groups():
     got = compact_ops.expand_groups(keep.to(dev), starts.to(dev), 6000, tail=3)
     assert torch.equal(got.indptr.cpu(), want.indptr)
     assert torch.equal(got.indices[: int(want.indptr[-1])].long().cpu(), want.indices)
+
+
+@pytest.mark.parametrize("hkv,rows,groups", [(1, 1, 300), (2, 2, 300), (2, 8, 300), (4, 4, 300),
+                                             (4, 32, compact_ops.BLOCK_G * 70)])  # the last: block sums in chunks
+@pytest.mark.parametrize("width", [0, 9, 130])
+def test_triton_expansion_with_fixed_rows_matches_reference(hkv, rows, groups, width):
+    """Rows of the heads `Fixed` marks read its lists (DuoAttention's streaming windows) instead of their groups and
+    the tail, written by the expansion itself; the other rows, and every row's place in the list, as before. The
+    reference is kernels.selection.replace_rows over the plain expansion."""
+    from kernels.selection import Fixed
+
+    lc, tail = 400, 5
+    labels = random_labels(hkv, lc, groups, seed=hkv + rows + width)
+    starts = group_starts(labels, groups)
+    g = torch.Generator().manual_seed(width)
+    keep = torch.rand(rows, groups, generator=g) < 0.4
+    lists = torch.stack([torch.randperm(lc + tail, generator=g)[:width].sort().values for _ in range(hkv)])
+    for on in ([h % 2 == 0 for h in range(hkv)], [True] * hkv, [False] * hkv):
+        fixed = Fixed(lists.to(torch.int32), torch.tensor(on))
+        want = expand_groups(keep, starts, lc, tail, fixed=fixed)
+        assert want.counts().tolist()[0] == (width if on[0] else int(want.counts()[0]))
+        dev = "cuda" if torch.cuda.is_available() else "cpu"
+        fixed_dev = Fixed(fixed.lists.to(dev), fixed.on.to(dev))
+        got = compact_ops.expand_groups(keep.to(dev), starts.to(dev), lc, tail, fixed=fixed_dev)
+        n = int(want.indptr[-1])  # the reference's buffer has spare capacity past it too
+        assert torch.equal(got.indptr.cpu(), want.indptr)
+        assert torch.equal(got.indices[:n].long().cpu(), want.indices[:n].long())
+
+
+def test_fixed_rows_reject_bad_lists():
+    from kernels.selection import Fixed
+
+    starts = group_starts(torch.zeros(2, 10, dtype=torch.int64), 4)
+    keep = torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="int32"):
+        compact_ops.expand_groups(keep, starts, 10, fixed=Fixed(torch.zeros(2, 3, dtype=torch.int64),
+                                                                torch.ones(2, dtype=torch.bool)))
+    with pytest.raises(ValueError, match="bool"):
+        compact_ops.expand_groups(keep, starts, 10, fixed=Fixed(torch.zeros(2, 3, dtype=torch.int32),
+                                                                torch.ones(3, dtype=torch.bool)))

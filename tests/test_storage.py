@@ -510,6 +510,9 @@ def test_model_artifacts_are_verified_and_removed_per_method(store):
     path.unlink()
     with pytest.raises(MissingArtifactError, match=f"{MODEL}/duo/gates"):
         store.models.load(MODEL, "duo", GATES)
+    store.models.save(MODEL, "duo", {"threshold": 0.5}, "gates", torch.randn(16))
+    assert store.models.remove(MODEL, "duo", {"threshold": 0.5}) == 1  # one set: the others stay
+    assert list(store.models.load(MODEL, "duo", {"threshold": 0.9})) == ["gates"]
     assert store.models.remove(MODEL, "duo") == 2  # every settings of the method
     assert store.models.load(MODEL, "duo", {"threshold": 0.9}) == {}
     assert not path.parent.exists()  # its emptied folder goes too

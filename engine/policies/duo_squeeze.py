@@ -22,7 +22,7 @@ from engine.policies.duo import Window
 from engine.policies.squeeze import SqueezePolicy, ThresholdPlan, threshold_plan
 from kernels.backend import Backend
 from kernels.layout import ClusterLayout
-from kernels.selection import replace_rows
+from kernels.selection import Fixed
 
 SQUEEZE_PARTS = ("labels", "centroids", "counts", "key_starts")  # what the lookup reads of squeeze's index
 
@@ -91,18 +91,18 @@ class DuoSqueezePolicy(Method):
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadThresholdPlan, scale: float,
                backend: Backend) -> Lookup:
-        """squeeze's lookup for every KV head (one row each), then the streaming heads' rows replaced by their
-        windows."""
+        """squeeze's lookup for every KV head (one row each), the streaming heads' rows their windows instead
+        (written by the lookup's expansion)."""
         hkv = layer["counts"].shape[0]
         (threshold,) = plan.at(q.shape[1])
+        fixed, retrieval = layer.memo(("duo-squeeze", plan.retrieval_heads, q.device),
+                                      lambda: streaming_heads(layer, plan.retrieval_heads, q.device))
         keep, score, selection = backend.kernel("centroid").cluster_select(
             q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
-            layer.tail)
-        streaming = layer["rank"].to(q.device) >= plan.retrieval_heads  # [Hkv]
-        selection = replace_rows(selection, streaming, layer["window"])
+            layer.tail, fixed=fixed)
         c, d = layer["centroids"].shape[1:]
         read = torch.full((hkv,), float(c * (d + 1)), device=q.device)  # every head's centroids are scored
-        return Lookup(selection=selection, index_elements=read, units=keep & ~streaming[:, None], scores=score,
+        return Lookup(selection=selection, index_elements=read, units=keep & retrieval, scores=score,
                       sizes=layer["counts"])
 
     def layout(self, layer: LayerIndex) -> ClusterLayout:
@@ -110,3 +110,10 @@ class DuoSqueezePolicy(Method):
 
     def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
         return layer["labels"]
+
+
+def streaming_heads(layer: LayerIndex, retrieval_heads: int, device: torch.device) -> tuple[Fixed, torch.Tensor]:
+    """The layer's streaming heads (rank >= retrieval_heads) reading their windows, and retrieval [Hkv, 1] bool
+    (the heads whose kept clusters are read), on `device`: made once per plan (LayerIndex.memo)."""
+    streaming = layer["rank"].to(device) >= retrieval_heads
+    return Fixed(layer["window"].to(device), streaming), ~streaming[:, None]

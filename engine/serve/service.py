@@ -75,6 +75,7 @@ class Engine:
             raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(REGISTRY)}")
         self.method_settings = {name: make_method(name, (methods or {}).get(name)).settings for name in REGISTRY}
         self._prepared: dict[tuple, Tensors] = {}  # (method, settings) -> its model-level artifacts, once loaded
+        self._stored: set[tuple] = set()  # keys of _prepared seen in the store (a status poll asks once)
         self._lm = lm
         self._lm_lock = threading.Lock()  # the app loads the model from a worker thread and from request threads
         self._device_lock = threading.RLock()  # building a method's index and answering share the open context
@@ -121,8 +122,12 @@ class Engine:
         out = []
         for n in build_order([name]):
             method = self.method(n)
-            if method.learns_per_model() and _prepared_key(method) not in self._prepared and \
-                    not self.store.models.names(self.model_id, n, method.prepare_key()):
+            key = _prepared_key(method)
+            if not method.learns_per_model() or key in self._prepared or key in self._stored:
+                continue
+            if self.store.models.names(self.model_id, n, method.prepare_key()):
+                self._stored.add(key)
+            else:
                 out.append(n)
         return out
 
@@ -160,7 +165,7 @@ class Engine:
         found = {n: t.detach().cpu() for n, t in method.prepare(self.lm, preparation).items()}
         for artifact, tensor in found.items():
             self.store.models.save(self.model_id, name, settings, artifact, tensor)
-        self.store.models.remove(self.model_id, checkpoint)
+        self.store.models.remove(self.model_id, checkpoint, settings)  # other settings' runs keep theirs
         return found
 
     def build_key(self, name: str) -> dict:

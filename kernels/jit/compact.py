@@ -5,7 +5,9 @@ Two steps over a (row, block of BLOCK_G groups) grid, both fully parallel and fr
                  which computes them while it decides keep (kernels.centroid_ops.cluster_select), saving a launch
     expansion    `expand_groups_kernel`: each block finds its place in the packed list from the block sums (every
                  block of the rows before, then the blocks before it in its row, then a scan inside the block)
-                 and writes its kept groups' positions; the row's first block also writes indptr and the tail.
+                 and writes its kept groups' positions; the row's blocks write its tail (or, for a row of a head
+                 marked fixed, that head's list instead of its groups and tail: DuoAttention's streaming windows)
+                 BLOCK_T positions each in turn, and its first block writes indptr.
 """
 
 import triton
@@ -50,42 +52,59 @@ def expand_groups_kernel(
     NB,
     ROWS_PER_HEAD,  # rows // Hkv
     tail,  # tail positions starts[h, G] .. starts[h, G] + tail - 1, kept by every row
+    fixed_ptr,  # [Hkv, W] int32 (HAS_FIXED): the list a fixed row reads instead of its groups and the tail
+    fixed_on_ptr,  # [Hkv] bool (HAS_FIXED): whether head h's rows are fixed
+    W,
     BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SUB: tl.constexpr,  # groups written together (a divisor of BLOCK_G): lanes per step SUB x BLOCK_K
     RCHUNK: tl.constexpr,  # rows of block sums read per step (RCHUNK * BLOCK_NB values in registers)
     BLOCK_NB: tl.constexpr,  # >= NB, a power of two
+    BLOCK_T: tl.constexpr,  # positions of the tail (or of a fixed list) a program writes per step
+    HAS_FIXED: tl.constexpr,
 ):
     r = tl.program_id(0)
     gb = tl.program_id(1)
     h = r // ROWS_PER_HEAD
     rr = tl.arange(0, RCHUNK)[:, None]
     bb = tl.arange(0, BLOCK_NB)[None, :]
-    base = tl.full([], 0, tl.int64)
-    for r0 in range(0, r + 1, RCHUNK):  # every block of the earlier rows, and this row's earlier blocks
+    row_start = tl.full([], 0, tl.int64)
+    for r0 in range(0, r, RCHUNK):  # every block of the earlier rows
         row = r0 + rr
-        sums = tl.load(block_sums_ptr + row * NB + bb, mask=(row <= r) & (bb < NB), other=0)  # [RCHUNK, BLOCK_NB]
-        base += tl.sum(tl.sum(tl.where((row < r) | (bb < gb), sums, 0), axis=1), axis=0)
-    base += r * tail
-    row_base = base
-    for sub in tl.static_range(0, BLOCK_G, SUB):  # groups SUB at a time: each loop below runs to its SUB's longest
-        g = gb * BLOCK_G + sub + tl.arange(0, SUB)
-        size, start = kept_sizes(keep_ptr, starts_ptr, r, h, g, G, G)
-        dest = base + tl.cumsum(size, axis=0) - size  # [SUB]
-        base += tl.sum(size, axis=0)
-        longest = tl.max(size, axis=0).to(tl.int32)
-        for j in range(0, longest, BLOCK_K):
-            k = j + tl.arange(0, BLOCK_K)
-            m = k[None, :] < size[:, None]
-            tl.store(out_ptr + dest[:, None] + k[None, :], (start[:, None] + k[None, :]).to(tl.int32), mask=m)
-    base = row_base
-    if gb == 0:  # the row's first program: its end in indptr, and the dense tail that closes its list
-        own = tl.load(block_sums_ptr + r * NB + bb, mask=bb < NB, other=0)  # [1, BLOCK_NB]: base holds none
-        end = base + tl.sum(tl.sum(own, axis=1), axis=0) + tail
+        sums = tl.load(block_sums_ptr + row * NB + bb, mask=(row < r) & (bb < NB), other=0)  # [RCHUNK, BLOCK_NB]
+        if HAS_FIXED:  # an earlier fixed row holds W positions, none of its groups nor the tail
+            on = tl.load(fixed_on_ptr + row // ROWS_PER_HEAD, mask=row < r, other=0) != 0  # [RCHUNK, 1]
+            sums = tl.where(on, 0, sums)
+            row_start += tl.sum(tl.sum(tl.where(on, W - tail, 0), axis=1), axis=0)
+        row_start += tl.sum(tl.sum(sums, axis=1), axis=0)
+    row_start += r * tail
+    own = tl.load(block_sums_ptr + r * NB + bb, mask=bb < NB, other=0)  # [1, BLOCK_NB]: this row's blocks
+    fixed_row = False
+    if HAS_FIXED:
+        fixed_row = tl.load(fixed_on_ptr + h) != 0
+    if fixed_row:  # the row's list is lists[h], written by its NB programs in turn (BLOCK_T positions each)
+        end = row_start + W
+        for t in range(gb * BLOCK_T, W, NB * BLOCK_T):
+            kt = t + tl.arange(0, BLOCK_T)
+            tl.store(out_ptr + row_start + kt, tl.load(fixed_ptr + h * W + kt, mask=kt < W, other=0), mask=kt < W)
+    else:
+        base = row_start + tl.sum(tl.sum(tl.where(bb < gb, own, 0), axis=1), axis=0)  # this row's earlier blocks
+        for sub in tl.static_range(0, BLOCK_G, SUB):  # groups SUB at a time: each loop runs to its SUB's longest
+            g = gb * BLOCK_G + sub + tl.arange(0, SUB)
+            size, start = kept_sizes(keep_ptr, starts_ptr, r, h, g, G, G)
+            dest = base + tl.cumsum(size, axis=0) - size  # [SUB]
+            base += tl.sum(size, axis=0)
+            longest = tl.max(size, axis=0).to(tl.int32)
+            for j in range(0, longest, BLOCK_K):
+                k = j + tl.arange(0, BLOCK_K)
+                m = k[None, :] < size[:, None]
+                tl.store(out_ptr + dest[:, None] + k[None, :], (start[:, None] + k[None, :]).to(tl.int32), mask=m)
+        end = row_start + tl.sum(tl.sum(own, axis=1), axis=0) + tail
+        first = tl.load(starts_ptr + h * (G + 1) + G)
+        for t in range(gb * BLOCK_T, tail, NB * BLOCK_T):  # the dense tail closes the list, its programs in turn
+            kt = t + tl.arange(0, BLOCK_T)
+            tl.store(out_ptr + end - tail + kt, (first + kt).to(tl.int32), mask=kt < tail)
+    if gb == 0:  # the row's first program: its end in indptr
         tl.store(indptr_ptr + r + 1, end)
         if r == 0:
             tl.store(indptr_ptr, end * 0)
-        first = tl.load(starts_ptr + h * (G + 1) + G)
-        for t in range(0, tail, BLOCK_K):
-            kt = t + tl.arange(0, BLOCK_K)
-            tl.store(out_ptr + end - tail + kt, (first + kt).to(tl.int32), mask=kt < tail)

@@ -7,7 +7,7 @@ import torch
 
 from kernels.reference._common import NEG_INF, _grouped, _ungrouped
 from kernels.reference.compact import expand_groups
-from kernels.selection import Selection
+from kernels.selection import Fixed, Selection
 
 
 def centroid_log_scores(
@@ -113,8 +113,11 @@ def cluster_select(
     starts: torch.Tensor,
     total: int,
     tail: int = 0,
+    *,
+    fixed: Fixed | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """`cluster_keep`, then the kept clusters' key positions (`kernels.layout.expand_groups(keep, starts, total,
-    tail)`: starts [Hkv, C + 1] where each cluster's keys lie). Returns (keep, score, Selection)."""
+    tail, fixed=fixed)`: starts [Hkv, C + 1] where each cluster's keys lie; fixed: heads whose rows read a fixed
+    list instead). Returns (keep, score, Selection)."""
     keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows)
-    return keep, score, expand_groups(keep, starts, total, tail)
+    return keep, score, expand_groups(keep, starts, total, tail, fixed=fixed)

@@ -93,14 +93,14 @@ class ModelArtifacts:
         return {r["name"]: read_artifact(root, r, f"{model}/{method}/{r['name']}", device)
                 for r in self.list(model, method, settings)}
 
-    def remove(self, model: str, method: str) -> int:
-        """Delete every artifact of (model, method), whatever the settings (rows, then files and their emptied
-        folders); returns how many."""
+    def remove(self, model: str, method: str, settings: dict[str, Any] | None = None) -> int:
+        """Delete the artifacts of (model, method) with `settings` (every set of them when None): rows, then files
+        and their emptied folders; returns how many."""
+        where, args = ("model = ? AND method = ?", [model, method]) if settings is None else \
+            (_KEY, [model, method, self.settings_key(settings)])
         with self.database.transaction() as db:
-            args = [model, method]
-            paths = [r["path"] for r in
-                     db.query("SELECT path FROM model_artifacts WHERE model = ? AND method = ?", args)]
-            db.execute("DELETE FROM model_artifacts WHERE model = ? AND method = ?", args)
+            paths = [r["path"] for r in db.query(f"SELECT path FROM model_artifacts WHERE {where}", args)]
+            db.execute(f"DELETE FROM model_artifacts WHERE {where}", args)
         self.database.unlink(paths, prune_dirs=True)
         return len(paths)
 
