@@ -29,6 +29,7 @@ def _progress(enabled: bool):
 
 # Methods that learn something once per model (Method.prepare): what `squeeze train` trains.
 TRAINED_METHODS = tuple(n for n, cls in REGISTRY.items() if cls.learns_per_model())
+SHOWN_VALUES = 64  # an artifact of at most this many values is printed whole by `squeeze train`
 
 
 def _engine(args):
@@ -68,7 +69,8 @@ def _method_options() -> argparse.ArgumentParser:
         for f in dataclasses.fields(cls.Settings):
             default = getattr(defaults, f.name)
             flags = [f"--{method}-{f.name.replace('_', '-')}"] + [a for a in [ALIASES.get((method, f.name))] if a]
-            group.add_argument(*flags, dest=_dest(method, f.name), type=type(default), default=None,
+            group.add_argument(*flags, dest=_dest(method, f.name), type=_flag if isinstance(default, bool)
+                               else type(default), default=None,
                                metavar=type(default).__name__.upper(), help=f"default {default}")
     return p
 
@@ -116,9 +118,27 @@ def cmd_train(args) -> int:
     start = time.perf_counter()
     found = engine.prepared(args.method, _progress(not args.quiet))
     out = {"method": args.method, "model": engine.model_id, "seconds": round(time.perf_counter() - start, 1),
-           "artifacts": {name: [round(float(x), 4) for x in t.flatten()] for name, t in sorted(found.items())}}
+           "artifacts": {name: _summary(t) for name, t in sorted(found.items())}}
     print(json.dumps(out) if args.json else "\n".join(f"{name}: {values}" for name, values in out["artifacts"].items()))
     return 0
+
+
+def _summary(t) -> list | dict:
+    """An artifact as the train command shows it: its values when few (gates), else its shape and statistics."""
+    if t.numel() <= SHOWN_VALUES:
+        return [round(float(x), 4) for x in t.flatten()]
+    f = t.float()
+    return {"shape": list(t.shape), "mean": round(float(f.mean()), 4), "std": round(float(f.std()), 4)}
+
+
+def _flag(text: str) -> bool:
+    """A boolean setting's value on the command line."""
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
 def cmd_list(args) -> int:
@@ -207,7 +227,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--truncate", action="store_true")
     p.set_defaults(func=cmd_ask)
     p = sub.add_parser("train", parents=[common, method_options],
-                       help="learn a method's model-level artifacts once (DuoAttention's gates), with a progress line "
+                       help="learn a method's model-level artifacts once (DuoAttention's gates, Saap's partitions), "
+                            "with a progress line "
                             "per step; resumes a stopped run; later documents reuse them")
     p.add_argument("method", choices=TRAINED_METHODS)
     p.set_defaults(func=cmd_train)

@@ -69,7 +69,7 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
     if index is None and method.sparse:
         raise RuntimeError(f"layer {layer.layer_idx} has no {method.name} index: build the method for this context")
     with timed("lookup"):
-        lookup = method.lookup(q, index, step.plan, scale, step.backend)
+        lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos)
     if recorder is not None:
         recorder.record(layer.layer_idx, lookup)
     with timed("attention"):

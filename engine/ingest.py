@@ -86,7 +86,7 @@ def kv_artifacts(layer_idx: int, layer: FixedContextLayer) -> dict[str, torch.Te
 def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor], tail: int, methods: list[Method],
                   scale: float, device: torch.device, progress: Progress = _no_progress, on_artifact: OnArtifact = _no_artifact,
                   before_layer: Callable[[int], None] | None = None, prepared: dict[str, Tensors] | None = None,
-                  required: dict[str, dict[int, Tensors]] | None = None) -> dict[str, torch.Tensor]:
+                  required: dict[str, dict[int, Tensors]] | None = None, first: int = 0) -> dict[str, torch.Tensor]:
     """Each method's index of every global layer, then its calibration, as named artifacts.
 
     keys: global layer -> its fixed keys [Hkv, L, D] (rows as engine.fixed_rows arranges them: the indexed tokens in
@@ -94,7 +94,8 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
     queries: global layer -> its calibration queries [Hq, n, D]; methods: in build order (each after what it
     requires: engine.policies.build_order); scale: the layers' softmax scale; device: where the calibrations run
     (one pools every global layer: with device_map="auto" the layers sit on several GPUs); prepared: method -> its model-level artifacts (`layer{i}.{name}`);
-    required: indexes built before (method -> global layer -> artifacts) that `methods` may require (not made again).
+    required: indexes built before (method -> global layer -> artifacts) that `methods` may require (not made again);
+    first: the position of the first indexed token (the context's sink rows come after the indexed ones).
     Each artifact goes to `on_artifact` when made (a layer's indexes after its layer, calibrations at the end);
     `before_layer(i)` runs before layer i is indexed (the ingest saves its K/V then, overlapping the next layers).
     """
@@ -107,7 +108,7 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
         if before_layer is not None:
             before_layer(layer_idx)
         full = keys[layer_idx]
-        layer = LayerKeys(layer_idx=layer_idx, keys=full[:, : full.shape[1] - tail], tail=tail)
+        layer = LayerKeys(layer_idx=layer_idx, keys=full[:, : full.shape[1] - tail], tail=tail, first=first)
         for method in methods:
             missing = [r for r in method.requires if r not in built]
             if missing:
@@ -185,5 +186,5 @@ def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings,
     keys = {i: cache.layers[i].fixed_keys for i in lm.global_layers}
     scale = global_scale(lm)
     artifacts.update(build_methods(keys, queries, rows.dense, methods or [], scale, lm.device, progress, on_artifact,
-                                   hand_over, prepared))
+                                   hand_over, prepared, first=rows.sink))
     return IngestOutput(artifacts=artifacts, tokens=ids.numel(), rows=rows)

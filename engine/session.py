@@ -115,7 +115,8 @@ class ContextSession:
                     if r in self.methods}
             mine = prepared if m is method else None
             built = build_methods(keys, queries, self.tail, [m], global_scale(self.lm), self.lm.device,
-                                  progress or _no_progress, prepared={name: mine or {}}, required=have)
+                                  progress or _no_progress, prepared={name: mine or {}}, required=have,
+                                  first=self.rows.sink)
             made.update(built)
             self.add_method(m, names.parse(built, (name,)).methods.get(name, names.MethodArtifacts()), mine)
         return made

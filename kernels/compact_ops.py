@@ -15,6 +15,9 @@ BLOCK_G = 256  # groups (clusters) per program of the standalone expansion
 # keep/starts, which wait on the stores before them, not to the masked lanes.
 BLOCK_K = 8
 SUB_G = 128
+LARGE_GROUP = 64  # mean positions per group from which the large-group tiles are used
+LARGE_BLOCK_G = 16
+LARGE_BLOCK_K = 64
 BLOCK_T = 64  # tail (or fixed-list) positions a program writes per step; a row's programs share them
 SUM_TILE = 2048  # block sums an expansion program reads per step
 
@@ -44,13 +47,24 @@ def expand_groups(keep: torch.Tensor, starts: torch.Tensor, total: int, tail: in
     """
     _check(keep, starts, fixed)
     rows, groups = keep.shape
-    nb = max(1, triton.cdiv(groups, BLOCK_G))
+    block_g, sub, block_k = write_tiles(total, groups)
+    nb = max(1, triton.cdiv(groups, block_g))
     block_sums = torch.empty(rows, nb, dtype=torch.int64, device=keep.device)
     if rows:
         keep, starts = keep.contiguous(), starts.contiguous()
         group_block_sums_kernel[(rows, nb)](keep, starts, block_sums, groups, nb, rows // starts.shape[0],
-                                           BLOCK_G=BLOCK_G, num_stages=1)
-    return expand_block_sums(keep, starts, block_sums, BLOCK_G, total, tail, fixed=fixed)
+                                           BLOCK_G=block_g, num_stages=1)
+    return expand_block_sums(keep, starts, block_sums, block_g, total, tail, fixed=fixed, sub=sub, block_k=block_k)
+
+
+def write_tiles(total: int, groups: int) -> tuple[int, int, int]:
+    """(groups per program, groups written together, positions per group and step) for groups of total / groups
+    positions on average: small groups (squeeze's clusters, ~20 keys) many to a program; large ones (Saap's buckets,
+    hundreds of keys) few to a program, each written 64 positions at a time, so that a row's work spreads over
+    many programs instead of looping over its largest groups."""
+    if groups and total >= LARGE_GROUP * groups:
+        return LARGE_BLOCK_G, LARGE_BLOCK_G, LARGE_BLOCK_K
+    return BLOCK_G, SUB_G, BLOCK_K
 
 
 def expand_block_sums(keep: torch.Tensor, starts: torch.Tensor, block_sums: torch.Tensor, block_g: int, total: int,

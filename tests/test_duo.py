@@ -59,7 +59,7 @@ def test_window_keeps_the_sink_and_the_recent_keys_the_tail_lacks():
 
 
 def calibrated(method, layers: int = 3, hkv: int = 2):
-    artifacts = method.stand_in(list(range(layers)), hkv)
+    artifacts = method.stand_in(list(range(layers)), hkv, 8)
     sets = [CalibrationSet(index=LayerIndex({"rank": artifacts[f"layer{i}.rank"]}, INDEXED + TAIL, TAIL),
                            queries=torch.zeros(2 * hkv, 1, 8)) for i in range(layers)]
     return artifacts, sets, method.calibrate(sets, 1.0)
@@ -275,7 +275,7 @@ def test_duo_squeeze_streams_the_low_heads_and_looks_up_the_high_ones():
     methods = [make_method(m, {"sink": 4, "recent": 30} if m != "squeeze" else None)
                for m in build_order(["duo-squeeze"])]
     artifacts = build_methods(keys, queries, TAIL, methods, d ** -0.5, torch.device("cpu"),
-                              prepared=stand_ins(methods, [0, 1], hkv))
+                              prepared=stand_ins(methods, [0, 1], hkv, d))
     part = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.layer0.")}
     calib = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.calib.")}
     sq = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("squeeze.layer0.")}

@@ -100,7 +100,8 @@ def test_every_method_reads_the_sink_at_any_budget(sessions, method):
     for layer_idx in session.lm.global_layers:
         layer = session.cache.layers[layer_idx]
         q = torch.randn(session.lm.num_heads, 3, session.lm.head_dim)
-        for block in (q, q[:, -1:]):  # a question's prefill, a decode step
-            found = session.method(method).lookup(block, layer.indexes[method], plan, 1.0, REFERENCE)
+        at = torch.arange(rows.tokens, rows.tokens + 3)  # the question's positions, after the context
+        for block, pos in ((q, at), (q[:, -1:], at[-1:])):  # a question's prefill, a decode step
+            found = session.method(method).lookup(block, layer.indexes[method], plan, 1.0, REFERENCE, pos)
             mask = found.selection.to_mask()
             assert bool(mask[:, rows.indexed : rows.indexed + rows.sink].all()), (method, layer_idx)

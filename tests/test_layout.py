@@ -134,3 +134,19 @@ def test_fixed_rows_reject_bad_lists():
     with pytest.raises(ValueError, match="bool"):
         compact_ops.expand_groups(keep, starts, 10, fixed=Fixed(torch.zeros(2, 3, dtype=torch.int32),
                                                                 torch.ones(3, dtype=torch.bool)))
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_triton_expansion_of_large_groups(rows):
+    """Groups of hundreds of positions (Saap's buckets: compact_ops.write_tiles picks other tiles) expand as the
+    reference does."""
+    groups, lc = 37, 9000
+    labels = random_labels(2, lc, groups, seed=rows)
+    starts = group_starts(labels, groups)
+    assert compact_ops.write_tiles(lc, groups)[0] == compact_ops.LARGE_BLOCK_G
+    keep = torch.rand(rows, groups, generator=torch.Generator().manual_seed(3)) < 0.5
+    want = expand_groups(keep, starts, lc, tail=5)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = compact_ops.expand_groups(keep.to(dev), starts.to(dev), lc, tail=5)
+    assert torch.equal(got.indptr.cpu(), want.indptr)
+    assert torch.equal(got.indices[: int(want.indptr[-1])].long().cpu(), want.indices)

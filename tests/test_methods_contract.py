@@ -35,7 +35,8 @@ ATOL = 2e-5
 BUDGET_TOL = 0.03
 # Settings scaled to this 664-key context where a method's defaults assume a document (DuoAttention's streaming
 # window: 64 sink + 256 recent keys would be half of it, a floor above the budgets tested below).
-SMALL_CONTEXT = {"duo": {"sink": 8, "recent": 48}, "duo-squeeze": {"sink": 8, "recent": 48}}
+SMALL_CONTEXT = {"duo": {"sink": 8, "recent": 48}, "duo-squeeze": {"sink": 8, "recent": 48},
+                 "saap": {"buckets": 32, "hidden": 16}}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run compiled on a GPU, interpreted otherwise
 
 
@@ -59,11 +60,21 @@ def synthetic_context(seed: int = 0):
 def context():
     keys, values, queries = synthetic_context()
     methods = [make_method(n, SMALL_CONTEXT.get(n)) for n in build_order(SPARSE_METHODS)]
-    prepared = {m.name: m.stand_in(list(LAYERS), HKV) for m in methods}  # what a trained model would have given
+    prepared = {m.name: m.stand_in(list(LAYERS), HKV, D) for m in methods}  # what a trained model would have given
     artifacts = build_methods(keys, queries, TAIL, methods, SCALE, torch.device("cpu"), prepared=prepared)
     for method in methods:  # a session's index joins the model-level artifacts to each layer's (engine.session)
         artifacts.update({f"{method.name}.{name}": t for name, t in prepared[method.name].items()})
     return keys, values, queries, {m.name: m for m in methods}, artifacts
+
+
+def positions(a: int, b: int) -> torch.Tensor:
+    """The positions of calibration queries a .. b - 1 (the context's last TAIL tokens)."""
+    return torch.arange(INDEXED + a, INDEXED + b)
+
+
+def steps(q: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A decode step (the last calibration query) and a question's prefill (the first 7), with their positions."""
+    return [(q[:, -1:], positions(TAIL - 1, TAIL)), (q[:, :7], positions(0, 7))]
 
 
 def layer_index(artifacts, name, layer):
@@ -98,8 +109,8 @@ def test_full_budget_is_full_attention(context, name):
     plan = method.plan(calibration(artifacts, name), 1.0)
     for layer in LAYERS:
         index = layer_index(artifacts, name, layer)
-        for q in (queries[layer][:, -1:], queries[layer][:, :7]):  # a decode step, a question's prefill
-            lookup = method.lookup(q, index, plan, SCALE, REFERENCE)
+        for q, at in steps(queries[layer]):  # a decode step, a question's prefill
+            lookup = method.lookup(q, index, plan, SCALE, REFERENCE, at)
             assert bool(lookup.selection.to_mask().all()), f"{name} at budget 1 skipped keys"
             k, v = arranged(method, index, keys[layer]), arranged(method, index, values[layer])
             sparse = REFERENCE.kernel("sparse").sparse_attention(q, k, v, lookup.selection, SCALE)
@@ -116,8 +127,8 @@ def test_selection_is_valid(context, name, budget):
     plan = method.plan(calibration(artifacts, name), budget)
     for layer in LAYERS:
         index = layer_index(artifacts, name, layer)
-        for q in (queries[layer][:, -1:], queries[layer][:, :7]):
-            sel = method.lookup(q, index, plan, SCALE, REFERENCE).selection
+        for q, at in steps(queries[layer]):
+            sel = method.lookup(q, index, plan, SCALE, REFERENCE, at).selection
             indptr = sel.indptr
             assert sel.num_keys == INDEXED + TAIL and sel.rows in (HQ, HKV)
             assert int(indptr[0]) == 0 and bool((indptr[1:] >= indptr[:-1]).all())
@@ -136,9 +147,9 @@ def test_triton_lookup_equals_reference(context, name):
     for layer in LAYERS:
         index = layer_index(artifacts, name, layer)
         on_device = LayerIndex({k: t.to(DEVICE) for k, t in index.tensors.items()}, index.num_keys, index.tail)
-        for q in (queries[layer][:, -1:], queries[layer][:, :7]):
-            ref = method.lookup(q, index, plan, SCALE, REFERENCE)
-            tri = method.lookup(q.to(DEVICE), on_device, plan, SCALE, TRITON)
+        for q, at in steps(queries[layer]):
+            ref = method.lookup(q, index, plan, SCALE, REFERENCE, at)
+            tri = method.lookup(q.to(DEVICE), on_device, plan, SCALE, TRITON, at.to(DEVICE))
             assert torch.equal(ref.selection.to_mask(), tri.selection.to_mask().cpu()), f"{name}: selections differ"
             torch.testing.assert_close(ref.index_elements.float(), tri.index_elements.float().cpu())
             k, v = arranged(method, index, keys[layer]), arranged(method, index, values[layer])
@@ -164,10 +175,10 @@ def test_measured_budget_is_the_asked_one(context, name, budget):
     for layer in LAYERS:
         index = layer_index(artifacts, name, layer)
         for t in range(TAIL):  # every calibration query as a decode step
-            decode.append(read_fraction(method.lookup(queries[layer][:, t : t + 1], index, plan, SCALE, REFERENCE),
-                                        D, INDEXED + TAIL))
+            decode.append(read_fraction(method.lookup(queries[layer][:, t : t + 1], index, plan, SCALE, REFERENCE,
+                                                      positions(t, t + 1)), D, INDEXED + TAIL))
         for a, b, w in prefill_windows(TAIL):  # windows of them as questions
-            found = method.lookup(queries[layer][:, a:b], index, plan, SCALE, REFERENCE)
+            found = method.lookup(queries[layer][:, a:b], index, plan, SCALE, REFERENCE, positions(a, b))
             prefill += w * read_fraction(found, D, INDEXED + TAIL)
             weight += w
     read_decode, read_prefill = sum(decode) / len(decode), prefill / weight
@@ -191,9 +202,9 @@ class Probe(QuestPolicy):
         assert "learned" in prepared, "build did not get the model-level artifacts"
         return super().build(layer, required, prepared)
 
-    def lookup(self, q, layer, plan, scale, backend):
+    def lookup(self, q, layer, plan, scale, backend, positions=None):
         assert "learned" in layer, "the lookup's index lacks the model-level artifacts"
-        return super().lookup(q, layer, plan, scale, backend)
+        return super().lookup(q, layer, plan, scale, backend, positions)
 
 
 def test_model_level_artifacts_are_made_once_and_stored_apart(tmp_path, monkeypatch):

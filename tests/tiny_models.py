@@ -86,7 +86,7 @@ def gates_for(lm, methods) -> dict:
     a test of the mechanics gives a method that learns per model (tests/test_duo.py trains them)."""
     from engine.policies import stand_ins
 
-    return stand_ins(methods, lm.global_layers, lm.num_kv_heads)
+    return stand_ins(methods, lm.global_layers, lm.num_kv_heads, lm.head_dim)
 
 
 def make_tiny_model(tmp_path: Path, arch: str) -> Path:

@@ -42,7 +42,7 @@ from engine.config import ContextSettings
 from engine.generate import greedy_tokens
 from engine.ingest import IngestOutput, ingest_tokens
 from engine.model import LoadedModel, layer_devices, load_model
-from engine.policies import METHODS, REGISTRY, build_order, make_method, stand_ins
+from engine.policies import METHODS, REGISTRY, Tensors, build_order, make_method, stand_ins
 from engine.session import ContextSession
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
@@ -273,7 +273,7 @@ class StageClock:
 
 
 def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, backend: Backend,
-               methods: list[str]) -> tuple[IngestOutput | None, dict]:
+               methods: list[str], prepared: dict[str, Tensors]) -> tuple[IngestOutput | None, dict]:
     """engine.ingest.ingest_tokens, timed; the report has the error (an OOM, say) and the peak memory either way."""
     clock = StageClock(lm.device)
     reset_peaks(lm)
@@ -282,8 +282,7 @@ def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, ba
     start = time.perf_counter()
     try:
         instances = [make_method(m) for m in build_order(methods)]
-        ingest = ingest_tokens(lm, ids, settings, backend, instances, clock,
-                               prepared=stand_ins(instances, lm.global_layers, lm.num_kv_heads))
+        ingest = ingest_tokens(lm, ids, settings, backend, instances, clock, prepared=prepared)
         clock.close()
     except Exception as exc:  # noqa: BLE001 - reported in the JSON
         report["error"] = _error(exc)
@@ -539,10 +538,12 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
     warmup = ids[:WARMUP_CONTEXT]
     _log(f"warm-up ingest of {warmup.numel()} tokens")
     start = time.perf_counter()
+    # what a method learns per model (duo's gates, saap's partitions) is not trained here: stand-ins of its shapes
+    prepared = stand_ins([make_method(m) for m in build_order(methods)], lm.global_layers, lm.num_kv_heads,
+                         lm.head_dim)
     try:
         instances = [make_method(m) for m in build_order(methods)]
-        ingest_tokens(lm, warmup, settings, backend, instances,
-                      prepared=stand_ins(instances, lm.global_layers, lm.num_kv_heads))
+        ingest_tokens(lm, warmup, settings, backend, instances, prepared=prepared)
         warmup_error = None
     except Exception as exc:  # noqa: BLE001 - the timed ingest reports what fails
         warmup_error = _error(exc)
@@ -551,7 +552,7 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
     if cuda:
         torch.cuda.empty_cache()
     _log(f"ingest of {ids.numel()} tokens")
-    ingest, report = run_ingest(lm, ids, settings, backend, methods)
+    ingest, report = run_ingest(lm, ids, settings, backend, methods, prepared)
     report.update(warmup_tokens=int(warmup.numel()), warmup_s=warmup_s)
     if warmup_error:
         report["warmup_error"] = warmup_error
@@ -560,7 +561,8 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
     if ingest is not None:
         try:
             start = time.perf_counter()
-            session = ContextSession(lm, ingest.artifacts, settings, backend, graphs=graphs)  # takes the artifacts' K/V
+            session = ContextSession(lm, ingest.artifacts, settings, backend, graphs=graphs,  # takes the artifacts' K/V
+                                     prepared=prepared)
             _sync(lm.device)
             out["session"] = {"open_s": round(time.perf_counter() - start, 3), "graphs": session.graphs is not None}
         except Exception as exc:  # noqa: BLE001

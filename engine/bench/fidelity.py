@@ -126,19 +126,21 @@ def oracle_mask(probs: torch.Tensor, hkv: int, keys: int, pool_tokens: bool) -> 
 
 
 def method_mask(session, method: str, sparsity: float, layer_idx: int, q: torch.Tensor, scale: float,
-                pool_tokens: bool) -> torch.Tensor:
-    """What `method` attends to for queries q [Hq, T, D] at a layer, in original key order: [Hq, T, L] bool. One
-    lookup over all T tokens when `pool_tokens` (a question's prefill), else one per token (decode steps)."""
+                pool_tokens: bool, positions: torch.Tensor) -> torch.Tensor:
+    """What `method` attends to for queries q [Hq, T, D] at `positions` [T] at a layer, in original key order:
+    [Hq, T, L] bool. One lookup over all T tokens when `pool_tokens` (a question's prefill), else one per token
+    (decode steps)."""
     m = session.method(method)
     layer = session.cache.layers[layer_idx]
     index = layer.indexes[method]
     plan = session.plan(method, sparsity)
     hq, hkv = q.shape[0], layer.fixed_keys.shape[0]
     q = q.to(layer.fixed_keys.dtype)
-    blocks = [q] if pool_tokens else [q[:, t : t + 1] for t in range(q.shape[1])]
+    blocks = [(q, positions)] if pool_tokens else [(q[:, t : t + 1], positions[t : t + 1]) for t in range(q.shape[1])]
     masks = []
-    for block in blocks:
-        sel = m.lookup(block.to(layer.fixed_keys.device), index, plan, scale, REFERENCE).selection
+    device = layer.fixed_keys.device
+    for block, at in blocks:
+        sel = m.lookup(block.to(device), index, plan, scale, REFERENCE, at.to(device)).selection
         mask = torch.ones(hkv, layer.fixed_keys.shape[1], dtype=torch.bool) if sel is None else sel.to_mask().cpu()
         masks.append(mask)  # [rows, L]
     mask = in_original_order(torch.stack(masks, dim=1), m.layout(index), hkv)  # [rows, T', L]
@@ -215,6 +217,7 @@ def recall_rows(session, cases: list[Case], methods: list[str], budgets: list[fl
             lq = case.prompt.numel()
             q_all_l = q_all[layer_idx]
             phases = {"prefill": q_all_l[:, :lq], "decode": q_all_l[:, lq : lq + case.answer.numel() - 1]}
+            starts = {"prefill": session.fixed_len, "decode": session.fixed_len + lq}  # the captured tokens' places
             for phase, q in phases.items():
                 if q.shape[1] == 0:
                     continue
@@ -223,7 +226,8 @@ def recall_rows(session, cases: list[Case], methods: list[str], budgets: list[fl
                 for budget in budgets:
                     masks = {"oracle": oracle_mask(probs, hkv, round(budget * length), pool)}
                     for method in methods:
-                        masks[method] = method_mask(session, method, 1.0 - budget, layer_idx, q, scale, pool)
+                        at = torch.arange(starts[phase], starts[phase] + q.shape[1])
+                        masks[method] = method_mask(session, method, 1.0 - budget, layer_idx, q, scale, pool, at)
                     for name, mask in masks.items():
                         r = (probs * mask).sum(dim=-1)  # [Hq, T]
                         entry = sums.setdefault((name, budget, phase), [torch.zeros(len(layers), q.shape[0]), 0, []])

@@ -36,7 +36,8 @@ MODES = ("decode", "calibrated")  # the question prefill's thresholds: decode's,
 def kept_fraction(method: Method, q: torch.Tensor, index: LayerIndex, plan: StepPlan, scale: float,
                   length: int) -> float:
     """Keys the lookup of q [Hq, Lq, D] selects (kept units + dense tail) over `length`, averaged over rows."""
-    lookup = method.lookup(q, index, plan, scale, REFERENCE)
+    at = torch.arange(index.num_keys, index.num_keys + q.shape[1])  # as a question after the context
+    lookup = method.lookup(q, index, plan, scale, REFERENCE, at)
     return float(lookup.selection.counts().double().mean()) / length
 
 

@@ -24,6 +24,7 @@ import torch
 from engine.artifacts import MethodArtifacts
 from engine.artifacts import parse as parse_artifacts
 from engine.ingest import build_methods
+from engine.partitions import imbalance
 from engine.policies import SPARSE_METHODS, LayerIndex, Method, StepPlan, build_order, make_method, stand_ins
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
@@ -68,6 +69,9 @@ def dense_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) 
     return torch.nn.functional.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale, enable_gqa=True)
 
 
+BENCH_LAYER = 1  # the layer index the benchmarked indexes are built as
+
+
 def build_indexes(k: torch.Tensor, queries: torch.Tensor, names: list[str], scale: float,
                   tail: int = DENSE_TAIL, settings: dict[str, dict] | None = None,
                   ) -> tuple[dict[str, LayerIndex], dict[str, dict], dict[str, Method], dict]:
@@ -77,17 +81,19 @@ def build_indexes(k: torch.Tensor, queries: torch.Tensor, names: list[str], scal
     indexes, calibrations, methods, seconds = {}, {}, {}, {}
     for name in build_order(names):
         method = make_method(name, (settings or {}).get(name))
-        required = {r: {0: indexes[r].tensors} for r in method.requires}
+        required = {r: {BENCH_LAYER: indexes[r].tensors} for r in method.requires}
         if k.is_cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        made = build_methods({0: k}, {0: queries}, tail, [method], scale, k.device, required=required,
-                             prepared=stand_ins([method], [0], k.shape[0]))  # untrained gates: time is measured
+        # as layer 1: a model's first layer may be read whole (Saap's choice), the bench times a typical one
+        made = build_methods({BENCH_LAYER: k}, {BENCH_LAYER: queries}, tail, [method], scale, k.device,
+                             required=required,  # untrained model-level artifacts: time is what is measured
+                             prepared=stand_ins([method], [BENCH_LAYER], k.shape[0], k.shape[-1]))
         if k.is_cuda:
             torch.cuda.synchronize()
         seconds[name] = round(time.perf_counter() - start, 3)
         part = parse_artifacts(made, (name,)).methods.get(name, MethodArtifacts())
-        indexes[name] = LayerIndex(tensors=part.layers.get(0, {}), num_keys=k.shape[1], tail=tail)
+        indexes[name] = LayerIndex(tensors=part.layers.get(BENCH_LAYER, {}), num_keys=k.shape[1], tail=tail)
         calibrations[name] = part.calibration
         methods[name] = method
     return indexes, calibrations, methods, seconds
@@ -111,7 +117,8 @@ def measure(method: Method, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
     kp, vp: the K/V in the method's layout. flex: the compiled flex_attention (engine.bench.flex) to time as the
     peer given the same selection, or None."""
     sparse = backend.kernel("sparse")
-    lookup = method.lookup(q, index, plan, scale, backend)
+    at = torch.arange(index.num_keys, index.num_keys + q.shape[1], device=q.device)  # a question after the context
+    lookup = method.lookup(q, index, plan, scale, backend, at)
     sel = lookup.selection
     peer = {}
     if flex is not None:
@@ -124,10 +131,10 @@ def measure(method: Method, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
         del mask
 
     def total():
-        found = method.lookup(q, index, plan, scale, backend)
+        found = method.lookup(q, index, plan, scale, backend, at)
         return sparse.sparse_attention(q, kp, vp, found.selection, scale)
 
-    lookup_ms = bench_graph(lambda: method.lookup(q, index, plan, scale, backend))
+    lookup_ms = bench_graph(lambda: method.lookup(q, index, plan, scale, backend, at))
     sparse_ms = bench_graph(lambda: sparse.sparse_attention(q, kp, vp, sel, scale))
     total_ms = bench_graph(total)
     total_eager_ms = bench_eager(total)
@@ -205,7 +212,9 @@ def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], bud
             q_all, k, v = extend(captured, length, hkv, hq, longest_q + DENSE_TAIL, HEAD_DIM, torch.bfloat16, dev)
             calib_q = q_all[:, -DENSE_TAIL - 1 : -1]  # in the keys' dtype, as an ingest captures them
             indexes, calibrations, instances, build_s = build_indexes(k, calib_q, methods, scale, settings=settings)
-            out["builds"].append({"length": length, "hq": hq, "hkv": hkv, "seconds": build_s})
+            out["builds"].append({"length": length, "hq": hq, "hkv": hkv, "seconds": build_s,
+                                  "imbalance": {n: round(imbalance(i["counts"][:, :-1].cpu()), 3)
+                                                for n, i in indexes.items() if n == "saap"}})
             dense_ms = {lq: bench_graph(lambda q=q_all[:, -lq:]: dense_sdpa(q, k, v, scale)) for lq in phases}
             for name in methods:  # every method against the same dense timings
                 method, index = instances[name], indexes[name]

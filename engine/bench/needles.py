@@ -44,7 +44,7 @@ def context_session(lm, text: str, methods: list[str], settings: dict[str, dict]
     instances = {m.name: m for m in (make_method(n, (settings or {}).get(n)) for n in build_order(methods))}
     context = context or ContextSettings()
     out = ingest_tokens(lm, fixed.ids, context, backend, list(instances.values()), prepared=prepared)
-    session = ContextSession(lm, out.artifacts, context, backend, methods=instances)
+    session = ContextSession(lm, out.artifacts, context, backend, methods=instances, prepared=prepared)
     for method in extra:  # built from the session's own K/V and calibration queries
         session.build(method)
     return session

@@ -48,7 +48,8 @@ class OraclePolicy(Method):
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> KeysPlan:
         return KeysPlan(budget=check_budget(budget), keys=check_budget(decode_keys))
 
-    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: KeysPlan, scale: float, backend: Backend) -> Lookup:
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: KeysPlan, scale: float, backend: Backend,
+               positions: torch.Tensor | None = None) -> Lookup:
         """q: [Hq, Lq, D] -> the selection of the heaviest keys per KV head (one for the step's Lq tokens)."""
         keys = layer["keys"]
         hkv, indexed = keys.shape[:2]

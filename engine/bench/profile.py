@@ -87,8 +87,10 @@ def main(argv: list[str] | None = None) -> int:
             for lq in phases:
                 q = q_all[:, -lq:]
 
+                at = torch.arange(index.num_keys, index.num_keys + lq, device=q.device)
+
                 def step():
-                    found = policy.lookup(q, index, plan, scale, backend)
+                    found = policy.lookup(q, index, plan, scale, backend, at)
                     return backend.kernel("sparse").sparse_attention(q, kp, vp, found.selection, scale)
 
                 row = {"length": length, "method": name, "new_tokens": lq, "index_build_s": build_s[name],

@@ -169,7 +169,8 @@ def run(capture_path: str, length: int, hq: int, hkv: int, sparsities: list[floa
                 plan = policy.plan(calibration, 1.0 - sparsity)
                 masks, index_read = [], []
                 for t in range(decode_tokens):
-                    lookup = policy.lookup(decode_q[:, t : t + 1], index, plan, scale, REFERENCE)
+                    lookup = policy.lookup(decode_q[:, t : t + 1], index, plan, scale, REFERENCE,
+                                           torch.tensor([length + t]))  # captured queries placed after the context
                     masks.append(lookup.selection.to_mask())
                     index_read.append(float(lookup.index_elements.sum()))
                 mask = in_original_order(torch.stack(masks, dim=1), layout, hkv)  # [rows, T, L]
@@ -188,7 +189,8 @@ def run(capture_path: str, length: int, hq: int, hkv: int, sparsities: list[floa
                     if verbose:
                         print(json.dumps(row), file=sys.stderr, flush=True)
                 if prefill_tokens:
-                    lookup = policy.lookup(evaluated[:, :prefill_tokens], index, plan, scale, REFERENCE)
+                    lookup = policy.lookup(evaluated[:, :prefill_tokens], index, plan, scale, REFERENCE,
+                                           torch.arange(length, length + prefill_tokens))
                     mask = in_original_order(lookup.selection.to_mask(), layout, hkv)  # [rows, L]
                     for mode in (("kv",) if group == "kv" else ("query", "union")):
                         attend, read = head_masks(mask, mode, hq, hkv)

@@ -12,6 +12,7 @@ from engine.policies.duo_squeeze import DuoSqueezePolicy
 from engine.policies.full import FullPolicy
 from engine.policies.hsqueeze import HierarchicalSqueezePolicy
 from engine.policies.quest import QuestPolicy
+from engine.policies.saap import SaapPolicy
 from engine.policies.squeeze import SqueezePolicy
 
 REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
@@ -21,6 +22,7 @@ REGISTRY: dict[str, type[Method]] = {cls.name: cls for cls in (
     QuestPolicy,
     DuoPolicy,
     DuoSqueezePolicy,
+    SaapPolicy,
 )}
 METHODS = tuple(REGISTRY)
 SPARSE_METHODS = tuple(name for name, cls in REGISTRY.items() if cls.sparse)
@@ -45,10 +47,10 @@ def make_method(name: str, settings: MethodSettings | dict | None = None) -> Met
     return cls(settings)
 
 
-def stand_ins(methods: Iterable[Method], layers: list[int], num_kv_heads: int) -> dict[str, Tensors]:
+def stand_ins(methods: Iterable[Method], layers: list[int], num_kv_heads: int, head_dim: int) -> dict[str, Tensors]:
     """Each method's model-level artifacts made without a model (Method.stand_in): for benchmarks that time
     random-weight models and for tests of the mechanics; a fidelity measurement needs the trained ones."""
-    return {m.name: m.stand_in(list(layers), num_kv_heads) for m in methods}
+    return {m.name: m.stand_in(list(layers), num_kv_heads, head_dim) for m in methods}
 
 
 def build_order(names: Iterable[str]) -> list[str]:

@@ -103,11 +103,13 @@ class LayerIndex:
 @dataclass
 class LayerKeys:
     """What `build` gets of one global layer: keys [Hkv, Lc, D] (as the attention sees them, RoPE applied) of the
-    indexed part of the fixed context, in token order; the `tail` dense rows (engine.fixed_rows) are not in it."""
+    indexed part of the fixed context, in token order, tokens first .. first + Lc - 1; the `tail` dense rows
+    (engine.fixed_rows) are not in it."""
 
     layer_idx: int
     keys: torch.Tensor
     tail: int
+    first: int = 0  # the position of the first row's token (the context's sink rows, when any, are dense rows)
 
 
 @dataclass
@@ -130,10 +132,19 @@ class Lookup:
 
 @dataclass
 class CalibrationSet:
-    """One global layer's index of the method being calibrated and its calibration queries (q: [Hq, Nc, D])."""
+    """One global layer's index of the method being calibrated and its calibration queries (q: [Hq, Nc, D]) at
+    `positions` [Nc] int64 (None: the context's last Nc tokens, as an ingest captures them)."""
 
     index: LayerIndex
     queries: torch.Tensor
+    positions: torch.Tensor | None = None
+
+    def query_positions(self) -> torch.Tensor:
+        """[Nc] int64 on the queries' device."""
+        if self.positions is not None:
+            return self.positions.to(self.queries.device)
+        n = self.queries.shape[1]
+        return torch.arange(self.index.num_keys - n, self.index.num_keys, device=self.queries.device)
 
 
 @dataclass
@@ -177,7 +188,7 @@ class Method(ABC):
         """The settings `prepare` depends on (the key of its artifacts in the store): all of them by default."""
         return self.settings.as_dict()
 
-    def stand_in(self, layers: list[int], num_kv_heads: int) -> Tensors:
+    def stand_in(self, layers: list[int], num_kv_heads: int, head_dim: int) -> Tensors:
         """Model-level artifacts of the right shapes where no model is at hand (a synthetic context's tests), made
         without training; none by default."""
         return {}
@@ -208,8 +219,11 @@ class Method(ABC):
         question's prefill (fractions in (0, 1]); `budget` is what the plan reports (StepPlan.budget)."""
 
     @abstractmethod
-    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend: Backend) -> Lookup:
-        """q: [Hq, Lq, D] the step's queries (Lq > 1: the question's prefill). No host synchronisation."""
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend: Backend,
+               positions: torch.Tensor | None = None) -> Lookup:
+        """q: [Hq, Lq, D] the step's queries (Lq > 1: the question's prefill), RoPE applied; positions: [Lq] int64
+        on q's device, their positions (a method that works on de-RoPE'd queries needs them; the engine always
+        passes them). No host synchronisation."""
 
     def layout(self, layer: LayerIndex) -> ClusterLayout | None:
         """The order of the fixed K/V that this method's selections index (None: original positions)."""

@@ -123,7 +123,7 @@ class DuoPolicy(Method):
                             progress=timed(prep.progress, training.steps))
         return gate_artifacts(list(lm.global_layers), gates)
 
-    def stand_in(self, layers: list[int], num_kv_heads: int) -> Tensors:
+    def stand_in(self, layers: list[int], num_kv_heads: int, head_dim: int) -> Tensors:
         """Gates spread evenly over [0, 1] (interleaved over the layers), as trained ones would rank the heads."""
         n = len(layers) * num_kv_heads
         gates = torch.linspace(1.0, 0.0, n).view(num_kv_heads, len(layers)).t().contiguous()
@@ -164,7 +164,8 @@ class DuoPolicy(Method):
         extra = 0 if full >= heads else int(round(left - full * cost))
         return HeadPlan(budget=check_budget(budget), full=full, extra=min(extra, cost))
 
-    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadPlan, scale: float, backend: Backend) -> Lookup:
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadPlan, scale: float, backend: Backend,
+               positions: torch.Tensor | None = None) -> Lookup:
         """One row per KV head; the same selection at every step of the plan (made at the first)."""
         selection = layer.memo(("duo", plan.full, plan.extra, q.device),
                                lambda: head_selection(layer, Window.of(self.settings, layer.indexed, layer.tail),

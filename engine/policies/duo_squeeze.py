@@ -90,7 +90,7 @@ class DuoSqueezePolicy(Method):
                                  retrieval_heads=retrieval)
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadThresholdPlan, scale: float,
-               backend: Backend) -> Lookup:
+               backend: Backend, positions: torch.Tensor | None = None) -> Lookup:
         """squeeze's lookup for every KV head (one row each), the streaming heads' rows their windows instead
         (written by the lookup's expansion)."""
         hkv = layer["counts"].shape[0]

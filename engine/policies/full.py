@@ -25,5 +25,6 @@ class FullPolicy(Method):
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> StepPlan:
         return StepPlan(budget=1.0)
 
-    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend) -> Lookup:
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend,
+               positions: torch.Tensor | None = None) -> Lookup:
         return Lookup(selection=None, index_elements=torch.zeros(1, device=q.device))

@@ -171,7 +171,8 @@ class HierarchicalSqueezePolicy(Method):
         """decode's (T1, T2) and the question prefill's (its own where calibrated, else decode's)."""
         return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold_l1", "threshold_l2"))
 
-    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend) -> Lookup:
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend,
+               positions: torch.Tensor | None = None) -> Lookup:
         """Level 1 over all C1 centroids; level 2 only over the kept level-1 clusters' children (eq. 3); the
         layer's K/V are stored permuted by cluster (`layout`), layer["key_starts"] says where."""
         hq, hkv = q.shape[0], layer["counts"].shape[0]

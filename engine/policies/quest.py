@@ -96,7 +96,8 @@ class QuestPolicy(Method):
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> PagePlan:
         return PagePlan(budget=check_budget(budget), keys=check_budget(decode_keys))
 
-    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: PagePlan, scale: float, backend: Backend) -> Lookup:
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: PagePlan, scale: float, backend: Backend,
+               positions: torch.Tensor | None = None) -> Lookup:
         """Page scores (one kernel), then the top pages and their keys (one kernel: k is a static shape, and every
         row reads the same number of keys)."""
         lo, hi = layer["page_min"], layer["page_max"]

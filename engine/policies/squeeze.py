@@ -172,7 +172,8 @@ class SqueezePolicy(Method):
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> ThresholdPlan:
         return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold",))
 
-    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend) -> Lookup:
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend,
+               positions: torch.Tensor | None = None) -> Lookup:
         """The selection is of positions in the layer's K/V stored permuted by cluster (`layout`);
         layer["key_starts"] says where each cluster lies."""
         hq, hkv = q.shape[0], layer["counts"].shape[0]

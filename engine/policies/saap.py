@@ -1,0 +1,213 @@
+"""Saap (Mazaré et al.): asymmetric partitions. Keys go to buckets by their nearest centroid (spherical k-means of
+de-RoPE'd keys), queries to buckets by a learned classifier (an MLP on de-RoPE'd queries); both learned once per
+model (engine.partitions), the document's keys only assigned at ingest.
+
+Index (per global layer): each indexed key's bucket (`labels`), in the cluster-permuted layout squeeze uses (an
+inverted file the sparse kernel reads as ranges), plus one more group, the dense part "1 + W": the context's first
+token and its last W indexed tokens (W = engine.partitions.recent_window of the context's length, the paper's 2047
+at 128K), read at every step with the engine's dense rows. The model's layer 0, when it is a global layer, reads
+every key (section 3: its attention is spread over all keys).
+
+Lookup (no host synchronisation: fixed shapes, the budget a number of keys known on the host): the step's queries
+de-RoPE'd at their positions, each query head's classifier scores (softmax over buckets), summed over the KV head's
+query heads (section 5) and averaged over the step's tokens; buckets taken best first, their keys counted, until
+the plan's share of the indexed keys is reached (the bucket that crosses it included: kernels/jit/buckets.py, a
+threshold found without sorting); the expansion to key positions is squeeze's kernel. The classifier's weights are what a step reads of the index (counted in the budget).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from engine.artifacts import layer_name
+from engine.partitions import PARAMS, PartitionTraining, StepReport, classify, init_weights, recent_window
+from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Preparation,
+                                  StepPlan, Tensors, check_budget)
+from engine.policies.budget import budget_curves
+from engine.rope import derope
+from kernels.backend import Backend
+from kernels.dispatch import backend_for
+from kernels.layout import ClusterLayout, group_starts
+
+TRAINING_PREFIX = "train_"
+MODEL_PARTS = ("centroids", *PARAMS, "inv_freq")  # a layer's model-level artifacts
+LOOKUP_PARTS = (*PARAMS, "inv_freq")  # what a lookup reads of them: copied into each context's index
+CORPUS_SPARE = 2  # corpus tokens read: this many times what the prompts need (they must not run short)
+
+
+@dataclass(frozen=True)
+class SaapSettings(MethodSettings):
+    """buckets, hidden: the partitions' size (C per layer and KV head; the paper: 1024) and the classifier's width;
+    dense_first_layer: the model's layer 0 reads every key when it is a global layer (the paper's choice);
+    train_*: engine.partitions.PartitionTraining (prompts x tokens of text, sampled queries per prompt and head,
+    k-means iterations, Adam steps, batch, learning rate); seed: the training's. All but dense_first_layer are the
+    key of the stored partitions."""
+
+    buckets: int = 256
+    hidden: int = 128
+    dense_first_layer: bool = True
+    train_prompts: int = 4
+    train_tokens: int = 4096
+    train_queries: int = 512
+    train_kmeans_iters: int = 10
+    train_steps: int = 2000  # 6 s on 2 CPU cores for the embedded model: the KL still falls after 300
+    train_batch: int = 256
+    train_lr: float = 1e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.training()  # validates the sizes
+
+    def training(self) -> PartitionTraining:
+        return PartitionTraining(buckets=self.buckets, hidden=self.hidden, prompts=self.train_prompts,
+                                 tokens=self.train_tokens, queries=self.train_queries,
+                                 kmeans_iters=self.train_kmeans_iters, steps=self.train_steps,
+                                 batch=self.train_batch, lr=self.train_lr, seed=self.seed)
+
+
+@dataclass(frozen=True)
+class BucketPlan(StepPlan):
+    """Each step reads the best buckets until `decode` (one token) or `prefill` (a question) of the indexed keys."""
+
+    decode: float = 1.0
+    prefill: float = 1.0
+
+    def at(self, new_tokens: int) -> float:
+        return self.decode if new_tokens == 1 else self.prefill
+
+    def describe(self) -> str:
+        return f"best buckets up to {self.decode:.1%} of the keys (prefill {self.prefill:.1%})"
+
+
+class SaapPolicy(Method):
+    name: ClassVar[str] = "saap"
+    Settings: ClassVar[type] = SaapSettings
+    unit: ClassVar[str] = "bucket"
+
+    def prepare_key(self) -> dict:
+        return {f.name: getattr(self.settings, f.name) for f in fields(self.settings)
+                if f.name != "dense_first_layer"}
+
+    def prepare(self, lm, preparation: Preparation | None = None) -> Tensors:
+        """Train the partitions (engine.partitions) on the corpus (engine.corpus): `layer{i}.centroids`, the
+        classifier's `w1`, `b1`, `w2`, `b2`, and the layer's RoPE frequencies `inv_freq`."""
+        from engine.corpus import corpus_ids
+        from engine.ingest import attention_scale
+        from engine.partitions import train_partitions
+        from engine.rope import rope_frequencies
+
+        prep = preparation or Preparation()
+        training = self.settings.training()
+        layers = list(lm.global_layers)
+        types = getattr(lm.config, "layer_types", None)
+        inv_freq = {i: rope_frequencies(lm.model, types[i] if types else None, lm.head_dim) for i in layers}
+        scale = {i: attention_scale(lm, i) for i in layers}
+        corpus = corpus_ids(lm.tokenizer, CORPUS_SPARE * training.prompts * training.tokens)
+
+        def report(r: StepReport) -> None:
+            loss = f", loss {r.loss:.4f}" if r.stage.startswith("training") else ""
+            prep.progress(r.step, r.steps, f"{r.stage} {r.step}/{r.steps}{loss} ({r.seconds:.0f} s)")
+
+        found = train_partitions(lm, training, corpus, inv_freq, scale, state=prep.load() or None, save=prep.save,
+                                 progress=report)
+        return partition_artifacts({i: {**found[i], "inv_freq": inv_freq[i]} for i in layers})
+
+    def stand_in(self, layers: list[int], num_kv_heads: int, head_dim: int) -> Tensors:
+        """Random unit centroids and an untrained classifier (the default RoPE's frequencies): the shapes a
+        trained model gives, for timing and for the mechanics."""
+        s = self.settings
+        gen = torch.Generator().manual_seed(s.seed)
+        out = {}
+        for i in layers:
+            weights = init_weights(num_kv_heads, head_dim, s.hidden, s.buckets, s.seed + i, "cpu")
+            centroids = F.normalize(torch.randn(num_kv_heads, s.buckets, head_dim, generator=gen), dim=-1)
+            inv_freq = 10000.0 ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+            out[i] = {"centroids": centroids, **weights, "inv_freq": inv_freq}
+        return partition_artifacts(out)
+
+    def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
+        """`labels` [Hkv, Lc] int64 (bucket of each indexed key; C = the dense part "1 + W"), `counts` [Hkv, C + 1],
+        `key_starts` [Hkv, C + 2] (where each group lies in the layout), `dense` [1] bool (a layer read whole), and a
+        copy of the classifier and the RoPE frequencies (LOOKUP_PARTS: the index is whole without the model's
+        artifacts, and a retrained model's contexts are rebuilt: the training settings are part of its key)."""
+        missing = [n for n in MODEL_PARTS if n not in prepared]
+        if missing:
+            raise ValueError("saap needs its trained partitions (`squeeze train saap`, or the app's first use of the "
+                             f"method); missing {', '.join(missing)}")
+        keys = layer.keys
+        hkv, lc = keys.shape[:2]
+        device = keys.device
+        centroids = prepared["centroids"].to(device)
+        c = centroids.shape[1]
+        positions = torch.arange(layer.first, layer.first + lc, device=device)
+        points = derope(keys, positions, prepared["inv_freq"])
+        labels, _ = backend_for(device).kernel("assign").nearest_centroid(points, centroids)
+        recent = min(lc, recent_window(layer.first + lc + layer.tail))
+        labels[:, lc - recent:] = c  # the dense part: the last W indexed tokens ...
+        if layer.first == 0:
+            labels[:, 0] = c  # ... and the first token (with a sink, the context's first tokens are dense rows)
+        starts = group_starts(labels, c + 1)
+        dense = layer.layer_idx == 0 and self.settings.dense_first_layer
+        return {"labels": labels, "counts": starts[:, 1:] - starts[:, :-1], "key_starts": starts,
+                "dense": torch.tensor([dense], device=device),
+                **{n: prepared[n].to(device=device, dtype=torch.float32).clone() for n in LOOKUP_PARTS}}
+
+    def calibrate(self, layers: list[CalibrationSet], scale: float) -> Tensors:
+        """The budget curves measured over the sparse layers, then averaged with the dense ones' reads by their
+        numbers (the engine measures a few layers evenly spaced: a dense layer among them would count for more
+        than its share)."""
+        dense = [s for s in layers if bool(s.index["dense"].any())]
+        sparse = [s for s in layers if not bool(s.index["dense"].any())]
+        parts = [(len(group), budget_curves(self, group, scale, {})) for group in (sparse, dense) if group]
+        total = sum(n for n, _ in parts)
+        return {name: sum(n * curves[name] for n, curves in parts) / total
+                for name in ("budget_decode", "budget_prefill")}
+
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> BucketPlan:
+        return BucketPlan(budget=check_budget(budget), decode=check_budget(decode_keys),
+                          prefill=check_budget(prefill_keys))
+
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: BucketPlan, scale: float, backend: Backend,
+               positions: torch.Tensor | None = None) -> Lookup:
+        """One selection row per KV head: its query heads' bucket scores summed, the best buckets up to the plan's
+        keys, the dense part, every bucket in a dense layer."""
+        if positions is None:
+            raise ValueError("saap classifies de-RoPE'd queries: its lookup needs the queries' positions")
+        counts = layer["counts"]  # [Hkv, C + 1]
+        hkv, c = counts.shape[0], counts.shape[1] - 1
+        score = bucket_scores(q, positions, layer.tensors)  # [Hkv, C]
+        budget = plan.at(q.shape[1]) * float(layer.indexed)
+        keep = backend.kernel("buckets").take_best(score, counts[:, :c], budget) | layer["dense"].to(q.device)
+        keep = torch.cat([keep, torch.ones(hkv, 1, dtype=torch.bool, device=q.device)], dim=1)
+        selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
+        d, hidden = layer["w1"].shape[1:]
+        read = torch.full((hkv,), float(d * hidden + hidden + hidden * c + 2 * c), device=q.device)
+        return Lookup(selection=selection, index_elements=read, units=keep,
+                      scores=torch.cat([score, torch.ones(hkv, 1, device=q.device)], dim=1), sizes=counts)
+
+    def layout(self, layer: LayerIndex) -> ClusterLayout:
+        return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)
+
+    def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
+        return layer["labels"]
+
+
+def partition_artifacts(layers: dict[int, Tensors]) -> Tensors:
+    """layer -> its MODEL_PARTS -> `layer{i}.{name}` (float32 copies)."""
+    return {layer_name(i, n): parts[n].float().clone() for i, parts in layers.items() for n in MODEL_PARTS}
+
+
+def bucket_scores(q: torch.Tensor, positions: torch.Tensor, tensors: Tensors) -> torch.Tensor:
+    """q [Hq, Lq, D] at positions [Lq] -> [Hkv, C] float32: each KV head's classifier's softmax over the buckets,
+    summed over its query heads, averaged over the tokens."""
+    hkv = tensors["w1"].shape[0]
+    hq, lq, d = q.shape
+    x = F.normalize(derope(q, positions.to(q.device), tensors["inv_freq"]), dim=-1)
+    x = x.reshape(hkv, (hq // hkv) * lq, d)
+    weights = {n: tensors[n].to(device=q.device, dtype=torch.float32) for n in PARAMS}
+    probs = torch.softmax(classify(x, weights), dim=-1)  # [Hkv, G * Lq, C]
+    return probs.reshape(hkv, hq // hkv, lq, -1).sum(1).mean(1)

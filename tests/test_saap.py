@@ -1,0 +1,270 @@
+"""Saap: RoPE undone, the partitions' training (buckets, targets, the classifier, resuming), the index and the lookup
+against plain references, and the method through the engine and the CLI on a tiny Llama (RoPE, GQA 4/2)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.partitions import (PartitionTraining, Prompt, bucket_targets, classify, init_weights, kl_loss,
+                               recent_window, train_partitions)
+from engine.policies.base import LayerIndex, LayerKeys
+from engine.policies.saap import SaapPolicy, SaapSettings, bucket_scores
+from engine.rope import derope, rope_frequencies
+from kernels.backend import REFERENCE, TRITON
+from kernels.reference.buckets import take_best
+from tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+# The tiny model's training: 2 prompts of 256 byte-tokens, 8 buckets, a few Adam steps.
+SMALL = {"buckets": 8, "hidden": 16, "train_prompts": 2, "train_tokens": 256, "train_queries": 32,
+         "train_kmeans_iters": 3, "train_steps": 6, "train_batch": 32, "train_lr": 0.01}
+TEXT = "The keeper logged the weather every four hours, rang the bell at dawn and wrote to the harbour master. "
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from engine.model import load_model
+
+    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("saap"), "llama_gqa")), device="cpu")
+
+
+def _corpus(lm) -> list[int]:
+    return lm.tokenizer(TEXT * 12, add_special_tokens=False)["input_ids"]
+
+
+def test_derope_undoes_the_models_rotary_embedding(tiny_llama):
+    """derope(RoPE(x, p), p) == x with the frequencies read from the model's rotary module (its inv_freq buffer,
+    or measured from its output: the same); atol 1e-3 at positions ~1000: the model's own float32 angles are off by
+    up to position x 6e-8 radians."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    lm = tiny_llama
+    inv_freq = rope_frequencies(lm.model, None, lm.head_dim)
+    rotary = lm.model.model.rotary_emb
+    torch.testing.assert_close(inv_freq, rotary.inv_freq.float(), rtol=0, atol=0)
+    measured = rope_frequencies(torch.nn.ModuleDict({"rotary_emb": _Measured(rotary)}), None, lm.head_dim)
+    torch.testing.assert_close(measured, inv_freq, rtol=1e-5, atol=1e-6)
+    x = torch.randn(1, 2, 50, lm.head_dim, generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(1000, 1050)
+    cos, sin = rotary(x, positions[None])
+    rotated, _ = apply_rotary_pos_emb(x, x, cos, sin)
+    torch.testing.assert_close(derope(rotated[0], positions, inv_freq), x[0], rtol=0, atol=1e-3)
+
+
+class _Measured(torch.nn.Module):
+    """A rotary module without an inv_freq buffer (only its output tells the frequencies)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = [inner]
+
+    def forward(self, x, position_ids):
+        return self.inner[0](x, position_ids)
+
+
+def test_derope_of_a_gemma_global_layer_uses_its_own_frequencies(tmp_path):
+    """Gemma 3's global layers have their own RoPE base: rope_frequencies reads the layer type's."""
+    from engine.model import load_model
+
+    lm = load_model(str(make_tiny_model(tmp_path, "gemma3_hybrid")), device="cpu")
+    rotary = lm.model.model.rotary_emb
+    layer = lm.global_layers[0]
+    kind = lm.config.layer_types[layer]
+    got = rope_frequencies(lm.model, kind, lm.head_dim)
+    torch.testing.assert_close(got, getattr(rotary, f"{kind}_inv_freq").float(), rtol=1e-5, atol=1e-6)
+
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs compiled on a GPU, interpreted otherwise
+
+
+@pytest.mark.parametrize("c", [20, 1024])
+def test_take_best_equals_a_sorted_loop_and_the_kernel_equals_it(c):
+    """Buckets best first while the keys before them are fewer than the budget (ties broken by keeping every
+    bucket tied at the last one), by a plain loop; the Triton kernel (compiled or interpreted) gives the same."""
+    g = torch.Generator().manual_seed(c)
+    score = torch.rand(3, c, generator=g)
+    score[0, 5:9] = score[0, 4]  # ties
+    sizes = torch.randint(0, 9, (3, c), generator=g)
+    total = int(sizes.sum(-1).max())
+    for budget in (0.0, 5.0, 17.0, total / 3, total + 1.0):
+        want = torch.zeros(3, c, dtype=torch.bool)
+        for h in range(3):
+            taken, tau = 0, None
+            for i in sorted(range(c), key=lambda i: -float(score[h, i])):
+                if tau is not None and float(score[h, i]) < tau:
+                    break
+                want[h, i] = True
+                taken += int(sizes[h, i])
+                if taken >= max(budget, 1e-9) and tau is None:
+                    tau = float(score[h, i])
+        assert torch.equal(take_best(score, sizes, max(budget, 1e-9)), want), budget
+        got = TRITON.kernel("buckets").take_best(score.to(DEVICE), sizes.to(DEVICE), max(budget, 1e-9))
+        assert torch.equal(got.cpu(), want), budget
+
+
+def test_bucket_scores_equal_each_heads_classifier_summed():
+    """[Hkv, C]: each query head's softmax over its KV head's buckets, summed over the group, mean over tokens."""
+    g = torch.Generator().manual_seed(2)
+    hq, hkv, d, c, lq = 4, 2, 16, 8, 3
+    tensors = {**init_weights(hkv, d, 12, c, 3, "cpu"), "inv_freq": 10000.0 ** (-torch.arange(0, d, 2) / d)}
+    q = torch.randn(hq, lq, d, generator=g)
+    pos = torch.tensor([700, 701, 702])
+    got = bucket_scores(q, pos, tensors)
+    want = torch.zeros(hkv, c)
+    for h in range(hq):
+        kv = h // (hq // hkv)
+        for t in range(lq):
+            x = F.normalize(derope(q[h, t:t + 1], pos[t:t + 1], tensors["inv_freq"]), dim=-1)
+            one = {n: tensors[n][kv:kv + 1] for n in ("w1", "b1", "w2", "b2")}
+            want[kv] += torch.softmax(classify(x[None], one)[0, 0], dim=-1) / lq
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_targets_are_the_long_range_attention_per_bucket():
+    """bucket_targets: each row is a distribution over the buckets (sums to 1) equal to the softmax over the keys
+    at least `window` tokens back (sink excluded), summed per bucket."""
+    g = torch.Generator().manual_seed(4)
+    hkv, hq, length, d, c, window = 1, 2, 40, 8, 4, 6
+    keys = torch.randn(hkv, length, d, generator=g)
+    queries = torch.randn(hq, 3, d, generator=g)
+    pos = torch.tensor([15, 30, 39])
+    centroids = F.normalize(torch.randn(hkv, c, d, generator=g), dim=-1)
+    prompt = Prompt(keys=keys, keys_pre=keys, queries=queries, queries_pre=queries, pos=pos)
+    x, t = bucket_targets([prompt], centroids, 0.5, window)
+    assert x.shape == (hkv, hq * 3, d) and t.shape == (hkv, hq * 3, c)
+    torch.testing.assert_close(t.sum(-1), torch.ones(hkv, hq * 3))
+    labels = (keys[0] @ centroids[0].T).argmax(-1)
+    for qh in range(hq):
+        for e, p in enumerate(pos.tolist()):
+            far = torch.zeros(length, dtype=torch.bool)
+            far[1:p - window + 1] = True
+            w = torch.softmax((queries[qh, e] @ keys[0].T * 0.5).masked_fill(~far, float("-inf")), dim=-1)
+            want = torch.zeros(c).index_add_(0, labels, w)
+            torch.testing.assert_close(t[0, qh * 3 + e], want, rtol=1e-5, atol=1e-6)
+
+
+def test_training_learns_and_resumes_where_it_stopped(tiny_llama):
+    """The classifier's KL falls over the steps; a run resumed from its checkpoint at step 4 ends bit for bit where
+    the whole run does; every artifact has its shape."""
+    lm = tiny_llama
+    training = SaapSettings(**SMALL).training()
+    layers = list(lm.global_layers)
+    inv_freq = {i: rope_frequencies(lm.model, None, lm.head_dim) for i in layers}
+    scale = {i: lm.head_dim ** -0.5 for i in layers}
+    saved, losses = [], []
+    whole = train_partitions(lm, PartitionTraining(**{**training.__dict__, "checkpoint_every": 2}), _corpus(lm),
+                             inv_freq, scale, save=lambda s: saved.append(dict(s)),
+                             progress=lambda r: losses.append(r.loss) if r.stage.startswith("training") else None)
+    assert len(losses) == training.steps and losses[-1] < losses[0]
+    resumed = train_partitions(lm, training, _corpus(lm), inv_freq, scale,
+                               state=next(s for s in saved if int(s.get("classifier.step", 0)) == 4))
+    hkv, d, c, h = lm.num_kv_heads, lm.head_dim, training.buckets, training.hidden
+    for i in layers:
+        assert whole[i]["centroids"].shape == (hkv, c, d) and whole[i]["w1"].shape == (hkv, d, h)
+        assert whole[i]["w2"].shape == (hkv, h, c)
+        torch.testing.assert_close(whole[i]["centroids"].norm(dim=-1), torch.ones(hkv, c))
+        for name, t in whole[i].items():
+            assert torch.equal(resumed[i][name], t), name
+
+
+def test_kl_loss_is_zero_at_the_target():
+    t = torch.softmax(torch.randn(2, 5, 7), dim=-1)
+    assert float(kl_loss(torch.log(t), t)) == pytest.approx(0.0, abs=1e-6)
+    assert float(kl_loss(torch.zeros(2, 5, 7), t)) > 0
+
+
+def test_build_assigns_de_roped_keys_and_keeps_the_dense_part():
+    """labels: the nearest centroid of each de-RoPE'd key; the context's first token and its last W indexed tokens
+    are group C (read at every step); layer 0 is read whole."""
+    g = torch.Generator().manual_seed(5)
+    hkv, d, lc, tail = 2, 16, 300, 10
+    method = SaapPolicy(SaapSettings(buckets=8, hidden=4))
+    prepared = {k.split(".", 1)[1]: v for k, v in method.stand_in([0], hkv, d).items()}
+    keys = torch.randn(hkv, lc, d, generator=g)
+    index = method.build(LayerKeys(layer_idx=3, keys=keys, tail=tail), {}, prepared)
+    pre = derope(keys, torch.arange(lc), prepared["inv_freq"])
+    want = torch.einsum("hld,hcd->hlc", pre, prepared["centroids"]).argmax(-1)
+    w = recent_window(lc + tail)
+    want[:, lc - w:] = 8
+    want[:, 0] = 8
+    assert torch.equal(index["labels"], want)
+    assert index["counts"].shape == (hkv, 9) and int(index["counts"][0, 8]) == w + 1 and not bool(index["dense"])
+    shifted = method.build(LayerKeys(layer_idx=0, keys=keys, tail=tail, first=4), {}, prepared)
+    assert int(shifted["counts"][0, 8]) == w and bool(shifted["dense"])  # a sink's rows are dense rows already
+
+
+def test_lookup_reads_the_best_buckets_and_the_dense_part():
+    hkv, hq, d, lc, tail = 2, 4, 16, 400, 8
+    g = torch.Generator().manual_seed(6)
+    method = SaapPolicy(SaapSettings(buckets=16, hidden=8))
+    prepared = {k.split(".", 1)[1]: v for k, v in method.stand_in([2], hkv, d).items()}
+    keys = torch.randn(hkv, lc + tail, d, generator=g)
+    built = method.build(LayerKeys(layer_idx=2, keys=keys[:, :lc], tail=tail), {}, prepared)
+    layer = LayerIndex(built, lc + tail, tail)  # the index holds what the lookup reads
+    q = torch.randn(hq, 1, d, generator=g)
+    pos = torch.tensor([lc + tail + 3])
+    plan = method.plan_keys({}, 0.3, 0.3, 0.3)
+    found = method.lookup(q, layer, plan, d ** -0.5, REFERENCE, pos)
+    score = bucket_scores(q, pos, layer.tensors)
+    keep = take_best(score, built["counts"][:, :16], 0.3 * lc)  # the reference
+    assert torch.equal(found.units[:, :16], keep) and bool(found.units[:, 16].all())
+    mask = found.selection.to_mask()
+    layout = method.layout(layer)
+    for h in range(hkv):
+        kept_keys = torch.isin(built["labels"][h], torch.nonzero(found.units[h])[:, 0])
+        want = torch.zeros(lc + tail, dtype=torch.bool)
+        want[:lc] = kept_keys
+        want[lc:] = True
+        assert torch.equal(mask[h], want[layout.order[h]])
+    with pytest.raises(ValueError, match="positions"):
+        method.lookup(q, layer, plan, d ** -0.5, REFERENCE)
+
+
+def test_saap_through_the_engine_trains_once_and_equals_full_attention_at_budget_1(tiny_llama, tmp_path):
+    from engine.serve.service import Engine
+
+    engine = Engine(tmp_path / "cache", lm=tiny_llama, methods={"saap": SMALL})
+    assert engine.needs_preparation("saap") == ["saap"]
+    seen = []
+    found = engine.prepared("saap", lambda stage, done, total: seen.append(stage))
+    assert engine.needs_preparation("saap") == [] and any("training the classifier" in s for s in seen)
+    assert {n.split(".", 1)[1] for n in found} == {"centroids", "w1", "b1", "w2", "b2", "inv_freq"}
+    doc = tmp_path / "doc.txt"
+    doc.write_text(TEXT * 6)
+    context = engine.ingest(doc, methods=("saap",)).context_id
+    session = engine.session(context)
+    full = session.logits("Who rang the bell?", "full")
+    torch.testing.assert_close(session.logits("Who rang the bell?", "saap", 0.0), full, atol=1e-4, rtol=1e-4)
+    answer = engine.ask(context, "Who rang the bell?", "saap", 0.5, 4)  # layer 0 of the two reads everything
+    assert answer.stats.method == "saap" and 0.5 < answer.stats.kv_budget_decode < 1.0
+    assert answer.stats.kept_fraction[0] == [1.0] * len(answer.stats.kept_fraction[0])
+    assert max(answer.stats.kept_fraction[1]) < 1.0
+
+
+def test_cli_trains_saap(tmp_path, capsys):
+    from app.cli import main
+
+    path = make_tiny_model(tmp_path, "llama_gqa")
+    args = ["train", "saap", "--model", str(path), "--cache-dir", str(tmp_path / "c"), "--device", "cpu", "--json",
+            "--quiet"] + [a for k, v in SMALL.items() for a in (f"--saap-{k.replace('_', '-')}", str(v))]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "saap"
+    w1 = next(v for k, v in out["artifacts"].items() if k.endswith(".w1"))
+    assert w1["shape"][2] == SMALL["hidden"] and not math.isnan(w1["mean"])
+
+
+def test_training_bench_prints_its_json(capsys):
+    from engine.bench.partitions import main
+
+    assert main(["--shape", "tiny", "--prompts", "2", "--tokens", "256", "--buckets", "8", "--queries", "16",
+                 "--steps", "3", "--device", "cpu"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["bench"] == "partitions" and doc["weights"] == "random" and doc["imbalance_mean"] >= 1.0
+    assert set(doc["stages_s"]) == {"reading prompts", "clustering keys", "bucket targets", "training the classifier"}
