@@ -1,6 +1,6 @@
-"""Saap's partitions (Mazaré et al., sections 3-4 and appendix A), learned once per model with the model frozen:
-per global layer and KV head, buckets of keys (spherical k-means on de-RoPE'd keys) and a query classifier (a
-2-layer MLP on de-RoPE'd queries that says which buckets hold a query's attention).
+"""Saap's partitions ("Inference-time sparse attention with asymmetric indexing", sections 3-4 and appendix A), learned
+once per model with the model frozen: per global layer and KV head, buckets of keys (spherical k-means on de-RoPE'd
+keys) and a query classifier (a 2-layer MLP on de-RoPE'd queries that says which buckets hold a query's attention).
 
 Training reads `prompts` prompts of real text, `tokens` tokens each (engine.corpus), through the engine's own
 prefill (full attention), keeping every global layer's keys and queries:

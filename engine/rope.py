@@ -20,7 +20,8 @@ import math
 import torch
 
 
-def rope_frequencies(model: torch.nn.Module, layer_type: str | None = None, head_dim: int | None = None) -> torch.Tensor:
+def rope_frequencies(model: torch.nn.Module, layer_type: str | None = None,
+                     head_dim: int | None = None) -> torch.Tensor:
     """[D / 2] float32: the angle per position of each rotation plane of the layers of `layer_type` (Gemma 3:
     "full_attention"; None where the model has one kind), from the model's `rotary_emb` module: its inv_freq
     buffer where it has one, else measured (the angle it gives position 1)."""

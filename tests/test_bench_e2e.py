@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tiny_models import gates_for
+from tiny_models import SMALL_SAAP, gates_for
 
 from engine.bench.e2e import SHAPES, build_shape, even_device_map, main, measure_peer, peer_model
 from engine.config import ContextSettings
@@ -35,7 +35,8 @@ def run(one_thread, tmp_path_factory):
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         code = main(["--shape", "tiny", "--device", "cpu", "--context", str(CONTEXT), "--steps", str(STEPS),
-                     "--questions", ",".join(QUESTIONS), "--no-peer", "--out", str(out_file)])
+                     "--questions", ",".join(QUESTIONS), "--no-peer", "--out", str(out_file)]
+                    + [a for name, value in SMALL_SAAP["saap"].items() for a in ("--set", f"saap.{name}={value}")])
     lines = stdout.getvalue().strip().splitlines()
     assert len(lines) == 1  # one JSON line on stdout; progress goes to stderr
     return code, json.loads(lines[0]), json.loads(out_file.read_text())
@@ -190,7 +191,7 @@ def test_compile_both_measures_the_engine_twice_in_one_run(one_thread, tmp_path)
 
 def test_kernel_bench_parses_method_settings():
     """`squeeze bench kernels --set quest.bounds=int8`: typed like the setting's default; unknown ones refused."""
-    from engine.bench.kernels import parse_settings
+    from engine.bench.settings import parse_settings
 
     assert parse_settings(["quest.bounds=int8", "quest.page_size=8", "squeeze.centroid_ratio=0.1"]) == {
         "quest": {"bounds": "int8", "page_size": 8}, "squeeze": {"centroid_ratio": 0.1}}

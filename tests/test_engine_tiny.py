@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_models import GEMMA_SLIDING_WINDOW, byte_tokenizer, gates_for, tiny_model_path  # noqa: F401 (fixture)
+from tiny_models import SMALL_SAAP, GEMMA_SLIDING_WINDOW, byte_tokenizer, gates_for, tiny_model_path  # noqa: F401 (fixture)
 
 from engine.attention import ATTN_NAME
 from engine.config import ContextSettings
@@ -37,7 +37,7 @@ DOCUMENT = (
 QUESTION = "Who kept the lighthouse logbook?"
 SETTINGS = ContextSettings(dense_tail=16)
 # every sparse method, squeeze's at the ratio the tiny documents need (the paper's 5% of ~600 keys is 30 centroids)
-METHOD_SETTINGS = {"squeeze": {"centroid_ratio": 0.1}, "hsqueeze": {"level1_ratio": 0.02}}
+METHOD_SETTINGS = {"squeeze": {"centroid_ratio": 0.1}, "hsqueeze": {"level1_ratio": 0.02}, **SMALL_SAAP}
 
 
 def all_methods(**overrides) -> list:

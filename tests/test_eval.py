@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from tiny_models import gates_for, make_tiny_model
+from tiny_models import SMALL_SAAP, gates_for, make_tiny_model
 
 from app.cli import main as cli_main
 from engine.bench import evaluate, fidelity
@@ -111,9 +111,9 @@ def tiny(tmp_path_factory):
     # duo's streaming windows scaled to this ~700-token document (its defaults, 64 + 256 keys, would read half of it
     # at any budget: the method's floor)
     small = {"sink": 4, "recent": 24}
-    return lm, context_session(lm, text, list(SPARSE_METHODS), {"duo": small, "duo-squeeze": small},
-                               extra=[OraclePolicy()],
-                               prepared=gates_for(lm, [make_method(n) for n in SPARSE_METHODS])), path
+    settings = {"duo": small, "duo-squeeze": small, **SMALL_SAAP}
+    return lm, context_session(lm, text, list(SPARSE_METHODS), settings, extra=[OraclePolicy()],
+                               prepared=gates_for(lm, [make_method(n, settings.get(n)) for n in SPARSE_METHODS])), path
 
 
 def test_full_budget_agrees_with_full_attention(tiny):

@@ -96,8 +96,7 @@ def test_triton_expansion_scans_many_groups():
     assert torch.equal(got.indices[: int(want.indptr[-1])].long().cpu(), want.indices)
 
 
-@pytest.mark.parametrize("hkv,rows,groups", [(1, 1, 300), (2, 2, 300), (2, 8, 300), (4, 4, 300),
-                                             (4, 32, compact_ops.BLOCK_G * 70)])  # the last: block sums in chunks
+@pytest.mark.parametrize("hkv,rows,groups", [(1, 1, 300), (2, 2, 300), (2, 8, 300), (4, 4, 300)])
 @pytest.mark.parametrize("width", [0, 9, 130])
 def test_triton_expansion_with_fixed_rows_matches_reference(hkv, rows, groups, width):
     """Rows of the heads `Fixed` marks read its lists (DuoAttention's streaming windows) instead of their groups and
@@ -150,3 +149,28 @@ def test_triton_expansion_of_large_groups(rows):
     got = compact_ops.expand_groups(keep.to(dev), starts.to(dev), lc, tail=5)
     assert torch.equal(got.indptr.cpu(), want.indptr)
     assert torch.equal(got.indices[: int(want.indptr[-1])].long().cpu(), want.indices)
+
+
+def test_fixed_rows_with_block_sums_read_in_chunks():
+    """32 rows of 70 blocks of 16 groups: the expansion reads the earlier rows' block sums (and their fixed flags)
+    16 rows at a time (RCHUNK < rows), the path of long contexts with many KV heads."""
+    from kernels.selection import Fixed
+
+    hkv, rows, block_g, lc, tail = 4, 32, 16, 2000, 5
+    groups = block_g * 70
+    labels = random_labels(hkv, lc, groups, seed=7)
+    starts = group_starts(labels, groups)
+    g = torch.Generator().manual_seed(8)
+    keep = torch.rand(rows, groups, generator=g) < 0.4
+    lists = torch.stack([torch.randperm(lc + tail, generator=g)[:9].sort().values for _ in range(hkv)])
+    fixed = Fixed(lists.to(torch.int32), torch.tensor([True, False, False, True]))
+    head = torch.arange(rows) * hkv // rows
+    sizes = torch.where(keep, (starts[:, 1:] - starts[:, :-1])[head], 0)
+    block_sums = sizes.reshape(rows, -1, block_g).sum(-1)  # [rows, 70]
+    want = expand_groups(keep, starts, lc, tail, fixed=fixed)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    got = compact_ops.expand_block_sums(keep.to(dev), starts.to(dev), block_sums.to(dev), block_g, lc, tail,
+                                        fixed=Fixed(fixed.lists.to(dev), fixed.on.to(dev)), sub=block_g)
+    n = int(want.indptr[-1])
+    assert torch.equal(got.indptr.cpu(), want.indptr)
+    assert torch.equal(got.indices[:n].long().cpu(), want.indices[:n].long())

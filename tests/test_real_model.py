@@ -78,7 +78,8 @@ def test_budget_read_on_the_calibration_queries(passkey_contexts, method, budget
     for i, q in queries.items():
         index = session.cache.layers[i].indexes[method]
         for t in range(q.shape[1]):
-            reads.append(read_fraction(policy.lookup(q[:, t : t + 1], index, plan, scale, REFERENCE),
+            at = torch.tensor([index.num_keys - q.shape[1] + t])  # the calibration queries: the context's last
+            reads.append(read_fraction(policy.lookup(q[:, t : t + 1], index, plan, scale, REFERENCE, at),
                                        q.shape[2], index.num_keys))
     assert abs(sum(reads) / len(reads) - budget) <= 0.03, f"{method} at {budget} read {sum(reads) / len(reads):.3f}"
 

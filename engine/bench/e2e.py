@@ -42,7 +42,8 @@ from engine.config import ContextSettings
 from engine.generate import greedy_tokens
 from engine.ingest import IngestOutput, ingest_tokens
 from engine.model import LoadedModel, layer_devices, load_model
-from engine.policies import METHODS, REGISTRY, Tensors, build_order, make_method, stand_ins
+from engine.bench.settings import parse_settings
+from engine.policies import METHODS, REGISTRY, Method, Tensors, build_order, make_method, stand_ins
 from engine.session import ContextSession
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
@@ -273,7 +274,7 @@ class StageClock:
 
 
 def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, backend: Backend,
-               methods: list[str], prepared: dict[str, Tensors]) -> tuple[IngestOutput | None, dict]:
+               instances: list[Method], prepared: dict[str, Tensors]) -> tuple[IngestOutput | None, dict]:
     """engine.ingest.ingest_tokens, timed; the report has the error (an OOM, say) and the peak memory either way."""
     clock = StageClock(lm.device)
     reset_peaks(lm)
@@ -281,7 +282,6 @@ def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, ba
     ingest = None
     start = time.perf_counter()
     try:
-        instances = [make_method(m) for m in build_order(methods)]
         ingest = ingest_tokens(lm, ids, settings, backend, instances, clock, prepared=prepared)
         clock.close()
     except Exception as exc:  # noqa: BLE001 - reported in the JSON
@@ -528,21 +528,20 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, backend: Backend, methods: list[str],
                    sparsity: float, prompts: dict[int, torch.Tensor], steps: int, profile: str | None = None,
-                   graphs: bool = True, tag: str = "") -> dict:
+                   graphs: bool = True, tag: str = "", method_settings: dict[str, dict] | None = None) -> dict:
     """The engine's phases: the ingest (after an untimed one of the first WARMUP_CONTEXT tokens), the session's
     opening, each method's turns (and, with `profile` on CUDA, a profile of its decode steps written there).
     graphs: the session replays decode steps from CUDA graphs where it can (False: every step eager); tag: a prefix
-    of the profile's section titles.
+    of the profile's section titles; method_settings: method -> its settings (the others at their defaults).
     Returns the report's "ingest", "session" and "methods"; the session and its K/V are freed before returning."""
     cuda = lm.device.type == "cuda"
     warmup = ids[:WARMUP_CONTEXT]
     _log(f"warm-up ingest of {warmup.numel()} tokens")
     start = time.perf_counter()
+    instances = [make_method(m, (method_settings or {}).get(m)) for m in build_order(methods)]
     # what a method learns per model (duo's gates, saap's partitions) is not trained here: stand-ins of its shapes
-    prepared = stand_ins([make_method(m) for m in build_order(methods)], lm.global_layers, lm.num_kv_heads,
-                         lm.head_dim)
+    prepared = stand_ins(instances, lm.global_layers, lm.num_kv_heads, lm.head_dim)
     try:
-        instances = [make_method(m) for m in build_order(methods)]
         ingest_tokens(lm, warmup, settings, backend, instances, prepared=prepared)
         warmup_error = None
     except Exception as exc:  # noqa: BLE001 - the timed ingest reports what fails
@@ -552,7 +551,7 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
     if cuda:
         torch.cuda.empty_cache()
     _log(f"ingest of {ids.numel()} tokens")
-    ingest, report = run_ingest(lm, ids, settings, backend, methods, prepared)
+    ingest, report = run_ingest(lm, ids, settings, backend, instances, prepared)
     report.update(warmup_tokens=int(warmup.numel()), warmup_s=warmup_s)
     if warmup_error:
         report["warmup_error"] = warmup_error
@@ -562,7 +561,7 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
         try:
             start = time.perf_counter()
             session = ContextSession(lm, ingest.artifacts, settings, backend, graphs=graphs,  # takes the artifacts' K/V
-                                     prepared=prepared)
+                                     prepared=prepared, methods={m.name: m for m in instances})
             _sync(lm.device)
             out["session"] = {"open_s": round(time.perf_counter() - start, 3), "graphs": session.graphs is not None}
         except Exception as exc:  # noqa: BLE001
@@ -647,6 +646,7 @@ def run(args: argparse.Namespace) -> dict:
     methods = args.methods.split(",") if args.methods else list(METHODS)
     questions = [int(x) for x in args.questions.split(",") if x]
     settings = ContextSettings()
+    method_settings = parse_settings(args.set)
     out: dict = {"bench": "e2e", "device": torch.cuda.get_device_name(device) if cuda else "cpu", "gpus": args.gpus,
                  **_versions(), "shape": args.shape if args.model is None else None, "model": args.model}
     _log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
@@ -665,7 +665,8 @@ def run(args: argparse.Namespace) -> dict:
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
                          "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs, "compile": args.compile,
                          "context_settings": settings.as_dict(),
-                         "method_settings": {m: make_method(m).settings.as_dict() for m in build_order(methods)},
+                         "method_settings": {m: make_method(m, method_settings.get(m)).settings.as_dict()
+                                             for m in build_order(methods)},
                          # what a method learns per model (duo's gates) is not trained here: Method.stand_in
                          "stand_in": [m for m in build_order(methods) if REGISTRY[m].learns_per_model()]})
     try:
@@ -681,7 +682,7 @@ def run(args: argparse.Namespace) -> dict:
     new_tokens = questions[0] + (WARMUP_STEPS + 1 + args.steps) / 2  # mean over the timed decode steps
     out["bound"] = byte_bound(lm, fixed_len, new_tokens)
     out.update(measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps, args.profile,
-                              args.graphs))
+                              args.graphs, method_settings=method_settings))
     if not args.peer:
         out["peer"] = {"skipped": "--no-peer"}
     elif args.gpus > 1:
@@ -702,7 +703,7 @@ def run(args: argparse.Namespace) -> dict:
         _log("compiling the decoder layers (engine.compiled); the engine's phases again")
         compile_layers(lm)
         compiled = measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps,
-                                  args.profile, args.graphs, tag="compiled ")
+                                  args.profile, args.graphs, tag="compiled ", method_settings=method_settings)
         add_ratios({**compiled, "peer": out["peer"], "bound": out["bound"], "bandwidth_gbs": out["bandwidth_gbs"]})
         for method, row in compiled["methods"].items():
             row["speedup_vs_uncompiled"] = _ratio(out["methods"].get(method, {}).get("decode_ms_median"),
@@ -745,6 +746,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time plain transformers (CUDA only)")
     parser.add_argument("--chunk", type=int, default=4096, help="the peer's prefill chunk")
+    parser.add_argument("--set", action="append", default=[], metavar="METHOD.SETTING=VALUE",
+                        help="a method's setting (repeatable), e.g. --set saap.buckets=1024")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--profile", default=None, help="CUDA: append a torch.profiler table of each method's "
                                                         "decode steps to this file (kernels per step in the JSON)")

@@ -24,6 +24,7 @@ import torch
 from engine.artifacts import MethodArtifacts
 from engine.artifacts import parse as parse_artifacts
 from engine.ingest import build_methods
+from engine.bench.settings import parse_settings
 from engine.partitions import imbalance
 from engine.policies import SPARSE_METHODS, LayerIndex, Method, StepPlan, build_order, make_method, stand_ins
 from kernels.backend import Backend
@@ -155,27 +156,6 @@ def measure(method: Method, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
         "bandwidth_GBps": round((key_bytes + index_bytes) / (total_ms * 1e-3) / 1e9, 1),
         **peer,
     }
-
-
-def parse_settings(items: list[str]) -> dict[str, dict]:
-    """["quest.bounds=int8", ...] -> {"quest": {"bounds": "int8"}}, each value converted to the type of the
-    setting's default (engine.policies.REGISTRY)."""
-    import dataclasses
-
-    from engine.policies import REGISTRY
-
-    out: dict[str, dict] = {}
-    for item in items:
-        name, _, value = item.partition("=")
-        method, _, field = name.partition(".")
-        if method not in REGISTRY or not value:
-            raise ValueError(f"expected METHOD.SETTING=VALUE with a registered method, got {item!r}")
-        fields = {f.name: f for f in dataclasses.fields(REGISTRY[method].Settings)}
-        if field not in fields:
-            raise ValueError(f"{method} has no setting {field!r}; it has {', '.join(fields)}")
-        kind = type(getattr(REGISTRY[method].Settings(), field))
-        out.setdefault(method, {})[field] = (value.lower() in ("1", "true", "yes")) if kind is bool else kind(value)
-    return out
 
 
 def run(capture_path: str, lengths: list[int], heads: list[tuple[int, int]], budgets: list[float],

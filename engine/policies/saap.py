@@ -1,6 +1,6 @@
-"""Saap (Mazaré et al.): asymmetric partitions. Keys go to buckets by their nearest centroid (spherical k-means of
-de-RoPE'd keys), queries to buckets by a learned classifier (an MLP on de-RoPE'd queries); both learned once per
-model (engine.partitions), the document's keys only assigned at ingest.
+"""Saap ("Inference-time sparse attention with asymmetric indexing"): asymmetric partitions. Keys go to buckets by
+their nearest centroid (spherical k-means of de-RoPE'd keys), queries to buckets by a learned classifier (an MLP on
+de-RoPE'd queries); both learned once per model (engine.partitions), the document's keys only assigned at ingest.
 
 Index (per global layer): each indexed key's bucket (`labels`), in the cluster-permuted layout squeeze uses (an
 inverted file the sparse kernel reads as ranges), plus one more group, the dense part "1 + W": the context's first
@@ -10,14 +10,15 @@ every key (section 3: its attention is spread over all keys).
 
 Lookup (no host synchronisation: fixed shapes, the budget a number of keys known on the host): the step's queries
 de-RoPE'd at their positions, each query head's classifier scores (softmax over buckets), summed over the KV head's
-query heads (section 5) and averaged over the step's tokens; buckets taken best first, their keys counted, until
-the plan's share of the indexed keys is reached (the bucket that crosses it included: kernels/jit/buckets.py, a
-threshold found without sorting); the expansion to key positions is squeeze's kernel. The classifier's weights are what a step reads of the index (counted in the budget).
+query heads (section 5) and averaged over the step's tokens; buckets taken best first, their keys counted, until the
+plan's share of the indexed keys is reached (the bucket that crosses it included: kernels/jit/buckets.py, a
+threshold found without sorting); the expansion to key positions is squeeze's kernel. The classifier's weights are
+what a step reads of the index (counted in the budget).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import torch
@@ -102,6 +103,8 @@ class SaapPolicy(Method):
 
         prep = preparation or Preparation()
         training = self.settings.training()
+        if training.tokens > lm.max_context:  # a model of a shorter context trains on prompts it can read
+            training = replace(training, tokens=lm.max_context)
         layers = list(lm.global_layers)
         types = getattr(lm.config, "layer_types", None)
         inv_freq = {i: rope_frequencies(lm.model, types[i] if types else None, lm.head_dim) for i in layers}
