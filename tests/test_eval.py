@@ -189,13 +189,14 @@ def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, c
     code = cli_main(["eval", "--parts", "recall,agreement", "--model", str(model_path), "--device", "cpu",
                      "--budgets", "0.5,1.0", "--document", str(doc_path), "--questions", str(questions),
                      "--answer-tokens", "4", "--out", str(out), "--plot", str(plot), "--cache-dir", str(cache),
-                     "--table", "--sink", "2"])
+                     "--table", "--sink", "2", "--set", "saap.buckets=8", "--set", "saap.hidden=8"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "| method | KV budget |" in printed
     doc = json.loads(out.read_text())
     assert doc["bench"] == "eval" and doc["parts"] == ["recall", "agreement"]
     assert doc["context"]["sink"] == 2  # the contexts it measured were made with that sink
+    assert doc["method_settings"] == {"saap": {"buckets": 8, "hidden": 8}}
     assert {(r["method"], r["budget"]) for r in doc["summary"]} == {
         (m, b) for m in (*SPARSE_METHODS, "oracle") for b in (0.5, 1.0)}  # the oracle's agreement: the ceiling
     assert all(r["top1"] == 1.0 for r in doc["summary"] if r["budget"] == 1.0)
@@ -222,3 +223,6 @@ def test_the_command_says_what_is_missing_before_loading_a_model(tmp_path, capsy
     code = cli_main(["eval", "--parts", "recall", "--document", str(tmp_path / "missing.md")])
     assert code == 2
     assert "no document at" in capsys.readouterr().err
+    code = cli_main(["eval", "--parts", "agreement", "--set", "saap.nope=1"])
+    assert code == 2
+    assert "saap has no setting 'nope'" in capsys.readouterr().err

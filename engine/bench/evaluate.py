@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from engine.bench.oracle import OraclePolicy
+from engine.bench.settings import parse_settings
 from engine.config import ContextSettings
 
 PARTS = ("needles", "recall", "agreement")
@@ -87,25 +88,27 @@ def table(doc: dict) -> str:
 
 def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths: list[int], depths: list[float],
         keys: int, document: Path, questions: list[str], answer_tokens: int, progress=lambda *a: None,
-        context: ContextSettings | None = None, prepared: dict | None = None) -> dict:
+        context: ContextSettings | None = None, prepared: dict | None = None,
+        settings: dict[str, dict] | None = None) -> dict:
     """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc).
     context: how the documents become contexts (None: the defaults; e.g. another sink); prepared: method -> its
     model-level artifacts (needed by a method that learns per model: main gets them from the cache's store, training
-    them first where they are missing)."""
+    them first where they are missing); settings: method -> its settings (the others at their defaults)."""
     from engine.bench import fidelity, needles
 
     start = time.monotonic()
     doc: dict = {"bench": "eval", "model": lm.model_id, "device": str(lm.device), "methods": methods,
                  "budgets": budgets, "parts": parts, "context": (context or ContextSettings()).as_dict(),
+                 "method_settings": settings or {},
                  "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if "needles" in parts:
         doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()],
-                                     context=context, prepared=prepared)
+                                     context=context, prepared=prepared, settings=settings)
         cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
         doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells)}
     if "recall" in parts or "agreement" in parts:
         text = document.read_text(encoding="utf-8", errors="replace")
-        session = needles.context_session(lm, text, methods, extra=[OraclePolicy()], context=context,
+        session = needles.context_session(lm, text, methods, settings, extra=[OraclePolicy()], context=context,
                                           prepared=prepared)
         agreement, recall = fidelity.run(session, methods, budgets, questions, answer_tokens, progress,
                                          recall="recall" in parts, agreement="agreement" in parts,
@@ -150,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-save", action="store_true", help="do not record the results in the cache's index")
     parser.add_argument("--sink", type=int, default=None,
                         help="first context tokens read densely (ContextSettings.sink; default: its default)")
+    parser.add_argument("--set", action="append", default=[], metavar="METHOD.SETTING=VALUE",
+                        help="a method's setting (repeatable), e.g. --set saap.hidden=32")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     methods = [m for m in args.methods.split(",") if m]
@@ -168,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     context = ContextSettings() if args.sink is None else ContextSettings(sink=args.sink)
     questions: list[str] = []
     try:  # clear errors before the model loads
+        settings = parse_settings(args.set)
         if "needles" in parts:
             essays_dir()
         if "recall" in parts or "agreement" in parts:
@@ -179,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from engine.serve.service import Engine
 
-    engine = Engine(args.cache_dir, args.model, args.device)
+    engine = Engine(args.cache_dir, args.model, args.device, methods=settings)
     start = time.monotonic()
 
     def progress(done: int, total: int, what: str) -> None:
@@ -191,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     prepared = {name: engine.prepared(name, training) for name in build_order(methods)}
     doc = run(engine.lm, parts, methods, budgets, [int(x) for x in args.lengths.split(",") if x],
               _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress, context,
-              prepared)
+              prepared, settings)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))

@@ -51,12 +51,13 @@ def context_session(lm, text: str, methods: list[str], settings: dict[str, dict]
 
 
 def run(lm, lengths: list[int], depths: list[float], budgets: list[float], methods: list[str], keys: int = 1,
-        progress=lambda *a: None, extra=(), context=None, prepared: dict | None = None) -> dict:
+        progress=lambda *a: None, extra=(), context=None, prepared: dict | None = None,
+        settings: dict[str, dict] | None = None) -> dict:
     """Every (length, depth, key) context, full attention and every (method, budget). Returns the JSON document:
     `cells` (one per answer) and `summary` (per method and budget: the share found, full attention's share on
     the same contexts, the mean KV budget read in each phase). extra: more Method instances (not registered: the
     eval's oracle) answered as the methods are; context: the engine.config.ContextSettings (None: the defaults);
-    prepared: method -> its model-level artifacts (context_session)."""
+    prepared: method -> its model-level artifacts (context_session); settings: method -> its settings."""
     folder = essays_dir()
     cells, stacks = [], {}
     cases = [(n, d, k) for n in lengths for d in depths for k in passkeys(keys)]
@@ -64,7 +65,7 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
         progress(i, len(cases), f"needles: {length} tokens, depth {depth}")
         if length not in stacks:
             stacks[length] = haystack(lm.tokenizer, length, folder)
-        session = context_session(lm, insert_passkey(stacks[length], key, depth), methods, extra=extra,
+        session = context_session(lm, insert_passkey(stacks[length], key, depth), methods, settings, extra=extra,
                                   context=context, prepared=prepared)
         full_found = key in session.ask(PASSKEY_QUESTION, "full", 0.0, MAX_NEW_TOKENS).text
         for method in [*methods, *(m.name for m in extra)]:
