@@ -107,27 +107,24 @@ def train_partitions(lm, training: PartitionTraining, corpus: list[int], inv_fre
     prompts = collect(lm, training, corpus, inv_freq, layers, lambda n: tell(n, training.prompts, "reading prompts"))
     state = dict(state or {})
     centroids: dict[int, torch.Tensor] = {}
-    sizes: dict[int, torch.Tensor] = {}
+    labels: dict[int, list[torch.Tensor]] = {}  # layer -> per prompt [Hkv, L]: each key's bucket
     for n, i in enumerate(layers):
         name = f"layer{i}.centroids"
-        keys = torch.cat([p.keys_pre[:, 1:] for p in prompts[i]], dim=1)  # each prompt's sink left out
         if name not in state:
             tell(n, len(layers), "clustering keys")
+            keys = torch.cat([p.keys_pre[:, 1:] for p in prompts[i]], dim=1)  # each prompt's sink left out
             found = spherical_kmeans(keys, training.buckets, iters=training.kmeans_iters, seed=training.seed)
+            del keys
             state[name] = F.normalize(found.centroids, dim=-1).float().cpu()
             if save is not None:
                 save(state)
         centroids[i] = state[name]
-        labels, _ = backend_for(keys.device).kernel("assign").nearest_centroid(
-            keys, centroids[i].to(device=keys.device, dtype=keys.dtype))
-        sizes[i] = torch.zeros(labels.shape[0], training.buckets, dtype=torch.int64, device=labels.device).scatter_add_(
-            1, labels, torch.ones_like(labels)).cpu()
-        del keys
+        labels[i] = [bucket_labels(p.keys_pre, centroids[i]) for p in prompts[i]]
     window = recent_window(training.tokens)
     examples = []
     for n, i in enumerate(layers):
         tell(n, len(layers), "bucket targets")
-        examples.append(bucket_targets(prompts[i], centroids[i], scale[i], window))
+        examples.append(bucket_targets(prompts[i], labels[i], training.buckets, scale[i], window))
     del prompts
     x = torch.cat([e[0] for e in examples])  # [U, E, D], U = layers x Hkv
     t = torch.cat([e[1] for e in examples])  # [U, E, C]
@@ -135,7 +132,24 @@ def train_partitions(lm, training: PartitionTraining, corpus: list[int], inv_fre
         step, training.steps, "training the classifier", loss))
     hkv = x.shape[0] // len(layers)
     return {i: {"centroids": centroids[i], **{n: w[k * hkv:(k + 1) * hkv].clone() for n, w in weights.items()},
-                "sizes": sizes[i]} for k, i in enumerate(layers)}
+                "sizes": bucket_sizes(labels[i], training.buckets)} for k, i in enumerate(layers)}
+
+
+def bucket_labels(keys_pre: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """keys_pre [Hkv, L, D] de-RoPE'd -> [Hkv, L] int64: each key's bucket, its most similar centroid (the
+    assignment an ingest makes: engine.policies.saap), through the kernel backend of the keys' device."""
+    found, _ = backend_for(keys_pre.device).kernel("assign").nearest_centroid(
+        keys_pre, centroids.to(device=keys_pre.device, dtype=keys_pre.dtype))
+    return found
+
+
+def bucket_sizes(labels: list[torch.Tensor], buckets: int) -> torch.Tensor:
+    """Per prompt labels [Hkv, L] -> [Hkv, C] int64 on the CPU: the training keys in each bucket, each prompt's
+    sink (its first token) left out as in the k-means."""
+    sizes = torch.zeros(labels[0].shape[0], buckets, dtype=torch.int64, device=labels[0].device)
+    for found in labels:
+        sizes.scatter_add_(1, found[:, 1:], torch.ones_like(found[:, 1:]))
+    return sizes.cpu()
 
 
 def collect(lm, training: PartitionTraining, corpus: list[int], inv_freq: dict[int, torch.Tensor],
@@ -170,17 +184,16 @@ def collect(lm, training: PartitionTraining, corpus: list[int], inv_freq: dict[i
     return out
 
 
-def bucket_targets(prompts: list[Prompt], centroids: torch.Tensor, scale: float, window: int
+def bucket_targets(prompts: list[Prompt], labels: list[torch.Tensor], c: int, scale: float, window: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [Hkv, E', D] unit de-RoPE'd queries, targets [Hkv, E', C]) over the prompts, E' = prompts x G x E: each
     sampled query of each query head and the share of its attention over the long-range keys (at least `window`
-    tokens before it, the sink excluded; the model's softmax renormalised over them) in each bucket."""
-    hkv, c = centroids.shape[:2]
+    tokens before it, the sink excluded; the model's softmax renormalised over them) in each of the `c` buckets;
+    labels: per prompt, each key's bucket [Hkv, L] (bucket_labels)."""
+    hkv = prompts[0].keys.shape[0]
     xs: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
     ts: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
-    for p in prompts:
-        cents = centroids.to(p.keys.device)
-        labels = torch.einsum("hld,hcd->hlc", p.keys_pre.float(), cents).argmax(-1)  # [Hkv, L]
+    for p, found in zip(prompts, labels):
         key_pos = torch.arange(p.keys.shape[1], device=p.keys.device)
         far = (key_pos[None, :] <= p.pos[:, None] - window) & (key_pos[None, :] >= 1)  # [E, L]
         group = p.queries.shape[0] // hkv
@@ -189,7 +202,7 @@ def bucket_targets(prompts: list[Prompt], centroids: torch.Tensor, scale: float,
             logits = torch.einsum("ged,ld->gel", q, p.keys[h].float()) * scale
             weights = torch.softmax(logits.masked_fill(~far[None], float("-inf")), dim=-1)
             target = torch.zeros(group, q.shape[1], c, device=q.device)
-            target.scatter_add_(2, labels[h][None, None, :].expand_as(weights), weights)
+            target.scatter_add_(2, found[h][None, None, :].expand_as(weights), weights)
             xs[h].append(F.normalize(p.queries_pre[h * group:(h + 1) * group].float(), dim=-1).flatten(0, 1))
             ts[h].append(target.flatten(0, 1))
     return torch.stack([torch.cat(x) for x in xs]), torch.stack([torch.cat(t) for t in ts])

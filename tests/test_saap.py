@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.partitions import (PartitionTraining, Prompt, bucket_targets, classify, init_weights, kl_loss,
-                               recent_window, train_partitions)
+from engine.partitions import (PartitionTraining, Prompt, bucket_labels, bucket_targets, classify, init_weights,
+                               kl_loss, recent_window, train_partitions)
 from engine.policies.base import LayerIndex, LayerKeys
 from engine.policies.saap import SaapPolicy, SaapSettings, bucket_scores
 from engine.rope import derope, rope_frequencies
@@ -136,7 +136,7 @@ def test_targets_are_the_long_range_attention_per_bucket():
     pos = torch.tensor([15, 30, 39])
     centroids = F.normalize(torch.randn(hkv, c, d, generator=g), dim=-1)
     prompt = Prompt(keys=keys, keys_pre=keys, queries=queries, queries_pre=queries, pos=pos)
-    x, t = bucket_targets([prompt], centroids, 0.5, window)
+    x, t = bucket_targets([prompt], [bucket_labels(keys, centroids)], c, 0.5, window)
     assert x.shape == (hkv, hq * 3, d) and t.shape == (hkv, hq * 3, c)
     torch.testing.assert_close(t.sum(-1), torch.ones(hkv, hq * 3))
     labels = (keys[0] @ centroids[0].T).argmax(-1)
