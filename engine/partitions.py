@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from engine.kmeans import spherical_kmeans
 from engine.rope import derope
 from kernels.dispatch import backend_for
+from kernels.reference.buckets import classify  # the one implementation (also the lookup kernel's reference)
 
 PARAMS = ("w1", "b1", "w2", "b2")  # a classifier's weights (per unit: [D, H], [H], [H, C], [C])
 
@@ -215,12 +216,6 @@ def imbalance(sizes: torch.Tensor) -> float:
     s = sizes.reshape(-1, sizes.shape[-1]).double()
     n = s.sum(-1).clamp_min(1)
     return float((s.shape[-1] * (s ** 2).sum(-1) / n ** 2).mean())
-
-
-def classify(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
-    """x [U, N, D] unit de-RoPE'd queries -> logits [U, N, C] of each unit's classifier (weights as PARAMS)."""
-    hidden = F.gelu(torch.baddbmm(weights["b1"][:, None, :], x, weights["w1"]))
-    return torch.baddbmm(weights["b2"][:, None, :], hidden, weights["w2"])
 
 
 def kl_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,10 @@ import math
 
 import torch
 
+from kernels.reference.buckets import derope  # the one implementation (also the lookup kernel's reference)
+
+__all__ = ["derope", "rope_frequencies"]
+
 
 def rope_frequencies(model: torch.nn.Module, layer_type: str | None = None,
                      head_dim: int | None = None) -> torch.Tensor:
@@ -43,21 +47,6 @@ def rope_frequencies(model: torch.nn.Module, layer_type: str | None = None,
     if bool((angles < 0).any()) or float(angles.max()) > math.pi / 2:
         raise ValueError("the model's rotary frequencies are outside what one position's angle can tell")
     return angles.float()
-
-
-def derope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    """x: [..., L, D] rotated by RoPE at `positions` [L] (int64, on x's device) -> x rotated back, float32 (the
-    same shape). No host synchronisation (graph-capturable)."""
-    half = x.shape[-1] // 2
-    if inv_freq.numel() != half:
-        raise ValueError(f"inv_freq has {inv_freq.numel()} planes; vectors of {x.shape[-1]} dims have {half}")
-    # float64 angles: float32's are off by up to position x 6e-8 radians (0.008 at 128K), which the model's own
-    # float32 rotation already is; undoing it adds no more
-    angle = positions.to(torch.float64)[:, None] * inv_freq.to(device=x.device, dtype=torch.float64)[None, :]
-    cos, sin = torch.cos(angle).float(), torch.sin(angle).float()  # [L, D / 2]
-    xf = x.float()
-    a, b = xf[..., :half], xf[..., half:]
-    return torch.cat([a * cos + b * sin, b * cos - a * sin], dim=-1)
 
 
 def _rotary_module(model: torch.nn.Module) -> torch.nn.Module:

@@ -1,30 +1,84 @@
-"""Typed wrapper of the best-buckets kernel (kernels/jit/buckets.py): `take_best(score, sizes, budget)` has the
-signature and semantics of `kernels.reference.buckets.take_best`, in one launch (a sort, a gather, a prefix sum and a
-scatter in torch: torch.sort alone of 8 rows of 1,024 is tens of microseconds), no host synchronisation."""
+"""Typed wrappers of Saap's lookup kernels (kernels/jit/buckets.py), with the signatures and semantics of
+kernels.reference.buckets. A decode step's `best_buckets` in two launches (the logits spread over programs; then per
+KV head their softmax summed and the best buckets), `take_best` in one (a sort in registers, no host
+synchronisation, where torch's would be a sort, a gather, a prefix sum and a scatter). A prefill's scores (thousands
+of query rows) are the reference's batched products (cuBLAS), the pick this module's."""
 
 from __future__ import annotations
 
 import torch
 import triton
 
-from kernels.jit.buckets import take_best_kernel
+from kernels.jit.buckets import logits_kernel, pick_kernel, take_best_kernel
 from kernels.reference import buckets as reference
+from kernels.reference.buckets import classify, derope
 
-BLOCK_T = 16  # candidate scores per step: a [16, C] tile
-WARPS = 4
+DECODE_BLOCK_C = 64  # buckets per program of the logits (decode)
+DECODE_ROWS = 16  # the most query rows (query heads of a group x tokens) a step's scores take the kernels for
+WARPS = 8
+
+
+def precision(device: torch.device) -> str:
+    """tl.dot's for float32 inputs: 3xTF32 on a GPU (float32's accuracy on the tensor cores), IEEE in the
+    interpreter (where both are the same)."""
+    return "tf32x3" if device.type == "cuda" else "ieee"
+
+
+def bucket_scores(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
+                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    return best_buckets(q, positions, inv_freq, w1, b1, w2, b2, None, 0.0)[0]
+
+
+def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
+                 b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, sizes: torch.Tensor | None,
+                 budget: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    hq, lq, d = q.shape
+    hkv, _, hidden = w1.shape
+    c = w2.shape[-1]
+    if hq % hkv or d % 2 or w1.shape[1] != d or inv_freq.numel() != d // 2 or w2.shape[:2] != (hkv, hidden):
+        raise ValueError(f"q {tuple(q.shape)}, inv_freq {tuple(inv_freq.shape)}, w1 {tuple(w1.shape)}, "
+                         f"w2 {tuple(w2.shape)} do not fit together")
+    rows = (hq // hkv) * lq
+    if rows > DECODE_ROWS or not c:  # a prefill's scores: torch's batched products (cuBLAS) beat a kernel here
+        score = reference.bucket_scores(q, positions, inv_freq, w1, b1, w2, b2)
+        return score, None if sizes is None else take_best(score, sizes, budget)
+    params = [t.to(device=q.device, dtype=torch.float32).contiguous() for t in (inv_freq, w1, b1, w2, b2)]
+    if q.stride(-1) != 1:
+        q = q.contiguous()
+    positions = positions.to(device=q.device, dtype=torch.int64).contiguous()
+    logits = torch.empty(hkv, rows, c, dtype=torch.float32, device=q.device)
+    logits_kernel[(hkv, triton.cdiv(c, DECODE_BLOCK_C))](
+        q, positions, *params, logits, q.stride(0), q.stride(1), lq, rows, c, d // 2, hidden, GROUP=hq // hkv,
+        BLOCK_R=DECODE_ROWS, BLOCK_D=max(16, triton.next_power_of_2(d // 2)),
+        BLOCK_H=max(16, triton.next_power_of_2(hidden)), BLOCK_C=DECODE_BLOCK_C, PRECISION=precision(q.device),
+        num_warps=WARPS)
+    score = torch.empty(hkv, c, dtype=torch.float32, device=q.device)
+    keep = torch.empty(hkv, c, dtype=torch.bool, device=q.device)
+    if sizes is not None:
+        _check_sizes(score, sizes)
+    pick_kernel[(hkv,)](logits, score if sizes is None else sizes.contiguous(), score, keep, rows, c, 1.0 / lq,
+                        float(budget), HAS_SIZES=sizes is not None, BLOCK_C=max(16, triton.next_power_of_2(c)),
+                        num_warps=WARPS)
+    return score, None if sizes is None else keep
+
+
+def _check_sizes(score: torch.Tensor, sizes: torch.Tensor) -> None:
+    if score.shape != sizes.shape or score.dim() != 2:
+        raise ValueError(f"score and sizes must be [H, C] alike, got {tuple(score.shape)}, {tuple(sizes.shape)}")
+    if sizes.dtype != torch.int64:
+        raise TypeError(f"sizes must be int64, got {sizes.dtype}")
 
 
 def take_best(score: torch.Tensor, sizes: torch.Tensor, budget: float) -> torch.Tensor:
-    if score.shape != sizes.shape or score.dim() != 2:
-        raise ValueError(f"score and sizes must be [H, C] alike, got {tuple(score.shape)}, {tuple(sizes.shape)}")
-    if score.dtype != torch.float32 or sizes.dtype != torch.int64:
-        raise TypeError(f"score must be float32 and sizes int64, got {score.dtype}, {sizes.dtype}")
+    _check_sizes(score, sizes)
+    if score.dtype != torch.float32:
+        raise TypeError(f"score must be float32, got {score.dtype}")
     h, c = score.shape
     keep = torch.empty(h, c, dtype=torch.bool, device=score.device)
     if h and c:
         take_best_kernel[(h,)](score.contiguous(), sizes.contiguous(), keep, c, float(budget),
-                               BLOCK_C=max(16, triton.next_power_of_2(c)), BLOCK_T=BLOCK_T, num_warps=WARPS)
+                               BLOCK_C=max(16, triton.next_power_of_2(c)), num_warps=WARPS)
     return keep
 
 
-__all__ = ["take_best", "reference"]
+__all__ = ["best_buckets", "bucket_scores", "take_best", "classify", "derope", "reference"]

@@ -36,7 +36,8 @@ from kernels.layout import ClusterLayout, group_starts
 
 TRAINING_PREFIX = "train_"
 MODEL_PARTS = ("centroids", *PARAMS, "inv_freq")  # a layer's model-level artifacts
-LOOKUP_PARTS = (*PARAMS, "inv_freq")  # what a lookup reads of them: copied into each context's index
+LOOKUP_PARTS = ("inv_freq", *PARAMS)  # what a lookup reads of them (the bucket_scores kernel's order): copied
+# into each context's index
 CORPUS_SPARE = 2  # corpus tokens read: this many times what the prompts need (they must not run short)
 
 
@@ -180,17 +181,14 @@ class SaapPolicy(Method):
         keys, the dense part, every bucket in a dense layer."""
         if positions is None:
             raise ValueError("saap classifies de-RoPE'd queries: its lookup needs the queries' positions")
-        counts = layer["counts"]  # [Hkv, C + 1]
-        hkv, c = counts.shape[0], counts.shape[1] - 1
-        score = bucket_scores(q, positions, layer.tensors)  # [Hkv, C]
-        budget = plan.at(q.shape[1]) * float(layer.indexed)
-        keep = backend.kernel("buckets").take_best(score, counts[:, :c], budget) | layer["dense"].to(q.device)
-        keep = torch.cat([keep, torch.ones(hkv, 1, dtype=torch.bool, device=q.device)], dim=1)
-        selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
-        d, hidden = layer["w1"].shape[1:]
-        read = torch.full((hkv,), float(d * hidden + hidden + hidden * c + 2 * c), device=q.device)
-        return Lookup(selection=selection, index_elements=read, units=keep,
-                      scores=torch.cat([score, torch.ones(hkv, 1, device=q.device)], dim=1), sizes=counts)
+        parts = layer.memo(("saap", q.device), lambda: LookupParts.of(layer, q.device))
+        budget = float("inf") if parts.whole else plan.at(q.shape[1]) * float(layer.indexed)  # inf: every bucket
+        score, keep = backend.kernel("buckets").best_buckets(q, positions, *(layer[n] for n in LOOKUP_PARTS),
+                                                             parts.sizes, budget)  # [Hkv, C] each
+        # the dense part, the same keys in every KV head and the last group of the layout, is read with the tail
+        selection = backend.kernel("compact").expand_groups(keep, parts.starts, layer.indexed - parts.dense,
+                                                            layer.tail + parts.dense)
+        return Lookup(selection=selection, index_elements=parts.read, units=keep, scores=score, sizes=parts.sizes)
 
     def layout(self, layer: LayerIndex) -> ClusterLayout:
         return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)
@@ -199,18 +197,35 @@ class SaapPolicy(Method):
         return layer["labels"]
 
 
+@dataclass(frozen=True)
+class LookupParts:
+    """What every lookup of one index reads besides the step's queries, made once per index (LayerIndex.memo, at a
+    turn's first step: the captured steps find it made): the buckets' sizes [Hkv, C] and starts [Hkv, C + 1] in the
+    layout (the dense part after them), the dense part's keys (a host number: one per index, the same in every KV
+    head), whether the layer is read whole, and the index elements a lookup reads per KV head [Hkv] (the
+    classifier and the sizes)."""
+
+    sizes: torch.Tensor
+    starts: torch.Tensor
+    dense: int
+    whole: bool
+    read: torch.Tensor
+
+    @staticmethod
+    def of(layer: LayerIndex, device: torch.device) -> "LookupParts":
+        counts = layer["counts"].to(device)  # [Hkv, C + 1]
+        hkv, c = counts.shape[0], counts.shape[1] - 1
+        dense = counts[:, c]
+        if bool((dense != dense[0]).any()):
+            raise ValueError("saap's dense part must hold the same keys in every KV head")
+        d, hidden = layer["w1"].shape[1:]
+        read = torch.full((hkv,), float(d * hidden + hidden + hidden * c + 2 * c), device=device)
+        starts = layer["key_starts"][:, :c + 1].to(device).contiguous()
+        return LookupParts(sizes=counts[:, :c].contiguous(), starts=starts, dense=int(dense[0]),
+                           whole=bool(layer["dense"].any()), read=read)
+
+
 def partition_artifacts(layers: dict[int, Tensors]) -> Tensors:
     """layer -> its MODEL_PARTS -> `layer{i}.{name}` (float32 copies)."""
     return {layer_name(i, n): parts[n].float().clone() for i, parts in layers.items() for n in MODEL_PARTS}
 
-
-def bucket_scores(q: torch.Tensor, positions: torch.Tensor, tensors: Tensors) -> torch.Tensor:
-    """q [Hq, Lq, D] at positions [Lq] -> [Hkv, C] float32: each KV head's classifier's softmax over the buckets,
-    summed over its query heads, averaged over the tokens."""
-    hkv = tensors["w1"].shape[0]
-    hq, lq, d = q.shape
-    x = F.normalize(derope(q, positions.to(q.device), tensors["inv_freq"]), dim=-1)
-    x = x.reshape(hkv, (hq // hkv) * lq, d)
-    weights = {n: tensors[n].to(device=q.device, dtype=torch.float32) for n in PARAMS}
-    probs = torch.softmax(classify(x, weights), dim=-1)  # [Hkv, G * Lq, C]
-    return probs.reshape(hkv, hq // hkv, lq, -1).sum(1).mean(1)

@@ -1,8 +1,61 @@
-"""Reference of the best-buckets pick (kernels/jit/buckets.py): a score threshold that reaches a number of keys."""
+"""Reference of Saap's lookup kernels (kernels/jit/buckets.py): the queries' bucket scores (RoPE undone, each KV
+head's classifier, softmax over the buckets, summed over the group) and the best-buckets pick (a score threshold
+that reaches a number of keys). `derope` and `classify` are the engine's one implementation of both steps (its
+training and its index use them too: engine.rope, engine.partitions)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+
+def derope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+    """x: [..., L, D] rotated by rotate-half RoPE at `positions` [L] (int64, on x's device), one angle per position
+    and plane in inv_freq [D / 2] -> x rotated back, float32 (the same shape). No host synchronisation."""
+    half = x.shape[-1] // 2
+    if inv_freq.numel() != half:
+        raise ValueError(f"inv_freq has {inv_freq.numel()} planes; vectors of {x.shape[-1]} dims have {half}")
+    # float64 angles: float32's are off by up to position x 6e-8 radians (0.008 at 128K), which the model's own
+    # float32 rotation already is; undoing it adds no more
+    angle = positions.to(torch.float64)[:, None] * inv_freq.to(device=x.device, dtype=torch.float64)[None, :]
+    cos, sin = torch.cos(angle).float(), torch.sin(angle).float()  # [L, D / 2]
+    xf = x.float()
+    a, b = xf[..., :half], xf[..., half:]
+    return torch.cat([a * cos + b * sin, b * cos - a * sin], dim=-1)
+
+
+def classify(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
+    """x [U, N, D] unit de-RoPE'd queries -> logits [U, N, C] of each unit's classifier, a 2-layer MLP with an
+    exact GELU: weights w1 [U, D, H], b1 [U, H], w2 [U, H, C], b2 [U, C]."""
+    hidden = F.gelu(torch.baddbmm(weights["b1"][:, None, :], x, weights["w1"]))
+    return torch.baddbmm(weights["b2"][:, None, :], hidden, weights["w2"])
+
+
+def bucket_scores(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
+                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+    """q [Hq, Lq, D] at positions [Lq] (int64), inv_freq [D / 2], one classifier per KV head (w1 [Hkv, D, H],
+    b1 [Hkv, H], w2 [Hkv, H, C], b2 [Hkv, C]) -> [Hkv, C] float32: each query head's softmax over its KV head's
+    buckets (of its query de-RoPE'd and normalised), summed over the KV head's query heads, averaged over the
+    tokens."""
+    hkv = w1.shape[0]
+    hq, lq, d = q.shape
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads do not share {hkv} KV heads evenly")
+    x = F.normalize(derope(q, positions.to(q.device), inv_freq), dim=-1)
+    x = x.reshape(hkv, (hq // hkv) * lq, d)
+    weights = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
+    probs = torch.softmax(classify(x, {n: t.to(device=q.device, dtype=torch.float32) for n, t in weights.items()}),
+                          dim=-1)  # [Hkv, G * Lq, C]
+    return probs.reshape(hkv, hq // hkv, lq, -1).sum(1).mean(1)
+
+
+def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
+                 b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, sizes: torch.Tensor | None,
+                 budget: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A lookup's two steps at once: (bucket_scores [Hkv, C] of the arguments as bucket_scores', take_best of them
+    with sizes [Hkv, C] int64 and `budget` [Hkv, C] bool; None where sizes is None)."""
+    score = bucket_scores(q, positions, inv_freq, w1, b1, w2, b2)
+    return score, None if sizes is None else take_best(score, sizes, budget)
 
 
 def take_best(score: torch.Tensor, sizes: torch.Tensor, budget: float) -> torch.Tensor:
