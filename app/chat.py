@@ -11,6 +11,7 @@ from app.services import Services, doc_choices, doc_status, library_rows
 from app.views import TurnViews
 from engine.config import ContextSettings
 from engine.policies import METHODS, REGISTRY, build_order
+from engine.sampling import GenerationOptions
 from engine.serve.jobs import plain_error
 from engine.session import Delta
 from storage import NotFoundError, StorageError
@@ -85,6 +86,15 @@ class ChatTab:
                         self.max_new = gr.Slider(8, cfg.max_new_tokens_limit, value=cfg.max_new_tokens, step=8,
                                                  label="Max answer tokens")
                     self.new_chat = gr.Button("New chat", size="sm")
+                with gr.Accordion("Advanced: how the answer's words are chosen", open=False):
+                    gr.Markdown("Greedy (temperature 0) by default: the same question gets the same answer. "
+                                "The repetition penalty counts the answer's own words only, never the document's.")
+                    with gr.Row():
+                        self.temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature",
+                                                     elem_id="sq-temperature")
+                        self.top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p", elem_id="sq-top-p")
+                        self.repetition = gr.Slider(1.0, 2.0, value=1.0, step=0.05, label="Repetition penalty",
+                                                    elem_id="sq-repetition")
                 with gr.Accordion("The methods against full attention at equal KV budgets", open=False):
                     self.evaluation = gr.HTML("", elem_id="sq-evaluation")  # filled at each page load (app.demo)
             with gr.Column(scale=6, min_width=420, elem_id="sq-views"):
@@ -103,7 +113,8 @@ class ChatTab:
 
     def wire(self) -> None:
         controls = [self.method, self.sparsity, self.centroid, self.level1]
-        ask_inputs = [self.question, self.chatbot, self.state, *controls, self.compare, self.max_new]
+        ask_inputs = [self.question, self.chatbot, self.state, *controls, self.compare, self.max_new,
+                      self.temperature, self.top_p, self.repetition]
         ask_outputs = [self.chatbot, self.question, self.state, self.status, self.views.turn, *self.views.outputs]
         self.ask_btn.click(self.ask, ask_inputs, ask_outputs, api_name="ask", concurrency_id="model",
                            concurrency_limit=1, show_progress="minimal")
@@ -180,8 +191,9 @@ class ChatTab:
     # ------------------------------------------------------------------ asking
 
     def ask(self, question, history, state, method, sparsity_pct, centroid, level1, compare, max_new,
-            request: gr.Request):
-        """Stream an answer; then save the turn and show its views. Refuses, saying why, when it cannot answer."""
+            temperature=0.0, top_p=1.0, repetition=1.0, request: gr.Request = None):
+        """Stream an answer (the chat's earlier turns are its input too); then save the turn and show its views.
+        Refuses, saying why, when it cannot answer."""
         services, store = self.services, self.services.store
         history = list(history or [])
         state = dict(state)
@@ -198,6 +210,12 @@ class ChatTab:
             return
         if not question:
             yield refuse("Type a question first.")
+            return
+        try:
+            options = GenerationOptions(temperature=float(temperature), top_p=float(top_p),
+                                        repetition_penalty=float(repetition))
+        except (TypeError, ValueError) as exc:
+            yield refuse(f"Cannot answer with these settings: {exc}.")
             return
         services.engine.configure(method_settings(centroid, level1))
         status = doc_status(services, state["doc_id"], method)
@@ -218,7 +236,8 @@ class ChatTab:
         yield [history, "", state, self.status_html(status), gr.skip(), *skip_views]
 
         text, recorded = "", None
-        turn = services.turns.answer(state["chat_id"], ctx, question, method, sparsity, int(max_new), compare, stop)
+        turn = services.turns.answer(state["chat_id"], ctx, question, method, sparsity, int(max_new), compare, stop,
+                                     options)
         try:
             for event in turn:
                 if isinstance(event, Delta):

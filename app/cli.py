@@ -90,21 +90,26 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_ask(args) -> int:
+    from engine.sampling import GenerationOptions  # noqa: PLC0415
+    from engine.serve.turns import EMPTY_ANSWER  # noqa: PLC0415
+
     engine = _engine(args)
     progress = _progress(not args.quiet)
     context_id = engine.resolve(args.doc, truncate=args.truncate, progress=progress)
     answer = None
+    options = GenerationOptions(temperature=args.temperature, top_p=args.top_p,
+                                repetition_penalty=args.repetition_penalty, seed=args.seed)
     for event in engine.stream(context_id, args.question, args.method, args.sparsity, args.max_new_tokens,
-                               progress=progress):
+                               progress=progress, options=options):
         if isinstance(event, Delta) and not args.json:
             print(event.text, end="", flush=True)
         elif isinstance(event, Answer):
             answer = event
     stats = answer.stats.to_json()
     if args.json:
-        print(json.dumps({"answer": answer.text, "context_id": context_id, **stats}))
+        print(json.dumps({"answer": answer.text, "empty": answer.empty, "context_id": context_id, **stats}))
     else:
-        print()
+        print(EMPTY_ANSWER if answer.empty else "")
         print(f"[{stats['method']} sparsity={stats['sparsity']} kv_budget={stats['kv_budget']:.3f} "
               f"(question {stats['kv_budget_prefill']:.3f}, answer {stats['kv_budget_decode']:.3f}) "
               f"first token {stats['timings']['first_token_s']:.2f}s, {stats['timings']['tokens_per_s']:.1f} tok/s]",
@@ -224,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="1 - the KV budget: a step reads 1 - SPARSITY of the document's K/V bytes, its method's "
                         "index included, in the question's prefill as in decoding (default 0.9)")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy; else sample")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens of this mass")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 1 discourages the answer from repeating its own tokens (1: none)")
+    p.add_argument("--seed", type=int, default=None, help="the sampler's seed (with --temperature)")
     p.add_argument("--truncate", action="store_true")
     p.set_defaults(func=cmd_ask)
     p = sub.add_parser("train", parents=[common, method_options],

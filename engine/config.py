@@ -13,7 +13,8 @@ DEFAULT_DENSE_TAIL = 100  # last context tokens: kept dense, and their queries c
 # for hsqueeze; engine/bench/results/cpu-eval-sink1.json) but loses the shipped passkey at depth 0.1 with hsqueeze at
 # 85% and Quest at 60% (tests/test_real_model.py), and four tokens lost a 1K-token needle with hsqueeze and Quest.
 DEFAULT_SINK = 0
-PROMPT_VERSION = 1  # bump when the document/question template changes: old contexts are then not reused
+PROMPT_VERSION = 2  # bump when the document/question template changes: old contexts are then not reused (2: a chat
+# template's head before the document when the tokenizer has one)
 CONTEXT_VERSION = 5  # bump when what a context stores changes (5: a sink's rows after the indexed ones)
 # Calibrated sparsities: a requested sparsity maps to its threshold by interpolation between these points.
 SPARSITY_GRID = (0.0, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.97, 0.98, 0.99)

@@ -1,5 +1,7 @@
-"""Streaming greedy generation over a fixed-context cache: the question's prefill eagerly, then decode steps, each
-replayed from a CUDA graph where the step context has a graph cache (engine.graph), else run eagerly."""
+"""Streaming generation over a fixed-context cache: the question's prefill eagerly, then decode steps, each replayed
+from a CUDA graph where the step context has a graph cache (engine.graph), else run eagerly. Greedy, or each token
+chosen by an engine.sampling.Sampler from the step's logits (a replayed step then takes the chosen token as its
+successor's input)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import torch
 
 from engine.attention import StepContext
 from engine.model import LoadedModel
+from engine.sampling import Sampler
 
 
 def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -22,13 +25,16 @@ def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: i
     return out.logits[0, -1:]
 
 
-def _next(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int) -> torch.Tensor:
-    """The greedy token after ids [n]: [1] int64 on the device."""
-    return forward_step(lm, step, ids, start).argmax(dim=-1)
+def _next(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int, sampler: Sampler | None) -> torch.Tensor:
+    """The token after ids [n] (greedy, or the sampler's): [1] int64 on the device."""
+    logits = forward_step(lm, step, ids, start)
+    return logits.argmax(dim=-1) if sampler is None else sampler.pick(logits)
 
 
-def greedy_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int) -> Iterator[int]:
-    """Yield greedy tokens one at a time; the first forward is the question's prefill. prompt: [Lq] int64.
+def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int,
+                    sampler: Sampler | None = None) -> Iterator[int]:
+    """Yield tokens one at a time (greedy, or chosen by `sampler`); the first forward is the question's prefill.
+    prompt: [Lq] int64.
 
     Stops after an end-of-sequence token (which is yielded) or `max_new_tokens` tokens. The caller may stop early
     by closing the generator (close it before reading the step's recorder: replayed steps' statistics are handed
@@ -42,18 +48,18 @@ def greedy_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_
         cache.reset_dynamic()
         cache.reserve(prompt.numel() + max_new_tokens)
         position = cache.get_seq_length()
-        next_ids = _next(lm, step, prompt.to(lm.device), position)
+        next_ids = _next(lm, step, prompt.to(lm.device), position, sampler)
         token = int(next_ids)
     position += prompt.numel()
     yield token
     if token in eos or max_new_tokens <= 1:
         return
     if step.graphs is not None:
-        yield from _replayed(step, next_ids, position, max_new_tokens - 1, eos)
+        yield from _replayed(step, next_ids, position, max_new_tokens - 1, eos, sampler)
         return
     for _ in range(max_new_tokens - 1):
         with torch.inference_mode():
-            next_ids = _next(lm, step, next_ids, position)
+            next_ids = _next(lm, step, next_ids, position, sampler)
             token = int(next_ids)
         position += 1
         yield token
@@ -61,7 +67,8 @@ def greedy_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_
             return
 
 
-def _replayed(step: StepContext, token: torch.Tensor, position: int, steps: int, eos: set[int]) -> Iterator[int]:
+def _replayed(step: StepContext, token: torch.Tensor, position: int, steps: int, eos: set[int],
+              sampler: Sampler | None) -> Iterator[int]:
     """Decode steps from the session's captured graph (captured on first use: one eager step, then the capture)."""
     with torch.inference_mode():
         graph, captured = step.graphs.get(step)
@@ -72,7 +79,13 @@ def _replayed(step: StepContext, token: torch.Tensor, position: int, steps: int,
     try:
         while done < steps:
             with torch.inference_mode():
-                token_id = graph.replay() if captured else graph.warm_and_capture(step)
+                if sampler is None:
+                    token_id = graph.replay() if captured else graph.warm_and_capture(step)
+                else:
+                    logits = graph.replay_logits() if captured else _warm_logits(graph, step)
+                    chosen = sampler.pick(logits)
+                    graph.feed(chosen)
+                    token_id = int(chosen)
             captured = True
             done += 1
             yield token_id
@@ -82,6 +95,11 @@ def _replayed(step: StepContext, token: torch.Tensor, position: int, steps: int,
         if step.recorder is not None and graph.totals is not None:
             with torch.inference_mode():
                 step.recorder.add_decode(graph.totals, done)
+
+
+def _warm_logits(graph, step: StepContext) -> torch.Tensor:
+    graph.warm_and_capture(step)
+    return graph.warm_logits
 
 
 def full_logits(lm: LoadedModel, step: StepContext, prompt: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ class DecodeGraph:
         self.positions = torch.zeros(1, dtype=torch.int64, device=lm.device)
         self.next_token = torch.zeros(1, dtype=torch.int64, device=lm.device)
         self.logits: torch.Tensor | None = None
+        self.warm_logits: torch.Tensor | None = None
         self.totals: StepTotals | None = None
         if step.recorder is not None:  # the capture records statistics
             self.totals = StepTotals.zeros(len(lm.global_layers), lm.num_heads, lm.device)
@@ -76,6 +77,7 @@ class DecodeGraph:
             self._forward(warm)
         torch.cuda.current_stream(self.lm.device).wait_stream(self._stream)
         token = int(self.next_token)
+        self.warm_logits = self.logits  # the warm step's own (the capture below replaces self.logits)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=self._stream):
             self._forward(warm)  # recorded, not run: the inputs stay as the warm step left them
@@ -90,6 +92,16 @@ class DecodeGraph:
         """One decode step; returns its token (the one host synchronisation of a step)."""
         self.graph.replay()
         return int(self.next_token)
+
+    def replay_logits(self) -> torch.Tensor:
+        """One decode step, its logits [1, V] (the capture's buffer, valid until the next replay); nothing is read
+        back. The step's greedy token is its successor's input unless `feed` replaces it."""
+        self.graph.replay()
+        return self.logits
+
+    def feed(self, token: torch.Tensor) -> None:
+        """token [1] int64 on the device: the next step's input instead of the greedy one (a sampled token)."""
+        self.ids.copy_(token.view(1, 1))
 
 
 class DecodeGraphs:

@@ -46,7 +46,9 @@ def recent_window(tokens: int) -> int:
 class PartitionTraining:
     """buckets: C per (layer, KV head) (the paper: 1024 at 128K-500K-token prompts); hidden: the classifier's width;
     prompts, tokens: the training text; queries: examples per prompt and query head; kmeans_iters (the paper: 10);
-    steps, batch, lr: the classifier's Adam; seed: which text and which examples."""
+    steps, batch, lr: the classifier's Adam; seed: which text and which examples; long_range: train only on the
+    queries whose best-matching key (the sink aside) is at least the dense window back (the paper's filter,
+    appendix A: the dense part serves the others)."""
 
     buckets: int = 256
     hidden: int = 128
@@ -58,6 +60,7 @@ class PartitionTraining:
     batch: int = 256
     lr: float = 1e-3
     seed: int = 0
+    long_range: bool = False
     checkpoint_every: int = 50
 
     def __post_init__(self) -> None:
@@ -129,8 +132,9 @@ def train_partitions(lm, training: PartitionTraining, corpus: list[int], inv_fre
     del prompts
     x = torch.cat([e[0] for e in examples])  # [U, E, D], U = layers x Hkv
     t = torch.cat([e[1] for e in examples])  # [U, E, C]
+    usable = torch.cat([e[2] for e in examples]) if training.long_range else None  # [U, E]
     weights = train_classifiers(x, t, training, state, save, lambda step, loss: tell(
-        step, training.steps, "training the classifier", loss))
+        step, training.steps, "training the classifier", loss), usable=usable)
     hkv = x.shape[0] // len(layers)
     return {i: {"centroids": centroids[i], **{n: w[k * hkv:(k + 1) * hkv].clone() for n, w in weights.items()},
                 "sizes": bucket_sizes(labels[i], training.buckets)} for k, i in enumerate(layers)}
@@ -186,17 +190,20 @@ def collect(lm, training: PartitionTraining, corpus: list[int], inv_freq: dict[i
 
 
 def bucket_targets(prompts: list[Prompt], labels: list[torch.Tensor], c: int, scale: float, window: int
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x [Hkv, E', D] unit de-RoPE'd queries, targets [Hkv, E', C]) over the prompts, E' = prompts x G x E: each
-    sampled query of each query head and the share of its attention over the long-range keys (at least `window`
-    tokens before it, the sink excluded; the model's softmax renormalised over them) in each of the `c` buckets;
-    labels: per prompt, each key's bucket [Hkv, L] (bucket_labels)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [Hkv, E', D] unit de-RoPE'd queries, targets [Hkv, E', C], far [Hkv, E'] bool) over the prompts,
+    E' = prompts x G x E: each sampled query of each query head, the share of its attention over the long-range
+    keys (at least `window` tokens before it, the sink excluded; the model's softmax renormalised over them) in each
+    of the `c` buckets, and whether its best-matching key (over all keys before it, the sink excluded) is one of
+    them; labels: per prompt, each key's bucket [Hkv, L] (bucket_labels)."""
     hkv = prompts[0].keys.shape[0]
     xs: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
     ts: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
+    fs: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
     for p, found in zip(prompts, labels):
         key_pos = torch.arange(p.keys.shape[1], device=p.keys.device)
         far = (key_pos[None, :] <= p.pos[:, None] - window) & (key_pos[None, :] >= 1)  # [E, L]
+        before = (key_pos[None, :] <= p.pos[:, None]) & (key_pos[None, :] >= 1)
         group = p.queries.shape[0] // hkv
         for h in range(hkv):
             q = p.queries[h * group:(h + 1) * group].float()  # [G, E, D]
@@ -206,7 +213,10 @@ def bucket_targets(prompts: list[Prompt], labels: list[torch.Tensor], c: int, sc
             target.scatter_add_(2, found[h][None, None, :].expand_as(weights), weights)
             xs[h].append(F.normalize(p.queries_pre[h * group:(h + 1) * group].float(), dim=-1).flatten(0, 1))
             ts[h].append(target.flatten(0, 1))
-    return torch.stack([torch.cat(x) for x in xs]), torch.stack([torch.cat(t) for t in ts])
+            best = logits.masked_fill(~before[None], float("-inf")).argmax(-1)  # [G, E]
+            fs[h].append((best <= p.pos[None, :] - window).flatten())
+    return (torch.stack([torch.cat(x) for x in xs]), torch.stack([torch.cat(t) for t in ts]),
+            torch.stack([torch.cat(f) for f in fs]))
 
 
 def imbalance(sizes: torch.Tensor) -> float:
@@ -233,11 +243,16 @@ def init_weights(units: int, dim: int, hidden: int, buckets: int, seed: int, dev
 
 
 def train_classifiers(x: torch.Tensor, targets: torch.Tensor, training: PartitionTraining,
-                      state: dict[str, torch.Tensor], save, progress: Callable[[int, float], None]
-                      ) -> dict[str, torch.Tensor]:
+                      state: dict[str, torch.Tensor], save, progress: Callable[[int, float], None],
+                      usable: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Every unit's classifier at once (batched matrix products): x [U, E, D], targets [U, E, C] -> PARAMS
-    [U, ...] float32 on the CPU. `state` holds a stopped run's weights and Adam moments ("classifier.*")."""
+    [U, ...] float32 on the CPU. `state` holds a stopped run's weights and Adam moments ("classifier.*").
+    usable [U, E] bool: each unit's batches drawn among its usable examples only (a unit with none uses all)."""
     units, examples, dim = x.shape
+    if usable is not None:
+        usable = usable.to(x.device).clone()
+        usable[usable.sum(1) == 0] = True
+        examples = int(usable.sum(1).min())
     device = x.device
     if "classifier.step" in state:
         weights = {n: state[f"classifier.{n}"].to(device) for n in PARAMS}
@@ -255,8 +270,14 @@ def train_classifiers(x: torch.Tensor, targets: torch.Tensor, training: Partitio
     batch = min(training.batch, examples)
     for step in range(first, training.steps):
         gen = torch.Generator().manual_seed(training.seed * 1_000_003 + step)
-        pick = torch.randperm(examples, generator=gen)[:batch].to(device)
-        loss = kl_loss(classify(x[:, pick], weights), targets[:, pick])
+        if usable is None:
+            pick = torch.randperm(examples, generator=gen)[:batch].to(device)
+            xb, tb = x[:, pick], targets[:, pick]
+        else:  # [U, batch]: each unit's own draw
+            pick = torch.multinomial(usable.float().cpu(), batch, generator=gen).to(device)
+            xb = x.gather(1, pick[..., None].expand(-1, -1, x.shape[-1]))
+            tb = targets.gather(1, pick[..., None].expand(-1, -1, targets.shape[-1]))
+        loss = kl_loss(classify(xb, weights), tb)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

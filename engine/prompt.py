@@ -1,14 +1,110 @@
-"""How a document and a question become tokens: the fixed context, then the turn's prompt."""
+"""How a document and a conversation become tokens: the fixed context (the document, inside the chat template's
+first user message when the tokenizer has a template), then each turn's dynamic tokens (the earlier exchanges of
+the chat, oldest dropped first past a token limit, and the question).
+
+Two formats (`prompt_format`): the base-model one ("Question: ... Answer:" after the document; the answer ends at
+a blank line or a new question), and the tokenizer's chat template, split at the document so that the document's
+K/V are the same for every turn: the fixed context is the template's text up to the end of the document, a turn is
+the rest of the template's rendering of the whole conversation (checked to begin with that same text).
+"""
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 QUESTION_TEMPLATE = "\n\nQuestion: {question}\nAnswer:"
+EXCHANGE_TEMPLATE = "\n\nQuestion: {question}\nAnswer: {answer}"  # an earlier turn of the chat (base format)
 STOP_STRINGS = ("\n\n", "\nQuestion:", "\nAnswer:")  # a base model answers, then starts a new paragraph, question or answer
 ANSWER_RESERVE = 1024  # tokens of the model's context kept free for the question and the answer
+HISTORY_TOKENS = 1024  # at most this many tokens of a chat's earlier turns go into a turn's input
+_DOCUMENT = "\x00DOCUMENT\x00"  # stands for the document where a chat template is rendered
+_QUESTION = "\x00QUESTION\x00"
+
+
+@dataclass(frozen=True)
+class Exchange:
+    """An earlier turn of a chat: what was asked and what was answered."""
+
+    question: str
+    answer: str
+
+
+class BasePrompt:
+    """The base-model format: the document, then "Question: ... Answer:" per turn."""
+
+    key = ""  # (a context's cache key has no template)
+    stop_strings: tuple[str, ...] = STOP_STRINGS
+
+    def document_prefix(self) -> str | None:
+        """Text before the document in the fixed context; None: the tokenizer's BOS alone."""
+        return None
+
+    def turn_text(self, history: Sequence[Exchange], question: str) -> str:
+        """The text after the document for a turn with these earlier exchanges."""
+        earlier = "".join(EXCHANGE_TEMPLATE.format(question=_clean(e.question), answer=_clean(e.answer))
+                          for e in history)
+        return earlier + QUESTION_TEMPLATE.format(question=_clean(question))
+
+
+class ChatPrompt:
+    """A tokenizer's chat template: the document and the chat's first question in the first user message."""
+
+    stop_strings: tuple[str, ...] = ()  # the template's end-of-turn token ends the answer
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        first = self._render([{"role": "user", "content": f"{_DOCUMENT}\n\n{_QUESTION}"}])
+        at = first.find(_DOCUMENT)
+        if at < 0 or first.find(_QUESTION) < at:
+            raise ValueError("the chat template does not keep the user's message in order")
+        self.prefix = first[:at]
+        self.key = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:12]
+
+    def _render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def document_prefix(self) -> str | None:
+        return self.prefix
+
+    def turn_text(self, history: Sequence[Exchange], question: str) -> str:
+        asked = [_clean(e.question) for e in history] + [_clean(question)]
+        messages = []
+        for i, q in enumerate(asked):
+            messages.append({"role": "user", "content": f"{_DOCUMENT}\n\n{q}" if i == 0 else q})
+            if i < len(history):
+                messages.append({"role": "assistant", "content": _clean(history[i].answer)})
+        text = self._render(messages)
+        head = self.prefix + _DOCUMENT
+        if not text.startswith(head):
+            raise ValueError("the chat template renders the conversation's start differently from the document's")
+        return text[len(head):]
+
+
+def prompt_format(tokenizer, chat: str | None = None) -> BasePrompt | ChatPrompt:
+    """The format of a tokenizer: its chat template when it has one, else the base format. chat: the template key a
+    context was built with ("" = the base format; None: decide from the tokenizer)."""
+    if chat == "" or not getattr(tokenizer, "chat_template", None):
+        return BasePrompt()
+    found = ChatPrompt(tokenizer)
+    if chat is not None and chat != found.key:
+        raise ValueError("this context was built with another chat template than the tokenizer's; ingest it again")
+    return found
+
+
+def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
+    """The answer so far up to its first stop string, and whether one was found. Stop strings count from the
+    answer's first non-blank character: an answer that opens with blank lines is not cut to nothing."""
+    body = len(text) - len(text.lstrip())
+    found = [at for at in (text.find(s, body) for s in stops) if at >= 0]
+    return (text[:min(found)], True) if found else (text, False)
+
+
+def _clean(text: str) -> str:
+    return " ".join(text.split())
 
 
 class DocumentTooLongError(ValueError):
@@ -31,13 +127,17 @@ class FixedContext:
     truncated: bool
 
 
-def tokenize_document(tokenizer, text: str, max_context: int, truncate: bool = False) -> FixedContext:
-    """BOS (when the tokenizer has one) + the document's tokens, refused or truncated when over the limit."""
+def tokenize_document(tokenizer, text: str, max_context: int, truncate: bool = False,
+                      prefix: str | None = None) -> FixedContext:
+    """BOS (when the tokenizer has one) + the document's tokens, refused or truncated when over the limit.
+    prefix: text before the document instead of BOS (a chat template's, which holds its own BOS)."""
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is not None:
-        ids, offsets = [bos] + ids, [(-1, -1)] + offsets
+    if prefix is not None:
+        head = list(tokenizer(prefix, add_special_tokens=False)["input_ids"])
+        ids, offsets = head + ids, [(-1, -1)] * len(head) + offsets
+    elif getattr(tokenizer, "bos_token_id", None) is not None:
+        ids, offsets = [tokenizer.bos_token_id] + ids, [(-1, -1)] + offsets
     limit = max_context - ANSWER_RESERVE
     truncated = False
     if len(ids) > limit:
@@ -48,8 +148,31 @@ def tokenize_document(tokenizer, text: str, max_context: int, truncate: bool = F
 
 
 def question_ids(tokenizer, question: str) -> torch.Tensor:
-    """[Lq] int64: the turn's prompt that follows the fixed context."""
-    question = " ".join(question.split())
-    if not question:
+    """[Lq] int64: a lone question's prompt in the base format (what follows the fixed context)."""
+    return turn_ids(tokenizer, BasePrompt(), question).ids
+
+
+@dataclass
+class TurnPrompt:
+    """ids: [Lq] int64, a turn's dynamic tokens; history: how many earlier exchanges they hold (the latest ones)."""
+
+    ids: torch.Tensor
+    history: int
+
+
+def turn_ids(tokenizer, fmt: BasePrompt | ChatPrompt, question: str, history: Sequence[Exchange] = (),
+             limit: int = HISTORY_TOKENS) -> TurnPrompt:
+    """The tokens after the fixed context for `question` after the chat's `history` (oldest first): the latest
+    exchanges whose tokens, beyond those of the question alone, fit `limit` (older ones dropped first)."""
+    if not _clean(question):
         raise ValueError("the question is empty")
-    return torch.tensor(tokenizer(QUESTION_TEMPLATE.format(question=question), add_special_tokens=False)["input_ids"])
+
+    def encode(kept: Sequence[Exchange]) -> list[int]:
+        return list(tokenizer(fmt.turn_text(kept, question), add_special_tokens=False)["input_ids"])
+
+    alone = encode(())
+    for first in range(len(history)):  # the most history that fits
+        ids = encode(history[first:])
+        if len(ids) - len(alone) <= limit:
+            return TurnPrompt(torch.tensor(ids, dtype=torch.int64), len(history) - first)
+    return TurnPrompt(torch.tensor(alone, dtype=torch.int64), 0)

@@ -4,7 +4,7 @@ turn."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -13,12 +13,13 @@ from engine import artifacts as names
 from engine.attention import StepContext
 from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
-from engine.generate import full_logits, greedy_tokens
+from engine.generate import full_logits, generate_tokens
 from engine.graph import DecodeGraphs, graphs_supported
 from engine.ingest import Progress, _no_progress, build_methods, global_scale, layer_part
 from engine.model import LoadedModel
 from engine.policies import REGISTRY, LayerIndex, Method, StepPlan, Tensors, build_order, make_method
-from engine.prompt import STOP_STRINGS, question_ids
+from engine.prompt import HISTORY_TOKENS, Exchange, cut_at_stop, prompt_format, turn_ids
+from engine.sampling import GenerationOptions, Sampler
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
 
@@ -42,6 +43,12 @@ class Answer:
     stats: TurnStats
     plan: StepPlan | None = None
     unit_scores: dict = field(default_factory=dict)
+    history: int = 0  # earlier exchanges of the chat in the turn's input
+
+    @property
+    def empty(self) -> bool:
+        """The model said nothing (it ended at once, or only with blank lines)."""
+        return not self.text.strip()
 
 
 class ContextSession:
@@ -161,37 +168,50 @@ class ContextSession:
 
     def logits(self, question: str, method: str = "full", sparsity: float = 0.0) -> torch.Tensor:
         """[Lq, V] logits of the question's prompt tokens (tests: the sparse path against full attention)."""
-        return full_logits(self.lm, self.step_context(method, sparsity, None), question_ids(self.lm.tokenizer, question))
+        prompt = turn_ids(self.lm.tokenizer, prompt_format(self.lm.tokenizer), question).ids
+        return full_logits(self.lm, self.step_context(method, sparsity, None), prompt)
 
-    def stream(self, question: str, method: str = "squeeze", sparsity: float = 0.9,
-               max_new_tokens: int = 64) -> Iterator[Delta | Answer]:
-        """Yield Delta pieces of the answer, then one Answer with the turn's statistics."""
+    def stream(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64,
+               history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
+               history_tokens: int = HISTORY_TOKENS) -> Iterator[Delta | Answer]:
+        """Yield Delta pieces of the answer, then one Answer with the turn's statistics.
+
+        history: the chat's earlier exchanges, oldest first (the latest that fit `history_tokens` and the model's
+        context go into the input, after the document: new tokens, read densely); options: how tokens are chosen
+        (None: greedy). The answer's stop strings count from its first non-blank character (engine.prompt.cut_at_stop):
+        an answer that opens with blank lines goes on."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         lm = self.lm
         on_cuda = lm.device.type == "cuda"
+        fmt = prompt_format(lm.tokenizer)
+        room = lm.max_context - self.fixed_len - max_new_tokens
+        alone = turn_ids(lm.tokenizer, fmt, question).ids.numel()
+        if alone > room:
+            raise ValueError(f"the question is {alone} tokens; with this document and {max_new_tokens} answer tokens "
+                             f"the model has room for {room}")
+        turn = turn_ids(lm.tokenizer, fmt, question, history, min(history_tokens, room - alone))
         recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, self.fixed_len, sync_cuda=on_cuda)
         step = self.step_context(method, sparsity, recorder)
-        prompt = question_ids(lm.tokenizer, question)
+        opts = options or GenerationOptions()
+        sampler = None if opts.greedy else Sampler(opts, lm.model.config.vocab_size, lm.device)
         eos = lm.eos_ids()
         generated: list[int] = []
         text = ""
         start = time.perf_counter()
         first = None
-        tokens = greedy_tokens(lm, step, prompt, max_new_tokens)
+        tokens = generate_tokens(lm, step, turn.ids, max_new_tokens, sampler)
         for token in tokens:
             first = first if first is not None else time.perf_counter() - start
             if token in eos:
                 break
             generated.append(token)
-            new_text = lm.tokenizer.decode(generated, skip_special_tokens=True)
-            stop = min((new_text.find(s) for s in STOP_STRINGS if s in new_text), default=-1)
-            if stop >= 0:
-                new_text = new_text[:stop]
+            new_text, stopped = cut_at_stop(lm.tokenizer.decode(generated, skip_special_tokens=True),
+                                            fmt.stop_strings)
             if new_text.startswith(text) and len(new_text) > len(text):
                 yield Delta(new_text[len(text):])
             text = new_text
-            if stop >= 0:
+            if stopped:
                 break
         tokens.close()  # hands the replayed steps' statistics to the recorder
         self.cache.reset_dynamic()
@@ -203,12 +223,15 @@ class ContextSession:
             "tokens_per_s": round((len(generated) - 1) / decode_s, 3) if len(generated) > 1 else 0.0,
         }
         stats = recorder.finish(method, sparsity if step.method.sparse else 0.0, len(generated), timings)
-        stats.extra.update(unit=step.method.unit, plan=step.plan.describe())
-        yield Answer(text=text.strip(), stats=stats, plan=step.plan, unit_scores=recorder.unit_scores())
+        stats.extra.update(unit=step.method.unit, plan=step.plan.describe(), history=turn.history,
+                           generation=opts.to_json())
+        yield Answer(text=text.strip(), stats=stats, plan=step.plan, unit_scores=recorder.unit_scores(),
+                     history=turn.history)
 
-    def ask(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64) -> Answer:
+    def ask(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64,
+            history: Sequence[Exchange] = (), options: GenerationOptions | None = None) -> Answer:
         """The whole answer at once."""
-        for event in self.stream(question, method, sparsity, max_new_tokens):
+        for event in self.stream(question, method, sparsity, max_new_tokens, history, options):
             if isinstance(event, Answer):
                 return event
         raise AssertionError("stream ended without an answer")

@@ -22,7 +22,7 @@ from engine.serve.jobs import IngestWorker
 from engine.model import load_model
 from engine.prompt import ANSWER_RESERVE
 from engine.serve.service import Engine
-from engine.serve.turns import same_answer
+from engine.serve.turns import Turns, same_answer
 from storage import NotFoundError
 
 pytestmark = [
@@ -233,8 +233,8 @@ def test_every_method_answers_and_full_reads_everything(app, ready_doc):
 @pytest.mark.parametrize("method", SPARSE_METHODS)
 def test_compare_with_full_attention_says_whether_the_answers_agree(app, ready_doc, method):
     """Every sparse method's turn compared through the app: full attention's answer is the one it gives to the same
-    question alone, and the verdict says whether the two answers are the same. (After the test above, which needs
-    quest unbuilt.)"""
+    question after the same earlier turns of the chat, and the verdict says whether the two answers are the same.
+    (After the test above, which needs quest unbuilt.)"""
     client = app.client()
     open_doc(client, ready_doc)
     question, max_new = "Who kept the light?", 16
@@ -250,10 +250,13 @@ def test_compare_with_full_attention_says_whether_the_answers_agree(app, ready_d
     assert len(chat) == 3 and chat[2].startswith("Full attention: ")
     assert chat[2].endswith(("✓ the answers agree", "✗ the answers differ"))
     assert re.search(r'sq-badge sq-(agree|differ)">answers (agree|differ)', out["compare"])
-    turn = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]
+    chat_id = app.store.chats.list(ready_doc)[0]["id"]
+    turn = app.store.chats.turns(chat_id)[-1]
     compare = turn["stats"]["compare"]
     assert (turn["question"], turn["method"], turn["stats"]["method"]) == (question, method, method)
-    alone = app.engine.ask(turn["stats"]["context_id"], question, "full", 0.0, max_new)
+    earlier = Turns(app.engine).history(chat_id)[:-1]
+    assert turn["stats"]["extra"]["history"] == len(earlier)  # (all of them fit)
+    alone = app.engine.ask(turn["stats"]["context_id"], question, "full", 0.0, max_new, history=earlier)
     assert compare["answer"] == alone.text and chat[2] == f"Full attention: {alone.text}\n\n" + (
         "✓ the answers agree" if compare["agree"] else "✗ the answers differ")
     assert compare["agree"] == same_answer(alone.text, turn["answer"]) and chat[1] == turn["answer"]

@@ -11,7 +11,7 @@ import torch
 from tiny_models import gates_for, tiny_model_path  # noqa: F401 (fixture)
 
 from engine.compiled import compile_layers, layers_compiled
-from engine.generate import greedy_tokens
+from engine.generate import generate_tokens
 from engine.ingest import ingest_tokens
 from engine.model import load_model
 from engine.prompt import question_ids, tokenize_document
@@ -51,8 +51,8 @@ def test_compiled_layers_match_eager(sessions, method, sparsity):
     torch.testing.assert_close(compiled.logits(QUESTION, method, sparsity), eager.logits(QUESTION, method, sparsity),
                                **TOL)
     prompt = question_ids(eager.lm.tokenizer, QUESTION)
-    got = list(greedy_tokens(compiled.lm, compiled.step_context(method, sparsity), prompt, STEPS))
-    want = list(greedy_tokens(eager.lm, eager.step_context(method, sparsity), prompt, STEPS))
+    got = list(generate_tokens(compiled.lm, compiled.step_context(method, sparsity), prompt, STEPS))
+    want = list(generate_tokens(eager.lm, eager.step_context(method, sparsity), prompt, STEPS))
     assert got == want
 
 

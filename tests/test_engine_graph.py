@@ -13,7 +13,7 @@ import torch
 from tiny_models import gates_for, tiny_model_path  # noqa: F401 (fixture)
 
 from engine.compiled import compile_layers
-from engine.generate import forward_step, greedy_tokens
+from engine.generate import forward_step, generate_tokens
 from engine.ingest import ingest_tokens
 from engine.model import load_model
 from engine.policies import REGISTRY
@@ -171,7 +171,7 @@ def test_replayed_statistics_match_eager(session, method, sparsity):
         recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,
                                 sync_cuda=True)
         step = replace(session.step_context(method, sparsity, recorder), graphs=graphs)
-        tokens = list(greedy_tokens(lm, step, prompt, STEPS))
+        tokens = list(generate_tokens(lm, step, prompt, STEPS))
         session.cache.reset_dynamic()
         stats[graphs is None] = (tokens, recorder.finish(method, sparsity, len(tokens), {}), recorder.unit_scores())
     (eager_tokens, eager, eager_units), (replayed_tokens, replayed, replayed_units) = stats[True], stats[False]

@@ -16,7 +16,7 @@ from tiny_models import SMALL_SAAP, GEMMA_SLIDING_WINDOW, byte_tokenizer, gates_
 
 from engine.attention import ATTN_NAME
 from engine.config import ContextSettings
-from engine.generate import greedy_tokens
+from engine.generate import generate_tokens
 from engine.ingest import ingest_tokens, prefill
 from engine.model import LoadedModel, load_model
 from engine.policies import METHODS, SPARSE_METHODS, build_order, make_method
@@ -148,7 +148,7 @@ def test_generation_over_cache_equals_plain_greedy(ctx):
     lm, session = ctx.lm, ctx.session
     prompt = question_ids(lm.tokenizer, QUESTION)
     expected = plain_greedy(lm, torch.cat([ctx.fixed_ids, prompt]), NEW_TOKENS)
-    got = list(greedy_tokens(lm, session.step_context("full", 0.0, None), prompt, NEW_TOKENS))
+    got = list(generate_tokens(lm, session.step_context("full", 0.0, None), prompt, NEW_TOKENS))
     session.cache.reset_dynamic()
     assert got == expected
     answer = session.ask(QUESTION, "full", 0.0, max_new_tokens=NEW_TOKENS)

@@ -21,7 +21,7 @@ import torch
 from tiny_models import tiny_model_path  # noqa: F401 (fixture)
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.generate import forward_step, greedy_tokens
+from engine.generate import forward_step, generate_tokens
 from engine.ingest import ingest_tokens
 from engine.model import LoadedModel, load_model
 from engine.prompt import question_ids, tokenize_document
@@ -99,7 +99,7 @@ def pair(tiny_model_path) -> Pair:  # noqa: F811
 def forced_step_logits(session: ContextSession, method: str, sparsity: float, prompt: torch.Tensor,
                        answer: list[int]) -> torch.Tensor:
     """[1 + len(answer), V] float32 logits of each step of a turn that is fed `answer`'s tokens: the question's
-    prefill (Lq > 1), then one decode step (Lq == 1) per token, the forward calls of engine.generate.greedy_tokens.
+    prefill (Lq > 1), then one decode step (Lq == 1) per token, the forward calls of engine.generate.generate_tokens.
     Fed the same tokens, two models can be compared at every step without a near-tie argmax forking the answers."""
     lm, step = session.lm, session.step_context(method, sparsity, None)
     cache = step.cache
@@ -173,7 +173,7 @@ def test_fixed_context_sits_on_its_layers_gpu(pair):
             assert bool(layer.index) == (i in split.global_layers)
             assert {t.device for t in layer.index.values()} <= {device}
         prompt = question_ids(split.tokenizer, QUESTION)
-        tokens = greedy_tokens(split, session.step_context("squeeze", 0.7, None), prompt, 2)
+        tokens = generate_tokens(split, session.step_context("squeeze", 0.7, None), prompt, 2)
         next(tokens)  # the question's prefill has run: its K/V are the dynamic part of every layer
         for layer, device in zip(session.cache.layers, split.layer_devices):
             assert layer.dynamic_length() == prompt.numel() and layer.new_keys.device == layer.new_values.device == device
@@ -244,8 +244,8 @@ def test_decode_steps_match_one_gpu(pair, method, sparsity):
     split = pair.session(pair.split, pair.single_artifacts)
     single = pair.session(pair.single, pair.single_artifacts)
     prompt = question_ids(pair.single.tokenizer, QUESTION)
-    answer = list(greedy_tokens(pair.single, single.step_context(method, sparsity, None), prompt, NEW_TOKENS))
+    answer = list(generate_tokens(pair.single, single.step_context(method, sparsity, None), prompt, NEW_TOKENS))
     single.cache.reset_dynamic()
     expected = forced_step_logits(single, method, sparsity, prompt, answer)
-    assert expected[: len(answer)].argmax(dim=-1).tolist() == answer  # the forced steps are greedy_tokens' steps
+    assert expected[: len(answer)].argmax(dim=-1).tolist() == answer  # the forced steps are generate_tokens' steps
     torch.testing.assert_close(forced_step_logits(split, method, sparsity, prompt, answer), expected, **TOL)

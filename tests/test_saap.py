@@ -156,7 +156,8 @@ def test_bucket_scores_kernel_equals_the_reference(hq, hkv, d, hidden, c, lq):
 
 def test_targets_are_the_long_range_attention_per_bucket():
     """bucket_targets: each row is a distribution over the buckets (sums to 1) equal to the softmax over the keys
-    at least `window` tokens back (sink excluded), summed per bucket."""
+    at least `window` tokens back (sink excluded), summed per bucket; an example is a long-range query where its
+    best-matching key is one of those."""
     g = torch.Generator().manual_seed(4)
     hkv, hq, length, d, c, window = 1, 2, 40, 8, 4, 6
     keys = torch.randn(hkv, length, d, generator=g)
@@ -164,8 +165,8 @@ def test_targets_are_the_long_range_attention_per_bucket():
     pos = torch.tensor([15, 30, 39])
     centroids = F.normalize(torch.randn(hkv, c, d, generator=g), dim=-1)
     prompt = Prompt(keys=keys, keys_pre=keys, queries=queries, queries_pre=queries, pos=pos)
-    x, t = bucket_targets([prompt], [bucket_labels(keys, centroids)], c, 0.5, window)
-    assert x.shape == (hkv, hq * 3, d) and t.shape == (hkv, hq * 3, c)
+    x, t, usable = bucket_targets([prompt], [bucket_labels(keys, centroids)], c, 0.5, window)
+    assert x.shape == (hkv, hq * 3, d) and t.shape == (hkv, hq * 3, c) and usable.shape == (hkv, hq * 3)
     torch.testing.assert_close(t.sum(-1), torch.ones(hkv, hq * 3))
     labels = (keys[0] @ centroids[0].T).argmax(-1)
     for qh in range(hq):
@@ -175,13 +176,36 @@ def test_targets_are_the_long_range_attention_per_bucket():
             w = torch.softmax((queries[qh, e] @ keys[0].T * 0.5).masked_fill(~far, float("-inf")), dim=-1)
             want = torch.zeros(c).index_add_(0, labels, w)
             torch.testing.assert_close(t[0, qh * 3 + e], want, rtol=1e-5, atol=1e-6)
+            best = int((queries[qh, e] @ keys[0, 1:p + 1].T).argmax()) + 1  # the best key before it, sink aside
+            assert bool(usable[0, qh * 3 + e]) == (best <= p - window)
 
 
-def test_training_learns_and_resumes_where_it_stopped(tiny_llama):
+def test_long_range_training_draws_only_usable_examples():
+    """train_classifiers with `usable`: each unit learns its usable examples' targets (bucket 0) and never sees the
+    others' (bucket 1); a unit with no usable example trains on all of them."""
+    from engine.partitions import train_classifiers
+
+    g = torch.Generator().manual_seed(8)
+    units, examples, d, c = 2, 64, 8, 4
+    x = F.normalize(torch.randn(units, examples, d, generator=g), dim=-1)
+    usable = torch.zeros(units, examples, dtype=torch.bool)
+    usable[0, ::2] = True  # unit 1: none usable
+    targets = torch.zeros(units, examples, c)
+    targets[..., 0] = usable.float()
+    targets[..., 1] = 1 - usable.float()
+    training = PartitionTraining(buckets=c, hidden=8, steps=150, batch=16, lr=0.05, tokens=256)
+    weights = train_classifiers(x, targets, training, {}, None, lambda step, loss: None, usable=usable)
+    probs = torch.softmax(classify(x, weights), dim=-1)
+    assert float(probs[0, :, 0].min()) > 0.9  # unit 0 learnt bucket 0 everywhere: it never drew a bucket-1 example
+    assert float(probs[1, :, 1].min()) > 0.9  # unit 1 (nothing usable) trained on all its examples
+
+
+@pytest.mark.parametrize("long_range", [False, True])
+def test_training_learns_and_resumes_where_it_stopped(tiny_llama, long_range):
     """The classifier's KL falls over the steps; a run resumed from its checkpoint at step 4 ends bit for bit where
-    the whole run does; every artifact has its shape."""
+    the whole run does; every artifact has its shape. Also with batches of long-range queries only."""
     lm = tiny_llama
-    training = SaapSettings(**SMALL).training()
+    training = SaapSettings(**SMALL, train_long_range=long_range).training()
     layers = list(lm.global_layers)
     inv_freq = {i: rope_frequencies(lm.model, None, lm.head_dim) for i in layers}
     scale = {i: lm.head_dim ** -0.5 for i in layers}

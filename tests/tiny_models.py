@@ -92,9 +92,18 @@ def gates_for(lm, methods) -> dict:
     return stand_ins(methods, lm.global_layers, lm.num_kv_heads, lm.head_dim)
 
 
-def make_tiny_model(tmp_path: Path, arch: str) -> Path:
-    """Build a seeded random-weight `arch` model and save it with `byte_tokenizer()` under tmp_path/arch."""
+# A Gemma-style chat template (the byte tokenizer spells its turn markers out byte by byte).
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<start_of_turn>"
+                 "{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n{{ m['content'] }}<end_of_turn>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+
+
+def make_tiny_model(tmp_path: Path, arch: str, chat_template: str | None = None) -> Path:
+    """Build a seeded random-weight `arch` model and save it with `byte_tokenizer()` (and `chat_template`, when
+    given) under tmp_path/arch."""
     tokenizer = byte_tokenizer()
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     model_cls, config = _config(arch, tokenizer)
     torch.manual_seed(SEED)
     model = model_cls(config).eval()

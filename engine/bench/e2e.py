@@ -8,7 +8,7 @@ A random-weight model of a named shape (SHAPES; bf16 on CUDA, fp32 on the CPU, s
 reads `--context` random token ids (or `--document`, tokenized with the model's tokenizer) through
 `engine.ingest.ingest_tokens`, timed by stage after an untimed ingest of its first WARMUP_CONTEXT tokens (Triton
 compiles and tunes there); `engine.session.ContextSession` opens the context; then each method answers turns
-through `engine.generate.greedy_tokens` with the product's TurnRecorder on: short turns per question length (the
+through `engine.generate.generate_tokens` with the product's TurnRecorder on: short turns per question length (the
 prefill's median) and one turn of `--steps` decode steps after the first length (the median step, the first
 WARMUP_STEPS left out). In the same run:
 - the peer (CUDA only): plain transformers with SDPA on the engine model's own tensors (shared, not copied), a
@@ -39,7 +39,7 @@ import torch
 
 from engine.compiled import compile_layers
 from engine.config import ContextSettings
-from engine.generate import greedy_tokens
+from engine.generate import generate_tokens
 from engine.ingest import IngestOutput, ingest_tokens
 from engine.model import LoadedModel, layer_devices, load_model
 from engine.bench.settings import parse_settings
@@ -305,7 +305,7 @@ def timed_turn(lm: LoadedModel, session: ContextSession, method: str, sparsity: 
     try:
         _sync(lm.device)
         last = time.perf_counter()
-        for _ in greedy_tokens(lm, step, prompt, tokens):
+        for _ in generate_tokens(lm, step, prompt, tokens):
             _sync(lm.device)
             now = time.perf_counter()
             times.append(now - last)
@@ -601,7 +601,7 @@ def profile_decode(lm: LoadedModel, session: ContextSession, method: str, sparsi
 
     step = session.step_context(method, sparsity, TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads,
                                                                lm.head_dim, session.fixed_len, sync_cuda=False))
-    tokens = greedy_tokens(lm, step, prompt, 1 + WARMUP_STEPS + PROFILE_STEPS)
+    tokens = generate_tokens(lm, step, prompt, 1 + WARMUP_STEPS + PROFILE_STEPS)
     try:
         for _ in range(1 + WARMUP_STEPS):
             next(tokens)

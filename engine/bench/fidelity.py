@@ -29,7 +29,7 @@ import torch
 from engine.attention import QueryCapture
 from engine.bench.needles import mean_or_none
 from engine.bench.recall import full_probs, in_original_order
-from engine.generate import forward_step, full_logits, greedy_tokens
+from engine.generate import forward_step, full_logits, generate_tokens
 from engine.ingest import global_scale
 from engine.prompt import question_ids
 from engine.stats import TurnRecorder
@@ -65,7 +65,7 @@ def reference_cases(session, questions: list[str], answer_tokens: int = ANSWER_T
     cases = []
     for question in questions:
         prompt = question_ids(lm.tokenizer, question)
-        tokens = list(greedy_tokens(lm, session.step_context("full", 0.0), prompt, answer_tokens))
+        tokens = list(generate_tokens(lm, session.step_context("full", 0.0), prompt, answer_tokens))
         session.cache.reset_dynamic()
         cases.append(Case(question, prompt, torch.tensor(tokens, dtype=torch.int64)))
     return cases

@@ -46,8 +46,8 @@ class SaapSettings(MethodSettings):
     """buckets, hidden: the partitions' size (C per layer and KV head; the paper: 1024) and the classifier's width;
     dense_first_layer: the model's layer 0 reads every key when it is a global layer (the paper's choice);
     train_*: engine.partitions.PartitionTraining (prompts x tokens of text, sampled queries per prompt and head,
-    k-means iterations, Adam steps, batch, learning rate); seed: the training's. All but dense_first_layer are the
-    key of the stored partitions."""
+    k-means iterations, Adam steps, batch, learning rate, long-range queries only); seed: the training's. All but
+    dense_first_layer are the key of the stored partitions."""
 
     buckets: int = 256
     hidden: int = 128
@@ -59,6 +59,7 @@ class SaapSettings(MethodSettings):
     train_steps: int = 2000  # 6 s on 2 CPU cores for the embedded model: the KL still falls after 300
     train_batch: int = 256
     train_lr: float = 1e-3
+    train_long_range: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -68,7 +69,8 @@ class SaapSettings(MethodSettings):
         return PartitionTraining(buckets=self.buckets, hidden=self.hidden, prompts=self.train_prompts,
                                  tokens=self.train_tokens, queries=self.train_queries,
                                  kmeans_iters=self.train_kmeans_iters, steps=self.train_steps,
-                                 batch=self.train_batch, lr=self.train_lr, seed=self.seed)
+                                 batch=self.train_batch, lr=self.train_lr, seed=self.seed,
+                                 long_range=self.train_long_range)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,8 @@ from engine.ingest import ingest_tokens
 from engine.model import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model, model_id_for
 from engine.policies import REGISTRY, Method, MethodSettings, Preparation, Tensors, build_order, make_method
 from engine.policies.budget import CALIBRATION_VERSION
-from engine.prompt import tokenize_document
+from engine.prompt import Exchange, prompt_format, tokenize_document
+from engine.sampling import GenerationOptions
 from engine.session import Answer, ContextSession, Delta
 from engine.serve.writer import ArtifactWriter
 from kernels.backend import Backend
@@ -219,7 +220,8 @@ class Engine:
         try:
             tracked("tokenizing", 0, 1)
             lm = self.lm
-            fixed = tokenize_document(lm.tokenizer, doc.text, lm.max_context, truncate=truncate)
+            fixed = tokenize_document(lm.tokenizer, doc.text, lm.max_context, truncate=truncate,
+                                      prefix=prompt_format(lm.tokenizer).document_prefix())
             self.store.jobs.update(job, tokens=fixed.ids.numel())
             built = build_order(methods)
             with ArtifactWriter(self.store.artifacts, ctx["id"]) as writer:  # saves each artifact while the rest is made
@@ -291,16 +293,20 @@ class Engine:
             return self._session[1]
 
     def stream(self, context_id: str, question: str, method: str = "squeeze", sparsity: float = 0.9,
-               max_new_tokens: int = 64, progress: Progress | None = None) -> Iterator[Delta | Answer]:
-        """The answer's pieces, then the Answer; the method's index is built first if the context lacks it."""
+               max_new_tokens: int = 64, progress: Progress | None = None, history: Sequence[Exchange] = (),
+               options: GenerationOptions | None = None) -> Iterator[Delta | Answer]:
+        """The answer's pieces, then the Answer; the method's index is built first if the context lacks it.
+        history, options: ContextSession.stream's (the chat's earlier exchanges; how tokens are chosen)."""
         with self._device_lock:
             self.ensure_methods(context_id, [method], progress)
             session = self.session(context_id)
-        yield from session.stream(question, method, sparsity, max_new_tokens)
+        yield from session.stream(question, method, sparsity, max_new_tokens, history, options)
 
     def ask(self, context_id: str, question: str, method: str = "squeeze", sparsity: float = 0.9,
-            max_new_tokens: int = 64) -> Answer:
-        for event in self.stream(context_id, question, method, sparsity, max_new_tokens):
+            max_new_tokens: int = 64, history: Sequence[Exchange] = (),
+            options: GenerationOptions | None = None) -> Answer:
+        for event in self.stream(context_id, question, method, sparsity, max_new_tokens, history=history,
+                                 options=options):
             if isinstance(event, Answer):
                 return event
         raise AssertionError("stream ended without an answer")

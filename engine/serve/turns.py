@@ -11,9 +11,13 @@ from engine.policies import REGISTRY
 from engine.serve.explain import explain_turn
 from engine.serve.jobs import plain_error
 from engine.serve.service import Engine
+from engine.prompt import Exchange
+from engine.sampling import GenerationOptions
 from engine.session import Answer, Delta
 
 STOPPED_MARK = " [stopped]"
+EMPTY_ANSWER = ("(The model gave no answer: it ended at once. Rephrase the question, allow more tokens, or try "
+                "sampling with a temperature.)")
 
 
 def same_answer(a: str, b: str) -> bool:
@@ -37,14 +41,24 @@ class Turns:
     def __init__(self, engine: Engine):
         self.engine, self.store = engine, engine.store
 
+    def history(self, chat_id: int) -> list[Exchange]:
+        """The chat's earlier exchanges, oldest first, as the model reads them (a stopped answer as far as it went)."""
+        return [Exchange(t["question"], "" if t["answer"] == EMPTY_ANSWER else t["answer"].removesuffix(STOPPED_MARK))
+                for t in self.store.chats.turns(chat_id)]
+
     def answer(self, chat_id: int, context_id: str, question: str, method: str, sparsity: float, max_new_tokens: int,
-               compare: bool = False, stop: threading.Event | None = None) -> Iterator[Delta | RecordedTurn]:
-        """Yield the answer's pieces, then the RecordedTurn. `stop` set while it streams ends the answer there: what
-        was said is kept (marked as stopped, without statistics). sparsity: the turn's (0 for full attention)."""
+               compare: bool = False, stop: threading.Event | None = None,
+               options: GenerationOptions | None = None) -> Iterator[Delta | RecordedTurn]:
+        """Yield the answer's pieces, then the RecordedTurn. The chat's earlier turns are the model's input before
+        the question (engine.prompt: the latest that fit). `stop` set while it streams ends the answer there: what
+        was said is kept (marked as stopped, without statistics). sparsity: the turn's (0 for full attention);
+        options: how tokens are chosen (None: greedy). An empty answer is recorded as EMPTY_ANSWER."""
         sparse = REGISTRY[method].sparse
         sparsity = sparsity if sparse else 0.0
         answer, text, stopped = None, "", False
-        stream = self.engine.stream(context_id, question, method, sparsity, max_new_tokens)
+        history = self.history(chat_id)
+        stream = self.engine.stream(context_id, question, method, sparsity, max_new_tokens, history=history,
+                                    options=options)
         try:
             for event in stream:
                 if isinstance(event, Delta):
@@ -64,8 +78,11 @@ class Turns:
         else:
             stats = self.statistics(context_id, answer, method)
             if compare and sparse:
-                stats["compare"] = self.compare(context_id, question, answer, max_new_tokens)
-            self.store.chats.add_turn(chat_id, question, answer.text, method, sparsity, stats)
+                stats["compare"] = self.compare(context_id, question, answer, max_new_tokens, history, options)
+            said = answer.text if not answer.empty else EMPTY_ANSWER
+            if answer.empty:
+                stats["empty"] = True
+            self.store.chats.add_turn(chat_id, question, said, method, sparsity, stats)
         yield RecordedTurn(row=self.store.chats.turns(chat_id)[-1], stopped=stopped)
 
     def statistics(self, context_id: str, answer: Answer, method: str) -> dict:
@@ -79,9 +96,12 @@ class Turns:
             stats["retrieval"] = {"layers": [], "error": plain_error(exc)}
         return stats
 
-    def compare(self, context_id: str, question: str, answer: Answer, max_new_tokens: int) -> dict:
-        """Full attention's answer to the same question, and whether it says the same."""
-        full = self.engine.ask(context_id, question, "full", 0.0, max_new_tokens)
+    def compare(self, context_id: str, question: str, answer: Answer, max_new_tokens: int,
+                history: list[Exchange] | None = None, options: GenerationOptions | None = None) -> dict:
+        """Full attention's answer to the same question (after the same history, chosen the same way), and whether
+        it says the same."""
+        full = self.engine.ask(context_id, question, "full", 0.0, max_new_tokens, history=history or [],
+                               options=options)
         return {"answer": full.text, "agree": same_answer(full.text, answer.text),
                 "total_s": full.stats.timings.get("total_s", 0.0),
                 "first_token_s": full.stats.timings.get("first_token_s", 0.0)}
