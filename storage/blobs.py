@@ -23,12 +23,13 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load_file, save_file
 
 from .errors import DamagedArtifactError, MissingArtifactError
+
+if TYPE_CHECKING:  # torch loads where tensors are read or written (`squeeze list` stays quick)
+    import torch
 
 HASH_CHUNK_BYTES = 8 << 20  # read files in 8 MiB chunks while hashing
 TEMP_SUFFIX = ".tmp"  # temporary files are ".<name>.<random>.tmp" beside the target
@@ -66,6 +67,8 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> BlobInf
     os.close(fd)
     tmp = Path(tmp_name)
     try:
+        from safetensors.torch import save_file  # noqa: PLC0415
+
         save_file(_prepare(tensors), tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
@@ -93,6 +96,8 @@ def read_tensors(
         raise MissingArtifactError(path) from None
     if actual != expected_sha256:
         raise DamagedArtifactError(path, expected_sha256, actual)
+    from safetensors.torch import load_file  # noqa: PLC0415
+
     return load_file(path, device=str(device))
 
 
@@ -103,6 +108,8 @@ def check_artifact(name: str, tensor: Any) -> None:
     """``ValueError`` for a name that is not a safe file name, ``TypeError`` for a value that is not a tensor."""
     if not isinstance(name, str) or not ARTIFACT_NAME.fullmatch(name):
         raise ValueError(f"artifact name must match {ARTIFACT_NAME.pattern}, got {name!r}")
+    import torch  # noqa: PLC0415
+
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"artifact {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
 
@@ -155,6 +162,8 @@ def check_artifact_file(root: Path, row: Mapping[str, Any], label: str) -> None:
 
 def _prepare(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """CPU, contiguous, and no two tensors sharing storage."""
+    import torch  # noqa: PLC0415
+
     out: dict[str, torch.Tensor] = {}
     seen_storages: set[int] = set()
     for name, tensor in tensors.items():

@@ -114,3 +114,30 @@ def test_compile_gives_the_same_answer(tiny, capsys, tmp_path):
     code, compiled, _ = run(capsys, *ask, *common, "--compile")
     assert code == 0
     assert json.loads(compiled)["answer"] == json.loads(eager)["answer"]
+
+
+def test_the_catalog_names_the_registered_methods():
+    """engine.catalog (what the command line knows without torch) agrees with the method registry."""
+    from engine.catalog import METHODS, SPARSE_METHODS, TRAINED_METHODS
+    from engine.policies import REGISTRY
+
+    assert METHODS == tuple(REGISTRY)
+    assert SPARSE_METHODS == tuple(n for n, cls in REGISTRY.items() if cls.sparse)
+    assert TRAINED_METHODS == tuple(n for n, cls in REGISTRY.items() if cls.learns_per_model())
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["list"], ["list", "--json"], ["delete", "nosuchdoc"]])
+def test_quick_commands_load_neither_torch_nor_transformers(argv, tmp_path):
+    """`squeeze --help`, `list` and `delete` answer without importing the model stack (seconds on these machines:
+    they take a fraction of one). In a fresh interpreter, as a user's shell runs them."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom app.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('LOADED', sorted(m for m in ('torch', 'transformers', 'gradio') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *argv, *([] if argv == ["--help"] else
+                                                              ["--cache-dir", str(tmp_path)])],
+                         capture_output=True, text=True, timeout=60)
+    assert "LOADED []" in out.stdout, out.stdout + out.stderr
+    if argv[0] == "delete":
+        assert "error: " in out.stderr and "nosuchdoc" in out.stderr  # a plain one-line refusal

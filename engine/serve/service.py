@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -11,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine import artifacts as names
+from engine.catalog import default_cache_dir
 from engine.compiled import compile_layers
 from engine.config import ContextSettings
 from engine.ingest import ingest_tokens
@@ -31,10 +31,6 @@ CHECKPOINT = ":checkpoint"  # a preparation's checkpoint in store.models: under 
 DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
 # `squeeze eval` of the embedded model as shipped (read-only): what `latest_eval` shows until one is recorded
 SHIPPED_EVAL = Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu-eval.json"
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("SQUEEZE_CACHE_DIR") or Path.home() / ".cache" / "squeeze")
 
 
 @dataclass

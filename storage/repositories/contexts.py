@@ -12,17 +12,21 @@ A context becomes "ready" only once every artifact row's file is in place
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import PurePosixPath
 from typing import Any
 
-import torch
 
 from ..blobs import ARTIFACT_SUFFIX, artifact_path, check_artifact, check_artifact_file, read_artifact, write_artifact
 from ..database import BLOB_DIR, Database, canonical_json, first, now, require
 from ..errors import MissingArtifactError, NotFoundError
+
+if TYPE_CHECKING:  # (torch loads where tensors are read or written: `squeeze list` stays quick)
+    import torch
 
 CONTEXT_ID_CHARS = 16  # a context id is this many leading hex chars of its key
 CONTEXT_STATUSES = ("pending", "running", "ready", "failed")

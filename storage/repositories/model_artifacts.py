@@ -12,15 +12,19 @@ checksum on load).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import hashlib
 import json
 from pathlib import PurePosixPath
 from typing import Any
 
-import torch
 
 from ..blobs import artifact_path, check_artifact, read_artifact, write_artifact
 from ..database import BLOB_DIR, Database, canonical_json, first
+
+if TYPE_CHECKING:  # (torch loads where tensors are read or written: `squeeze list` stays quick)
+    import torch
 
 MODEL_BLOB_DIR = "models"  # under blobs/; a context's folder is 16 hex chars, so the two never collide
 FOLDER_CHARS = 16
