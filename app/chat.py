@@ -85,7 +85,10 @@ class ChatTab:
                         self.compare = gr.Checkbox(False, label="Compare with full attention", elem_id="sq-compare")
                         self.max_new = gr.Slider(8, cfg.max_new_tokens_limit, value=cfg.max_new_tokens, step=8,
                                                  label="Max answer tokens")
-                    self.new_chat = gr.Button("New chat", size="sm")
+                    with gr.Row():
+                        self.chats = gr.Dropdown(label="Chats of this document (newest first)", choices=[],
+                                                 value=None, scale=4, elem_id="sq-chats")
+                        self.new_chat = gr.Button("New chat", size="sm", scale=1, min_width=70)
                 with gr.Accordion("Advanced: how the answer's words are chosen", open=False):
                     gr.Markdown("Greedy (temperature 0) by default: the same question gets the same answer. "
                                 "The repetition penalty counts the answer's own words only, never the document's.")
@@ -109,21 +112,23 @@ class ChatTab:
     def open_outputs(self) -> list:
         """What opening a document updates (the browser remembers it, to open it again after a reload)."""
         return [self.state, self.doc, self.status, self.chatbot, self.views.turn, self.threshold, *self.views.outputs,
-                self.evaluation, self.last_doc]
+                self.evaluation, self.last_doc, self.chats]
 
     def wire(self) -> None:
         controls = [self.method, self.sparsity, self.centroid, self.level1]
         ask_inputs = [self.question, self.chatbot, self.state, *controls, self.compare, self.max_new,
                       self.temperature, self.top_p, self.repetition]
-        ask_outputs = [self.chatbot, self.question, self.state, self.status, self.views.turn, *self.views.outputs]
+        ask_outputs = [self.chatbot, self.question, self.state, self.status, self.views.turn, *self.views.outputs,
+                       self.chats]
         self.ask_btn.click(self.ask, ask_inputs, ask_outputs, api_name="ask", concurrency_id="model",
                            concurrency_limit=1, show_progress="minimal")
         self.question.submit(self.ask, ask_inputs, ask_outputs, api_visibility="private", concurrency_id="model",
                              concurrency_limit=1, show_progress="minimal")
         self.stop_btn.click(self.stop, None, None, api_name="stop", queue=False)
         self.doc.input(self.open_document, self.open_inputs, self.open_outputs, api_name="open_document")
-        self.new_chat.click(self.start_new_chat, [self.state], [self.state, self.chatbot, self.views.turn,
-                                                                *self.views.outputs], api_name="new_chat")
+        chat_outputs = [self.state, self.chatbot, self.views.turn, *self.views.outputs, self.chats]
+        self.new_chat.click(self.start_new_chat, [self.state], chat_outputs, api_name="new_chat")
+        self.chats.input(self.open_chat, [self.chats, self.state], chat_outputs, api_name="open_chat")
         self.views.turn.input(self.show_turn, [self.views.turn, self.state], self.views.outputs, api_name="show_turn")
         proj_inputs = [self.views.turn, self.views.layer, self.views.head, self.state]
         for dd in (self.views.layer, self.views.head):
@@ -153,7 +158,8 @@ class ChatTab:
         if not doc_id:
             state.update(doc_id=None, chat_id=None)
             return [state, gr.update(value=None), render.notice_html("No document open."), [],
-                    gr.update(choices=[], value=None), "", *self.views.empty(), self.evaluation_html(), None]
+                    gr.update(choices=[], value=None), "", *self.views.empty(), self.evaluation_html(), None,
+                    gr.update(choices=[], value=None)]
         self.services.engine.configure(method_settings(state["centroid_ratio"], state["level1_ratio"]))
         status = doc_status(self.services, doc_id, method)
         try:
@@ -168,7 +174,7 @@ class ChatTab:
                 self.status_html(status), history,
                 gr.update(choices=self.views.turn_choices(turns), value=last["idx"] if last else None),
                 self.threshold_text(state, method, sparsity_pct),
-                *self.views.show(last), self.evaluation_html(), doc_id]
+                *self.views.show(last), self.evaluation_html(), doc_id, self.chat_choices(doc_id, state["chat_id"])]
 
     def evaluation_html(self) -> str:
         """The latest `squeeze eval` of the model that answers the open document (the engine's: an app serves one
@@ -197,7 +203,7 @@ class ChatTab:
         services, store = self.services, self.services.store
         history = list(history or [])
         state = dict(state)
-        skip_views = [gr.skip()] * len(self.views.outputs)
+        skip_views = [gr.skip()] * (len(self.views.outputs) + 1)  # (the views, then the chats list)
         question = " ".join((question or "").split())
 
         def refuse(text: str, keep_question: bool = True):
@@ -256,7 +262,7 @@ class ChatTab:
         turns = store.chats.turns(state["chat_id"])
         yield [history, gr.skip(), state, self.status_html(doc_status(services, state["doc_id"], method)),
                gr.update(choices=self.views.turn_choices(turns), value=recorded.row["idx"]),
-               *self.views.show(recorded.row)]
+               *self.views.show(recorded.row), self.chat_choices(state["doc_id"], state["chat_id"])]
 
     def stop(self, request: gr.Request) -> None:
         self.services.stops.stop(request.session_hash if request is not None else "-")
@@ -265,7 +271,40 @@ class ChatTab:
 
     def start_new_chat(self, state: dict) -> list:
         state = {**state, "chat_id": None}
-        return [state, [], gr.update(choices=[], value=None), *self.views.empty()]
+        return [state, [], gr.update(choices=[], value=None), *self.views.empty(),
+                self.chat_choices(state.get("doc_id"), None)]
+
+    def chat_choices(self, doc_id: str | None, chat_id: int | None):
+        """The open document's chats for the list (newest first: when, how many turns, the first question)."""
+        choices = []
+        if doc_id:
+            try:
+                for chat in self.services.store.chats.list(doc_id):
+                    turns = self.services.store.chats.turns(chat["id"]) if chat["turn_count"] else []
+                    first = turns[0]["question"] if turns else "(no question yet)"
+                    first = first if len(first) <= 48 else first[:47] + "…"
+                    label = f"{render.format_date(chat['created_at'])} · {chat['turn_count']} turn(s) · {first}"
+                    choices.append((label, chat["id"]))
+            except StorageError:
+                choices = []
+        return gr.update(choices=choices, value=chat_id if any(c[1] == chat_id for c in choices) else None)
+
+    def open_chat(self, chat_id, state: dict) -> list:
+        """Reopen an earlier chat of the open document: its turns shown, the next question goes on from them."""
+        state = dict(state)
+        try:
+            chat = self.services.store.chats.get(int(chat_id)) if chat_id is not None else None
+        except (NotFoundError, TypeError, ValueError):
+            chat = None
+        if chat is None or chat["doc_id"] != state.get("doc_id"):
+            return [state, gr.skip(), gr.skip(), *[gr.skip()] * len(self.views.outputs),
+                    self.chat_choices(state.get("doc_id"), state.get("chat_id"))]
+        turns = self.services.store.chats.turns(chat["id"])
+        state["chat_id"] = chat["id"]
+        last = turns[-1] if turns else None
+        return [state, [m for t in turns for m in turn_messages(t)],
+                gr.update(choices=self.views.turn_choices(turns), value=last["idx"] if last else None),
+                *self.views.show(last), self.chat_choices(state["doc_id"], chat["id"])]
 
     def _turn(self, state: dict, idx) -> dict | None:
         if state.get("chat_id") is None or idx is None:

@@ -45,6 +45,7 @@ class LibraryTab:
                     self.selected = gr.Dropdown(label="Document", choices=[], value=None, scale=4,
                                                 allow_custom_value=True, elem_id="sq-library-select")
                     self.open_btn = gr.Button("Open", scale=1, min_width=70, elem_id="sq-open")
+                    self.cancel_btn = gr.Button("Cancel preparation", scale=1, min_width=70, elem_id="sq-cancel")
                     self.delete_btn = gr.Button("Delete", variant="stop", scale=1, min_width=70, elem_id="sq-delete")
                 self.notice = gr.HTML("", elem_id="sq-library-message")
 
@@ -65,6 +66,8 @@ class LibraryTab:
         self.table.select(self.pick_row, [self.table], [self.selected], api_visibility="private")
         self.open_btn.click(self.open, [self.selected, self.state, chat.method, chat.sparsity],
                             [*chat.open_outputs, tabs], api_name="open")
+        self.cancel_btn.click(self.cancel, [self.selected, self.state], [self.notice, *self.refresh_outputs[:-1]],
+                              api_name="cancel")
         self.delete_btn.click(self.delete, [self.selected, self.state],
                               [self.notice, *self.refresh_outputs[:-1], self.state], api_name="delete").then(
             self._reopen_after_delete, [self.state, chat.method, chat.sparsity], chat.open_outputs,
@@ -134,6 +137,17 @@ class LibraryTab:
             return gr.update(value=rows.iloc[row, HEADERS.index("ID")] if hasattr(rows, "iloc") else rows[row][-1])
         except (IndexError, KeyError, TypeError, ValueError):
             return gr.skip()
+
+    def cancel(self, doc_id: str | None, state: dict) -> list:
+        """Stop the document's preparation (queued or running); it can be prepared again by uploading or opening it."""
+        if not doc_id:
+            return [render.notice_html("Pick a document whose preparation to cancel.", "error"),
+                    *self.refresh(state)[:-1]]
+        job = self.services.worker.latest_for_document(doc_id)
+        if job is None or job.status not in ("queued", "running") or not self.services.worker.cancel(job.id):
+            return [render.notice_html("That document is not being prepared.", "error"), *self.refresh(state)[:-1]]
+        return [render.notice_html(f"Cancelling the preparation of {job.name}: it stops at its next step.", "ok"),
+                *self.refresh(state)[:-1]]
 
     def delete(self, doc_id: str | None, state: dict) -> list:
         state = dict(state)

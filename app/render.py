@@ -56,11 +56,13 @@ def time_left(eta_s: float | None, stage: str | None = None) -> str:
 def stage_text(view) -> str:
     """'prefill 2048/3970 tokens' for a JobView."""
     if view.status == "queued":
+        if view.stage == LOADING:  # the worker loads the model before its first job
+            return "waiting for the model to load" + (f" (position {view.position})" if view.position > 1 else "")
         return f"queued (position {view.position})" if view.position else "queued"
     if view.status == "done":
         return "ready (from the cache)" if view.cached else "ready"
-    if view.status == "failed":
-        return "failed"
+    if view.status in ("failed", "cancelled"):
+        return view.status
     label = STAGE_LABELS.get(view.stage, view.stage)
     if view.total > 1 or view.stage in STAGE_UNITS:
         return f"{label} {view.done}/{view.total} {STAGE_UNITS.get(view.stage, '')}".rstrip()
@@ -78,6 +80,8 @@ def job_html(view, error_text: str | None = None) -> str:
         stages.append(f'<span class="sq-stage sq-{cls}">{esc(STAGE_LABELS[stage])}</span>')
     if state == "failed":
         detail = f'<div class="sq-error">Could not prepare it: {esc(error_text or view.error)}</div>'
+    elif state == "cancelled":
+        detail = '<div class="sq-error">Cancelled: its preparation was stopped.</div>'
     elif state == "done":
         detail = f'<div class="sq-ok">{esc(stage_text(view))}: {view.tokens or 0} tokens, {view.pages or 0} page(s)</div>'
     else:

@@ -127,6 +127,9 @@ def doc_status(services: Services, doc_id: str, method: str | None = None) -> Do
         return DocStatus(doc_id, name, "preparing", None, False, job, f"still being prepared: {progress}")
     if job is not None and job.status == "failed":
         return DocStatus(doc_id, name, "failed", None, False, job, f"could not be prepared: {error_text(job)}")
+    if job is not None and job.status == "cancelled":
+        return DocStatus(doc_id, name, "failed", None, False, job,
+                         "its preparation was cancelled; upload it again, or open it from the library, to prepare it")
     failed = next((c for c in contexts if c["status"] == "failed"), None)
     if failed is not None:
         return DocStatus(doc_id, name, "failed", None, False, job,

@@ -22,7 +22,8 @@ from engine.serve.jobs import IngestWorker
 from engine.model import load_model
 from engine.prompt import ANSWER_RESERVE
 from engine.serve.service import Engine
-from engine.serve.turns import Turns, same_answer
+from engine.prompt import Exchange
+from engine.serve.turns import EMPTY_ANSWER, Turns, same_answer
 from storage import NotFoundError
 
 pytestmark = [
@@ -111,18 +112,19 @@ def poll(client: Client) -> dict:
 def open_doc(client: Client, doc_id: str) -> dict:
     out = client.predict(doc_id, "squeeze", 80, api_name="/open_document")
     names = ["doc", "status", "chat", "turn", "threshold", "heatmap", "budget", "compare", "clusters", "passages",
-             "document", "layer", "head", "projection", "evaluation", "last_doc"]
+             "document", "layer", "head", "projection", "evaluation", "last_doc", "chats"]
     assert len(out) == len(names)
     return dict(zip(names, out))
 
 
 ASK_NAMES = ["chat", "question", "status", "turn", "heatmap", "budget", "compare", "clusters", "passages", "document",
-             "layer", "head", "projection"]
+             "layer", "head", "projection", "chats"]
 
 
 def ask(client: Client, question: str, method="squeeze", sparsity=80, centroid=0.05, level1=0.01, compare=False,
-        max_new=16, wait=True):
-    job = client.submit(question, [], method, sparsity, centroid, level1, compare, max_new, api_name="/ask")
+        max_new=16, wait=True, temperature=0.0, top_p=1.0, repetition=1.0):
+    job = client.submit(question, [], method, sparsity, centroid, level1, compare, max_new, temperature, top_p,
+                        repetition, api_name="/ask")
     if not wait:
         return job
     return dict(zip(ASK_NAMES, job.result(timeout=WAIT_S))), job
@@ -377,3 +379,48 @@ def test_delete_removes_the_document_its_tensors_and_chats(app, tmp_path):
     with pytest.raises(NotFoundError):
         app.store.documents.find(doc_id)
     assert not any((app.store.blob_dir / c).exists() for c in contexts)
+
+
+def test_a_follow_up_reads_the_chat_and_earlier_chats_reopen(app, ready_doc):
+    """Two questions in one chat: the second turn's input holds the first exchange (its answer is the engine's
+    answer after that history); a new chat starts clean; the first chat reopens from the list and goes on."""
+    client = app.client()
+    client.predict(api_name="/new_chat")
+    open_doc(client, ready_doc)
+    client.predict(api_name="/new_chat")
+    ask(client, "Who kept the light?")
+    ask(client, "And the dog's name?")
+    chat_id = app.store.chats.list(ready_doc)[0]["id"]
+    turns = app.store.chats.turns(chat_id)
+    assert [t["question"] for t in turns] == ["Who kept the light?", "And the dog's name?"]
+    assert turns[1]["stats"]["extra"]["history"] == 1 and turns[0]["stats"]["extra"]["history"] == 0
+    want = app.engine.ask(turns[1]["stats"]["context_id"], "And the dog's name?", "squeeze", 0.8, 16,
+                          history=[Exchange(turns[0]["question"], turns[0]["answer"])])
+    assert turns[1]["answer"] in (want.text, EMPTY_ANSWER)
+    client.predict(api_name="/new_chat")
+    ask(client, "Who kept the light?")
+    newest = app.store.chats.list(ready_doc)[0]
+    assert newest["id"] != chat_id and app.store.chats.turns(newest["id"])[0]["stats"]["extra"]["history"] == 0
+    out = client.predict(chat_id, api_name="/open_chat")
+    assert texts(out[0]) == [x for t in turns for x in (t["question"], t["answer"])]  # (the state is not sent)
+    ask(client, "How many steps?")
+    assert [t["question"] for t in app.store.chats.turns(chat_id)][-1] == "How many steps?"
+    assert app.store.chats.turns(chat_id)[-1]["stats"]["extra"]["history"] == 2
+
+
+def test_generation_settings_are_checked_and_sampling_answers(app, ready_doc):
+    client = app.client()
+    open_doc(client, ready_doc)
+    from gradio_client.exceptions import AppError
+
+    with pytest.raises(AppError, match="less than minimum"):  # the slider's range, checked by Gradio
+        ask(client, "Who kept the light?", temperature=-1.0)
+    out, _ = ask(client, "Who kept the light?", temperature=0.8, top_p=0.9, repetition=1.2)
+    turn = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]
+    assert turn["stats"]["extra"]["generation"] == {"temperature": 0.8, "top_p": 0.9, "repetition_penalty": 1.2,
+                                                    "seed": None}
+
+
+def test_cancel_says_when_nothing_is_being_prepared(app, ready_doc):
+    notice, *_ = app.client().predict(ready_doc, api_name="/cancel")
+    assert "not being prepared" in notice

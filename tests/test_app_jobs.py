@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from engine.config import ContextSettings
-from engine.serve.jobs import DEFAULT_STAGE_SHARE, LOADING, STAGES, IngestWorker, document_id
+from engine.serve.jobs import CANCELLED, DEFAULT_STAGE_SHARE, LOADING, STAGES, IngestWorker, document_id
 from engine.prompt import DocumentTooLongError
 from engine.serve.service import IngestReport
 from storage import Store
@@ -40,6 +40,7 @@ class ScriptedEngine:
         self.max_running = 0
         self.calls: list[tuple[str, ContextSettings]] = []
         self.lm_stages: list[str] = []
+        self.on_report = lambda stage, done: None  # what the test does at each progress report
         self._lock = threading.Lock()
 
     @property
@@ -53,6 +54,7 @@ class ScriptedEngine:
 
         def report(stage, done, total):
             self.store.jobs.update(job, stage=stage, done=done, total=total)
+            self.on_report(stage, done)
             progress(stage, done, total)
 
         with self._lock:
@@ -227,4 +229,75 @@ def test_the_store_is_the_record_of_every_job(store):
                                                                                           len(data[0]))
         assert restarted.views() == [] == IngestWorker(engine, start=False).views()  # older, finished: history
     finally:
+        worker.close()
+
+
+def test_a_running_preparation_is_cancelled_at_its_next_step(store):
+    """Cancel while it runs: the ingest stops at its next progress report, the job ends cancelled (in plain words),
+    the context is not ready; preparing the document again then completes."""
+    engine, worker = make(store)
+    stages: list[str] = []
+    try:
+        job = worker.submit_bytes(TEXT, "guide.txt")
+
+        def cancel_in_clustering(stage, done):
+            stages.append(stage)
+            if stage == "clustering":
+                assert worker.cancel(job.id)
+
+        engine.on_report = cancel_in_clustering
+        assert worker.wait_idle(10)
+        view = worker.view(job.id)
+        assert (view.status, view.error) == ("cancelled", CANCELLED)
+        assert "calibrating" not in stages  # stopped at the report after the cancel
+        assert all(c["status"] != "ready" for c in store.contexts.list(view.doc_id))
+        assert not worker.cancel(job.id)  # no longer active
+        engine.on_report = lambda stage, done: None
+        again = worker.submit_bytes(TEXT, "guide.txt")
+        assert worker.wait_idle(10) and worker.view(again.id).status == "done"
+    finally:
+        worker.close()
+
+
+def test_a_queued_preparation_is_cancelled_before_it_starts(store):
+    engine, worker = make(store, start=False)
+    try:
+        first = worker.submit_bytes(TEXT, "a.txt")
+        second = worker.submit_bytes(TEXT.replace(b"keeper", b"warden"), "b.txt")
+        assert worker.cancel(second.id) and not worker.cancel(123456)
+        worker.start()
+        assert worker.wait_idle(10)
+        assert worker.view(first.id).status == "done"
+        assert worker.view(second.id).status == "cancelled"
+        assert [name for name, _ in engine.calls] == ["a.txt"]  # the cancelled one never ran
+    finally:
+        worker.close()
+
+
+def test_jobs_queued_while_the_model_preloads_say_so(store):
+    """A worker that loads the model at start-up: a job submitted meanwhile reads "waiting for the model to
+    load", not a bare queue position."""
+    from app.render import stage_text
+
+    gate = threading.Event()
+
+    class SlowModel(ScriptedEngine):
+        @property
+        def lm(self):
+            assert gate.wait(10)
+            self.model_loaded = True
+            return object()
+
+    engine = SlowModel(store, Clock())
+    worker = IngestWorker(engine, clock=engine.clock, preload=True)
+    engine.worker = worker
+    try:
+        job = worker.submit_bytes(TEXT, "guide.txt")
+        view = worker.view(job.id)
+        assert (view.status, view.stage) == ("queued", LOADING)
+        assert stage_text(view) == "waiting for the model to load"
+        gate.set()
+        assert worker.wait_idle(10) and worker.view(job.id).status == "done"
+    finally:
+        gate.set()
         worker.close()

@@ -43,6 +43,12 @@ def test_ingest_ask_list_delete(tiny, capsys):
     assert answer["method"] == "hsqueeze" and answer["sparsity"] == 0.8
     assert len(answer["kept_fraction"]) == 2 and all(len(row) == 4 for row in answer["kept_fraction"])
     assert 0 < answer["kv_budget"] < 1
+    sampled = ["ask", ingest["doc_id"], "What was rebuilt?", "--max-new-tokens", "6", "--temperature", "0.9",
+               "--top-p", "0.9", "--repetition-penalty", "1.3", "--seed", "3", "--json", *common]
+    first, again = (json.loads(run(capsys, *sampled)[1]) for _ in range(2))
+    assert first["answer"] == again["answer"] and first["extra"]["generation"]["seed"] == 3  # seeded: reproducible
+    code, out, err = run(capsys, *sampled[:-len(common) - 1], "--temperature", "-2", *common)
+    assert code == 1 and err.startswith("error: temperature must be in [0, 10]")
     code, out, _ = run(capsys, "list", "--json", *common)
     assert [d["id"] for d in json.loads(out)] == [ingest["doc_id"]]
     code, out, _ = run(capsys, "delete", ingest["doc_id"], *common)

@@ -30,6 +30,7 @@ from storage import INTERRUPTED, DocumentError, load_document_bytes
 from storage.documents import DOC_ID_CHARS
 
 LOADING = "loading model"
+CANCELLED = "cancelled by the user"
 # Stages of one ingest, with the share of its time each takes before any job has been timed on this machine
 # (measured on 2 CPU cores with the embedded model, ~4K tokens); learned again from every finished job.
 DEFAULT_STAGE_SHARE = {
@@ -120,6 +121,8 @@ class IngestWorker:
         self._share = dict(DEFAULT_STAGE_SHARE)
         self._seconds_per_token = seconds_per_token
         self._preload = preload
+        self._preloading = False  # the worker is loading the model before its first job
+        self._cancelled: set[int] = set()  # jobs asked to stop (queued or running)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"ingest-{engine.model_id}", daemon=True)
         if resume:
@@ -140,6 +143,22 @@ class IngestWorker:
             self._cv.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def cancel(self, job_id: int) -> bool:
+        """Stop a queued or running job: it ends "cancelled" (its error CANCELLED), its context not ready (asking for the document again prepares it anew). A running ingest stops at its next progress
+        report (between chunks of its prefill, layers of its clustering, files of its saving); one that is
+        loading the model, when the model is loaded. False when the job is not active here."""
+        with self._cv:
+            if job_id != self._current and job_id not in self._queue:
+                return False
+            self._cancelled.add(job_id)
+            self._cv.notify_all()
+            return True
+
+    def _check_cancelled(self, job_id: int) -> None:
+        with self._cv:
+            if job_id in self._cancelled:
+                raise JobCancelled(CANCELLED)
 
     def wait_idle(self, timeout: float = 60.0) -> bool:
         """Block until no job of this worker is queued or running; False on timeout."""
@@ -228,7 +247,8 @@ class IngestWorker:
         queued_here = row["status"] == "queued" and row["id"] in self._queue
         return JobView(
             id=row["id"], name=row["name"], doc_id=row["doc_id"], context_id=row["context_id"],
-            status=row["status"], stage=row["stage"], done=row["done"], total=row["total"],
+            status=row["status"], stage=LOADING if queued_here and self._preloading else row["stage"],
+            done=row["done"], total=row["total"],
             fraction=self._fraction(row), eta_s=self._eta(row, known, now), elapsed_s=self._elapsed(row, now),
             position=self._queue.index(row["id"]) + 1 if queued_here else 0, tokens=row["tokens"],
             pages=row["pages"], cached=row["cached"], error=row["error"], error_kind=row["error_kind"],
@@ -326,10 +346,13 @@ class IngestWorker:
 
     def _run(self) -> None:
         if self._preload:
+            self._preloading = True  # (the queued jobs say so)
             try:
                 self.engine.lm  # noqa: B018 - loads the model
             except Exception:  # noqa: BLE001 - the first job reports the same error in plain words
                 pass
+            finally:
+                self._preloading = False
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -354,8 +377,14 @@ class IngestWorker:
                 timing.started = now
 
     def _stage(self, job_id: int, stage: str, done: int, total: int) -> None:
-        """A stage the worker runs itself: recorded in the job's row, and marked."""
+        """A stage the worker runs itself: recorded in the job's row, and marked (a cancelled job stops here)."""
+        self._check_cancelled(job_id)
         self.store.jobs.update(job_id, stage=stage, done=done, total=total)
+        self._mark(job_id, stage)
+
+    def _progress(self, job_id: int, stage: str) -> None:
+        """The ingest's progress: marked; a cancelled job stops here."""
+        self._check_cancelled(job_id)
         self._mark(job_id, stage)
 
     def _finished(self, job_id: int) -> _Timing:
@@ -384,11 +413,18 @@ class IngestWorker:
                 self._uploads.pop(job_id, None)  # extracted: the estimate goes by the text's length now
             self._stage(job_id, "extracting", 1, 1)
             report = self.engine.ingest(doc, settings, truncate=job["truncate"], methods=tuple(job["methods"]),
-                                        progress=lambda stage, done, total: self._mark(job_id, stage), job=job_id)
+                                        progress=lambda stage, done, total: self._progress(job_id, stage), job=job_id)
+        except JobCancelled:
+            self._finished(job_id)
+            self.store.jobs.cancel(job_id, CANCELLED)
+            return
         except Exception as exc:  # noqa: BLE001 - every failure becomes a plain message next to the document
             self._finished(job_id)
             self.store.jobs.fail(job_id, plain_error(exc), kind=error_kind(exc))
             return
+        finally:
+            with self._cv:
+                self._cancelled.discard(job_id)
         timing = self._finished(job_id)
         self.store.jobs.finish(job_id, context_id=report.context_id, tokens=report.tokens, cached=report.cached)
         if not report.cached:
@@ -399,6 +435,10 @@ class IngestWorker:
 def document_id(data: bytes) -> str:
     """The store's id of a document with these bytes (see storage.Document.doc_id), known before extraction."""
     return hashlib.sha256(data).hexdigest()[:DOC_ID_CHARS]
+
+
+class JobCancelled(Exception):
+    """A job stopped because its user asked (IngestWorker.cancel)."""
 
 
 def error_kind(exc: BaseException) -> str:

@@ -32,7 +32,7 @@ JOB_STATUSES = ("queued", "running", "done", "failed", "cancelled")
 ACTIVE_JOB_STATUSES = ("queued", "running")
 ERROR_KINDS = ("document", "too_long", "internal")  # the file cannot be read; it does not fit; anything else
 INTERRUPTED = "interrupted"  # error text of jobs and contexts found dead at start-up
-QUEUED_STAGE, DONE_STAGE, FAILED_STAGE = "queued", "ready", "failed"
+QUEUED_STAGE, DONE_STAGE, FAILED_STAGE, CANCELLED_STAGE = "queued", "ready", "failed", "cancelled"
 _ACTIVE_SQL = "status IN ('queued', 'running')"
 
 
@@ -156,6 +156,11 @@ class Jobs:
                    "tokens": check_count(tokens, "tokens"), "cached": bool(cached), "error": None,
                    "error_kind": None}
         return self._end(job_id, updates)
+
+    def cancel(self, job_id: int, reason: str) -> dict[str, Any]:
+        """A job stopped by its user (``reason``: one plain line); its context is not ready."""
+        return self._end(job_id, {"status": "cancelled", "stage": CANCELLED_STAGE, "error": reason,
+                                  "error_kind": None})
 
     def fail(self, job_id: int, error: str, *, kind: str | None = "internal") -> dict[str, Any]:
         """A job failed with ``error`` (one plain line) of ``kind`` (one of :data:`ERROR_KINDS`, or None)."""
