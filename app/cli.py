@@ -215,7 +215,7 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
     common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     common.add_argument("--compile", action="store_true",
                         help="torch.compile the model's layers around the engine's attention: faster decode steps on "
-                             "a GPU after a one-time compilation at the first calls (README: End to end on a GPU)")
+                             "a GPU after a one-time compilation at the first calls (engine/NOTES.md: End to end on a GPU)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
     common.add_argument("--quiet", action="store_true", help="no progress on stderr")
     common.add_argument("--debug", action="store_true", help="show tracebacks")

@@ -20,9 +20,10 @@ LAST_DOC_KEY = "squeeze-chat-last-document"  # the browser remembers the open do
 
 INTRO = (
     "### squeeze-chat\n"
-    "The whole document is the model's context; each answer reads only the key clusters that Squeezed Attention's "
-    "centroid lookup says matter. Upload on **Documents**, then ask on **Chat**; the panel beside the chat shows "
-    "what attention kept in each turn."
+    "The whole document is the model's context; each answer reads only the part of its attention memory that the "
+    "chosen sparse-attention method selects, within the KV budget you set. Upload on **Documents**, then ask on "
+    "**Chat** (follow-up questions know the chat so far); the panel beside the chat shows what attention kept in "
+    "each turn."
 )
 
 

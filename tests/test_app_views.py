@@ -244,5 +244,5 @@ def test_the_chat_tab_shows_the_latest_eval_of_its_model(tmp_path, monkeypatch):
     html = chat.evaluation_html()
     assert html == render.eval_html(newer, EVAL_MODEL) and "<td>50%</td>" in html
     opened = chat.open_document(None, new_state(AppConfig()))  # opening (or closing) a document shows it again
-    assert opened[-2] == html and not engine.model_loaded
+    assert opened[-3] == html and not engine.model_loaded  # (then the last document, the chats list)
     engine.store.close()

@@ -186,3 +186,28 @@ def test_replayed_statistics_match_eager(session, method, sparsity):
     assert replayed.kv_budget_prefill == pytest.approx(eager.kv_budget_prefill, rel=1e-6)
     if not REGISTRY[method].sparse:
         assert replayed.kv_budget == pytest.approx(1.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("method,sparsity", [("full", 0.0), ("squeeze", 0.7)])
+def test_sampled_tokens_feed_the_replayed_steps(session, method, sparsity):
+    """With a sampler, a replayed step takes the chosen token as its successor's input: greedy decoding with a
+    repetition penalty (the sampler's path, no randomness) replayed equals it eager; seeded sampling replayed is
+    reproducible, capture included."""
+    from engine.sampling import GenerationOptions, Sampler
+
+    lm = session.lm
+    prompt = question_ids(lm.tokenizer, QUESTION)
+
+    def run(options, graphs: bool) -> list[int]:
+        step = session.step_context(method, sparsity)
+        if not graphs:
+            step = replace(step, graphs=None)
+        sampler = Sampler(options, lm.model.config.vocab_size, lm.device)
+        return list(generate_tokens(lm, step, prompt, STEPS, sampler))
+
+    penalised = GenerationOptions(repetition_penalty=1.5)
+    assert run(penalised, True) == run(penalised, False)
+    hot = GenerationOptions(temperature=1.0, top_p=0.9, seed=5)
+    first = run(hot, True)
+    assert len(first) == STEPS or first[-1] in lm.eos_ids()
+    assert run(hot, True) == first

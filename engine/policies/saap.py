@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.artifacts import layer_name
-from engine.partitions import PARAMS, PartitionTraining, StepReport, classify, init_weights, recent_window
+from engine.partitions import PARAMS, PartitionTraining, StepReport, init_weights, recent_window
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Preparation,
                                   StepPlan, Tensors, check_budget)
 from engine.policies.budget import budget_curves
