@@ -318,11 +318,11 @@ class ChatTab:
     def show_turn(self, idx, state: dict) -> list:
         return self.views.show(self._turn(state, idx))
 
-    def show_projection(self, idx, layer, head, state: dict) -> str:
+    def show_projection(self, idx, layer, head, state: dict):
         turn = self._turn(state, idx)
         if turn is None or "context_id" not in turn["stats"]:
-            return ""
-        return self.views.projection_html(turn["stats"]["context_id"], turn["stats"].get("retrieval") or {},
+            return None
+        return self.views.projection_view(turn["stats"]["context_id"], turn["stats"].get("retrieval") or {},
                                           layer, int(head or 0))
 
     def threshold_text(self, state: dict, method: str, sparsity_pct: float, centroid: float | None = None,

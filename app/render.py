@@ -1,7 +1,7 @@
-"""HTML and SVG for the app's views, from plain data (pure functions: no Gradio, no engine calls, no tensors).
+"""HTML for the app's views, from plain data (pure functions: no Gradio, no engine calls, no tensors).
 
-Every view is self-contained markup with `sq-` classes (styled by assets/app.css); charts are inline SVG, so the
-app needs no plotting library.
+Every view is self-contained markup with `sq-` classes (styled by assets/app.css); the two charts (the kept-fraction
+heatmap, the key projection) are interactive plotly figures (app/figures.py), drawn with the colours defined here.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ STAGE_LABELS = {
 }
 STAGE_UNITS = {"prefill": "tokens", "clustering": "layers", "saving": "files"}
 LOW, HIGH = (247, 251, 255), (8, 48, 107)  # heatmap colour scale: kept fraction 0 -> 1 (light to dark blue)
-CELL = 34  # heatmap cell size, px
 GOLDEN_ANGLE = 137.508  # degrees: consecutive cluster ids get well separated hues
 
 
@@ -104,66 +103,6 @@ def jobs_html(views: Sequence, errors: dict[str, str] | None = None) -> str:
 def notice_html(text: str, kind: str = "info") -> str:
     """A one-line message; kind: info | ok | error | wait."""
     return f'<div class="sq-notice sq-{esc(kind)}">{esc(text)}</div>'
-
-
-# ---------------------------------------------------------------------- (a) kept fraction heatmap
-
-
-def _colour(v: float) -> str:
-    v = min(1.0, max(0.0, v))
-    r, g, b = (round(lo + (hi - lo) * v) for lo, hi in zip(LOW, HIGH))
-    return f"rgb({r},{g},{b})"
-
-
-def heatmap_svg(matrix: list[list[float]], layers: Sequence[int], title: str, roles: bool = False) -> str:
-    """Kept fraction per global layer (rows) and query head (columns), with the value in each cell. roles: the
-    method's units are heads (DuoAttention): a head that read every key is marked R (retrieval), the others S
-    (streaming: the sink and the recent keys)."""
-    if not matrix:
-        return (f'<div class="sq-heatmap sq-empty"><div class="sq-title">{esc(title)}</div>'
-                "no steps (the answer had one token)</div>")
-    rows, cols = len(matrix), len(matrix[0])
-    left, top = 44, 22
-    width, height = left + cols * CELL + 4, top + rows * CELL + 4
-    parts = [f'<svg class="sq-heatmap-svg" width="{width}" height="{height}" viewBox="0 0 {width} {height}" '
-             f'role="img" aria-label="{esc(title)}">']
-    for c in range(cols):
-        x = left + c * CELL + CELL / 2
-        parts.append(f'<text x="{x}" y="{top - 6}" class="sq-axis" text-anchor="middle">h{c}</text>')
-    for r, row in enumerate(matrix):
-        y = top + r * CELL
-        parts.append(f'<text x="{left - 6}" y="{y + CELL / 2 + 4}" class="sq-axis" text-anchor="end">L{layers[r]}</text>')
-        for c, v in enumerate(row):
-            x = left + c * CELL
-            ink = "#fff" if v > 0.5 else "#123"
-            role = ("retrieval" if v >= 1 - 1e-4 else "streaming") if roles else ""
-            parts.append(
-                f'<rect class="sq-cell" x="{x}" y="{y}" width="{CELL - 2}" height="{CELL - 2}" fill="{_colour(v)}" '
-                f'data-layer="{layers[r]}" data-head="{c}" data-kept="{v:.4f}"'
-                + (f' data-role="{role}"' if role else "") + f'><title>layer {layers[r]}, head {c}: '
-                f'{100 * v:.1f}% of the keys{f" ({role} head)" if role else ""}</title></rect>'
-                f'<text x="{x + (CELL - 2) / 2}" y="{y + CELL / 2 + 3}" fill="{ink}" class="sq-cellv" '
-                f'text-anchor="middle">{role[:1].upper() if role else f"{100 * v:.0f}"}</text>'
-            )
-    parts.append("</svg>")
-    return f'<div class="sq-heatmap"><div class="sq-title">{esc(title)}</div>{"".join(parts)}</div>'
-
-
-def heatmaps_html(stats: dict) -> str:
-    """(a) Kept fraction for the question's prefill and averaged over the answer's tokens, side by side."""
-    layers = stats.get("global_layers", [])
-    steps = max(0, stats.get("steps", 1) - 1)
-    roles = (stats.get("extra") or {}).get("unit") == "head"  # DuoAttention: retrieval or streaming heads
-    legend = ('<div class="sq-legend"><span>kept % of the fixed context</span>'
-              f'<span class="sq-ramp" style="background:linear-gradient(90deg,{_colour(0)},{_colour(1)})"></span>'
-              "<span>0</span><span>100</span></div>")
-    return (
-        '<div class="sq-heatmaps" id="sq-heatmaps">'
-        + heatmap_svg(stats.get("kept_fraction_prefill", []), layers, "question prefill", roles)
-        + heatmap_svg(stats.get("kept_fraction_decode", []), layers, f"answer ({steps} steps, mean)", roles)
-        + legend + ('<div class="sq-legend"><span>R: a retrieval head (every key); S: a streaming head (the first '
-                    'and the last tokens)</span></div>' if roles else "") + "</div>"
-    )
 
 
 # ---------------------------------------------------------------------- (c) budget and time split
@@ -349,55 +288,6 @@ def document_html(text: str, marks: Sequence[tuple[int, int, float]], page_start
 def cluster_colour(cid: int, alpha: float = 1.0, light: bool = False) -> str:
     hue = (cid * GOLDEN_ANGLE) % 360
     return f"hsla({hue:.0f},{45 if light else 70}%,{75 if light else 45}%,{alpha})"
-
-
-def projection_svg(proj, width: int = 460, height: int = 360) -> str:
-    """(d) Keys on their first two principal components, coloured by cluster; retrieved clusters bold, their
-    centroids as outlined diamonds, the others' centroids as small crosses."""
-    pts, cents = proj.points, proj.centroids
-    if len(pts) == 0:
-        return '<div class="sq-projection sq-empty">no keys</div>'
-    xs = [float(p[0]) for p in pts] + [float(c[0]) for c in cents]
-    ys = [float(p[1]) for p in pts] + [float(c[1]) for c in cents]
-    x0, x1, y0, y1 = min(xs), max(xs), min(ys), max(ys)
-    pad = 14
-    sx = (width - 2 * pad) / ((x1 - x0) or 1.0)
-    sy = (height - 2 * pad) / ((y1 - y0) or 1.0)
-
-    def at(x: float, y: float) -> tuple[float, float]:
-        return pad + (x - x0) * sx, height - pad - (y - y0) * sy
-
-    hit = set(proj.retrieved)
-    faint, bold = [], []
-    for (x, y), c in zip(pts, proj.labels):
-        px, py = at(float(x), float(y))
-        c = int(c)
-        if c in hit:
-            bold.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="2.6" fill="{cluster_colour(c, 0.9)}" class="sq-key-hit"/>')
-        else:
-            faint.append(f'<circle cx="{px:.1f}" cy="{py:.1f}" r="1.7" fill="{cluster_colour(c, 0.35, True)}"/>')
-    marks = []
-    for c, (x, y) in enumerate(cents):
-        if proj.sizes[c] == 0:
-            continue
-        px, py = at(float(x), float(y))
-        if c in hit:
-            r = 5.5
-            diamond = f"M{px:.1f},{py - r:.1f} L{px + r:.1f},{py:.1f} L{px:.1f},{py + r:.1f} L{px - r:.1f},{py:.1f} Z"
-            marks.append(f'<path d="{diamond}" '
-                         f'fill="{cluster_colour(c)}" stroke="#111" stroke-width="1.2" class="sq-centroid-hit">'
-                         f'<title>cluster {c}: {int(proj.sizes[c])} keys (retrieved)</title></path>')
-        else:
-            marks.append(f'<path d="M{px - 2:.1f},{py:.1f} h4 M{px:.1f},{py - 2:.1f} v4" stroke="#777" stroke-width="0.8">'
-                         f'<title>cluster {c}: {int(proj.sizes[c])} keys</title></path>')
-    caption = (f"layer {proj.layer}, KV head {proj.kv_head}: {len(pts)} of {proj.total} keys, "
-               f"{len(hit)} of {int((proj.sizes > 0).sum())} clusters retrieved; the two components hold "
-               f"{100 * proj.explained:.0f}% of the variance")
-    return (f'<div class="sq-projection" id="sq-projection"><svg width="{width}" height="{height}" '
-            f'viewBox="0 0 {width} {height}" role="img" aria-label="key projection">'
-            f'<rect width="{width}" height="{height}" fill="#fcfcfd" stroke="#ddd"/>'
-            + "".join(faint) + "".join(bold) + "".join(marks)
-            + f'</svg><div class="sq-caption">{esc(caption)}</div></div>')
 
 
 def pages_text(pages: Sequence[int]) -> str:

@@ -1,11 +1,12 @@
 """The panel beside the chat: what attention did in a chosen turn (heatmap, KV budget and time split, retrieved
-clusters and passages, key projection). Rendered from a turn's saved statistics and the context's artifacts."""
+clusters and passages, key projection). Rendered from a turn's saved statistics and the context's artifacts; the
+heatmap and the projection are interactive figures (app/figures.py)."""
 
 from __future__ import annotations
 
 import gradio as gr
 
-from app import render
+from app import figures, render
 from app.services import Services
 from storage import StorageError
 
@@ -33,7 +34,8 @@ class TurnViews:
         self.turn = gr.Dropdown(label="Turn", choices=[], value=None, interactive=True, allow_custom_value=True,
                                 elem_id="sq-turn")
         gr.Markdown("**(a) Kept fraction** per global layer (rows) and query head (columns)")
-        self.heatmap = gr.HTML(render.notice_html("Ask a question to see what attention kept."), elem_id="sq-view-heatmap")
+        self.heatmap = gr.Plot(figures.message_figure("Ask a question to see what attention kept."), show_label=False,
+                               elem_id="sq-view-heatmap")
         gr.Markdown("**(c) KV budget and time**")
         self.budget = gr.HTML("", elem_id="sq-view-budget")
         self.compare = gr.HTML("", elem_id="sq-view-compare")
@@ -51,7 +53,7 @@ class TurnViews:
                                      elem_id="sq-layer")
             self.head = gr.Dropdown(label="KV head", choices=[], value=None, interactive=True, allow_custom_value=True,
                                     elem_id="sq-head")
-        self.projection = gr.HTML("", elem_id="sq-view-projection")
+        self.projection = gr.Plot(None, show_label=False, elem_id="sq-view-projection")
 
     @property
     def outputs(self) -> list:
@@ -60,8 +62,8 @@ class TurnViews:
                 self.layer, self.head, self.projection]
 
     def empty(self, message: str = "Ask a question to see what attention kept.") -> list:
-        return [render.notice_html(message), "", "", [], "", "", gr.update(choices=[], value=None),
-                gr.update(choices=[], value=None), ""]
+        return [figures.message_figure(message), "", "", [], "", "", gr.update(choices=[], value=None),
+                gr.update(choices=[], value=None), None]
 
     def turn_choices(self, turns: list[dict]):
         return [(turn_label(t), t["idx"]) for t in turns]
@@ -78,7 +80,7 @@ class TurnViews:
             data = self.services.inspector.data(ctx)
         except (StorageError, KeyError, TypeError) as exc:
             out = self.empty(f"The index of this turn is gone ({exc}); its numbers are below.")
-            out[0] = render.heatmaps_html(stats)
+            out[0] = figures.heatmap_figure(stats)
             out[1] = render.budget_html(stats)
             return out
         report = stats.get("retrieval") or {"layers": []}
@@ -92,7 +94,7 @@ class TurnViews:
         heads = list(range(data.kv_heads))
         kv_head = kv_head if kv_head in heads else 0
         return [
-            render.heatmaps_html(stats),
+            figures.heatmap_figure(stats),
             render.budget_html(stats),
             render.compare_html(stats.get("compare")),
             self._cluster_rows(ctx, report),
@@ -101,19 +103,20 @@ class TurnViews:
             render.document_html(data.doc.text, inspector.marks(ctx, weights), data.doc.page_starts, tail_start),
             gr.update(choices=[(f"layer {i}", i) for i in layers], value=layer),
             gr.update(choices=[(f"KV head {h}", h) for h in heads], value=kv_head),
-            self.projection_html(ctx, report, layer, kv_head),
+            self.projection_view(ctx, report, layer, kv_head),
         ]
 
-    def projection_html(self, ctx: str, report: dict, layer: int | None, kv_head: int) -> str:
+    def projection_view(self, ctx: str, report: dict, layer: int | None, kv_head: int):
+        """(d) The projection figure of one layer and KV head, or a figure saying why there is none."""
         if layer is None:
-            return render.notice_html("This model has no clustered layer.")
+            return figures.message_figure("This model has no clustered layer.")
         retrieved = sorted({cid for entry in report.get("layers", []) if entry["layer"] == layer
                             for row in entry["rows"] if row["kv_head"] == kv_head for cid in row["ids"]})
         try:
             proj = self.services.inspector.projection(ctx, report.get("method", "squeeze"), layer, kv_head, retrieved)
         except (StorageError, ValueError) as exc:
-            return render.notice_html(f"No projection: {exc}", "error")
-        return render.projection_svg(proj)
+            return figures.message_figure(f"No projection: {exc}")
+        return figures.projection_figure(proj)
 
     def _cluster_rows(self, ctx: str, report: dict) -> list[list]:
         """The retrieved clusters, largest S first: at the question's prefill (exact) or by the answer's tokens."""

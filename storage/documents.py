@@ -177,9 +177,24 @@ def load_document(path: str | Path) -> Document:
     return load_document_bytes(path.read_bytes(), path.name)
 
 
+MAX_NAME = 200  # characters of a document's name kept (its extension always)
+
+
+def safe_name(name: str) -> str:
+    """An uploaded file's name as a label: its last component whether the sender used / or \\ as separators,
+    control characters and undecodable bytes replaced, at most MAX_NAME characters (the extension kept). The name
+    is only ever a label: stored files are named by content hashes."""
+    name = re.split(r"[\\/]", str(name))[-1]
+    name = "".join("\ufffd" if (ord(c) < 32 or ord(c) == 127 or 0xD800 <= ord(c) <= 0xDFFF) else c for c in name)
+    if len(name) > MAX_NAME:
+        suffix = PurePath(name).suffix[:16]
+        name = name[:MAX_NAME - len(suffix) - 1] + "\u2026" + suffix
+    return name.strip() or "unnamed"
+
+
 def load_document_bytes(data: bytes, name: str) -> Document:
-    """Build a :class:`Document` from raw file bytes; ``name`` gives the kind and the label."""
-    name = PurePath(name).name
+    """Build a :class:`Document` from raw file bytes; ``name`` gives the kind and the label (safe_name)."""
+    name = safe_name(name)
     kind = document_kind(name)
     if not data.strip():
         reason = "the file holds only whitespace" if data else "the file is empty"

@@ -5,6 +5,7 @@ errors in plain words, limits, delete, and the per-turn views."""
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 import time
@@ -130,6 +131,17 @@ def ask(client: Client, question: str, method="squeeze", sparsity=80, centroid=0
     return dict(zip(ASK_NAMES, job.result(timeout=WAIT_S))), job
 
 
+def figure(value) -> dict:
+    """A gr.Plot output as the client gets it: the plotly figure's JSON."""
+    assert isinstance(value, dict) and value.get("type") == "plotly", value
+    return json.loads(value["plot"])
+
+
+def kept_cells(value) -> list[float]:
+    """The kept fractions a heatmap figure shows (every cell of its heatmaps), in [0, 1]."""
+    return [z / 100 for trace in figure(value)["data"] if trace["type"] == "heatmap" for row in trace["z"] for z in row]
+
+
 def texts(chat: list[dict]) -> list[str]:
     return [m["content"][0]["text"] if isinstance(m["content"], list) else m["content"] for m in chat]
 
@@ -174,9 +186,13 @@ def test_answers_stream_and_every_turn_shows_what_attention_did(app, ready_doc):
     chat = texts(out["chat"])
     assert chat[0] == "What is the secret passkey?" and len(chat) == 2 and chat[1]
     # (a) kept fraction: 2 global layers x 4 query heads, for the prefill and for the answer
-    assert out["heatmap"].count('class="sq-cell"') == 2 * 2 * 4
-    kept = [float(x) for x in re.findall(r'data-kept="([0-9.]+)"', out["heatmap"])]
+    kept = kept_cells(out["heatmap"])
+    assert len(kept) == 2 * 2 * 4
     assert all(0 < k <= 1 for k in kept) and min(kept) < 0.6  # sparse: most heads read well under the whole context
+    heat = figure(out["heatmap"])["data"][0]
+    assert "layer %{y}, head %{x}" in heat["hovertemplate"] and "keys kept" in heat["hovertemplate"]
+    fixed = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]["stats"]["fixed_len"]
+    assert heat["customdata"][0][0] == round(heat["z"][0][0] / 100 * fixed)  # the keys the hover tells
     # (c) KV budget and the time split
     assert re.search(r"KV budget <b class=\"sq-kv\">\d+\.\d%</b>", out["budget"]) and "lookup" in out["budget"]
     # (b) clusters with sizes and scores, passages with pages, the document with highlights
@@ -186,11 +202,14 @@ def test_answers_stream_and_every_turn_shows_what_attention_did(app, ready_doc):
     assert '<ol class="sq-passages"' in out["passages"] and "p. 1" in out["passages"] and "<mark" in out["passages"]
     assert out["document"].count("<mark") > 10
     # (d) projection of layer 0, KV head 0 keys
-    assert out["projection"].count("<circle") > 100 and 'class="sq-key-hit"' in out["projection"]
+    proj = figure(out["projection"])
+    keys = {t["name"]: len(t["x"]) for t in proj["data"]}
+    assert keys["other keys"] + keys["keys of retrieved clusters"] > 100 and keys["retrieved centroids"] > 0
+    assert proj["layout"]["dragmode"] == "zoom"
     assert out["layer"]["choices"] == [["layer 0", 0], ["layer 1", 1]] and out["turn"]["value"] == 0
     # another layer and head, and the turn again from the history
-    svg = client.predict(0, 1, 1, api_name="/show_projection")
-    assert "layer 1, KV head 1" in svg
+    other = figure(client.predict(0, 1, 1, api_name="/show_projection"))
+    assert other["layout"]["title"]["text"].startswith("layer 1, KV head 1")
     again = client.predict(0, api_name="/show_turn")
     assert again[0] == out["heatmap"]
 
@@ -229,7 +248,7 @@ def test_every_method_answers_and_full_reads_everything(app, ready_doc):
     assert re.search(r"threshold [0-9.e-]+, [0-9.e-]+", out["budget"])
     out, _ = ask(client, "How many steps?", method="full")
     assert "KV budget <b class=\"sq-kv\">100.0%</b>" in out["budget"]
-    assert set(re.findall(r'data-kept="([0-9.]+)"', out["heatmap"])) == {"1.0000"}
+    assert set(kept_cells(out["heatmap"])) == {1.0}
 
 
 @pytest.mark.parametrize("method", SPARSE_METHODS)
@@ -276,7 +295,7 @@ def test_stop_ends_the_answer_and_keeps_what_was_said(app, ready_doc):
     out = dict(zip(ASK_NAMES, job.result(timeout=WAIT_S)))
     answer = texts(out["chat"])[-1]
     assert answer.endswith("[stopped]")
-    assert "stopped before it finished" in out["heatmap"]
+    assert "stopped before it finished" in json.dumps(figure(out["heatmap"]))
     saved = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]
     assert saved["answer"].endswith("[stopped]") and saved["stats"]["stopped"]
     assert len(saved["answer"]) < 512
@@ -292,7 +311,7 @@ def test_history_is_saved_per_document_and_shown_after_a_restart(app, ready_doc,
     try:
         after = open_doc(restarted.client(), ready_doc)
         assert texts(after["chat"]) == texts(before)
-        assert after["heatmap"].count('class="sq-cell"') == 16  # the last turn's views, from the saved stats
+        assert len(kept_cells(after["heatmap"])) == 16  # the last turn's views, from the saved stats
     finally:
         restarted.close()
 
@@ -352,7 +371,7 @@ def test_asking_before_ready_is_refused_with_the_time_left(tiny_lm, tmp_path):
         paused.worker.start()
         assert paused.worker.wait_idle(WAIT_S)
         answered, _ = ask(client, "What is the passkey?")
-        assert answered["heatmap"].count('class="sq-cell"') == 16
+        assert len(kept_cells(answered["heatmap"])) == 16
     finally:
         paused.close()
 

@@ -1,6 +1,6 @@
 """End to end in a real browser (Debian's chromium driven by Playwright) on the embedded model: upload the shipped
-passkey PDF, watch it being prepared, ask for the passkey, and see the answer, the kept-fraction heatmap and the
-highlighted passage. Screenshots are kept under the test's temporary directory (their paths are printed).
+passkey PDF, watch it being prepared, ask for the passkey, and see the answer, the kept-fraction heatmap, the
+highlighted passage and the key projection; then a follow-up that only the first turn explains. Screenshots are kept under the test's temporary directory (their paths are printed).
 
 assets/passkey.pdf is assets/passkey.md set as six pages with tests/pdfs.py (the passkey is on page 4).
 """
@@ -26,6 +26,7 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic"
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PDF = Path(__file__).resolve().parents[1] / "assets" / "passkey.pdf"
 KEY = "48213"
+FOLLOW_UP = "Repeat that number."
 PREPARE_MS = 600_000  # a ~4K-token ingest: ~15 s on 2 idle cores, minutes on a busy machine
 ANSWER_MS = 300_000
 
@@ -93,20 +94,42 @@ def test_upload_prepare_ask_and_see_what_attention_retrieved(served, page, tmp_p
     chat = page.locator("#sq-chatbot")
     expect(chat).to_contain_text(KEY, timeout=ANSWER_MS)
     timings["answer_visible_s"] = time.perf_counter() - started
-    # The views appear when the turn is done: 3 global layers x 4 query heads, for the prefill and the answer.
-    expect(page.locator("#sq-heatmaps .sq-cell")).to_have_count(24, timeout=ANSWER_MS)
+    # The views appear when the turn is done: 3 global layers x 4 query heads, for the prefill and the answer, in an
+    # interactive (plotly) figure whose hover tells each cell's layer, head, kept share and keys.
+    heatmap = page.locator("#sq-view-heatmap .js-plotly-plot")
+    page.wait_for_function("() => { const el = document.querySelector('#sq-view-heatmap .js-plotly-plot');"
+                           " return el && el.data && el.data.some(t => t.type === 'heatmap'); }", timeout=ANSWER_MS)
+    cells = heatmap.evaluate("el => el.data.filter(t => t.type === 'heatmap').map(t => t.z.length * t.z[0].length)")
+    assert cells == [12, 12], cells
     passages = page.locator("#sq-passages li.sq-passage")
     expect(passages.first).to_be_visible()
     assert passages.locator("mark.sq-hit").count() > 0
     with_key = passages.filter(has_text=KEY)
     expect(with_key.first).to_contain_text("p. 4")  # the passkey's page
     expect(page.locator("#sq-budget")).to_contain_text("KV budget")
-    expect(page.locator("#sq-projection svg circle.sq-key-hit").first).to_be_attached()
+    projection = page.locator("#sq-view-projection .js-plotly-plot")
+    expect(projection).to_be_visible()
+    assert "keys of retrieved clusters" in projection.evaluate("el => el.data.map(t => t.name)")
     final = shots / "answered.png"
     page.screenshot(path=final, full_page=True)
 
-    turn = demo.services.store.chats.turns(demo.services.store.chats.list(
-        demo.services.store.documents.list()[0]["id"])[0]["id"])[-1]
+    # A follow-up that only the first turn explains ("that number": without the chat, the model answers "100.")
+    page.locator("#sq-question textarea").fill(FOLLOW_UP)
+    page.click("#sq-ask")
+    expect(chat).to_contain_text(FOLLOW_UP, timeout=ANSWER_MS)
+    store = demo.services.store
+    chat_id = store.chats.list(store.documents.list()[0]["id"])[0]["id"]
+    deadline = time.monotonic() + ANSWER_MS / 1000
+    while len(store.chats.turns(chat_id)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    expect(chat).to_contain_text(re.compile(re.escape(KEY) + r"[\s\S]*" + re.escape(FOLLOW_UP) + r"[\s\S]*"
+                                            + re.escape(KEY)), timeout=ANSWER_MS)  # the answer, again
+
+    turns = demo.services.store.chats.turns(demo.services.store.chats.list(
+        demo.services.store.documents.list()[0]["id"])[0]["id"])
+    assert [t["question"] for t in turns] == [PASSKEY_QUESTION, FOLLOW_UP] and KEY in turns[1]["answer"]
+    assert turns[1]["stats"]["extra"]["history"] == 1
+    turn = turns[0]
     t = turn["stats"]["timings"]
     print(f"\nscreenshots: {shots / 'preparing.png'} {final}")
     print(f"prepare {timings['prepare_s']:.1f} s (in the browser), "

@@ -301,3 +301,20 @@ def test_jobs_queued_while_the_model_preloads_say_so(store):
     finally:
         gate.set()
         worker.close()
+
+
+@pytest.mark.parametrize("name,stored", [("../../etc/evil.txt", "evil.txt"), ("C:\\Users\\x\\notes.txt", "notes.txt"),
+                                         ("\udcffbad\x00name.txt", "\ufffdbad\ufffdname.txt"),
+                                         ("n" * 1000 + ".txt", "n" * 195 + "\u2026.txt")])
+def test_hostile_upload_names_are_stored_as_plain_labels(store, name, stored):
+    """An upload's name is only a label: its last path component, control characters and undecodable bytes
+    replaced, at most 200 characters; the job and the document are stored and prepared under it."""
+    engine, worker = make(store)
+    try:
+        job = worker.submit_bytes(TEXT + str(len(name)).encode(), name)  # (a document of its own)
+        assert worker.wait_idle(10)
+        view = worker.view(job.id)
+        assert (view.status, view.error, view.name) == ("done", None, stored)
+        assert store.documents.get(view.doc_id).name == stored
+    finally:
+        worker.close()

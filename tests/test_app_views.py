@@ -10,7 +10,7 @@ import pytest
 import torch
 from pdfs import make_text_pdf
 
-from app import render
+from app import figures, render
 from engine.serve.explain import MIN_MARK, ContextInspector, retrieval_report
 from engine.serve.jobs import JobView
 from storage import Store, load_document_bytes
@@ -77,6 +77,10 @@ def test_token_weights_scale_from_the_threshold_to_the_best_cluster(ctx):
     assert (indexed[labels[0].numpy() >= 2] == 0).all()  # not retrieved
     assert (w[:sink] == 0).all() and (w[sink + lc :] == 0).all()  # the sink and the dense tail: in no cluster
     assert (inspector.token_weights(cid, report(), kv_head=1) == 0).all()
+    built = store.methods.get(cid, "squeeze")["built_at"]
+    assert np.allclose(inspector.token_weights(cid, {**report(), "built_at": built}), w)
+    stale = {**report(), "built_at": "2000-01-01T00:00:00+00:00"}  # made with an index rebuilt since
+    assert (inspector.token_weights(cid, stale) == 0).all()
 
 
 def test_the_strongest_passage_comes_first_with_its_page(ctx):
@@ -101,9 +105,12 @@ def test_projection_of_one_head_marks_the_retrieved_clusters(ctx):
     assert proj.points.shape == (10, 2) and proj.centroids.shape == (CLUSTERS, 2)
     assert (proj.labels == 0).sum() == (labels[0] == 0).sum()  # every retrieved key is drawn
     assert 0.5 < proj.explained <= 1.0  # five tight clusters in 8-D: two components hold most of the spread
-    svg = render.projection_svg(proj)
-    assert svg.count('class="sq-key-hit"') == int((labels[0] == 0).sum())
-    assert svg.count('class="sq-centroid-hit"') == 1
+    fig = figures.projection_figure(proj)
+    drawn = {t.name: t for t in fig.data}
+    assert len(drawn["keys of retrieved clusters"].x) == int((labels[0] == 0).sum())
+    assert len(drawn["retrieved centroids"].x) == 1 and drawn["retrieved centroids"].marker.symbol == "diamond"
+    assert "cluster %{customdata[0]}" in drawn["other keys"].hovertemplate.replace("key of ", "")
+    assert fig.layout.title.text.startswith(f"layer {LAYER}, KV head 0: 10 of ")
     with pytest.raises(ValueError, match="no squeeze index"):
         ContextInspector(store).projection(cid, "squeeze", LAYER + 1, 0, [])
     assert ContextInspector(store).unit_labels(cid, "quest") == {}  # not built for this context
@@ -135,15 +142,18 @@ def test_document_markup_escapes_text_and_marks_pages(ctx):
     assert passages.startswith('<ol class="sq-passages"') and "p. 2" in passages
 
 
-def test_heatmap_and_budget_markup():
+def test_heatmap_figure_and_budget_markup():
     stats = {"global_layers": [5, 11], "kept_fraction_prefill": [[0.2, 0.3], [0.25, 1.0]],
              "kept_fraction_decode": [[0.1, 0.1], [0.2, 0.2]], "steps": 5, "method": "squeeze", "sparsity": 0.8,
              "kv_budget": 0.2, "kv_budget_prefill": 0.26, "new_tokens": 5,
              "timings": {"lookup_s": 0.1, "attention_s": 0.3, "total_s": 1.0, "first_token_s": 0.2, "tokens_per_s": 5}}
-    html = render.heatmaps_html(stats)
-    assert html.count('class="sq-cell"') == 8
-    assert 'data-layer="11" data-head="1" data-kept="1.0000"' in html
-    assert render._colour(0.0) == "rgb(247,251,255)" and render._colour(1.0) == "rgb(8,48,107)"
+    stats["fixed_len"] = 400
+    fig = figures.heatmap_figure(stats)
+    prefill, decode = fig.data
+    assert prefill.y == ("L5", "L11") and prefill.x == ("h0", "h1") and len(decode.z) == 2
+    assert prefill.z[1][1] == 100.0 and prefill.customdata[1][1] == 400 and prefill.customdata[0][0] == 80
+    assert "layer %{y}, head %{x}<br>%{z:.1f}% of the keys kept (%{customdata} of 400)" in prefill.hovertemplate
+    assert list(prefill.text[0]) == ["20", "30"]
     stats["extra"] = {"plan": "threshold 0.000265 (prefill 0.000301)", "unit": "cluster"}
     budget = render.budget_html(stats)
     assert "20.0%" in budget and "26.0%" in budget and "threshold 0.000265 (prefill 0.000301)" in budget
@@ -153,19 +163,18 @@ def test_heatmap_and_budget_markup():
     assert "top 10% of the pages" in render.budget_html({**stats, "method": "quest",
                                                           "extra": {"plan": "top 10% of the pages"}})
     assert "threshold" not in render.budget_html({**stats, "sparsity": 0.0, "method": "full"})
-    assert render.heatmap_svg([], [], "answer").count("no steps") == 1
-    assert "data-role" not in html and "retrieval head" not in html
+    one_token = figures.heatmap_figure({**stats, "kept_fraction_decode": []})
+    assert len(one_token.data) == 1 and any("no steps" in a.text for a in one_token.layout.annotations)
+    assert not any("retrieval head" in (a.text or "") for a in fig.layout.annotations)
 
 
 def test_heatmap_marks_duo_heads_as_retrieval_or_streaming():
     """DuoAttention's units are heads: a head that read every key is a retrieval head (R), the others streaming (S)."""
     stats = {"global_layers": [5, 11], "kept_fraction_prefill": [[1.0, 1.0], [0.08, 0.08]],
              "kept_fraction_decode": [[1.0, 1.0], [0.08, 0.08]], "steps": 3, "extra": {"unit": "head"}}
-    html = render.heatmaps_html(stats)
-    assert html.count('data-role="retrieval"') == 4 and html.count('data-role="streaming"') == 4
-    assert "layer 11, head 0: 8.0% of the keys (streaming head)" in html
-    assert re.search(r'class="sq-cellv" text-anchor="middle">R</text>', html)
-    assert "R: a retrieval head (every key)" in html
+    fig = figures.heatmap_figure(stats)
+    assert [list(row) for row in fig.data[0].text] == [["R", "R"], ["S", "S"]]
+    assert any("R: a retrieval head (every key)" in a.text for a in fig.layout.annotations)
 
 
 def test_small_formatters():

@@ -278,11 +278,16 @@ class ContextInspector:
                       kv_head: int | None = None) -> np.ndarray:
         """[L] how strongly each token's cluster was retrieved, in [0, 1] (0: not retrieved; the dense tail, always
         attended, is 0 here too): the largest S (question or answer) over the report's selections, on a log scale
-        from the threshold (MIN_MARK) to the turn's largest S (1). layer / kv_head: only those selections."""
+        from the threshold (MIN_MARK) to the turn's largest S (1). layer / kv_head: only those selections. All 0
+        when the method's index was rebuilt since the turn (the report's unit ids are the old index's)."""
         data = self.data(context_id)
-        units = self.unit_labels(context_id, report.get("method", "squeeze"))
-        scored = report.get("scored", True)
+        method = report.get("method", "squeeze")
         best = np.zeros(data.fixed_len, dtype=np.float64)  # largest S of each token's retrieved clusters
+        build = self.store.methods.get(context_id, method)
+        if report.get("built_at") and (build is None or build["built_at"] != report["built_at"]):
+            return best  # the method's index was rebuilt since the turn (other settings): its unit ids name others
+        units = self.unit_labels(context_id, method)
+        scored = report.get("scored", True)
         for entry in report.get("layers", []):
             labels = units.get(entry["layer"])
             if labels is None or (layer is not None and entry["layer"] != layer):

@@ -15,6 +15,7 @@ token). A `JobView` is built from the store's row.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import threading
 import time
@@ -27,7 +28,7 @@ from engine.config import ContextSettings
 from engine.prompt import DocumentTooLongError
 from engine.serve.service import DEFAULT_METHODS, Engine
 from storage import INTERRUPTED, DocumentError, load_document_bytes
-from storage.documents import DOC_ID_CHARS
+from storage.documents import DOC_ID_CHARS, safe_name
 
 LOADING = "loading model"
 CANCELLED = "cancelled by the user"
@@ -190,6 +191,7 @@ class IngestWorker:
 
     def _submit(self, name: str, doc_id: str, settings: ContextSettings, truncate: bool, data: bytes | None,
                 methods: tuple[str, ...]) -> JobView:
+        name = safe_name(name)  # a label only (hostile paths, control characters, lone surrogates, any length)
         with self._cv:
             job_id, created = self.store.jobs.submit(doc_id, name, self.engine.model_id, settings.as_dict(),
                                                      methods=methods, truncate=truncate)
@@ -448,10 +450,22 @@ def error_kind(exc: BaseException) -> str:
     return "document" if isinstance(exc, DocumentError) else "internal"
 
 
+def disk_full(exc: BaseException | None) -> bool:
+    """Whether an error is, or was caused by, a full disk (or quota)."""
+    seen = 0
+    while exc is not None and seen < 8:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
+
+
 def plain_error(exc: BaseException) -> str:
     """One line a reader understands: the exception's first line, or its type when it has no message."""
     if isinstance(exc, MemoryError):
         return "the machine ran out of memory while preparing the document"
+    if disk_full(exc):
+        return "the disk is full: free some space, then prepare the document again"
     text = str(exc).strip().splitlines()
     return text[0] if text else type(exc).__name__
 

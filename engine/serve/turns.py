@@ -92,6 +92,8 @@ class Turns:
         stats["context_id"] = context_id
         try:
             stats["retrieval"] = explain_turn(answer, method)
+            build = self.store.methods.get(context_id, method)
+            stats["retrieval"]["built_at"] = build["built_at"] if build else None  # which index its unit ids name
         except Exception as exc:  # noqa: BLE001 - the answer stands; the views say what is missing
             stats["retrieval"] = {"layers": [], "error": plain_error(exc)}
         return stats
