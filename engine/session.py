@@ -18,7 +18,7 @@ from engine.graph import DecodeGraphs, graphs_supported
 from engine.ingest import Progress, _no_progress, build_methods, global_scale, layer_part
 from engine.model import LoadedModel
 from engine.policies import REGISTRY, LayerIndex, Method, StepPlan, Tensors, build_order, make_method
-from engine.prompt import HISTORY_TOKENS, Exchange, cut_at_stop, prompt_format, turn_ids
+from engine.prompt import HISTORY_TOKENS, Exchange, cut_at_stop, held_back, prompt_format, turn_ids
 from engine.sampling import GenerationOptions, Sampler
 from engine.stats import TurnRecorder, TurnStats
 from kernels.backend import Backend
@@ -179,7 +179,8 @@ class ContextSession:
         history: the chat's earlier exchanges, oldest first (the latest that fit `history_tokens` and the model's
         context go into the input, after the document: new tokens, read densely); options: how tokens are chosen
         (None: greedy). The answer's stop strings count from its first non-blank character (engine.prompt.cut_at_stop):
-        an answer that opens with blank lines goes on."""
+        an answer that opens with blank lines goes on; a piece that could begin a stop string is held back until the
+        next tokens tell (engine.prompt.held_back), so a stream never shows a stop string's start."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         lm = self.lm
@@ -201,19 +202,23 @@ class ContextSession:
         start = time.perf_counter()
         first = None
         tokens = generate_tokens(lm, step, turn.ids, max_new_tokens, sampler)
+        shown = ""  # what the pieces have said (a possible stop string's start is held back)
         for token in tokens:
             first = first if first is not None else time.perf_counter() - start
             if token in eos:
                 break
             generated.append(token)
-            new_text, stopped = cut_at_stop(lm.tokenizer.decode(generated, skip_special_tokens=True),
-                                            fmt.stop_strings)
-            if new_text.startswith(text) and len(new_text) > len(text):
-                yield Delta(new_text[len(text):])
-            text = new_text
+            text, stopped = cut_at_stop(lm.tokenizer.decode(generated, skip_special_tokens=True), fmt.stop_strings)
+            visible = text if stopped else text[:len(text) - held_back(text, fmt.stop_strings)]
+            visible = visible.rstrip("\ufffd")  # (a character whose bytes are not all there yet decodes as U+FFFD)
+            if visible.startswith(shown) and len(visible) > len(shown):
+                yield Delta(visible[len(shown):])
+                shown = visible
             if stopped:
                 break
         tokens.close()  # hands the replayed steps' statistics to the recorder
+        if text.startswith(shown) and len(text) > len(shown):  # the end held back: no stop string after all
+            yield Delta(text[len(shown):])
         self.cache.reset_dynamic()
         total = time.perf_counter() - start
         decode_s = max(total - (first or 0.0), 1e-9)

@@ -85,6 +85,14 @@ def test_stop_strings_count_from_the_first_non_blank_character(text, want):
     assert cut_at_stop(text, ("\n\n", "\nQuestion:")) == want
 
 
+@pytest.mark.parametrize("text,held", [("48213.\nAnswer", len("\nAnswer")), ("48213.", 0), ("Pier 3\n", 1),
+                                       ("\n\n", 0), ("\n\nPier\nQues", len("\nQues")), ("Answer", 0)])
+def test_a_stream_holds_back_what_could_start_a_stop_string(text, held):
+    from engine.prompt import STOP_STRINGS, held_back
+
+    assert held_back(text, STOP_STRINGS) == held
+
+
 @pytest.fixture(scope="module")
 def chat_session(tmp_path_factory):
     """A tiny Llama whose tokenizer has a chat template, the document ingested as the engine does."""
@@ -137,3 +145,31 @@ def test_sampler_applies_penalty_temperature_and_top_p():
     for bad in ({"temperature": -1.0}, {"top_p": 0.0}, {"repetition_penalty": 0.5}, {"temperature": float("nan")}):
         with pytest.raises(ValueError):
             GenerationOptions(**bad)
+
+
+def test_the_stream_says_the_answer_and_never_a_stop_string(tmp_path):
+    """The pieces a turn streams add up to its answer, and never show a stop string (nor, held back, its start)
+    past the first non-blank character. A random tiny model sampled hot emits newlines often."""
+    from engine.prompt import STOP_STRINGS
+    from engine.session import Delta
+
+    lm = load_model(str(make_tiny_model(tmp_path, "llama_gqa")), device="cpu")
+    fixed = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context)
+    methods = [make_method("squeeze")]
+    session = ContextSession(lm, ingest_tokens(lm, fixed.ids, SETTINGS, REFERENCE, methods).artifacts, SETTINGS,
+                             REFERENCE, methods={"squeeze": methods[0]})
+    stopped = 0
+    for seed in range(12):
+        pieces, answer = [], None
+        for event in session.stream("And the price?", "squeeze", 0.5, 40,
+                                    options=GenerationOptions(temperature=2.0, seed=seed)):
+            if isinstance(event, Delta):
+                pieces.append(event.text)
+                said = "".join(pieces)
+                body = said[len(said) - len(said.lstrip()):]
+                assert not any(s in body for s in STOP_STRINGS), said
+            else:
+                answer = event
+        assert "".join(pieces).strip() == answer.text
+        stopped += answer.stats.new_tokens < 40
+    assert stopped  # some answers did end at a stop string
