@@ -62,6 +62,8 @@ def stage_text(view) -> str:
         return "ready (from the cache)" if view.cached else "ready"
     if view.status in ("failed", "cancelled"):
         return view.status
+    if view.stage == LOADING and (view.elapsed_s or 0) >= 1:
+        return f"loading model ({format_seconds(view.elapsed_s)} so far)"
     label = STAGE_LABELS.get(view.stage, view.stage)
     if view.total > 1 or view.stage in STAGE_UNITS:
         return f"{label} {view.done}/{view.total} {STAGE_UNITS.get(view.stage, '')}".rstrip()

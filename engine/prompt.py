@@ -10,7 +10,6 @@ the rest of the template's rendering of the whole conversation (checked to begin
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -36,7 +35,6 @@ class Exchange:
 class BasePrompt:
     """The base-model format: the document, then "Question: ... Answer:" per turn."""
 
-    key = ""  # (a context's cache key has no template)
     stop_strings: tuple[str, ...] = STOP_STRINGS
 
     def document_prefix(self) -> str | None:
@@ -62,7 +60,6 @@ class ChatPrompt:
         if at < 0 or first.find(_QUESTION) < at:
             raise ValueError("the chat template does not keep the user's message in order")
         self.prefix = first[:at]
-        self.key = hashlib.sha256(tokenizer.chat_template.encode()).hexdigest()[:12]
 
     def _render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -84,15 +81,10 @@ class ChatPrompt:
         return text[len(head):]
 
 
-def prompt_format(tokenizer, chat: str | None = None) -> BasePrompt | ChatPrompt:
-    """The format of a tokenizer: its chat template when it has one, else the base format. chat: the template key a
-    context was built with ("" = the base format; None: decide from the tokenizer)."""
-    if chat == "" or not getattr(tokenizer, "chat_template", None):
-        return BasePrompt()
-    found = ChatPrompt(tokenizer)
-    if chat is not None and chat != found.key:
-        raise ValueError("this context was built with another chat template than the tokenizer's; ingest it again")
-    return found
+def prompt_format(tokenizer) -> BasePrompt | ChatPrompt:
+    """The format of a tokenizer: its chat template when it has one, else the base format. (A context's cache key
+    holds the model and PROMPT_VERSION, not the template: a model whose template is edited keeps its contexts.)"""
+    return ChatPrompt(tokenizer) if getattr(tokenizer, "chat_template", None) else BasePrompt()
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:

@@ -40,12 +40,18 @@ class ScriptedEngine:
         self.max_running = 0
         self.calls: list[tuple[str, ContextSettings]] = []
         self.lm_stages: list[str] = []
+        self.lm_texts: list[str] = []
         self.on_report = lambda stage, done: None  # what the test does at each progress report
         self._lock = threading.Lock()
 
     @property
     def lm(self):
-        self.lm_stages.append(self.worker.views()[-1].stage)
+        from app.render import stage_text
+
+        self.clock.now += 5  # loading takes 5 s on the fake clock
+        view = self.worker.views()[-1]
+        self.lm_stages.append(view.stage)
+        self.lm_texts.append(stage_text(view))
         self.model_loaded = True
         return object()
 
@@ -126,7 +132,7 @@ def test_the_model_loads_first_as_its_own_stage(store):
     try:
         job = worker.submit_bytes(TEXT, "guide.txt")
         assert worker.wait_idle(10)
-        assert engine.lm_stages == [LOADING]
+        assert engine.lm_stages == [LOADING] and engine.lm_texts == ["loading model (5 s so far)"]
         assert worker.view(job.id).status == "done"
     finally:
         worker.close()

@@ -114,3 +114,29 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path):
     finally:
         demo.close()
         demo.services.worker.close()
+
+
+def test_an_answer_abandoned_mid_stream_leaves_the_chat_consistent(tiny_lm, tmp_path):
+    """The browser closed while an answer streams: Gradio closes the turn's generator at its next piece. Nothing
+    half-written is recorded, the session's new-token buffers are reset, and the chat's next turn is answered
+    exactly as it would have been."""
+    from engine.serve.turns import EMPTY_ANSWER, RecordedTurn, Turns
+    from engine.session import Delta
+
+    path = tmp_path / "ferry.txt"
+    path.write_text(DOC)
+    engine = Engine(tmp_path / "cache", lm=tiny_lm)
+    report = engine.ingest(path)
+    turns = Turns(engine)
+    chat = engine.store.chats.create(report.doc_id, report.context_id)
+    stream = turns.answer(chat, report.context_id, "When does the ferry leave?", "squeeze", 0.5, 16)
+    assert isinstance(next(stream), Delta)
+    stream.close()  # what Gradio does when the browser goes away
+    assert engine.store.chats.turns(chat) == []
+    events = list(turns.answer(chat, report.context_id, "When does the ferry leave?", "squeeze", 0.5, 16))
+    recorded = events[-1]
+    assert isinstance(recorded, RecordedTurn) and not recorded.stopped
+    assert [t["question"] for t in engine.store.chats.turns(chat)] == ["When does the ferry leave?"]
+    alone = engine.ask(report.context_id, "When does the ferry leave?", "squeeze", 0.5, 16)
+    assert recorded.row["answer"] == (alone.text or EMPTY_ANSWER)
+    engine.store.close()
