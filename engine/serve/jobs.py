@@ -146,9 +146,10 @@ class IngestWorker:
             self._thread.join(timeout)
 
     def cancel(self, job_id: int) -> bool:
-        """Stop a queued or running job: it ends "cancelled" (its error CANCELLED), its context not ready (asking for the document again prepares it anew). A running ingest stops at its next progress
-        report (between chunks of its prefill, layers of its clustering, files of its saving); one that is
-        loading the model, when the model is loaded. False when the job is not active here."""
+        """Stop a queued or running job: it ends "cancelled" (its error CANCELLED), its context not ready (asking
+        for the document again prepares it anew). A running ingest stops at its next progress report (between
+        chunks of its prefill, layers of its clustering, files of its saving); one that is loading the model, when
+        the model is loaded. False when the job is not active here."""
         with self._cv:
             if job_id != self._current and job_id not in self._queue:
                 return False
