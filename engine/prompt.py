@@ -166,9 +166,10 @@ class TurnPrompt:
 
 
 def turn_ids(tokenizer, fmt: BasePrompt | ChatPrompt, question: str, history: Sequence[Exchange] = (),
-             limit: int = HISTORY_TOKENS) -> TurnPrompt:
+             limit: int = HISTORY_TOKENS, room: int | None = None) -> TurnPrompt:
     """The tokens after the fixed context for `question` after the chat's `history` (oldest first): the latest
-    exchanges whose tokens, beyond those of the question alone, fit `limit` (older ones dropped first)."""
+    exchanges whose tokens, beyond those of the question alone, fit `limit` and `room` (the tokens the model's
+    context has left for the turn's input; a question that does not fit it alone is refused)."""
     if not _clean(question):
         raise ValueError("the question is empty")
 
@@ -176,6 +177,11 @@ def turn_ids(tokenizer, fmt: BasePrompt | ChatPrompt, question: str, history: Se
         return list(tokenizer(fmt.turn_text(kept, question), add_special_tokens=False)["input_ids"])
 
     alone = encode(())
+    if room is not None:
+        if len(alone) > room:
+            raise ValueError(f"the question is {len(alone)} tokens; with this document and the answer's tokens the "
+                             f"model has room for {room}")
+        limit = min(limit, room - len(alone))
     for first in range(len(history)):  # the most history that fits
         ids = encode(history[first:])
         if len(ids) - len(alone) <= limit:

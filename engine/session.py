@@ -186,12 +186,8 @@ class ContextSession:
         lm = self.lm
         on_cuda = lm.device.type == "cuda"
         fmt = prompt_format(lm.tokenizer)
-        room = lm.max_context - self.fixed_len - max_new_tokens
-        alone = turn_ids(lm.tokenizer, fmt, question).ids.numel()
-        if alone > room:
-            raise ValueError(f"the question is {alone} tokens; with this document and {max_new_tokens} answer tokens "
-                             f"the model has room for {room}")
-        turn = turn_ids(lm.tokenizer, fmt, question, history, min(history_tokens, room - alone))
+        turn = turn_ids(lm.tokenizer, fmt, question, history, history_tokens,
+                        room=lm.max_context - self.fixed_len - max_new_tokens)
         recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, self.fixed_len, sync_cuda=on_cuda)
         step = self.step_context(method, sparsity, recorder)
         opts = options or GenerationOptions()

@@ -45,6 +45,9 @@ def test_base_format_puts_the_latest_exchanges_that_fit_before_the_question():
     last = len("\n\nQuestion: From which pier?\nAnswer: Pier 3.")  # bytes = tokens
     assert turn_ids(tok, fmt, "And the price?", HISTORY, limit=last).history == 1  # the oldest dropped first
     assert turn_ids(tok, fmt, "And the price?", HISTORY, limit=last - 1).ids.numel() == alone
+    assert turn_ids(tok, fmt, "And the price?", HISTORY, room=alone + last).history == 1  # the model's room too
+    with pytest.raises(ValueError, match="has room for"):
+        turn_ids(tok, fmt, "And the price?", room=alone - 1)
     with pytest.raises(ValueError, match="empty"):
         turn_ids(tok, fmt, "  \n ")
 

@@ -210,6 +210,31 @@ def open_model(shape: str | None, model: str | None, device: str, gpus: int = 1)
     return BenchModel(**{f.name: getattr(lm, f.name) for f in fields(lm)})
 
 
+def training_corpus(lm: LoadedModel, tokens: int) -> list[int]:
+    """`tokens` ids of training text: the corpus (engine.corpus) through the model's tokenizer, or random ids (seed
+    0) for a random-weight shape, which has none (what its training learns means nothing; its time is measured)."""
+    if lm.tokenizer is None:
+        g = torch.Generator().manual_seed(0)
+        return torch.randint(2, lm.model.config.vocab_size, (tokens,), generator=g).tolist()
+    from engine.corpus import corpus_ids
+
+    return corpus_ids(lm.tokenizer, tokens)
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or "cpu"."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def emit(doc: dict, out: str | None) -> None:
+    """A benchmark's JSON document on stdout, and into `out` when given."""
+    text = json.dumps(doc)
+    if out:
+        with open(out, "w") as f:
+            f.write(text + "\n")
+    print(text, flush=True)
+
+
 def context_ids(lm: LoadedModel, length: int, document: str | None) -> torch.Tensor:
     """[L] int64: the document's tokens (its first `length` at most) or `length` random ids (seed SEED)."""
     if document is None:
@@ -647,7 +672,7 @@ def run(args: argparse.Namespace) -> dict:
     questions = [int(x) for x in args.questions.split(",") if x]
     settings = ContextSettings()
     method_settings = parse_settings(args.set)
-    out: dict = {"bench": "e2e", "device": torch.cuda.get_device_name(device) if cuda else "cpu", "gpus": args.gpus,
+    out: dict = {"bench": "e2e", "device": device_name(device), "gpus": args.gpus,
                  **_versions(), "shape": args.shape if args.model is None else None, "model": args.model}
     _log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
     lm = open_model(args.shape, args.model, args.device, args.gpus)
@@ -767,11 +792,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--gpus {args.gpus}: needs --device cuda and that many GPUs "
                      f"({torch.cuda.device_count()} here)")
     result = run(args)
-    text = json.dumps(result)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
-    print(text, flush=True)
+    emit(result, args.out)
     return 1 if failed(result) else 0
 
 

@@ -10,13 +10,12 @@ through the layers after the first global one) is what is measured. `--model` ti
 from __future__ import annotations
 
 import argparse
-import json
 import time
 import zlib
 
 import torch
 
-from engine.bench.e2e import SHAPES, open_model, peak_gib, reset_peaks
+from engine.bench.e2e import SHAPES, device_name, emit, open_model, peak_gib, reset_peaks, training_corpus
 from engine.gate_data import GateData
 from engine.gates import GateTraining, train_gates
 
@@ -47,14 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     lm = open_model(None if args.model else args.shape, args.model, args.device)
-    if lm.tokenizer is None:
+    corpus = training_corpus(lm, 4 * args.max_tokens)
+    if lm.tokenizer is None:  # the passkeys and questions need one
         lm.tokenizer = WordIds(lm.model.config.vocab_size)
-        g = torch.Generator().manual_seed(0)
-        corpus = torch.randint(2, lm.model.config.vocab_size, (4 * args.max_tokens,), generator=g).tolist()
-    else:
-        from engine.corpus import corpus_ids
-
-        corpus = corpus_ids(lm.tokenizer, 4 * args.max_tokens)
     data = GateData(min_tokens=args.min_tokens, max_tokens=args.max_tokens, passkeys=args.passkeys, words=args.words)
     times: list[float] = []
     stamp = [0.0]
@@ -70,8 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp[0] = time.perf_counter()
     gates = train_gates(lm, GateTraining(steps=args.steps + 1, data=data), corpus, progress=step)
     timed = times[1:]  # the first step compiles and warms the allocator
-    doc = {"bench": "gates", "model": lm.model_id, "device": torch.cuda.get_device_name(lm.device)
-           if lm.device.type == "cuda" else "cpu", "weights": "random" if args.model is None else "real",
+    doc = {"bench": "gates", "model": lm.model_id, "device": device_name(lm.device), "weights": "random" if args.model is None else "real",
            "global_layers": len(lm.global_layers), "kv_heads": lm.num_kv_heads,
            "tokens": [args.min_tokens, args.max_tokens], "passkeys": args.passkeys, "words": args.words,
            "steps_timed": len(timed), "seconds_per_step": round(sum(timed) / max(1, len(timed)), 3),
@@ -79,11 +72,7 @@ def main(argv: list[str] | None = None) -> int:
            "seconds_for_2000_steps": round(2000 * sum(timed) / max(1, len(timed)), 1),
            "peak_gib": peak_gib(lm),
            "gates_mean": round(float(gates.mean()), 4)}
-    text = json.dumps(doc)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(doc, args.out)
     return 0
 
 

@@ -9,12 +9,11 @@ what is measured. `--model` trains a real model on the corpus (engine.corpus).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 
-from engine.bench.e2e import SHAPES, open_model, peak_gib, reset_peaks
+from engine.bench.e2e import SHAPES, device_name, emit, open_model, peak_gib, reset_peaks, training_corpus
 from engine.ingest import attention_scale
 from engine.partitions import PartitionTraining, imbalance, train_partitions
 from engine.rope import rope_frequencies
@@ -37,13 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     lm = open_model(None if args.model else args.shape, args.model, args.device)
     training = PartitionTraining(buckets=args.buckets, hidden=args.hidden, prompts=args.prompts, tokens=args.tokens,
                                  queries=args.queries, steps=args.steps, batch=args.batch)
-    if lm.tokenizer is None:
-        g = torch.Generator().manual_seed(0)
-        corpus = torch.randint(2, lm.model.config.vocab_size, (args.prompts * args.tokens,), generator=g).tolist()
-    else:
-        from engine.corpus import corpus_ids
-
-        corpus = corpus_ids(lm.tokenizer, args.prompts * args.tokens)
+    corpus = training_corpus(lm, args.prompts * args.tokens)
     layers = list(lm.global_layers)
     types = getattr(lm.config, "layer_types", None)
     inv_freq = {i: rope_frequencies(lm.model, types[i] if types else None, lm.head_dim) for i in layers}
@@ -70,18 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - start
     stages[last["stage"]] = stages.get(last["stage"], 0.0) + time.perf_counter() - last["t"]
     balance = bucket_balance(found)
-    doc = {"bench": "partitions", "model": lm.model_id, "device": torch.cuda.get_device_name(lm.device)
-           if lm.device.type == "cuda" else "cpu", "weights": "random" if args.model is None else "real",
+    doc = {"bench": "partitions", "model": lm.model_id, "device": device_name(lm.device), "weights": "random" if args.model is None else "real",
            "global_layers": len(layers), "kv_heads": lm.num_kv_heads, "head_dim": lm.head_dim,
            "settings": training.__dict__, "seconds": round(total, 1),
            "stages_s": {k: round(v, 1) for k, v in stages.items()},
            "loss_first_last": [round(losses[0], 4), round(losses[-1], 4)] if losses else None,
            "peak_gib": peak_gib(lm), **balance}
-    text = json.dumps(doc)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    print(text)
+    emit(doc, args.out)
     return 0
 
 

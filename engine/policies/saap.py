@@ -25,13 +25,12 @@ import torch
 import torch.nn.functional as F
 
 from engine.artifacts import layer_name
-from engine.partitions import PARAMS, PartitionTraining, StepReport, init_weights, recent_window
+from engine.partitions import PARAMS, PartitionTraining, StepReport, bucket_labels, init_weights, recent_window
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Preparation,
                                   StepPlan, Tensors, check_budget)
 from engine.policies.budget import budget_curves
 from engine.rope import derope
 from kernels.backend import Backend
-from kernels.dispatch import backend_for
 from kernels.layout import ClusterLayout, group_starts
 
 TRAINING_PREFIX = "train_"
@@ -151,7 +150,7 @@ class SaapPolicy(Method):
         c = centroids.shape[1]
         positions = torch.arange(layer.first, layer.first + lc, device=device)
         points = derope(keys, positions, prepared["inv_freq"])
-        labels, _ = backend_for(device).kernel("assign").nearest_centroid(points, centroids)
+        labels = bucket_labels(points, centroids)
         recent = min(lc, recent_window(layer.first + lc + layer.tail))
         labels[:, lc - recent:] = c  # the dense part: the last W indexed tokens ...
         if layer.first == 0:
