@@ -157,8 +157,8 @@ def test_generation_over_cache_equals_plain_greedy(ctx):
 
 def test_session_turns_leave_fixed_context_unchanged(ctx):
     """A turn's new tokens are dropped afterwards: asking twice gives the same logits, the fixed part stays."""
+    first = ctx.session.logits(QUESTION, "full")  # (arranges the K/V in their original order: whatever ran before)
     before = [(layer.fixed_keys.clone(), layer.fixed_len) for layer in ctx.session.cache.layers]
-    first = ctx.session.logits(QUESTION, "full")
     ctx.session.ask("What was the toll?", "squeeze", HIGH_SPARSITY, max_new_tokens=3)
     torch.testing.assert_close(ctx.session.logits(QUESTION, "full"), first, atol=0, rtol=0)
     for layer, (keys, length) in zip(ctx.session.cache.layers, before):
