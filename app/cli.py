@@ -31,10 +31,13 @@ SHOWN_VALUES = 64  # an artifact of at most this many values is printed whole by
 
 
 def _engine(args):
+    """The engine of the command's cache and model (the model loads when first needed, each step on stderr)."""
     from engine.serve.service import Engine  # noqa: PLC0415 - keep `squeeze --help` fast
 
+    report = _progress(not args.quiet)
     return Engine(args.cache_dir, model=args.model, device=args.device, compile=args.compile,
-                  methods=_method_settings(args))
+                  methods=_method_settings(args),
+                  load_progress=lambda step, done, total: report(f"loading model: {step}", done, total))
 
 
 # Short names kept for the settings that had them before each method had its own (--squeeze-centroid-ratio, ...).
@@ -78,11 +81,11 @@ def _method_options() -> argparse.ArgumentParser:
 
 
 def cmd_ingest(args) -> int:
-    engine = _engine(args)
     methods = [m for m in args.methods.split(",") if m]
     unknown = [m for m in methods if m not in SPARSE_METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(SPARSE_METHODS)}")
+    engine = _engine(args)
     report = engine.ingest(args.path, truncate=args.truncate, progress=_progress(not args.quiet), methods=methods)
     out = report.to_json()
     print(json.dumps(out) if args.json else
@@ -96,12 +99,12 @@ def cmd_ask(args) -> int:
     from engine.serve.turns import EMPTY_ANSWER  # noqa: PLC0415
     from engine.session import Answer, Delta  # noqa: PLC0415
 
+    options = GenerationOptions(temperature=args.temperature, top_p=args.top_p,  # (refused before the model loads)
+                                repetition_penalty=args.repetition_penalty, seed=args.seed)
     engine = _engine(args)
     progress = _progress(not args.quiet)
     context_id = engine.resolve(args.doc, truncate=args.truncate, progress=progress)
     answer = None
-    options = GenerationOptions(temperature=args.temperature, top_p=args.top_p,
-                                repetition_penalty=args.repetition_penalty, seed=args.seed)
     for event in engine.stream(context_id, args.question, args.method, args.sparsity, args.max_new_tokens,
                                progress=progress, options=options):
         if isinstance(event, Delta) and not args.json:

@@ -46,7 +46,7 @@ def format_seconds(seconds: float | None) -> str:
 def time_left(eta_s: float | None, stage: str | None = None) -> str:
     """'about 12 s left', or why there is no estimate yet."""
     if stage == LOADING:
-        return "loading the model first (about a minute on the first run), time left not known yet"
+        return "the time left is known once the model is loaded (the first run of a model takes longest)"
     if eta_s is None:
         return "estimating the time left"
     return f"about {format_seconds(eta_s)} left"
@@ -56,18 +56,26 @@ def stage_text(view) -> str:
     """'prefill 2048/3970 tokens' for a JobView."""
     if view.status == "queued":
         if view.stage == LOADING:  # the worker loads the model before its first job
-            return "waiting for the model to load" + (f" (position {view.position})" if view.position > 1 else "")
+            return ("waiting for the model to load" + (f" (position {view.position})" if view.position > 1 else "")
+                    + (f": {load_step_text(view)}" if view.detail else ""))
         return f"queued (position {view.position})" if view.position else "queued"
     if view.status == "done":
         return "ready (from the cache)" if view.cached else "ready"
     if view.status in ("failed", "cancelled"):
         return view.status
+    if view.stage == LOADING and view.detail:
+        return f"loading model: {load_step_text(view)}, {format_seconds(view.elapsed_s)} so far"
     if view.stage == LOADING and (view.elapsed_s or 0) >= 1:
         return f"loading model ({format_seconds(view.elapsed_s)} so far)"
     label = STAGE_LABELS.get(view.stage, view.stage)
     if view.total > 1 or view.stage in STAGE_UNITS:
         return f"{label} {view.done}/{view.total} {STAGE_UNITS.get(view.stage, '')}".rstrip()
     return label
+
+
+def load_step_text(view) -> str:
+    """'loading the weights (step 5 of 5)' for a JobView of a job waiting on the model's load."""
+    return f"{view.detail} (step {min(view.done + 1, view.total)} of {view.total})"
 
 
 def job_html(view, error_text: str | None = None) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,24 @@ from engine.attention import register
 from engine.catalog import EMBEDDED_MODEL  # noqa: F401 - (re-exported: its home before the catalog)
 
 DEVICES = ("auto", "cpu", "cuda")
+# The steps of a load, as reported to `load_model(progress=)`: (step, steps done, steps in all), before each step.
+STEP_GGUF_TOKENIZER = "reading the tokenizer from the GGUF file"
+STEP_DEQUANTIZE = "dequantizing the weights (first run only)"
+STEP_SAVE = "saving the dequantized model"
+STEP_TOKENIZER = "loading the tokenizer"
+STEP_WEIGHTS = "loading the weights"
+STEP_TO_GPU = "moving the weights to the GPU"
+STEP_DONE = "loaded"  # (reported last, with every step done)
+LoadProgress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True)
+class LoadStep:
+    """Where a load stands: `name` (a STEP_*) is under way, `done` of `total` steps are finished."""
+
+    name: str
+    done: int
+    total: int
 
 
 class ModelLoadError(RuntimeError):
@@ -121,18 +140,22 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def _convert_embedded(gguf: Path, target: Path) -> None:
+def _convert_embedded(gguf: Path, target: Path, step: Callable[[str], None]) -> None:
     """Dequantize the GGUF once into a safetensors model directory (loads in seconds instead of a minute).
 
     Written to a temporary sibling directory, then renamed, so a crash leaves no half-written model.
+    step: called with each step's name (STEP_GGUF_TOKENIZER, STEP_DEQUANTIZE, STEP_SAVE) as it begins.
     """
     import shutil  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
     from safetensors.torch import save_model  # noqa: PLC0415
 
+    step(STEP_GGUF_TOKENIZER)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    step(STEP_DEQUANTIZE)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    step(STEP_SAVE)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
     try:
@@ -149,13 +172,26 @@ def _convert_embedded(gguf: Path, target: Path) -> None:
         raise
 
 
+class _Steps:
+    """Reports a load's steps in order to a LoadProgress: (the step beginning, steps done, steps in all)."""
+
+    def __init__(self, names: list[str], progress: LoadProgress | None):
+        self.names, self.progress, self.done = names, progress, 0
+
+    def __call__(self, name: str) -> None:
+        if self.progress is not None:
+            self.progress(name, self.done, len(self.names))
+        self.done += 1
+
+
 def layer_devices(model: torch.nn.Module) -> list[torch.device]:
     """Per decoder layer, the device of its weights (accelerate's device_map may spread them over several)."""
     return [next(layer.parameters()).device for layer in model.get_decoder().layers]
 
 
 def load_model(name: str | None = None, device: str = "auto", convert_dir: Path | None = None,
-               max_memory: dict[int | str, int | str] | None = None) -> LoadedModel:
+               max_memory: dict[int | str, int | str] | None = None,
+               progress: LoadProgress | None = None) -> LoadedModel:
     """Load `name` (a transformers model id or local path; None or "embedded" = the embedded Gemma 3 270M).
 
     convert_dir: where the embedded GGUF is dequantized once into safetensors (None: dequantize at every load).
@@ -164,6 +200,9 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
     max_memory: with device="auto" only, accelerate's per-device budget for the weights, e.g. {0: "10GiB", 1: "70GiB"}
     (GPU index or "cpu" -> bytes or a size string); None lets accelerate balance the weights over the free memory.
     Ignored when "auto" falls back to the CPU.
+    progress: told each step as it begins, as (step, steps done, steps in all) (the STEP_* names; the first run of
+    the embedded model has three more: reading the GGUF, dequantizing, saving), and (STEP_DONE, all, all) at the
+    end.
     """
     if max_memory is not None and device != "auto":
         raise ValueError(f"max_memory applies to device='auto' only, not device={device!r}")
@@ -176,10 +215,15 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
         if max_memory is not None:
             kwargs["max_memory"] = max_memory
     model_id = model_id_for(name)
+    converted = None
     if is_embedded(name) and convert_dir is not None:
         converted = Path(convert_dir) / model_id.replace("@", "-")
-        if not (converted / "model.safetensors").exists():
-            _convert_embedded(_embedded_path(), converted)
+    convert = converted is not None and not (converted / "model.safetensors").exists()
+    steps = _Steps([STEP_GGUF_TOKENIZER, STEP_DEQUANTIZE, STEP_SAVE] * convert + [STEP_TOKENIZER, STEP_WEIGHTS]
+                   + [STEP_TO_GPU] * (device == "cuda"), progress)
+    if converted is not None:
+        if convert:
+            _convert_embedded(_embedded_path(), converted, steps)
         source, tok_kwargs = str(converted), {}
     elif is_embedded(name):
         path = _embedded_path()
@@ -187,13 +231,18 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
     else:
         source, tok_kwargs = name, {}
     try:
+        steps(STEP_TOKENIZER)
         tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+        steps(STEP_WEIGHTS)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model {name or EMBEDDED_MODEL!r}: {str(exc).splitlines()[0]}") from exc
     if device == "cuda":
+        steps(STEP_TO_GPU)
         model = model.to("cuda")
     model.eval()
+    if progress is not None:
+        progress(STEP_DONE, len(steps.names), len(steps.names))
     return LoadedModel(
         model=model,
         tokenizer=tokenizer,

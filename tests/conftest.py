@@ -14,9 +14,18 @@ from engine.model import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")
-def real_lm(tmp_path_factory) -> LoadedModel:
-    """The embedded Gemma 3 270M on the CPU (float32), dequantized once into a session temp dir."""
-    return load_model(None, "cpu", convert_dir=tmp_path_factory.mktemp("models"))
+def real_lm_load(tmp_path_factory) -> tuple[LoadedModel, list[tuple[str, int, int]]]:
+    """The embedded Gemma 3 270M on the CPU (float32), dequantized once into a session temp dir (a first run),
+    with the steps its load reported."""
+    steps: list[tuple[str, int, int]] = []
+    lm = load_model(None, "cpu", convert_dir=tmp_path_factory.mktemp("models"),
+                    progress=lambda *step: steps.append(step))
+    return lm, steps
+
+
+@pytest.fixture(scope="session")
+def real_lm(real_lm_load) -> LoadedModel:
+    return real_lm_load[0]
 
 
 @pytest.fixture(scope="module")

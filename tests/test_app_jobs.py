@@ -4,10 +4,12 @@ left, one job at a time, errors in plain words, recovery of interrupted jobs. No
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from engine.config import ContextSettings
+from engine.model import STEP_TOKENIZER, STEP_WEIGHTS, LoadStep
 from engine.serve.jobs import CANCELLED, DEFAULT_STAGE_SHARE, LOADING, STAGES, IngestWorker, document_id
 from engine.prompt import DocumentTooLongError
 from engine.serve.service import IngestReport
@@ -34,6 +36,7 @@ class ScriptedEngine:
         self.store, self.clock, self.fail, self.gate = store, clock, fail, gate
         self.model_id = "scripted"
         self.model_loaded = False
+        self.load_step: LoadStep | None = None
         self.worker: IngestWorker | None = None
         self.snapshots: list = []
         self.running = 0
@@ -48,10 +51,13 @@ class ScriptedEngine:
     def lm(self):
         from app.render import stage_text
 
-        self.clock.now += 5  # loading takes 5 s on the fake clock
-        view = self.worker.views()[-1]
-        self.lm_stages.append(view.stage)
-        self.lm_texts.append(stage_text(view))
+        for done, step in enumerate((STEP_TOKENIZER, STEP_WEIGHTS)):  # as Engine.lm: the load's steps, 5 s each
+            self.load_step = LoadStep(step, done, 2)
+            self.clock.now += 5
+            view = self.worker.views()[-1]
+            self.lm_stages.append(view.stage)
+            self.lm_texts.append(stage_text(view))
+        self.load_step = None
         self.model_loaded = True
         return object()
 
@@ -132,7 +138,9 @@ def test_the_model_loads_first_as_its_own_stage(store):
     try:
         job = worker.submit_bytes(TEXT, "guide.txt")
         assert worker.wait_idle(10)
-        assert engine.lm_stages == [LOADING] and engine.lm_texts == ["loading model (5 s so far)"]
+        assert engine.lm_stages == [LOADING, LOADING]
+        assert engine.lm_texts == ["loading model: loading the tokenizer (step 1 of 2), 5 s so far",
+                                   "loading model: loading the weights (step 2 of 2), 10 s so far"]
         assert worker.view(job.id).status == "done"
     finally:
         worker.close()
@@ -282,7 +290,7 @@ def test_a_queued_preparation_is_cancelled_before_it_starts(store):
 
 def test_jobs_queued_while_the_model_preloads_say_so(store):
     """A worker that loads the model at start-up: a job submitted meanwhile reads "waiting for the model to
-    load", not a bare queue position."""
+    load" and the load's step, not a bare queue position."""
     from app.render import stage_text
 
     gate = threading.Event()
@@ -290,7 +298,9 @@ def test_jobs_queued_while_the_model_preloads_say_so(store):
     class SlowModel(ScriptedEngine):
         @property
         def lm(self):
+            self.load_step = LoadStep(STEP_WEIGHTS, 1, 2)
             assert gate.wait(10)
+            self.load_step = None
             self.model_loaded = True
             return object()
 
@@ -299,9 +309,12 @@ def test_jobs_queued_while_the_model_preloads_say_so(store):
     engine.worker = worker
     try:
         job = worker.submit_bytes(TEXT, "guide.txt")
+        deadline = time.monotonic() + 10
+        while engine.load_step is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         view = worker.view(job.id)
-        assert (view.status, view.stage) == ("queued", LOADING)
-        assert stage_text(view) == "waiting for the model to load"
+        assert (view.status, view.stage, view.done, view.total) == ("queued", LOADING, 1, 2)
+        assert stage_text(view) == "waiting for the model to load: loading the weights (step 2 of 2)"
         gate.set()
         assert worker.wait_idle(10) and worker.view(job.id).status == "done"
     finally:

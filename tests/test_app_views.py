@@ -183,8 +183,9 @@ def test_small_formatters():
     assert render.time_left(12.4) == "about 12 s left"
     assert render.time_left(None) == "estimating the time left"
     assert render.format_seconds(600) == "10 min"
-    view = JobView(id=1, name="a.pdf", doc_id="ab", context_id=None, status="failed", stage="failed", done=0,
-                   total=0, fraction=0.0, eta_s=None, elapsed_s=1.0, position=0, tokens=None, pages=None, cached=False,
+    view = JobView(id=1, name="a.pdf", doc_id="ab", context_id=None, status="failed", stage="failed", detail=None,
+                   done=0, total=0, fraction=0.0, eta_s=None, elapsed_s=1.0, position=0, tokens=None, pages=None,
+                   cached=False,
                    error="a.pdf: not a PDF file (no %PDF header)", error_kind="document", settings={},
                    methods=("squeeze",))
     html = render.jobs_html([view])

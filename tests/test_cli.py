@@ -57,6 +57,17 @@ def test_ingest_ask_list_delete(tiny, capsys):
     assert json.loads(out) == []
 
 
+def test_progress_tells_the_model_load_then_the_ingest(tiny, capsys, tmp_path):
+    model, root = tiny
+    code, _, err = run(capsys, "ingest", str(root / "doc.txt"), "--model", str(model), "--device", "cpu",
+                       "--cache-dir", str(tmp_path / "cache"))
+    lines = [line.split("] ", 1)[1] for line in err.splitlines() if line.startswith("[")]
+    loading = [line for line in lines if line.startswith("loading model")]
+    assert code == 0 and loading == ["loading model: loading the tokenizer 0/2",
+                                     "loading model: loading the weights 1/2", "loading model: loaded 2/2"]
+    assert lines.index(loading[-1]) < lines.index(f"prefill 0/{len(DOC.strip()) + 1}")
+
+
 def test_errors_are_one_line(tiny, capsys, tmp_path):
     model, root = tiny
     common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path), "--quiet"]

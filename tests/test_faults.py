@@ -1,11 +1,12 @@
 """Faults a server meets: the disk fills up during an ingest (a clear error, no half-written context, the cache still
 opens, the next ingest completes), and several users at once (four sessions on two documents through the app's API:
-each answer is its own document's and chat's, nothing lost)."""
+the waiting ones told their place in the queue, each answer its own document's and chat's, nothing lost)."""
 
 from __future__ import annotations
 
 import errno
 import threading
+import time
 
 import pytest
 from tiny_models import make_tiny_model
@@ -57,16 +58,20 @@ def test_a_full_disk_during_an_ingest_leaves_no_half_written_context(tiny_lm, tm
     again.store.close()
 
 
-def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path):
+def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path, monkeypatch):
     """Four browser sessions (gradio_client), two per document, each asking two questions in its own chat, all at
-    once: every turn is recorded in its own session's chat, on its own document, answered as the engine answers
-    that question after that chat's first turn; nothing is lost."""
+    once. The model answers one turn at a time: while the first turn is held, the other three wait in the queue
+    and each is told its place (what the browser shows as "queue: 2/3" in the chat). Then every turn is recorded
+    in its own session's chat, on its own document, answered as the engine answers that question after that
+    chat's first turn; nothing is lost."""
     from gradio_client import Client
+    from gradio_client.utils import Status
 
     from app.config import AppConfig
     from app.demo import build_demo, launch_kwargs
     from engine.prompt import Exchange
     from engine.serve.jobs import IngestWorker
+    from engine.serve.turns import Turns
     from test_app import free_port
 
     engine = Engine(tmp_path / "cache", lm=tiny_lm)
@@ -74,21 +79,30 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path):
     for name, text in (("ferry.txt", DOC), ("lighthouse.txt", "Callow Head Light was first lit in 1847. " * 12)):
         (tmp_path / name).write_text(text)
         docs[name] = engine.ingest(tmp_path / name).doc_id
+    gate, real_answer = threading.Event(), Turns.answer
+
+    def held_answer(self, *args, **kwargs):  # a turn starts answering once the test lets it
+        assert gate.wait(120)
+        yield from real_answer(self, *args, **kwargs)
+
+    monkeypatch.setattr(Turns, "answer", held_answer)
     cfg = AppConfig(poll_s=0.5, max_new_tokens=8)
     demo = build_demo(engine, engine.store, worker=IngestWorker(engine), config=cfg)
     _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
                             **launch_kwargs(cfg))
     plan = [("ferry.txt", "When does it leave?"), ("ferry.txt", "How much is a ticket?"),
             ("lighthouse.txt", "When was it lit?"), ("lighthouse.txt", "Who built it?")]
-    errors, chats = [], {}
+    errors, chats, jobs = [], {}, {}
+    ask = ("squeeze", 80, 0.05, 0.01, False, 8, 0.0, 1.0, 1.0)
 
     def session(i: int, name: str, question: str) -> None:
         try:
             client = Client(url, verbose=False)
             client.predict(docs[name], "squeeze", 80, api_name="/open_document")
             client.predict(api_name="/new_chat")
-            for q in (question, "And then?"):
-                client.predict(q, [], "squeeze", 80, 0.05, 0.01, False, 8, 0.0, 1.0, 1.0, api_name="/ask")
+            jobs[i] = client.submit(question, [], *ask, api_name="/ask")
+            jobs[i].result(timeout=300)
+            client.predict("And then?", [], *ask, api_name="/ask")
         except Exception as exc:  # noqa: BLE001 - reported below
             errors.append(f"session {i}: {exc!r}")
 
@@ -96,9 +110,20 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path):
         threads = [threading.Thread(target=session, args=(i, *p)) for i, p in enumerate(plan)]
         for t in threads:
             t.start()
+        deadline, places = time.monotonic() + 120, None
+        while time.monotonic() < deadline and not errors:
+            statuses = [job.status() for job in list(jobs.values())]
+            waiting = [s for s in statuses if s.code == Status.IN_QUEUE]
+            if len(statuses) == 4 and len(waiting) == 3:
+                places = sorted((s.rank, s.queue_size) for s in waiting)
+                break
+            time.sleep(0.05)
+        gate.set()
         for t in threads:
             t.join(300)
         assert not errors, errors
+        # each waiting session told its own place, and the queue's length when it last heard (it joined after others)
+        assert [rank for rank, _ in places] == [0, 1, 2] and all(rank < size <= 3 for rank, size in places)
         for name, doc_id in docs.items():
             for chat in engine.store.chats.list(doc_id):
                 turns = engine.store.chats.turns(chat["id"])
@@ -112,6 +137,7 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path):
             want = engine.ask(ctx, "And then?", "squeeze", 0.8, 8, history=[Exchange(question, turns[0]["answer"])])
             assert turns[1]["answer"] == want.text or not want.text  # (an empty answer is recorded as such)
     finally:
+        gate.set()
         demo.close()
         demo.services.worker.close()
 

@@ -15,6 +15,7 @@ from tiny_models import gates_for
 from engine.config import ContextSettings
 from engine.policies import SPARSE_METHODS, build_order, make_method
 from engine.ingest import ingest_tokens
+from engine.model import STEP_DEQUANTIZE, STEP_DONE, STEP_GGUF_TOKENIZER, STEP_SAVE, STEP_TOKENIZER, STEP_WEIGHTS
 from engine.bench.passkey import PASSKEY_QUESTION, insert_passkey
 from engine.prompt import question_ids, tokenize_document
 from engine.session import ContextSession
@@ -99,6 +100,14 @@ def answers_at_85(passkey_sessions):
             cache[depth, method] = passkey_sessions[depth].ask(PASSKEY_QUESTION, method, SPARSITY, max_new_tokens=12)
         return cache[depth, method]
     return ask
+
+
+def test_a_first_load_reports_its_steps(real_lm_load):
+    """The first load of the embedded model (its GGUF not yet dequantized) reports each step as it begins, then
+    the end: what the app shows while the model loads."""
+    _, steps = real_lm_load
+    names = [STEP_GGUF_TOKENIZER, STEP_DEQUANTIZE, STEP_SAVE, STEP_TOKENIZER, STEP_WEIGHTS]
+    assert steps == [(name, done, 5) for done, name in enumerate(names)] + [(STEP_DONE, 5, 5)]
 
 
 def test_shipped_document_is_about_4k_tokens(passkey_sessions):

@@ -67,7 +67,8 @@ class JobView:
     seconds left (None: unknown), `position` in the queue (0: running or finished).
 
     status: "queued" | "running" | "done" | "failed"
-    stage: LOADING, one of STAGES, or "queued"/"ready"/"failed"; done/total count the stage's units
+    stage: LOADING, one of STAGES, or "queued"/"ready"/"failed"; done/total count the stage's units (while the
+    model loads: its load's steps, `detail` naming the one under way; engine.model.LoadStep)
     error_kind: "document" (the file cannot be read), "too_long", or "internal"; error is one plain line
     """
 
@@ -77,6 +78,7 @@ class JobView:
     context_id: str | None
     status: str
     stage: str
+    detail: str | None
     done: int
     total: int
     fraction: float
@@ -248,10 +250,12 @@ class IngestWorker:
 
     def _view(self, row: dict, known: dict[int, dict], now: float) -> JobView:
         queued_here = row["status"] == "queued" and row["id"] in self._queue
+        stage = LOADING if queued_here and self._preloading else row["stage"]
+        step = self.engine.load_step if stage == LOADING and row["status"] in ACTIVE else None
         return JobView(
             id=row["id"], name=row["name"], doc_id=row["doc_id"], context_id=row["context_id"],
-            status=row["status"], stage=LOADING if queued_here and self._preloading else row["stage"],
-            done=row["done"], total=row["total"],
+            status=row["status"], stage=stage, detail=None if step is None else step.name,
+            done=row["done"] if step is None else step.done, total=row["total"] if step is None else step.total,
             fraction=self._fraction(row), eta_s=self._eta(row, known, now), elapsed_s=self._elapsed(row, now),
             position=self._queue.index(row["id"]) + 1 if queued_here else 0, tokens=row["tokens"],
             pages=row["pages"], cached=row["cached"], error=row["error"], error_kind=row["error_kind"],

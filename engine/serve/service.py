@@ -14,7 +14,7 @@ from engine.catalog import default_cache_dir
 from engine.compiled import compile_layers
 from engine.config import ContextSettings
 from engine.ingest import ingest_tokens
-from engine.model import EMBEDDED_MODEL, LoadedModel, ModelLoadError, load_model, model_id_for
+from engine.model import EMBEDDED_MODEL, LoadedModel, LoadStep, ModelLoadError, load_model, model_id_for
 from engine.policies import REGISTRY, Method, MethodSettings, Preparation, Tensors, build_order, make_method
 from engine.policies.budget import CALIBRATION_VERSION
 from engine.prompt import Exchange, prompt_format, tokenize_document
@@ -56,12 +56,14 @@ class Engine:
 
     cache_dir: where the SQLite index and the tensors live; model: None for the embedded Gemma 3 270M;
     methods: each method's settings (its Settings or a dict of their fields; the others at their defaults): a
-    method's index of a context is (re)built with these when it is missing or was built with others.
+    method's index of a context is (re)built with these when it is missing or was built with others;
+    load_progress: told each step of the model's load as (step, done, total) (the CLI prints them; the app's jobs
+    read `load_step`).
     """
 
     def __init__(self, cache_dir: str | Path | None = None, model: str | None = None, device: str = "auto",
                  backend: str | None = None, lm: LoadedModel | None = None, compile: bool = False,
-                 methods: Mapping[str, MethodSettings | dict] | None = None):
+                 methods: Mapping[str, MethodSettings | dict] | None = None, load_progress: Progress | None = None):
         self.store = Store(Path(cache_dir) if cache_dir else default_cache_dir())
         self.store.jobs.recover_interrupted()
         self.model_name, self.device_name, self.backend_name = model, device, backend
@@ -75,18 +77,35 @@ class Engine:
         self._stored: set[tuple] = set()  # keys of _prepared seen in the store (a status poll asks once)
         self._lm = lm
         self._lm_lock = threading.Lock()  # the app loads the model from a worker thread and from request threads
+        self.load_step: LoadStep | None = None  # while the model loads: the step under way (for progress views)
+        self.load_progress = load_progress  # told each step of the model's load, whoever loads it
         self._device_lock = threading.RLock()  # building a method's index and answering share the open context
         self._session: tuple[str, ContextSession] | None = None
 
     @property
     def lm(self) -> LoadedModel:
+        return self._lm if self._lm is not None else self.load()
+
+    def load(self) -> LoadedModel:
+        """The model, loaded now if it is not yet (the first time, a minute or more: see engine.model.load_model).
+        While it loads, `load_step` says where it stands, and `load_progress` is told each step as (step, done,
+        total)."""
         if self._lm is None:
             with self._lm_lock:
                 if self._lm is None:
-                    lm = load_model(self.model_name, self.device_name, convert_dir=self.store.root / "models")
-                    if self.compile:
-                        compile_layers(lm)
-                    self._lm = lm
+                    def report(step: str, done: int, total: int) -> None:
+                        self.load_step = LoadStep(step, done, total)
+                        if self.load_progress is not None:
+                            self.load_progress(step, done, total)
+
+                    try:
+                        lm = load_model(self.model_name, self.device_name, convert_dir=self.store.root / "models",
+                                        progress=report)
+                        if self.compile:
+                            compile_layers(lm)
+                        self._lm = lm
+                    finally:
+                        self.load_step = None
         return self._lm
 
     @property
