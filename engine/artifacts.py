@@ -2,7 +2,7 @@
 
     tokens, offsets                     the fixed context's token ids and their character offsets
     layer{i}.keys, layer{i}.values      layer i's fixed K/V [Hkv, Lkept, D] (original order)
-    layer{i}.calib_queries              a global layer's calibration queries [Hq, tail, D]
+    layer{i}.calib_queries              a global layer's calibration queries [Hq, n, D]
     {method}.layer{i}.{name}            a method's index of global layer i
     {method}.calib.{name}               a method's calibration
 A model-level artifact of a method (learned once per model, stored apart from documents) is `layer{i}.{name}` or

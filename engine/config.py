@@ -7,7 +7,13 @@ from dataclasses import asdict, dataclass
 
 from engine.fixed_rows import FixedRows
 
-DEFAULT_DENSE_TAIL = 100  # last context tokens: kept dense, and their queries calibrate the methods (paper, app. C)
+# Last context tokens read densely by every step: 32, apart from the 100 of the calibration. On 2-4K-token documents
+# a tail of 100 took 2.5-5 points of a 10% budget; at 32 `squeeze eval` on the embedded model agrees better with full
+# attention at 10% (squeeze: top-1 83% -> 89%, KL 0.21 -> 0.15, recall 0.737 -> 0.759, needles 20% -> 30%) and
+# the shipped passkey holds (10/12 cells, 9/12 at 100); 16 found more needles (60%) but lost the passkey in 5/12
+# cells (engine/NOTES.md, "The dense tail").
+DEFAULT_DENSE_TAIL = 32
+DEFAULT_CALIBRATION = 100  # last context tokens whose queries calibrate the methods (the paper's app. C)
 # First context tokens kept dense: the attention sink (engine.fixed_rows). Off by default: one sink token improves
 # `squeeze eval` on the embedded model (KL to full attention at a 20% budget 0.110 -> 0.046 for squeeze, 0.125 -> 0.049
 # for hsqueeze; engine/bench/results/cpu-eval-sink1.json) but loses the shipped passkey at depth 0.1 with hsqueeze at
@@ -24,17 +30,22 @@ SPARSITY_GRID = (0.0, 0.3, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.925, 0.95, 0.9
 class ContextSettings:
     """How a document becomes a context, whatever the methods.
 
-    dense_tail: last context tokens every method reads densely; their queries are the calibration queries
+    dense_tail: last context tokens every method reads densely
     sink: first context tokens every method reads densely (the attention sink; 0: none). Both are stored after
         the indexed rows of a global layer's K/V: engine.fixed_rows
+    calibration: last context tokens whose queries are the calibration queries (they may reach past the dense
+        tail, into the indexed tokens)
     """
 
     dense_tail: int = DEFAULT_DENSE_TAIL
     sink: int = DEFAULT_SINK
+    calibration: int = DEFAULT_CALIBRATION
 
     def __post_init__(self) -> None:
         if self.dense_tail < 1:
             raise ValueError(f"dense_tail must be at least 1, got {self.dense_tail}")
+        if self.calibration < 1:
+            raise ValueError(f"calibration must be at least 1, got {self.calibration}")
         if self.sink < 0:
             raise ValueError(f"sink must be at least 0, got {self.sink}")
 
@@ -49,5 +60,6 @@ class ContextSettings:
     @classmethod
     def from_dict(cls, data: dict) -> "ContextSettings":
         """Back from `as_dict` (the version fields and unknown keys are ignored; a context stored before the sink
-        existed has none)."""
-        return cls(**{"sink": 0, **{k: v for k, v in data.items() if k in cls.__dataclass_fields__}})
+        existed has none, and one stored before `calibration` existed was calibrated by its dense tail's queries)."""
+        fields = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        return cls(**{"sink": 0, "calibration": fields.get("dense_tail", DEFAULT_DENSE_TAIL), **fields})

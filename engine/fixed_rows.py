@@ -11,7 +11,7 @@ so that "the dense rows" is one range at the end, the one the sparse kernels alr
 StreamingLLM: the first tokens take a large share of most heads' weight (on the embedded Gemma 3 270M, 35-43% of
 a decode step's weight at every global layer falls on the first token), so a selection that misses them distorts
 every step it serves; a few rows cost nothing beside a budget (engine.config's DEFAULT_SINK says how many, and
-why). The tail's queries are the calibration queries.
+why). The calibration queries are the last tokens' (engine.config.ContextSettings.calibration), tail or not.
 Sliding-window layers keep their last window in token order (no index, no sink).
 """
 
@@ -25,7 +25,7 @@ import torch
 @dataclass(frozen=True)
 class FixedRows:
     """tokens: L, the fixed context's length; sink: its first tokens read densely; tail: its last tokens read
-    densely (whose queries calibrate the methods)."""
+    densely."""
 
     tokens: int
     sink: int

@@ -41,16 +41,16 @@ class IngestOutput:
     rows: FixedRows
 
 
-def prefill(lm: LoadedModel, ids: torch.Tensor, tail: int, backend: Backend,
+def prefill(lm: LoadedModel, ids: torch.Tensor, calibration: int, backend: Backend,
             progress: Progress = _no_progress, chunk: int = PREFILL_CHUNK) -> tuple[FixedContextCache, QueryCapture]:
     """Run the fixed context through the model in chunks. ids: [L] int64.
 
     Returns the cache (fixed K/V of every layer, sliding layers trimmed to their window) and the captured queries
-    of the last `tail` positions at the global layers.
+    of the last `calibration` positions at the global layers.
     """
     total = ids.numel()
     cache = FixedContextCache.empty(lm.sliding_windows, capacity=total)  # global layers' K/V allocated once
-    capture = QueryCapture(start=total - tail, queries={})
+    capture = QueryCapture(start=max(0, total - calibration), queries={})
     step = StepContext(cache=cache, method=make_method("full"), plan=StepPlan(1.0), backend=backend, capture=capture)
     progress("prefill", 0, total)
     with torch.inference_mode():
@@ -154,14 +154,14 @@ def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings,
                   methods: list[Method] | None = None, progress: Progress = _no_progress,
                   on_artifact: OnArtifact = _no_artifact, prepared: dict[str, Tensors] | None = None) -> IngestOutput:
     """From token ids to a context's artifacts: per layer `layer{i}.keys` / `.values` [Hkv, Lkept, D], per global
-    layer `.calib_queries` [Hq, tail, D], and the indexes and calibrations of `methods` (in build order;
+    layer `.calib_queries` [Hq, n, D] (the last settings.calibration tokens'), and the indexes and calibrations of `methods` (in build order;
     engine.policies.build_order; None: none, a context that full attention reads).
 
     on_artifact: called once per artifact as soon as it is final, so that a caller can save it while the rest is
     made (engine.serve.writer): `tokens` and the sliding layers' K/V right after the prefill, each global layer's K/V
     before its indexing and its indexes after, the calibrations last. The tensor must not be modified by the callee."""
     rows = settings.rows(ids.numel())
-    cache, capture = prefill(lm, ids, rows.tail, backend, progress)
+    cache, capture = prefill(lm, ids, settings.calibration, backend, progress)
     with torch.inference_mode():  # the cache's tensors are inference tensors
         for i in lm.global_layers:  # the sink's rows after the indexed ones (engine.fixed_rows)
             rows.arrange(cache.layers[i].fixed_keys)
@@ -174,7 +174,7 @@ def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings,
             for name, t in made.items():
                 on_artifact(name, t)
         artifacts.update(made)
-    queries = {i: torch.cat(capture.queries[i], dim=1) for i in lm.global_layers}  # [Hq, tail, D]
+    queries = {i: torch.cat(capture.queries[i], dim=1) for i in lm.global_layers}  # [Hq, n, D]
 
     def hand_over(layer_idx: int) -> None:
         for name, t in kv_artifacts(layer_idx, cache.layers[layer_idx]).items():

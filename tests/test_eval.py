@@ -189,13 +189,14 @@ def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, c
     code = cli_main(["eval", "--parts", "recall,agreement", "--model", str(model_path), "--device", "cpu",
                      "--budgets", "0.5,1.0", "--document", str(doc_path), "--questions", str(questions),
                      "--answer-tokens", "4", "--out", str(out), "--plot", str(plot), "--cache-dir", str(cache),
-                     "--table", "--sink", "2", "--set", "saap.buckets=8", "--set", "saap.hidden=8"])
+                     "--table", "--sink", "2", "--dense-tail", "5", "--set", "saap.buckets=8", "--set",
+                     "saap.hidden=8"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "| method | KV budget |" in printed
     doc = json.loads(out.read_text())
     assert doc["bench"] == "eval" and doc["parts"] == ["recall", "agreement"]
-    assert doc["context"]["sink"] == 2  # the contexts it measured were made with that sink
+    assert (doc["context"]["sink"], doc["context"]["dense_tail"]) == (2, 5)  # the contexts it measured
     assert doc["method_settings"] == {"saap": {"buckets": 8, "hidden": 8}}
     assert {(r["method"], r["budget"]) for r in doc["summary"]} == {
         (m, b) for m in (*SPARSE_METHODS, "oracle") for b in (0.5, 1.0)}  # the oracle's agreement: the ceiling
@@ -211,6 +212,7 @@ def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, c
     (["--methods", "nope"], "unknown method"),
     (["--budgets", "0,0.5"], "budgets must be in"),
     (["--sink", "-1"], "--sink must be"),
+    (["--dense-tail", "0"], "--dense-tail must be"),
 ])
 def test_the_command_refuses_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -54,8 +54,27 @@ def test_arrange_puts_each_token_in_its_row(sink):
 def test_settings_validate_and_read_back_old_contexts_without_a_sink():
     with pytest.raises(ValueError, match="sink"):
         ContextSettings(sink=-1)
-    assert ContextSettings.from_dict({"dense_tail": 7}).sink == 0  # stored before the sink existed
+    with pytest.raises(ValueError, match="calibration"):
+        ContextSettings(calibration=0)
+    old = ContextSettings.from_dict({"dense_tail": 7})  # stored before the sink and the calibration setting existed
+    assert (old.sink, old.calibration) == (0, 7)  # (its tail's queries calibrated it)
     assert ContextSettings.from_dict(ContextSettings(sink=3).as_dict()) == ContextSettings(sink=3)
+
+
+def test_the_calibration_queries_are_the_last_tokens_whatever_the_tail(sessions):
+    """`calibration` sets how many of the context's last tokens give their queries, apart from the dense tail: the
+    same queries (exactly) with a tail of 8 or of 20."""
+    from engine.ingest import ingest_tokens
+    from engine.prompt import tokenize_document
+
+    lm = sessions[0].lm
+    ids = tokenize_document(lm.tokenizer, TEXT, lm.max_context).ids
+    got = {tail: ingest_tokens(lm, ids, ContextSettings(dense_tail=tail, calibration=20), REFERENCE).artifacts
+           for tail in (8, 20)}
+    for i in lm.global_layers:
+        short, long = (got[tail][f"layer{i}.calib_queries"] for tail in (8, 20))
+        assert short.shape[1] == 20
+        torch.testing.assert_close(short, long, rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")

@@ -157,9 +157,9 @@ def test_kv_budget_at_85_percent(answers_at_85, depth, method):
 @pytest.mark.parametrize("method", ["squeeze", "hsqueeze"])
 def test_passkey_retrieved_at_85_percent(answers_at_85, depth, method):
     """The answer's decode steps need the one key after the digit just read (an induction head); with 10% centroids
-    (PASSKEY_INDEX) its cluster stays above the threshold. At 85% (a 15% KV budget) 6/6 (session 9); at 90% (10%,
-    of which the centroids take 5 points and the dense tail 2.5) squeeze answered at one depth of three and
-    hsqueeze at two."""
+    (PASSKEY_INDEX) its cluster stays above the threshold. At 85% (a 15% KV budget) 6/6 (session 9, and session 15
+    with the dense tail at 32 tokens); at 90% (10%, of which the centroids take 5 points and the dense tail 0.8)
+    squeeze and hsqueeze answered at two depths of three (session 15; one of three and two with a tail of 100)."""
     answer = answers_at_85(depth, method)
     assert KEY in answer.text, f"{method}@{SPARSITY} at depth {depth} answered {answer.text!r}"
 
@@ -168,8 +168,8 @@ def test_passkey_retrieved_at_85_percent(answers_at_85, depth, method):
 def test_quest_retrieves_the_passkey_at_60_percent(passkey_sessions, depth):
     """Quest's page bounds are loose on this model (head_dim 256, QK-normed and rotated keys): with the question's
     queries the passkey's page ranks 10th-118th of 248 by the group's summed bound where the exact q . k ranks it
-    first or second (session 9). At 60% sparsity (a 40% budget: 6.25 points for the bounds, 2.5 for the tail, 31%
-    of the pages) it answers at every depth here; at 70% (21% of the pages) only at depth 0.9."""
+    first or second (session 9). At 60% sparsity (a 40% budget: 6.25 points for the bounds, 0.8 for the tail, 33%
+    of the pages) it answers at every depth here; at 70% (21% of the pages, with a tail of 100) only at depth 0.9."""
     answer = passkey_sessions[depth].ask(PASSKEY_QUESTION, "quest", 0.6, max_new_tokens=12)
     assert KEY in answer.text, f"quest@0.6 at depth {depth} answered {answer.text!r}"
     assert abs(answer.stats.kv_budget - 0.4) <= 0.03

@@ -153,6 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-save", action="store_true", help="do not record the results in the cache's index")
     parser.add_argument("--sink", type=int, default=None,
                         help="first context tokens read densely (ContextSettings.sink; default: its default)")
+    parser.add_argument("--dense-tail", type=int, default=None,
+                        help="last context tokens read densely (ContextSettings.dense_tail; default: its default)")
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.SETTING=VALUE",
                         help="a method's setting (repeatable), e.g. --set saap.hidden=32")
     args = parser.parse_args(argv)
@@ -170,7 +172,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--answer-tokens must be at least 1")
     if args.sink is not None and args.sink < 0:
         parser.error("--sink must be at least 0")
-    context = ContextSettings() if args.sink is None else ContextSettings(sink=args.sink)
+    if args.dense_tail is not None and args.dense_tail < 1:
+        parser.error("--dense-tail must be at least 1")
+    context = ContextSettings(**{k: v for k, v in (("sink", args.sink), ("dense_tail", args.dense_tail))
+                                 if v is not None})
     questions: list[str] = []
     try:  # clear errors before the model loads
         settings = parse_settings(args.set)

@@ -30,7 +30,7 @@ from engine.policies import SPARSE_METHODS, LayerIndex, Method, StepPlan, build_
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
 
-DENSE_TAIL = 100  # the engine's default: the last context tokens stay dense and calibrate the threshold
+DENSE_TAIL = 100  # the last context tokens: dense, and the calibration queries (the bench's own setting)
 KMEANS_ITERS = 10
 HEAD_DIM = 128
 MiB = 1 << 20
