@@ -154,8 +154,9 @@ def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings,
                   methods: list[Method] | None = None, progress: Progress = _no_progress,
                   on_artifact: OnArtifact = _no_artifact, prepared: dict[str, Tensors] | None = None) -> IngestOutput:
     """From token ids to a context's artifacts: per layer `layer{i}.keys` / `.values` [Hkv, Lkept, D], per global
-    layer `.calib_queries` [Hq, n, D] (the last settings.calibration tokens'), and the indexes and calibrations of `methods` (in build order;
-    engine.policies.build_order; None: none, a context that full attention reads).
+    layer `.calib_queries` [Hq, n, D] (the queries of the last n = settings.calibration tokens), and the indexes and
+    calibrations of `methods` (in build order; engine.policies.build_order; None: none, a context that full
+    attention reads).
 
     on_artifact: called once per artifact as soon as it is final, so that a caller can save it while the rest is
     made (engine.serve.writer): `tokens` and the sliding layers' K/V right after the prefill, each global layer's K/V
