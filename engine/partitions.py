@@ -253,6 +253,7 @@ def train_classifiers(x: torch.Tensor, targets: torch.Tensor, training: Partitio
         usable = usable.to(x.device).clone()
         usable[usable.sum(1) == 0] = True
         examples = int(usable.sum(1).min())
+        draw_from = usable.float().cpu()  # [U, E]: each unit's batches are drawn among these (once, not per step)
     device = x.device
     if "classifier.step" in state:
         weights = {n: state[f"classifier.{n}"].to(device) for n in PARAMS}
@@ -274,7 +275,7 @@ def train_classifiers(x: torch.Tensor, targets: torch.Tensor, training: Partitio
             pick = torch.randperm(examples, generator=gen)[:batch].to(device)
             xb, tb = x[:, pick], targets[:, pick]
         else:  # [U, batch]: each unit's own draw
-            pick = torch.multinomial(usable.float().cpu(), batch, generator=gen).to(device)
+            pick = torch.multinomial(draw_from, batch, generator=gen).to(device)
             xb = x.gather(1, pick[..., None].expand(-1, -1, x.shape[-1]))
             tb = targets.gather(1, pick[..., None].expand(-1, -1, targets.shape[-1]))
         loss = kl_loss(classify(xb, weights), tb)

@@ -98,7 +98,7 @@ def cut_at_stop(text: str, stops: Sequence[str]) -> tuple[str, bool]:
 def held_back(text: str, stops: Sequence[str]) -> int:
     """How many trailing characters of an answer so far could be the start of a stop string (a stream shows them
     once the next tokens tell), counted from its first non-blank character."""
-    room = len(text) - (len(text) - len(text.lstrip()))
+    room = len(text.lstrip())  # (the leading blank characters never start one)
     best = 0
     for s in stops:
         for k in range(min(len(s) - 1, room), best, -1):

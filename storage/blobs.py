@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-
 from .errors import DamagedArtifactError, MissingArtifactError
 
 if TYPE_CHECKING:  # torch loads where tensors are read or written (`squeeze list` stays quick)

@@ -64,7 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     stamp[0] = time.perf_counter()
     gates = train_gates(lm, GateTraining(steps=args.steps + 1, data=data), corpus, progress=step)
     timed = times[1:]  # the first step compiles and warms the allocator
-    doc = {"bench": "gates", "model": lm.model_id, "device": device_name(lm.device), "weights": "random" if args.model is None else "real",
+    doc = {"bench": "gates", "model": lm.model_id, "device": device_name(lm.device),
+           "weights": "random" if args.model is None else "real",
            "global_layers": len(lm.global_layers), "kv_heads": lm.num_kv_heads,
            "tokens": [args.min_tokens, args.max_tokens], "passkeys": args.passkeys, "words": args.words,
            "steps_timed": len(timed), "seconds_per_step": round(sum(timed) / max(1, len(timed)), 3),

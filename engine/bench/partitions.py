@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - start
     stages[last["stage"]] = stages.get(last["stage"], 0.0) + time.perf_counter() - last["t"]
     balance = bucket_balance(found)
-    doc = {"bench": "partitions", "model": lm.model_id, "device": device_name(lm.device), "weights": "random" if args.model is None else "real",
+    doc = {"bench": "partitions", "model": lm.model_id, "device": device_name(lm.device),
+           "weights": "random" if args.model is None else "real",
            "global_layers": len(layers), "kv_heads": lm.num_kv_heads, "head_dim": lm.head_dim,
            "settings": training.__dict__, "seconds": round(total, 1),
            "stages_s": {k: round(v, 1) for k, v in stages.items()},
