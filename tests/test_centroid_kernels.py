@@ -31,6 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 TOL = {torch.float32: dict(rtol=1e-5, atol=1e-7), torch.float16: dict(rtol=2e-5, atol=1e-7)}
 # bfloat16 on the GPU: tensor-core accumulation order and ex2.approx (~2 ulp) in the exp.
 GPU_TOL = dict(rtol=1e-4, atol=1e-9)
+CODES16_TOL = dict(rtol=5e-3, atol=1e-9)  # one-byte centroids, 16-bit queries: q * step rounded to float16
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the small tests run compiled on a GPU machine
 D = 16
@@ -278,12 +279,85 @@ def test_cluster_keep_list_without_candidates():
         assert not keep.any() and not score.any()
 
 
+def coded(centroids):
+    """One-byte centroids (reference.quantize_centroids): (codes, their step, the float32 centroids they encode)."""
+    codes = reference.quantize_centroids(centroids.float())
+    dequantized = reference.dequantize_centroids(codes["centroids"], codes["centroid_offset"], codes["centroid_step"])
+    return codes["centroids"], codes["centroid_step"], dequantized
+
+
+@pytest.mark.parametrize("hq,hkv,rows,lq", [(4, 2, 2, 1), (4, 1, 4, 7), (2, 2, 2, 33)])
+def test_one_byte_centroids(hq, hkv, rows, lq):
+    """uint8 codes with their step (kernels.reference.centroid.quantize_centroids): the kernels scale q by the step
+    as they load it and read the codes as values; the dense lookup, the candidate lists and the fused select give
+    eq. 1's S over the dequantized centroids (the q . offset term is the same for every centroid of a head and
+    token, and cancels in S), within float32 rounding; and they match the reference on the codes exactly as on
+    float centroids."""
+    q, centroids, counts, scale = make_inputs(hq, hkv, lq, torch.float32, seed=5)
+    codes, step, dequantized = coded(centroids)
+    assert codes.dtype == torch.uint8 and step.shape == (hkv, D)
+    _, ref_score = reference.cluster_keep(q, dequantized, counts, scale, 0.0, rows)
+    _, code_score = reference.cluster_keep(q, codes, counts, scale, 0.0, rows, step=step)
+    torch.testing.assert_close(code_score, ref_score, rtol=1e-4, atol=1e-7)
+    threshold = selective_threshold(ref_score)
+    want = reference.cluster_keep(q, codes, counts, scale, threshold, rows, step=step)
+    assert_matches(cluster_keep(q, codes, counts, scale, threshold, rows, step=step), want, threshold,
+                   TOL[torch.float32])
+    allowed = random_allowed(rows, C, seed=6)
+    indptr, idx = to_csr(allowed)
+    want = reference.cluster_keep(q, codes, counts, scale, threshold, rows, allowed=allowed, step=step)
+    got = cluster_keep_list(q, codes, counts, scale, threshold, rows, indptr, idx, step=step)
+    assert_matches(got, want, threshold, TOL[torch.float32])
+    counts, starts = clustered_counts(hkv, 150, C, seed=7)
+    want = reference.cluster_select(q, codes, counts, scale, threshold, rows, starts, 150, 3, step=step)
+    keep, score, sel = cluster_select(q, codes, counts, scale, threshold, rows, starts, 150, 3, step=step)
+    assert_matches((keep, score), want[:2], threshold, TOL[torch.float32])
+    assert_same_selection(sel, expand_groups(keep, starts, 150, 3))
+
+
+@pytest.mark.parametrize("hq,hkv,rows,lq", [(4, 2, 2, 1), (4, 1, 4, 7)])
+def test_one_byte_centroids_with_16_bit_queries(hq, hkv, rows, lq):
+    """float16 queries over codes: the kernels' dots run in float16 over 1024 + code (the codes' bits, no
+    conversion; the 1024 cancels in S) with q * step rounded to float16: S within that rounding of the float32
+    reference's (rtol 5e-3)."""
+    q, centroids, counts, scale = make_inputs(hq, hkv, lq, torch.float16, seed=11)
+    codes, step, _ = coded(centroids)
+    counts, starts = clustered_counts(hkv, 150, C, seed=12)
+    _, ref_score = reference.cluster_keep(q, codes, counts, scale, 0.0, rows, step=step)
+    threshold = selective_threshold(ref_score)
+    keep, score, sel = cluster_select(q, codes, counts, scale, threshold, rows, starts, 150, 3, step=step)
+    torch.testing.assert_close(score, ref_score, rtol=5e-3, atol=1e-7)
+    assert_same_selection(sel, expand_groups(keep, starts, 150, 3))
+    want_keep = reference.cluster_keep(q, codes, counts, scale, threshold, rows, step=step)[0]
+    assert (keep != want_keep).float().mean() < 0.05  # only near-ties with the threshold may differ
+
+
+def test_quantized_centroids_are_within_half_a_step():
+    """Each element of a dequantized centroid is within step / 2 of the centroid (round to nearest), per KV head
+    and dim; a dim whose centroids all agree is kept exactly."""
+    g = torch.Generator().manual_seed(8)
+    centroids = torch.randn(3, 50, D, generator=g)
+    centroids[1, :, 4] = 0.25
+    codes = reference.quantize_centroids(centroids)
+    back = reference.dequantize_centroids(codes["centroids"], codes["centroid_offset"], codes["centroid_step"])
+    step = codes["centroid_step"][:, None, :]
+    assert ((back - centroids).abs() <= step / 2 * (1 + 1e-5) + 1e-7).all()
+    assert torch.equal(back[1, :, 4], centroids[1, :, 4])
+
+
 def test_argument_checks():
     q, centroids, counts, scale = make_inputs(4, 2, 1, torch.float32)
     with pytest.raises(ValueError):
         cluster_keep(q, centroids, counts, scale, 0.1, 3)
     with pytest.raises(TypeError):
         cluster_keep(q, centroids.half(), counts, scale, 0.1, 2)
+    with pytest.raises(TypeError):
+        cluster_keep(q, centroids.to(torch.int8), counts, scale, 0.1, 2)  # codes are uint8
+    codes, step, _ = coded(centroids)
+    with pytest.raises(ValueError):
+        cluster_keep(q, centroids, counts, scale, 0.1, 2, step=step)  # a step goes with codes
+    with pytest.raises(ValueError):
+        cluster_keep(q, codes, counts, scale, 0.1, 2, step=step[:, :-1])
     with pytest.raises(ValueError):
         cluster_keep(q, centroids, counts, scale, 0.1, 2, allowed=torch.ones(4, C, dtype=torch.bool, device=DEVICE))
     index = dict(dtype=torch.int64, device=DEVICE)
@@ -357,6 +431,29 @@ def test_gpu_cluster_keep_list_bfloat16(lq, group, exact_float32_matmul):
     want = reference.cluster_keep(q.float(), centroids.float(), counts, scale, threshold, rows, allowed=allowed)
     got = no_host_sync(cluster_keep_list, q, centroids, counts, scale, threshold, rows, indptr, idx)
     assert_matches(got, want, threshold, GPU_TOL)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("lq", [1, 1024])
+def test_gpu_one_byte_centroids(lq, exact_float32_matmul):
+    """bf16 queries over uint8 codes with their step at 128K, 5% centroids: the reference over the codes is S over
+    the dequantized centroids (float32); the select matches it within the float16 rounding of q * step."""
+    q, centroids, _, scale = gpu_inputs(lq, seed=9)
+    codes, step, dequantized = coded(centroids)
+    hkv, c = codes.shape[:2]
+    lc = 131072 - 32
+    labels = torch.randint(0, c, (hkv, lc), device="cuda", generator=torch.Generator(device="cuda").manual_seed(10))
+    starts = group_starts(labels, c)
+    counts = starts[:, 1:] - starts[:, :-1]
+    _, ref_score = reference.cluster_keep(q, codes, counts, scale, 0.0, hkv, step=step)
+    _, float_score = reference.cluster_keep(q.float(), dequantized, counts, scale, 0.0, hkv)
+    torch.testing.assert_close(ref_score, float_score, rtol=1e-4, atol=1e-9)
+    threshold = selective_threshold(ref_score)
+    want = reference.cluster_keep(q, codes, counts, scale, threshold, hkv, step=step)
+    keep, score, sel = no_host_sync(cluster_select, q, codes, counts, scale, threshold, hkv, starts, lc, 32, step=step)
+    assert_matches((keep, score), want, threshold, CODES16_TOL)
+    assert_same_selection(sel, expand_groups(keep, starts, lc, 32))
 
 
 @pytest.mark.gpu

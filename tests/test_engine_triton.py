@@ -70,14 +70,18 @@ class CheckedLookups:
             rel = ((score - ref_score).abs() / ref_score.abs().clamp(min=1e-30))[big]
             self.score_rtol = max(self.score_rtol, float(rel.max()))
 
-    def cluster_select(self, q, centroids, counts, scale, threshold, rows, starts, total, tail=0):
-        keep, score, sel = self._triton.cluster_select(q, centroids, counts, scale, threshold, rows, starts, total, tail)
-        self._compare(keep, score, *reference.cluster_keep(q, centroids, counts, scale, threshold, rows), threshold)
+    def cluster_select(self, q, centroids, counts, scale, threshold, rows, starts, total, tail=0, *, fixed=None,
+                       step=None):
+        keep, score, sel = self._triton.cluster_select(q, centroids, counts, scale, threshold, rows, starts, total, tail,
+                                                       fixed=fixed, step=step)
+        ref = reference.cluster_keep(q, centroids, counts, scale, threshold, rows, step=step)
+        self._compare(keep, score, *ref, threshold)
         return keep, score, sel
 
-    def cluster_keep_among(self, q, centroids, counts, scale, threshold, rows, candidates):
-        keep, score = self._triton.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates)
-        ref = reference.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates)
+    def cluster_keep_among(self, q, centroids, counts, scale, threshold, rows, candidates, *, step=None):
+        keep, score = self._triton.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates,
+                                                      step=step)
+        ref = reference.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates, step=step)
         self._compare(keep, score, *ref, threshold)
         return keep, score
 

@@ -3,7 +3,8 @@
 - budget 1 reads every key and equals full attention;
 - a selection is valid (CSR rows, keys in range, no repeats, the dense tail in every row) in the method's layout;
 - the Triton backend's lookup equals the reference's (the kernels run in the interpreter on the CPU);
-- a budget is what a step reads, index included, in both phases, over the calibration queries.
+- a budget is what a step reads, index included, in both phases, over the calibration queries;
+- each with its defaults, and the methods with another index (float centroids, one-byte page bounds) with it too.
 
 The context is synthetic: two global layers of clustered keys (so that a lookup has structure to find), GQA 4/2,
 the calibration queries drawn near the keys as a model's are.
@@ -34,10 +35,18 @@ ATOL = 2e-5
 # different share of the keys at each step; a top-K method rounds to whole pages).
 BUDGET_TOL = 0.03
 # Settings scaled to this 664-key context where a method's defaults assume a document (DuoAttention's streaming
-# window: 64 sink + 256 recent keys would be half of it, a floor above the budgets tested below).
-SMALL_CONTEXT = {"duo": {"sink": 8, "recent": 48}, "duo-squeeze": {"sink": 8, "recent": 48},
-                 "saap": {"buckets": 32, "hidden": 16}}
+# window: 64 sink + 256 recent keys would be half of it, a floor above the budgets tested below), or where a
+# method's ceiling here sits near the 0.5 budget checked below: hsqueeze's level 1 at its default would rule out
+# half of the keys (it read 0.466 of a 0.5 budget, the one-byte centroids leaving more of it to keys), and with two
+# of duo-squeeze's four heads streaming it read at most 0.464.
+SMALL_CONTEXT = {"hsqueeze": {"level1_prune": 0.3}, "duo": {"sink": 8, "recent": 48},
+                 "duo-squeeze": {"sink": 8, "recent": 48, "retrieval": 0.75}, "saap": {"buckets": 32, "hidden": 16}}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run compiled on a GPU, interpreted otherwise
+# Every method is checked with its defaults, and these with their other index too: float centroids (the paper's;
+# one byte is the default, duo-squeeze reads squeeze's) and one-byte page bounds.
+OTHER_INDEX = {"squeeze": {"centroids": "exact"}, "hsqueeze": {"centroids": "exact"}, "quest": {"bounds": "int8"}}
+CASES = [pytest.param(n, "defaults", id=n) for n in SPARSE_METHODS] + [
+    pytest.param(n, "other index", id=f"{n}-other-index") for n in ("squeeze", "hsqueeze", "duo-squeeze", "quest")]
 
 
 def synthetic_context(seed: int = 0):
@@ -56,15 +65,28 @@ def synthetic_context(seed: int = 0):
     return keys, values, queries
 
 
-@pytest.fixture(scope="module")
-def context():
+def build_context(variant: str):
     keys, values, queries = synthetic_context()
-    methods = [make_method(n, SMALL_CONTEXT.get(n)) for n in build_order(SPARSE_METHODS)]
+    settings = {n: {**SMALL_CONTEXT.get(n, {}), **(OTHER_INDEX.get(n, {}) if variant == "other index" else {})}
+                for n in SPARSE_METHODS}
+    methods = [make_method(n, settings[n]) for n in build_order(SPARSE_METHODS)]
     prepared = {m.name: m.stand_in(list(LAYERS), HKV, D) for m in methods}  # what a trained model would have given
     artifacts = build_methods(keys, queries, TAIL, methods, SCALE, torch.device("cpu"), prepared=prepared)
     for method in methods:  # a session's index joins the model-level artifacts to each layer's (engine.session)
         artifacts.update({f"{method.name}.{name}": t for name, t in prepared[method.name].items()})
     return keys, values, queries, {m.name: m for m in methods}, artifacts
+
+
+@pytest.fixture(scope="module")
+def contexts():
+    """variant ("defaults", "other index") -> (keys, values, queries, methods by name, artifacts), built once."""
+    built = {}
+
+    def get(variant: str):
+        if variant not in built:
+            built[variant] = build_context(variant)
+        return built[variant]
+    return get
 
 
 def positions(a: int, b: int) -> torch.Tensor:
@@ -102,9 +124,9 @@ def test_registry_lists_every_method_once():
         assert order[-1] == name and set(REGISTRY[name].requires) <= set(order)
 
 
-@pytest.mark.parametrize("name", SPARSE_METHODS)
-def test_full_budget_is_full_attention(context, name):
-    keys, values, queries, methods, artifacts = context
+@pytest.mark.parametrize("name,variant", CASES)
+def test_full_budget_is_full_attention(contexts, name, variant):
+    keys, values, queries, methods, artifacts = contexts(variant)
     method = methods[name]
     plan = method.plan(calibration(artifacts, name), 1.0)
     for layer in LAYERS:
@@ -119,10 +141,10 @@ def test_full_budget_is_full_attention(context, name):
             torch.testing.assert_close(sparse[1], dense[1], rtol=1e-5, atol=ATOL)
 
 
-@pytest.mark.parametrize("name", SPARSE_METHODS)
+@pytest.mark.parametrize("name,variant", CASES)
 @pytest.mark.parametrize("budget", [0.1, 0.3])
-def test_selection_is_valid(context, name, budget):
-    keys, values, queries, methods, artifacts = context
+def test_selection_is_valid(contexts, name, variant, budget):
+    keys, values, queries, methods, artifacts = contexts(variant)
     method = methods[name]
     plan = method.plan(calibration(artifacts, name), budget)
     for layer in LAYERS:
@@ -139,9 +161,9 @@ def test_selection_is_valid(context, name, budget):
                 assert set(range(INDEXED, INDEXED + TAIL)) <= set(row.tolist()), f"{name}: the dense tail is missing"
 
 
-@pytest.mark.parametrize("name", SPARSE_METHODS)
-def test_triton_lookup_equals_reference(context, name):
-    keys, values, queries, methods, artifacts = context
+@pytest.mark.parametrize("name,variant", CASES)
+def test_triton_lookup_equals_reference(contexts, name, variant):
+    keys, values, queries, methods, artifacts = contexts(variant)
     method = methods[name]
     plan = method.plan(calibration(artifacts, name), 0.25)
     for layer in LAYERS:
@@ -159,16 +181,16 @@ def test_triton_lookup_equals_reference(context, name):
             torch.testing.assert_close(out_tri[0].cpu(), out_ref[0], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name", SPARSE_METHODS)
+@pytest.mark.parametrize("name,variant", CASES)
 @pytest.mark.parametrize("budget", [0.2, 0.3, 0.5])
-def test_measured_budget_is_the_asked_one(context, name, budget):
+def test_measured_budget_is_the_asked_one(contexts, name, variant, budget):
     """The knob is a KV budget: over the calibration queries, a decode step and a question's prefill each read
     within BUDGET_TOL of the asked share of the K/V bytes, the index's bytes included (engine.policies.budget).
     Budgets from 0.2: below, this small context's index and dense tail alone (~0.06-0.1) leave little to keep."""
     from engine.calibrate import prefill_windows
     from engine.policies.budget import read_fraction
 
-    keys, values, queries, methods, artifacts = context
+    keys, values, queries, methods, artifacts = contexts(variant)
     method = methods[name]
     plan = method.plan(calibration(artifacts, name), budget)
     decode, prefill, weight = [], 0.0, 0.0

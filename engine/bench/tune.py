@@ -18,6 +18,7 @@ from dataclasses import replace
 import torch
 
 from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, bench_graph, build_indexes
+from engine.policies.squeeze import code_step
 from kernels import centroid_ops, sparse_ops
 from kernels.compact_ops import expand_groups
 
@@ -64,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     only = args.only.split(",")
     for phase, lq in (("decode", 1), ("prefill", args.prefill)):
         q = q_all[:, -lq:]
-        keep, _ = centroid_ops.cluster_keep(q, index["centroids"], index["counts"], scale, threshold, args.hkv)
+        keep, _ = centroid_ops.cluster_keep(q, index["centroids"], index["counts"], scale, threshold, args.hkv,
+                                            step=code_step(index))
         sel = expand_groups(keep, index["key_starts"], lc, DENSE_TAIL)
         out[f"{phase}_kept_fraction"] = round(float(sel.counts().double().mean()) / args.length, 4)
         if f"{phase}_lookup" in only:
@@ -87,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
             def select(cfg=None):
                 return centroid_ops.cluster_select(q, index["centroids"], index["counts"], scale, threshold, args.hkv,
-                                                 index["key_starts"], lc, DENSE_TAIL, config=cfg)
+                                                 index["key_starts"], lc, DENSE_TAIL, step=code_step(index), config=cfg)
 
             out[f"{phase}_lookup_default"] = {"config": vars(base), "ms": round(bench_graph(select), 4)}
             out[f"{phase}_lookup"] = _sweep(f"{phase}_lookup", configs, select)

@@ -19,12 +19,13 @@ import torch
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Tensors,
                                   check_budget)
 from engine.policies.duo import Window
-from engine.policies.squeeze import SqueezePolicy, ThresholdPlan, threshold_plan
+from engine.policies.squeeze import SqueezePolicy, ThresholdPlan, centroid_elements, code_step, threshold_plan
 from kernels.backend import Backend
 from kernels.layout import ClusterLayout
 from kernels.selection import Fixed
 
-SQUEEZE_PARTS = ("labels", "centroids", "counts", "key_starts")  # what the lookup reads of squeeze's index
+# what the lookup reads of squeeze's index (the codes' offsets and steps where its centroids are one-byte codes)
+SQUEEZE_PARTS = ("labels", "centroids", "counts", "key_starts", "centroid_offset", "centroid_step")
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ class DuoSqueezePolicy(Method):
         place.scatter_(1, layout.order, torch.arange(layout.order.shape[1], device=device).expand(hkv, -1).contiguous())
         rows = torch.sort(place[:, tokens], dim=1).values
         dense = torch.arange(indexed, indexed + layer.tail, device=device).expand(hkv, -1)
-        return {**{k: squeeze[k] for k in SQUEEZE_PARTS}, "rank": duo["rank"].clone(),
+        return {**{k: squeeze[k] for k in SQUEEZE_PARTS if k in squeeze}, "rank": duo["rank"].clone(),
                 "window": torch.cat([rows, dense], dim=1).to(torch.int32)}
 
     def calibrate(self, layers: list[CalibrationSet], scale: float) -> Tensors:
@@ -99,9 +100,9 @@ class DuoSqueezePolicy(Method):
                                       lambda: streaming_heads(layer, plan.retrieval_heads, q.device))
         keep, score, selection = backend.kernel("centroid").cluster_select(
             q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
-            layer.tail, fixed=fixed)
-        c, d = layer["centroids"].shape[1:]
-        read = torch.full((hkv,), float(c * (d + 1)), device=q.device)  # every head's centroids are scored
+            layer.tail, fixed=fixed, step=code_step(layer))
+        # every head's centroids are scored (q has the keys' dtype in the engine)
+        read = torch.full((hkv,), float(centroid_elements(layer, q.element_size())), device=q.device)
         return Lookup(selection=selection, index_elements=read, units=keep & retrieval, scores=score,
                       sizes=layer["counts"])
 

@@ -12,8 +12,9 @@ from engine.config import SPARSITY_GRID
 from engine.kmeans import spherical_kmeans
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Tensors,
                                   group_rows)
-from engine.policies.squeeze import (ThresholdPlan, check_threshold_settings, num_centroids, prefill_samples,
-                                     row_counts, threshold_plan, weighted_samples)
+from engine.policies.squeeze import (ThresholdPlan, centroid_elements, check_threshold_settings, float_centroids,
+                                     code_step, num_centroids, prefill_samples, row_counts, stored_centroids,
+                                     threshold_plan, weighted_samples)
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
 from kernels.reference.centroid import row_scores, select_clusters
@@ -24,6 +25,8 @@ class HierarchicalSettings(MethodSettings):
     """level1_ratio: level-1 centroids as a fraction of the indexed keys (paper: 1%; at most squeeze's centroids)
     level1_prune: fraction of the keys the level-1 threshold rules out (paper: about half)
     kmeans_iters, seed: the level-1 k-means'; group, prefill_threshold: as squeeze's (SqueezeSettings)
+    centroids: as squeeze's, for both levels ("int8": one byte each; level 2 is squeeze's centroids, stored again
+        in this form whatever squeeze's own)
     """
 
     level1_ratio: float = 0.01
@@ -32,6 +35,7 @@ class HierarchicalSettings(MethodSettings):
     seed: int = 0
     group: str = "kv"
     prefill_threshold: str = "calibrated"
+    centroids: str = "int8"
 
     def __post_init__(self) -> None:
         if not 0 < self.level1_ratio <= 1:
@@ -66,7 +70,7 @@ class HierarchicalSqueezePolicy(Method):
         level-2 clusters so that each level-1 cluster's children are contiguous: the children of the kept level-1
         clusters are then ranges (kernels.layout). Returns its own renumbered labels/centroids/counts too."""
         index, settings = required["squeeze"], self.settings
-        c2 = index["centroids"]  # [Hkv, C2, D]
+        c2 = float_centroids(index)  # [Hkv, C2, D]
         k1 = min(c2.shape[1], num_centroids(layer.keys.shape[1], settings.level1_ratio))
         result = spherical_kmeans(c2, k1, iters=settings.kmeans_iters, seed=settings.seed, weights=index["counts"])
         order = torch.argsort(result.labels, dim=1, stable=True)  # [Hkv, C2]: new id -> old id
@@ -79,9 +83,10 @@ class HierarchicalSqueezePolicy(Method):
         return {
             "labels": labels,
             "key_starts": group_starts(labels, c2.shape[1]),
-            "centroids": torch.gather(c2, 1, order[:, :, None].expand_as(c2)),
+            **stored_centroids(torch.gather(c2, 1, order[:, :, None].expand_as(c2)), settings, layer.keys.dtype),
             "counts": counts2,
-            "l1_centroids": result.centroids.to(layer.keys.dtype),  # [Hkv, C1, D] key-weighted means
+            # [Hkv, C1, D] key-weighted means
+            **stored_centroids(result.centroids, settings, layer.keys.dtype, prefix="l1_"),
             "l1_counts": counts1,  # [Hkv, C1]
             "l1_parent": parent,  # [Hkv, C2] level-1 cluster of each level-2 cluster
             "l1_child_starts": group_starts(parent, k1),  # [Hkv, C1 + 1] children of c: [starts[c], starts[c+1])
@@ -91,12 +96,14 @@ class HierarchicalSqueezePolicy(Method):
         """Calibration view: per token, the level-1 survivors and level-2 S over them.
         Returns (S2 [rows, Lq, C2], allowed2 [rows, Lq, C2] bool)."""
         hq = q.shape[0]
-        s1 = row_scores(backend.kernel("centroid").centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale), rows)
+        log1 = backend.kernel("centroid").centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale,
+                                                              step=code_step(index, "l1_"))
+        s1 = row_scores(log1, rows)
         keep1 = select_clusters(s1, t1) & (row_counts(index["l1_counts"], rows)[:, None, :] > 0)
         allowed2 = _level2_allowed(keep1, index["l1_parent"])  # [rows, Lq, C2]
         allowed_hq = allowed2.repeat_interleave(hq // rows, dim=0)
         log2 = backend.kernel("centroid").centroid_log_scores(q, index["centroids"], index["counts"], scale,
-                                                              allowed=allowed_hq)
+                                                              allowed=allowed_hq, step=code_step(index))
         return row_scores(log2, rows), allowed2
 
     def _window_scores(self, q, index, t1: float, scale, rows, windows, backend):
@@ -104,14 +111,16 @@ class HierarchicalSqueezePolicy(Method):
         survivors by the window's prefill score (max of token mean and last token), level-2 S over the survivors'
         children (eq. 3), reduced the same way. Returns (S2 [rows, W, C2], allowed2 [rows, W, C2] bool)."""
         hq = q.shape[0]
-        s1 = row_scores(backend.kernel("centroid").centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale), rows)
+        log1 = backend.kernel("centroid").centroid_log_scores(q, index["l1_centroids"], index["l1_counts"], scale,
+                                                              step=code_step(index, "l1_"))
+        s1 = row_scores(log1, rows)
         keep1 = select_clusters(window_scores(s1, windows), t1) & (row_counts(index["l1_counts"], rows)[:, None, :] > 0)
         allowed2 = _level2_allowed(keep1, index["l1_parent"])  # [rows, W, C2]
         s2 = []
         for w, (a, b, _) in enumerate(windows):
             allowed_hq = allowed2[:, w].repeat_interleave(hq // rows, dim=0)  # [Hq, C2], the same for every token
-            log2 = backend.kernel("centroid").centroid_log_scores(q[:, a:b], index["centroids"], index["counts"], scale,
-                                                                  allowed=allowed_hq)
+            log2 = backend.kernel("centroid").centroid_log_scores(q[:, a:b], index["centroids"], index["counts"],
+                                                                  scale, allowed=allowed_hq, step=code_step(index))
             s2.append(window_scores(row_scores(log2, rows), [(0, b - a, 1.0)])[:, 0])
         return torch.stack(s2, dim=1), allowed2
 
@@ -128,7 +137,9 @@ class HierarchicalSqueezePolicy(Method):
         for layer in layers:
             hq, hkv = layer.queries.shape[0], layer.index["l1_counts"].shape[0]
             rows = group_rows(settings.group, hq, hkv)
-            log1 = REFERENCE.kernel("centroid").centroid_log_scores(layer.queries, layer.index["l1_centroids"], layer.index["l1_counts"], scale)
+            log1 = REFERENCE.kernel("centroid").centroid_log_scores(
+                layer.queries, layer.index["l1_centroids"], layer.index["l1_counts"], scale,
+                step=code_step(layer.index, "l1_"))
             s1 = row_scores(log1, rows)
             sample, weight = weighted_samples(s1, layer.index["l1_counts"], rows)
             s1_all.append(sample)
@@ -177,17 +188,19 @@ class HierarchicalSqueezePolicy(Method):
         layer's K/V are stored permuted by cluster (`layout`), layer["key_starts"] says where."""
         hq, hkv = q.shape[0], layer["counts"].shape[0]
         rows = group_rows(self.settings.group, hq, hkv)
-        c1, d = layer["l1_centroids"].shape[1:]
         c2 = layer["centroids"].shape[1]
         t1, t2 = plan.at(q.shape[1])
         centroid = backend.kernel("centroid")
-        _, _, candidates = centroid.cluster_select(q, layer["l1_centroids"], layer["l1_counts"], scale, t1,
-                                                   rows, layer["l1_child_starts"], c2)  # level-2 ids, per row
-        keep, score = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale, t2, rows, candidates)
+        _, _, candidates = centroid.cluster_select(q, layer["l1_centroids"], layer["l1_counts"], scale, t1, rows,
+                                                   layer["l1_child_starts"], c2,
+                                                   step=code_step(layer, "l1_"))  # level-2 ids, per row
+        keep, score = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale, t2, rows, candidates,
+                                                  step=code_step(layer))
         survivors = candidates.counts().reshape(hkv, rows // hkv).sum(dim=1).float()  # [Hkv] level-2 centroids read
         selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
-        return Lookup(selection=selection, index_elements=(c1 + survivors) * (d + 1), units=keep, scores=score,
-                      sizes=layer["counts"])
+        key_size = q.element_size()  # q has the keys' dtype in the engine
+        read = centroid_elements(layer, key_size, "l1_") + centroid_elements(layer, key_size, scored=survivors)
+        return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 
     def layout(self, layer: LayerIndex) -> ClusterLayout:
         return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)

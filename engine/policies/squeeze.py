@@ -14,20 +14,23 @@ from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup,
                                   Tensors, check_budget, group_rows)
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
-from kernels.reference.centroid import row_scores
+from kernels.reference.centroid import dequantize_centroids, quantize_centroids, row_scores
 
 GROUPS = ("kv", "query")
+CENTROIDS = ("exact", "int8")
 PREFILL_THRESHOLDS = ("calibrated", "decode")
 
 
 def check_threshold_settings(settings) -> None:
-    """The settings squeeze and hsqueeze share: kmeans_iters, group, prefill_threshold."""
+    """The settings squeeze and hsqueeze share: kmeans_iters, group, prefill_threshold, centroids."""
     if settings.kmeans_iters < 1:
         raise ValueError(f"kmeans_iters must be at least 1, got {settings.kmeans_iters}")
     if settings.group not in GROUPS:
         raise ValueError(f"group must be one of {GROUPS}, got {settings.group!r}")
     if settings.prefill_threshold not in PREFILL_THRESHOLDS:
         raise ValueError(f"prefill_threshold must be one of {PREFILL_THRESHOLDS}, got {settings.prefill_threshold!r}")
+    if settings.centroids not in CENTROIDS:
+        raise ValueError(f"centroids must be one of {CENTROIDS}, got {settings.centroids!r}")
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,9 @@ class SqueezeSettings(MethodSettings):
         the last token's S)): "calibrated" (default): its own, calibrated on that score over windows of the
         calibration queries, so that a question reads its budget too; "decode": the decode step's (the union of the
         two terms then reads up to twice the budget)
+    centroids: "int8" (default: one byte per element, per KV head and dim an offset and a step:
+        kernels.reference.centroid.quantize_centroids; the lookup reads half the bytes of bf16 centroids, a quarter
+        of float32 ones, and a budget leaves that much more to keys) or "exact" (the keys' dtype, as the paper)
     """
 
     centroid_ratio: float = 0.05
@@ -47,6 +53,7 @@ class SqueezeSettings(MethodSettings):
     seed: int = 0
     group: str = "kv"
     prefill_threshold: str = "calibrated"
+    centroids: str = "int8"
 
     def __post_init__(self) -> None:
         if not 0 < self.centroid_ratio <= 1:
@@ -94,12 +101,47 @@ def threshold_plan(calibration: Tensors, budget: float, decode_keys: float, pref
     return ThresholdPlan(budget=check_budget(budget), decode=decode, prefill=prefill)
 
 
+def stored_centroids(centroids: torch.Tensor, settings, dtype: torch.dtype, prefix: str = "") -> Tensors:
+    """What an index keeps of its clusters' centroids [Hkv, C, D] (settings.centroids), under `prefix`:
+    {"centroids": in `dtype`, the keys'}, or one-byte codes with "centroid_offset" and "centroid_step"
+    (quantize_centroids)."""
+    stored = quantize_centroids(centroids) if settings.centroids == "int8" else {"centroids": centroids.to(dtype)}
+    return {prefix + name: t for name, t in stored.items()}
+
+
+def code_step(index, prefix: str = "") -> torch.Tensor | None:
+    """The step [Hkv, D] of index[prefix + "centroids"] where they are one-byte codes (the lookup kernels' `step`:
+    they score the codes with q scaled by it), else None."""
+    name = f"{prefix}centroid_step"
+    return index[name] if name in index else None
+
+
+def float_centroids(index, prefix: str = "") -> torch.Tensor:
+    """index[prefix + "centroids"] as float32 [Hkv, C, D] (one-byte codes dequantized)."""
+    c = index[f"{prefix}centroids"]
+    if f"{prefix}centroid_step" in index:
+        return dequantize_centroids(c, index[f"{prefix}centroid_offset"], index[f"{prefix}centroid_step"])
+    return c.float()
+
+
+def centroid_elements(index, key_size: int, prefix: str = "", scored: int | torch.Tensor | None = None):
+    """Elements of the keys' dtype (key_size bytes) a lookup reads of each KV head's centroids and counts: every
+    one of the C centroids, or `scored` of them; with one-byte codes, a byte each, plus the offsets and steps."""
+    c, d = index[f"{prefix}centroids"].shape[1:]
+    n = c if scored is None else scored
+    if f"{prefix}centroid_step" in index:
+        return n * (d / key_size + 1) + 2 * d * 4 / key_size
+    return n * (d + 1)
+
+
 def per_token_scores(q: torch.Tensor, index: LayerIndex, scale: float, rows: int, backend: Backend) -> torch.Tensor:
     """Calibration view of eq. 1: S for every query token, averaged over the query heads of a row.
 
     q: [Hq, Nc, D] -> [rows, Nc, C].
     """
-    return row_scores(backend.kernel("centroid").centroid_log_scores(q, index["centroids"], index["counts"], scale), rows)
+    log_s = backend.kernel("centroid").centroid_log_scores(q, index["centroids"], index["counts"], scale,
+                                                           step=code_step(index))
+    return row_scores(log_s, rows)
 
 
 def row_counts(counts: torch.Tensor, rows: int) -> torch.Tensor:
@@ -142,7 +184,7 @@ class SqueezePolicy(Method):
         result = spherical_kmeans(layer.keys, k, iters=s.kmeans_iters, seed=s.seed)
         return {
             "labels": result.labels,  # [Hkv, Lc]
-            "centroids": result.centroids.to(layer.keys.dtype),  # [Hkv, C, D]
+            **stored_centroids(result.centroids, s, layer.keys.dtype),  # [Hkv, C, D]
             "counts": result.counts,  # [Hkv, C]
             "key_starts": group_starts(result.labels, k),  # [Hkv, C + 1] cluster ranges of the permuted keys
         }
@@ -181,9 +223,9 @@ class SqueezePolicy(Method):
         (threshold,) = plan.at(q.shape[1])
         keep, score, selection = backend.kernel("centroid").cluster_select(
             q, layer["centroids"], layer["counts"], scale, threshold, rows, layer["key_starts"], layer.indexed,
-            layer.tail)
-        c, d = layer["centroids"].shape[1:]
-        read = torch.full((hkv,), float(c * (d + 1)), device=q.device)  # every centroid and its count
+            layer.tail, step=code_step(layer))
+        # every centroid and its count (q has the keys' dtype in the engine)
+        read = torch.full((hkv,), float(centroid_elements(layer, q.element_size())), device=q.device)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 
     def layout(self, layer: LayerIndex) -> ClusterLayout:

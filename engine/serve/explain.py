@@ -20,6 +20,7 @@ from engine import artifacts as names
 from engine.config import ContextSettings
 from engine.fixed_rows import FixedRows
 from engine.policies import REGISTRY, LayerIndex, make_method
+from engine.policies.squeeze import float_centroids
 from engine.session import Answer
 from storage import Document, Store
 
@@ -421,7 +422,7 @@ class ContextInspector:
         lc = data.clustered
         keys = self.store.artifacts.load(context_id, [names.layer_name(layer, "keys")])[names.layer_name(layer, "keys")]
         keys = torch.nn.functional.normalize(keys[kv_head, :lc].float(), dim=-1)  # [Lc, D]
-        centroids = torch.nn.functional.normalize(index["centroids"][kv_head].float(), dim=-1)  # [C, D]
+        centroids = torch.nn.functional.normalize(float_centroids(index)[kv_head], dim=-1)  # [C, D]
         mean = keys.mean(dim=0, keepdim=True)
         torch.manual_seed(seed)
         _, s, v = torch.pca_lowrank(keys - mean, q=min(6, *keys.shape), center=False, niter=4)

@@ -12,7 +12,8 @@ kernels.reference.cluster_keep. One kernel per pass (two forms of the score pass
                                  (C q^T on the tensor cores, the query rows streamed): the prefill's score pass.
 
 Vocabulary (batch 1):
-    q [Hq, Lq, D], centroids [Hkv, C, D], counts [Hkv, C]; G = Hq // Hkv query heads per KV head.
+    q [Hq, Lq, D], centroids [Hkv, C, D] (q's dtype, or uint8 codes read as their values with q scaled by the KV
+    head's step [Hkv, D] as it is loaded: SCALED), counts [Hkv, C]; G = Hq // Hkv query heads per KV head.
     row:      an output row of keep / score; rows is Hq or Hkv and HPR = Hq // rows query heads share a row.
     unit:     the GH consecutive query heads u * GH ... one program works for, all on KV head u * GH // G: a KV head
               (GH = G) for dense lookups, a row (GH = HPR) for candidate lists, since every row has its own list.
@@ -55,17 +56,43 @@ def _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST: tl.constexpr):
 
 
 @triton.jit
-def _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc):
-    """The centroids of one block, transposed for tl.dot: [BLOCK_D, BLOCK_C] (zeros where masked)."""
-    ptrs = cent_ptr + cid[None, :] * stride_cc + offs_d[:, None]
-    return tl.load(ptrs, mask=(offs_d < D)[:, None] & c_ok[None, :], other=0.0)
+def _as_dot_operand(c, DTYPE: tl.constexpr, CODES16: tl.constexpr):
+    """A tile of centroids as tl.dot's operand: in DTYPE, the queries'; with CODES16, uint8 codes become float16
+    1024 + code by their bits (0x6400 | code: exact, and no int-to-float conversion, which would cost more than the
+    dot on a prefill's tiles). The 1024 adds 1024 * sum(q) to every score of a query row, which cancels in S."""
+    if CODES16:
+        out = (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+    else:
+        out = c.to(DTYPE)
+    return out
 
 
 @triton.jit
-def _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt):
-    """Query rows (head, tok) [BLOCK_M] -> [BLOCK_M, BLOCK_D] (zeros where masked)."""
+def _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc, DTYPE: tl.constexpr, CODES16: tl.constexpr):
+    """The centroids of one block, transposed for tl.dot: [BLOCK_D, BLOCK_C] (_as_dot_operand; zeros where masked;
+    one-byte codes read as their values)."""
+    ptrs = cent_ptr + cid[None, :] * stride_cc + offs_d[:, None]
+    return _as_dot_operand(tl.load(ptrs, mask=(offs_d < D)[:, None] & c_ok[None, :], other=0), DTYPE, CODES16)
+
+
+@triton.jit
+def _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED: tl.constexpr,
+                  CODES16: tl.constexpr):
+    """Query rows (head, tok) [BLOCK_M] -> [BLOCK_M, BLOCK_D] (zeros where masked). SCALED: times the KV head's
+    codes' step [D] at step_ptr (the queries one-byte centroids are scored with), rounded to q's dtype, or to
+    float16 with CODES16 (the codes' operand type: _as_dot_operand)."""
     ptrs = q_ptr + head[:, None] * stride_qh + tok[:, None] * stride_qt + offs_d[None, :]
-    return tl.load(ptrs, mask=m_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    qb = tl.load(ptrs, mask=m_ok[:, None] & (offs_d < D)[None, :], other=0.0)
+    if SCALED:
+        step = tl.load(step_ptr + offs_d, mask=offs_d < D, other=0.0)
+        scaled = qb.to(tl.float32) * step[None, :]
+        if CODES16:
+            out = scaled.to(tl.float16)
+        else:
+            out = scaled.to(q_ptr.dtype.element_ty)
+    else:
+        out = qb
+    return out
 
 
 @triton.jit
@@ -109,6 +136,7 @@ def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
 @triton.jit
 def centroid_denominator_kernel(
     q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr,  # inputs (allowed / indptr / idx: see flags)
+    step_ptr,  # SCALED: [Hkv, D] float32, the one-byte centroids' step
     part_max_ptr, part_sum_ptr, s_ptr,  # outputs: [Hq * Lq, NSPLIT] float32 each; s2 cache [Hq * Lq, W] float32
     scale2, Lq, C, CAP, G, GH, HPR, NSPLIT,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s,
@@ -120,6 +148,8 @@ def centroid_denominator_kernel(
     USE_LIST: tl.constexpr,  # the unit's positions are its row's candidate list (CSR indptr / idx)
     STORE_S: tl.constexpr,  # keep s2 in s_ptr so the score pass needs no second look at the centroids (decode)
     DOT_PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,  # the centroids are uint8 codes: the queries are scaled by their step
+    CODES16: tl.constexpr,  # SCALED with 16-bit queries: the dots run in float16 (_as_dot_operand)
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
     centroid blocks split, split + NSPLIT, ... (flash style, base 2: s2 = scale2 * q . C with scale2 = scale *
@@ -132,6 +162,7 @@ def centroid_denominator_kernel(
     h0 = unit * GH
     cent_ptr += (h0 // G) * stride_ch
     counts_ptr += (h0 // G) * stride_nh
+    step_ptr += (h0 // G) * D
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # stacked query rows of the unit
     m_ok = offs_m < GH * Lq
@@ -139,7 +170,8 @@ def centroid_denominator_kernel(
     tok = offs_m % Lq
     qrow = head * Lq + tok
     offs_d = tl.arange(0, BLOCK_D)
-    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt)  # [BLOCK_M, BLOCK_D]
+    # [BLOCK_M, BLOCK_D]
+    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED, CODES16)
 
     start, n = _span(indptr_ptr, unit, C, USE_LIST)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -147,7 +179,8 @@ def centroid_denominator_kernel(
     for blk in range(split, tl.cdiv(n, BLOCK_C), NSPLIT):
         pos = blk * BLOCK_C + tl.arange(0, BLOCK_C)
         cid, c_ok = _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST)
-        ct = _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc)  # [BLOCK_D, BLOCK_C]
+        # [BLOCK_D, BLOCK_C]
+        ct = _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc, q_ptr.dtype.element_ty, CODES16)
         s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale2  # [BLOCK_M, BLOCK_C] float32, log2 domain
         cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
         c_in = c_ok & (cnt > 0)
@@ -169,7 +202,7 @@ def centroid_denominator_kernel(
 
 @triton.jit
 def centroid_score_kernel(
-    q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr,  # inputs, as in the denominator pass
+    q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr, step_ptr,  # inputs, as in the denominator pass
     part_max_ptr, part_sum_ptr, s_ptr,  # the denominator pass's outputs
     keep_ptr, score_ptr,  # outputs [rows, C]: keep uint8 (a bool view), score float32; written at the unit's ids
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
@@ -185,6 +218,8 @@ def centroid_score_kernel(
     LOAD_S: tl.constexpr,  # read s2 from the denominator pass's cache instead of recomputing q . C (decode)
     HAS_STARTS: tl.constexpr,  # also write each (row, centroid block)'s kept keys for kernels/jit/compact.py
     DOT_PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
+    CODES16: tl.constexpr,
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
     sums S = exp(s - log D) over them (mean over heads and tokens) and over its heads' last tokens, and writes
@@ -197,6 +232,7 @@ def centroid_score_kernel(
     h0 = unit * GH
     cent_ptr += (h0 // G) * stride_ch
     counts_ptr += (h0 // G) * stride_nh
+    step_ptr += (h0 // G) * D
     row0 = h0 // HPR
     rows_here = GH // HPR  # G rows of one query head when a dense unit (a KV head) serves rows == Hq, else 1
     m_row = HPR * Lq  # stacked query rows of one row
@@ -208,7 +244,8 @@ def centroid_score_kernel(
         cid, c_ok = _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST)
         cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
         if not LOAD_S:
-            ct = _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc)  # [BLOCK_D, BLOCK_C], reused below
+            # [BLOCK_D, BLOCK_C], reused below
+            ct = _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc, q_ptr.dtype.element_ty, CODES16)
         for rr in range(0, rows_here):
             row = row0 + rr
             total = tl.zeros([BLOCK_C], tl.float32)  # sum of S over the row's heads and tokens
@@ -224,7 +261,8 @@ def centroid_score_kernel(
                     s_ptrs = s_ptr + qrow[:, None] * stride_s + (start + pos)[None, :]
                     s = tl.load(s_ptrs, mask=m_ok[:, None] & c_ok[None, :], other=0.0)
                 else:
-                    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt)
+                    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED,
+                                       CODES16)
                     s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale2
                 p = tl.where(m_ok[:, None] & c_ok[None, :], tl.exp2(s - log2_d[:, None]), 0.0)  # S [BLOCK_M, BLOCK_C]
                 total += tl.sum(p, axis=0)
@@ -236,8 +274,8 @@ def centroid_score_kernel(
 
 @triton.jit
 def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, row, scale2, Lq, HPR, NSPLIT, offs_d, D,
-                stride_qh, stride_qt, BLOCK_M: tl.constexpr, BLOCK_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                MASKED: tl.constexpr):
+                stride_qh, stride_qt, step_ptr, BLOCK_M: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr, CODES16: tl.constexpr):
     """Sum of S = 2^(s2 - log2 D) over the stacked query rows m0 .. m0 + BLOCK_M - 1 of `row` (MASKED: those below
     m_row only), per centroid of cent [BLOCK_C, BLOCK_D]: [BLOCK_C]."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -245,7 +283,8 @@ def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, row, scale2,
     head = row * HPR + offs_m // Lq
     tok = offs_m % Lq
     log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head * Lq + tok, m_ok, NSPLIT, BLOCK_SPLIT)
-    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt)  # [BLOCK_M, BLOCK_D]
+    # [BLOCK_M, BLOCK_D]
+    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED, CODES16)
     st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_M]
     p = tl.exp2(st * scale2 - log2_d[None, :])
     if MASKED:
@@ -255,7 +294,7 @@ def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, row, scale2,
 
 @triton.jit
 def centroid_score_prefill_kernel(
-    q_ptr, cent_ptr, counts_ptr, allowed_ptr,  # inputs (allowed: HAS_ALLOWED only)
+    q_ptr, cent_ptr, counts_ptr, allowed_ptr, step_ptr,  # inputs (allowed: HAS_ALLOWED only; step: SCALED only)
     part_max_ptr, part_sum_ptr,  # the denominator pass's partials [Hq * Lq, NSPLIT]
     keep_ptr, score_ptr,  # outputs [rows, C]
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
@@ -270,6 +309,8 @@ def centroid_score_prefill_kernel(
     HAS_ALLOWED: tl.constexpr,
     HAS_STARTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
+    CODES16: tl.constexpr,
 ):
     """Pass 2 of a dense lookup over Lq > 1 tokens (the question's prefill), grid (KV head, centroid block): the
     same outputs as centroid_score_kernel, computed centroid-major. The program keeps its BLOCK_C centroids and
@@ -281,11 +322,13 @@ def centroid_score_prefill_kernel(
     cb = tl.program_id(1)
     cent_ptr += unit * stride_ch
     counts_ptr += unit * stride_nh
+    step_ptr += unit * D
     cid = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cid < C
     offs_d = tl.arange(0, BLOCK_D)
-    cent = tl.load(cent_ptr + cid[:, None] * stride_cc + offs_d[None, :],
-                   mask=c_ok[:, None] & (offs_d < D)[None, :], other=0.0)  # [BLOCK_C, BLOCK_D]
+    cent = _as_dot_operand(tl.load(cent_ptr + cid[:, None] * stride_cc + offs_d[None, :],
+                                   mask=c_ok[:, None] & (offs_d < D)[None, :], other=0),
+                           q_ptr.dtype.element_ty, CODES16)  # [BLOCK_C, BLOCK_D]
     cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
     rows_here = G // HPR
     m_row = HPR * Lq
@@ -295,16 +338,19 @@ def centroid_score_prefill_kernel(
         full_end = m_row // BLOCK_M * BLOCK_M
         for m0 in range(0, full_end, BLOCK_M):  # whole blocks of query rows: no masks
             total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, row, scale2, Lq, HPR, NSPLIT,
-                                 offs_d, D, stride_qh, stride_qt, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION, False)
+                                 offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION, False,
+                                 SCALED, CODES16)
         if full_end < m_row:
             total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, full_end, m_row, row, scale2, Lq, HPR,
-                                 NSPLIT, offs_d, D, stride_qh, stride_qt, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION, True)
+                                 NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION,
+                                 True, SCALED, CODES16)
         offs_h = tl.arange(0, BLOCK_H)  # the last token of each of the row's heads
         h_ok = offs_h < HPR
         head = row * HPR + offs_h
         last_tok = tl.zeros([BLOCK_H], tl.int32) + (Lq - 1)
         log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head * Lq + last_tok, h_ok, NSPLIT, BLOCK_SPLIT)
-        qb = _load_queries(q_ptr, head, last_tok, h_ok, offs_d, D, stride_qh, stride_qt)  # [BLOCK_H, BLOCK_D]
+        qb = _load_queries(q_ptr, head, last_tok, h_ok, offs_d, D, stride_qh, stride_qt, step_ptr,
+                           SCALED, CODES16)  # [BLOCK_H, BLOCK_D]
         st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_H]
         last = tl.sum(tl.where(h_ok[None, :], tl.exp2(st * scale2 - log2_d[None, :]), 0.0), axis=1)
         _decide(tl.maximum(total / m_row, last / HPR), threshold, cnt, cid, c_ok, row, unit, cb, C, NB,

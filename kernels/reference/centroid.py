@@ -10,20 +10,57 @@ from kernels.reference.compact import expand_groups
 from kernels.selection import Fixed, Selection
 
 
+CODES = 255  # one-byte centroids: codes 0..255 per (KV head, dim), uint8
+
+
+def quantize_centroids(centroids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Centroids [Hkv, C, D] -> one byte per element: per KV head and dim, offset = the smallest value and step =
+    (the largest - offset) / 255; a value's code is round((value - offset) / step). Returns {"centroids": uint8
+    [Hkv, C, D], "centroid_offset", "centroid_step": float32 [Hkv, D]}.
+
+    The kernels read the codes as their values: q . C = q . offset + (q * step) . codes, and the first term is the
+    same for every centroid of a (head, token), so eq. 1's S from the scaled query (q * step, scaled_queries) over
+    the codes is S from q over the dequantized centroids; each element moves by at most step / 2."""
+    c = centroids.float()
+    offset = c.amin(dim=1)  # [Hkv, D]
+    step = ((c.amax(dim=1) - offset) / CODES).clamp(min=torch.finfo(torch.float32).tiny)
+    codes = torch.round((c - offset[:, None]) / step[:, None]).clamp(0, CODES).to(torch.uint8)
+    return {"centroids": codes, "centroid_offset": offset, "centroid_step": step}
+
+
+def dequantize_centroids(codes: torch.Tensor, offset: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [Hkv, C, D] with offset, step [Hkv, D] -> float32 centroids [Hkv, C, D] (quantize_centroids)."""
+    return offset[:, None] + step[:, None] * codes.float()
+
+
+def scaled_queries(q: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """q [Hq, Lq, D] and the codes' step [Hkv, D] -> q * step [Hq, Lq, D] float32 (each query head scaled by its KV
+    head's step): the queries whose scores over one-byte codes give eq. 1's S (quantize_centroids). The kernels
+    round them to q's dtype, or to float16 for 16-bit queries (kernels/jit/centroid.py)."""
+    per_head = step.float().repeat_interleave(q.shape[0] // step.shape[0], dim=0)[:, None, :]  # [Hq, 1, D]
+    return q.float() * per_head
+
+
 def centroid_log_scores(
     q: torch.Tensor,
     centroids: torch.Tensor,
     counts: torch.Tensor,
     scale: float,
     allowed: torch.Tensor | None = None,
+    *,
+    step: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Eq. 1 of Squeezed Attention in log space: log S_i = s_i - log sum_j N_j exp(s_j), s = scale * q . C.
 
     q: [Hq, Lq, D]; centroids: [Hkv, C, D]; counts: [Hkv, C] (keys per cluster, 0 for an empty cluster)
     allowed: optional bool mask broadcastable to [Hq, Lq, C] ([Hq, C] is read as [Hq, 1, C]): only these
              clusters enter the denominator (eq. 3, hierarchical level 2); the others get log S = -inf.
+    step: with uint8 codes for centroids, their step [Hkv, D] (quantize_centroids): the codes are scored with
+          scaled_queries(q, step), which gives S over the centroids they encode.
     Returns [Hq, Lq, C] float32.
     """
+    if step is not None:
+        q = scaled_queries(q, step)
     hq, lq, _ = q.shape
     hkv = centroids.shape[0]
     s = torch.matmul(_grouped(q.float(), hkv), centroids.float().transpose(1, 2)) * scale  # [Hkv, G*Lq, C]
@@ -70,10 +107,13 @@ def cluster_keep(
     threshold: float,
     rows: int,
     allowed: torch.Tensor | None = None,
+    *,
+    step: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole centroid lookup of one step: eq. 1 (eq. 3 under `allowed`), reduced per row, against T.
 
-    q: [Hq, Lq, D]; centroids: [Hkv, C, D]; counts: [Hkv, C]; rows: Hq or Hkv (see Selection)
+    q: [Hq, Lq, D]; centroids: [Hkv, C, D], or uint8 codes with their step [Hkv, D] (centroid_log_scores);
+    counts: [Hkv, C]; rows: Hq or Hkv (see Selection)
     allowed: optional [rows, C] bool, the candidate clusters (hierarchical level 2): only they enter the
              denominator, and the others are neither scored nor kept.
     Returns keep [rows, C] bool (S > T, or every non-empty candidate when T <= 0) and score [rows, C] float32
@@ -82,7 +122,7 @@ def cluster_keep(
     """
     hq = q.shape[0]
     allowed_hq = None if allowed is None else allowed.repeat_interleave(hq // rows, dim=0)
-    score = reduce_scores(centroid_log_scores(q, centroids, counts, scale, allowed=allowed_hq), rows)
+    score = reduce_scores(centroid_log_scores(q, centroids, counts, scale, allowed=allowed_hq, step=step), rows)
     keep = select_clusters(score, threshold) & (counts.repeat_interleave(rows // counts.shape[0], dim=0) > 0)
     if allowed is not None:
         keep &= allowed
@@ -97,10 +137,12 @@ def cluster_keep_among(
     threshold: float,
     rows: int,
     candidates: Selection,
+    *,
+    step: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`cluster_keep` restricted to each row's candidate clusters (a Selection over cluster ids, num_keys = C):
     the hierarchical level 2, whose denominator runs over the candidates only (eq. 3)."""
-    return cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask())
+    return cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask(), step=step)
 
 
 def cluster_select(
@@ -115,9 +157,10 @@ def cluster_select(
     tail: int = 0,
     *,
     fixed: Fixed | None = None,
+    step: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """`cluster_keep`, then the kept clusters' key positions (`kernels.layout.expand_groups(keep, starts, total,
     tail, fixed=fixed)`: starts [Hkv, C + 1] where each cluster's keys lie; fixed: heads whose rows read a fixed
     list instead). Returns (keep, score, Selection)."""
-    keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows)
+    keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows, step=step)
     return keep, score, expand_groups(keep, starts, total, tail, fixed=fixed)
