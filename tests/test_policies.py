@@ -39,12 +39,13 @@ SPARSITY_TOL = 0.05
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def methods_for(group: str = "kv", prefill: str = "decode") -> dict:
-    """squeeze and hsqueeze with the test's index settings, one selection per `group`, prefill thresholds `prefill`."""
+def methods_for(group: str = "kv", prefill: str = "decode", centroids: str = "exact") -> dict:
+    """squeeze and hsqueeze with the test's index settings, one selection per `group`, prefill thresholds `prefill`;
+    float centroids (the paper's index, whose structure these tests check: one-byte ones have their own test)."""
     return {"squeeze": SqueezePolicy(SqueezeSettings(centroid_ratio=CENTROID_RATIO, group=group,
-                                                     prefill_threshold=prefill)),
+                                                     prefill_threshold=prefill, centroids=centroids)),
             "hsqueeze": HierarchicalSqueezePolicy(HierarchicalSettings(level1_ratio=LEVEL1_RATIO, group=group,
-                                                                       prefill_threshold=prefill))}
+                                                                       prefill_threshold=prefill, centroids=centroids))}
 
 
 @dataclass
@@ -346,6 +347,37 @@ def test_index_elements(layers, calibrated, sparsity):
         want = ((c1 + survivors) * (D + 1)).double()
         assert torch.equal(hs.index_elements.double(), want)
         assert (hs.index_elements <= (c1 + (rows // HKV) * c2) * (D + 1)).all()
+
+
+
+def test_one_byte_index_and_its_reads(layers):
+    """With one-byte centroids (the default) each index keeps uint8 codes with an offset and a step per KV head and
+    dim (both levels for hsqueeze); squeeze's decode to the float index's centroids within half a step (the same
+    k-means: the same seed and keys; hsqueeze clusters squeeze's decoded centroids, so its own differ), and a lookup
+    reads a byte per element plus the offsets and steps: here, float32 keys, a quarter of a centroid's elements, and
+    2 * D float32 values per KV head."""
+    keys = {i: layer.keys for i, layer in enumerate(layers)}
+    queries = {i: layer.queries for i, layer in enumerate(layers)}
+    coded = build_methods(keys, queries, DENSE_TAIL, list(methods_for(centroids="int8").values()), SCALE,
+                          torch.device("cpu"))
+    for i, layer in enumerate(layers):
+        for name, prefix in (("squeeze", ""), ("hsqueeze", ""), ("hsqueeze", "l1_")):
+            codes = coded[f"{name}.layer{i}.{prefix}centroids"]
+            step = coded[f"{name}.layer{i}.{prefix}centroid_step"]
+            offset = coded[f"{name}.layer{i}.{prefix}centroid_offset"]
+            exact = layer.indexes[name][f"{prefix}centroids"]
+            assert codes.dtype == torch.uint8 and codes.shape == exact.shape and step.shape == offset.shape == (HKV, D)
+            if name == "squeeze":
+                decoded = offset[:, None] + step[:, None] * codes.float()
+                assert ((decoded - exact).abs() <= step[:, None] / 2 + 1e-5).all()
+        prefix = f"squeeze.layer{i}."
+        index = LayerIndex({k[len(prefix):]: v for k, v in coded.items() if k.startswith(prefix)}, L, DENSE_TAIL)
+        squeeze = methods_for(centroids="int8")["squeeze"]
+        calibration = squeeze.calibrate([CalibrationSet(queries=layer.queries, index=index)], SCALE)
+        found = lookup(squeeze, layer.queries[:, 2:3], index, calibration, 0.7)
+        c2 = index["centroids"].shape[1]
+        assert torch.allclose(found.index_elements.double(), torch.full((HKV,), c2 * (D / 4 + 1) + 2 * D,
+                                                                         dtype=torch.float64))
 
 
 # ---------------------------------------------------------------- rows and the dense method
