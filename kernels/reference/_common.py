@@ -1,10 +1,17 @@
-"""Helpers shared by the references: GQA grouping of query heads and the softmax with its log-sum-exp."""
+"""Helpers shared by the references: GQA grouping of query heads, the softmax with its log-sum-exp, and the one-byte
+formats' decoding (Quest's page bounds, squeeze's centroids)."""
 
 from __future__ import annotations
 
 import torch
 
 NEG_INF = float("-inf")
+CODES = 255  # one-byte formats: codes 0..255 per (KV head, dim), uint8, with an offset and a step per (KV head, dim)
+
+
+def dequantize(codes: torch.Tensor, offset: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """uint8 codes [Hkv, N, D] with offset, step [Hkv, D] float32 -> float32 values [Hkv, N, D]."""
+    return offset[:, None] + step[:, None] * codes.float()
 
 
 def _grouped(q: torch.Tensor, rows: int) -> torch.Tensor:

@@ -5,12 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference._common import NEG_INF, _grouped, _ungrouped
+from kernels.reference._common import CODES, NEG_INF, _grouped, _ungrouped, dequantize
 from kernels.reference.compact import expand_groups
 from kernels.selection import Fixed, Selection
-
-
-CODES = 255  # one-byte centroids: codes 0..255 per (KV head, dim), uint8
 
 
 def quantize_centroids(centroids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -30,7 +27,7 @@ def quantize_centroids(centroids: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def dequantize_centroids(codes: torch.Tensor, offset: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """uint8 codes [Hkv, C, D] with offset, step [Hkv, D] -> float32 centroids [Hkv, C, D] (quantize_centroids)."""
-    return offset[:, None] + step[:, None] * codes.float()
+    return dequantize(codes, offset, step)
 
 
 def scaled_queries(q: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.reference._common import CODES, dequantize
 from kernels.selection import Selection
-
-
-CODES = 255  # int8 bounds: codes 0..255 per (KV head, dim), uint8
 
 
 def quantize_bounds(page_min: torch.Tensor, page_max: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -37,7 +35,7 @@ def quantize_bounds(page_min: torch.Tensor, page_max: torch.Tensor) -> dict[str,
 
 def dequantize_bounds(codes: torch.Tensor, offset: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
     """uint8 codes [Hkv, P, D] with offset, step [Hkv, D] -> float32 bounds [Hkv, P, D] (quantize_bounds)."""
-    return offset[:, None] + step[:, None] * codes.float()
+    return dequantize(codes, offset, step)
 
 
 def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, rows: int,
