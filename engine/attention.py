@@ -15,6 +15,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
+from engine.follow import Follow, layout_order
 from engine.policies.base import Method, StepPlan
 from engine.stats import TurnRecorder
 from kernels.backend import Backend
@@ -43,6 +44,8 @@ class StepContext:
         set by the caller before each call (a captured step reads them from this same buffer at every replay)
     static: the call is being captured in a CUDA graph: attend over every new-token slot, masked by position
     graphs: where greedy generation finds (or captures) its decode step; None runs every step eagerly
+    follow: the context's follow rows (engine.follow), added to every sparse selection; None: none. The caller of
+    a forward call runs `follow.begin(ids)` before it (engine.generate, engine.graph)
     """
 
     cache: FixedContextCache
@@ -54,6 +57,7 @@ class StepContext:
     positions: torch.Tensor | None = None
     static: bool = False
     graphs: object | None = None  # engine.graph.DecodeGraphs: decode steps replayed from CUDA graphs (None: eager)
+    follow: Follow | None = None
 
 
 def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
@@ -75,7 +79,17 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
     with timed("attention"):
         if lookup.selection is None:
             return step.backend.kernel("sparse").attention_with_lse(q, kf, vf, scale)
-        return step.backend.kernel("sparse").sparse_attention(q, kf, vf, lookup.selection, scale)
+        selected = step.backend.kernel("sparse").sparse_attention(q, kf, vf, lookup.selection, scale)
+        follow = step.follow
+        if follow is None or not follow.positions.numel():
+            return selected
+        rows = follow.fixed_rows
+        order = layout_order(method, index)
+        out, lse, fresh = step.backend.kernel("follow").follow_attention(
+            q, kf, vf, lookup.selection, follow.positions.to(q.device), rows.sink, rows.indexed, order, scale)
+        if recorder is not None:
+            recorder.record_follow(layer.layer_idx, fresh)
+        return step.backend.kernel("merge").merge_attention([selected, (out, lse)])
 
 
 @torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.compiled): host logic, our own kernels

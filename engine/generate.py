@@ -18,6 +18,8 @@ def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: i
     """One eager call over ids [n] at positions start .. start + n - 1 (their K/V join the turn's new tokens).
     Returns the last token's logits [1, V] on the device (not read back: the caller decides when to synchronise)."""
     step.positions = torch.arange(start, start + ids.numel(), device=lm.device)
+    if step.follow is not None:
+        step.follow.begin(ids)
     if step.recorder is not None:
         step.recorder.begin_step()
     out = lm.model(input_ids=ids[None], position_ids=step.positions[None], past_key_values=step.cache,
@@ -110,6 +112,8 @@ def full_logits(lm: LoadedModel, step: StepContext, prompt: torch.Tensor) -> tor
         cache.reserve(prompt.numel())
         start = cache.get_seq_length()
         step.positions = torch.arange(start, start + prompt.numel(), device=lm.device)
+        if step.follow is not None:
+            step.follow.begin(prompt.to(lm.device))
         out = lm.model(input_ids=prompt.to(lm.device)[None], position_ids=step.positions[None], past_key_values=cache,
                        use_cache=True, squeeze_step=step)
     cache.reset_dynamic()

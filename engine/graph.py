@@ -51,6 +51,8 @@ class DecodeGraph:
         self._step = replace(step, positions=self.positions, static=True, graphs=None)
 
     def _forward(self, step: StepContext) -> None:
+        if step.follow is not None:
+            step.follow.begin(self.ids)
         out = self.lm.model(input_ids=self.ids, position_ids=self.positions[None], past_key_values=step.cache,
                             use_cache=True, logits_to_keep=1, squeeze_step=step)
         self.logits = out.logits[0, -1:]  # [1, V]: after a replay, that step's logits (the capture's output buffer)

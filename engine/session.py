@@ -13,6 +13,7 @@ from engine import artifacts as names
 from engine.attention import StepContext
 from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
+from engine.follow import Follow, FollowSettings
 from engine.generate import full_logits, generate_tokens
 from engine.graph import DecodeGraphs, graphs_supported
 from engine.ingest import Progress, _no_progress, build_methods, global_scale, layer_part
@@ -57,7 +58,7 @@ class ContextSession:
 
     def __init__(self, lm: LoadedModel, artifacts: dict[str, torch.Tensor], settings: ContextSettings,
                  backend: Backend, methods: dict[str, Method] | None = None, graphs: bool = True,
-                 prepared: dict[str, Tensors] | None = None):
+                 prepared: dict[str, Tensors] | None = None, follow: FollowSettings | None = None):
         """artifacts: a context's tensors by name. The fixed K/V are taken out of the dict (popped) layer by layer
         as they move into the session's cache, so that the session holds the only copy of the fixed context on the
         device (an ingest's K/V are reused in place where they sit on the right device).
@@ -66,7 +67,8 @@ class ContextSession:
             there.
         graphs: replay decode steps from CUDA graphs where the model allows (engine.graph); False: every step
         eager (benchmarks compare the two).
-        prepared: method -> its model-level artifacts (Method.prepare; `layer{i}.{name}` join layer i's index)."""
+        prepared: method -> its model-level artifacts (Method.prepare; `layer{i}.{name}` join layer i's index).
+        follow: the follow rows every sparse step adds (engine.follow; None: the defaults, engine.follow.OFF: none)."""
         self.lm, self.backend = lm, backend
         parsed = names.parse(artifacts, tuple(REGISTRY))
         self.tokens = parsed.tokens
@@ -90,6 +92,8 @@ class ContextSession:
             if methods is None or name in methods:
                 self.add_method(methods[name] if methods is not None else make_method(name), part,
                                 (prepared or {}).get(name))
+        follow = FollowSettings() if follow is None else follow
+        self.follow = Follow(self.tokens.to(lm.device), self.rows, follow) if follow.on else None
         self.graphs = DecodeGraphs(lm) if graphs and backend.name == "triton" and graphs_supported(lm) else None
 
     def add_method(self, method: Method, part: names.MethodArtifacts, prepared: Tensors | None = None) -> None:
@@ -136,7 +140,13 @@ class ContextSession:
 
     def plan(self, method: str, sparsity: float):
         """The typed plan of a turn with `method` at `sparsity` (budget 1 - sparsity): engine.policies.StepPlan."""
-        return self.method(method).plan(self.calibration[method], 1.0 - sparsity)
+        m = self.method(method)
+        reserve = self.follow.reserve(self.rows.tokens) if self.follows(m) else (0.0, 0.0)
+        return m.plan(self.calibration[method], 1.0 - sparsity, reserve)
+
+    def follows(self, method: Method) -> bool:
+        """Whether `method`'s steps read the follow rows (engine.follow): a sparse method's, where they are on."""
+        return self.follow is not None and method.sparse and method.follows
 
     def arrange(self, method: Method | None) -> None:
         """Put every global layer's fixed K/V in `method`'s layout (None: as stored, engine.fixed_rows), in place: the tensors
@@ -164,7 +174,7 @@ class ContextSession:
         m = self.method(method)
         self.arrange(m)
         return StepContext(cache=self.cache, method=m, plan=self.plan(method, sparsity), backend=self.backend,
-                           recorder=recorder, graphs=self.graphs)
+                           recorder=recorder, graphs=self.graphs, follow=self.follow if self.follows(m) else None)
 
     def logits(self, question: str, method: str = "full", sparsity: float = 0.0) -> torch.Tensor:
         """[Lq, V] logits of the question's prompt tokens (tests: the sparse path against full attention)."""

@@ -180,6 +180,17 @@ class TurnRecorder:
             else:
                 torch.maximum(best, lookup.scores.float(), out=best)
 
+    def record_follow(self, layer_idx: int, fresh: torch.Tensor) -> None:
+        """The follow rows a global layer's step read besides its selection (engine.follow): fresh [rows, M] bool,
+        each selection row's (recorded after the layer's lookup, in the same step)."""
+        totals = self._phase_totals(fresh.device)
+        i = self._index[layer_idx]
+        rows = fresh.shape[0]
+        totals.kept[i, :rows] += fresh.sum(dim=1).to(totals.kept.device)
+        if rows != self.hkv:  # (one row per KV head: its kept keys are its reads, _per_layer) read once per KV head
+            keys = fresh.reshape(self.hkv, rows // self.hkv, -1).any(dim=1).sum()
+            totals.read[i] += (keys * (2 * self.head_dim)).to(totals.read.device)
+
     def _per_layer(self, totals: StepTotals) -> tuple[torch.Tensor, torch.Tensor, int]:
         """One phase's sums on the CPU: kept keys per query head [layers, Hq] and elements read [layers] (float64),
         and its steps."""

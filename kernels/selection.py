@@ -133,3 +133,20 @@ def replace_rows(selection: Selection, take: torch.Tensor, fixed: torch.Tensor) 
     theirs = fixed[row, offset.clamp(0, max(width - 1, 0))] if width else torch.zeros_like(mine)
     indices = torch.where(take[row], theirs.to(mine.dtype), mine)
     return Selection(indptr=indptr, indices=indices, num_keys=selection.num_keys)
+
+
+def contains(selection: Selection, rows: torch.Tensor) -> torch.Tensor:
+    """Whether each of `rows` [R, M] (keys, R = selection.rows) is in its row of `selection`: [R, M] bool. Uses the
+    rows' order (sorted within each row). On the device, without host synchronisation: one pass over the indices
+    buffer (its spare capacity sorts after every row) and a binary search per key."""
+    r, n = selection.rows, max(selection.num_keys, 1)
+    capacity = selection.indices.numel()
+    if capacity == 0:
+        return torch.zeros_like(rows, dtype=torch.bool)
+    entry = torch.arange(capacity, device=rows.device)
+    row = torch.searchsorted(selection.indptr[1:].contiguous(), entry, right=True)  # r: spare capacity
+    codes = torch.where(row < r, row * n + selection.indices.to(torch.int64).clamp(0, n - 1), r * n + entry)
+    wanted = torch.arange(r, device=rows.device)[:, None] * n + rows  # [R, M]
+    at = torch.searchsorted(codes, wanted.reshape(-1)).clamp(max=capacity - 1).reshape(wanted.shape)
+    return codes[at] == wanted
+

@@ -25,11 +25,13 @@ import datetime as dt
 import json
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 from engine.bench.oracle import OraclePolicy
 from engine.bench.settings import parse_settings
 from engine.config import ContextSettings
+from engine.follow import OFF, FollowSettings
 
 PARTS = ("needles", "recall", "agreement")
 BUDGETS = "0.05,0.1,0.2,0.3"
@@ -89,27 +91,28 @@ def table(doc: dict) -> str:
 def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths: list[int], depths: list[float],
         keys: int, document: Path, questions: list[str], answer_tokens: int, progress=lambda *a: None,
         context: ContextSettings | None = None, prepared: dict | None = None,
-        settings: dict[str, dict] | None = None) -> dict:
+        settings: dict[str, dict] | None = None, follow: FollowSettings | None = None) -> dict:
     """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc).
     context: how the documents become contexts (None: the defaults; e.g. another sink); prepared: method -> its
     model-level artifacts (needed by a method that learns per model: main gets them from the cache's store, training
-    them first where they are missing); settings: method -> its settings (the others at their defaults)."""
+    them first where they are missing); settings: method -> its settings (the others at their defaults); follow:
+    the follow rows every sparse step adds (engine.follow; None: the defaults)."""
     from engine.bench import fidelity, needles
 
     start = time.monotonic()
     doc: dict = {"bench": "eval", "model": lm.model_id, "device": str(lm.device), "methods": methods,
                  "budgets": budgets, "parts": parts, "context": (context or ContextSettings()).as_dict(),
-                 "method_settings": settings or {},
+                 "method_settings": settings or {}, "follow": asdict(follow or FollowSettings()),
                  "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if "needles" in parts:
         doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()],
-                                     context=context, prepared=prepared, settings=settings)
+                                     context=context, prepared=prepared, settings=settings, follow=follow)
         cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
         doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells)}
     if "recall" in parts or "agreement" in parts:
         text = document.read_text(encoding="utf-8", errors="replace")
         session = needles.context_session(lm, text, methods, settings, extra=[OraclePolicy()], context=context,
-                                          prepared=prepared)
+                                          prepared=prepared, follow=follow)
         agreement, recall = fidelity.run(session, methods, budgets, questions, answer_tokens, progress,
                                          recall="recall" in parts, agreement="agreement" in parts,
                                          ceiling=OraclePolicy.name)
@@ -157,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="last context tokens read densely (ContextSettings.dense_tail; default: its default)")
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.SETTING=VALUE",
                         help="a method's setting (repeatable), e.g. --set saap.hidden=32")
+    parser.add_argument("--no-follow", action="store_true",
+                        help="steps read no follow rows (engine.follow: the tokens after the document's occurrences "
+                             "of the step's own recent tokens)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     methods = [m for m in args.methods.split(",") if m]
@@ -202,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     prepared = {name: engine.prepared(name, training) for name in build_order(methods)}
     doc = run(engine.lm, parts, methods, budgets, [int(x) for x in args.lengths.split(",") if x],
               _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress, context,
-              prepared, settings)
+              prepared, settings, OFF if args.no_follow else None)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))

@@ -26,12 +26,13 @@ def passkeys(count: int, seed: int = 0) -> list[str]:
 
 
 def context_session(lm, text: str, methods: list[str], settings: dict[str, dict] | None = None, extra=(),
-                    context=None, prepared: dict | None = None):
+                    context=None, prepared: dict | None = None, follow=None):
     """`text` prepared as a fixed context with every method of `methods` (and what they require) built, in memory
     (nothing stored): an engine.session.ContextSession on the model's device. settings: method -> its settings
     (the others at their defaults); extra: more Method instances to build (not registered: the eval's oracle);
     context: the engine.config.ContextSettings (None: the defaults); prepared: method -> its model-level artifacts
-    (Method.prepare: a method that learns per model, e.g. duo, cannot be built without them)."""
+    (Method.prepare: a method that learns per model, e.g. duo, cannot be built without them); follow: the
+    engine.follow.FollowSettings of its turns (None: the defaults)."""
     from engine.config import ContextSettings
     from engine.ingest import ingest_tokens
     from engine.policies import build_order, make_method
@@ -44,7 +45,7 @@ def context_session(lm, text: str, methods: list[str], settings: dict[str, dict]
     instances = {m.name: m for m in (make_method(n, (settings or {}).get(n)) for n in build_order(methods))}
     context = context or ContextSettings()
     out = ingest_tokens(lm, fixed.ids, context, backend, list(instances.values()), prepared=prepared)
-    session = ContextSession(lm, out.artifacts, context, backend, methods=instances, prepared=prepared)
+    session = ContextSession(lm, out.artifacts, context, backend, methods=instances, prepared=prepared, follow=follow)
     for method in extra:  # built from the session's own K/V and calibration queries
         session.build(method)
     return session
@@ -52,12 +53,13 @@ def context_session(lm, text: str, methods: list[str], settings: dict[str, dict]
 
 def run(lm, lengths: list[int], depths: list[float], budgets: list[float], methods: list[str], keys: int = 1,
         progress=lambda *a: None, extra=(), context=None, prepared: dict | None = None,
-        settings: dict[str, dict] | None = None) -> dict:
+        settings: dict[str, dict] | None = None, follow=None) -> dict:
     """Every (length, depth, key) context, full attention and every (method, budget). Returns the JSON document:
     `cells` (one per answer) and `summary` (per method and budget: the share found, full attention's share on
     the same contexts, the mean KV budget read in each phase). extra: more Method instances (not registered: the
     eval's oracle) answered as the methods are; context: the engine.config.ContextSettings (None: the defaults);
-    prepared: method -> its model-level artifacts (context_session); settings: method -> its settings."""
+    prepared: method -> its model-level artifacts (context_session); settings: method -> its settings; follow: the
+    follow rows' settings (context_session)."""
     folder = essays_dir()
     cells, stacks = [], {}
     cases = [(n, d, k) for n in lengths for d in depths for k in passkeys(keys)]
@@ -66,7 +68,7 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
         if length not in stacks:
             stacks[length] = haystack(lm.tokenizer, length, folder)
         session = context_session(lm, insert_passkey(stacks[length], key, depth), methods, settings, extra=extra,
-                                  context=context, prepared=prepared)
+                                  context=context, prepared=prepared, follow=follow)
         full_found = key in session.ask(PASSKEY_QUESTION, "full", 0.0, MAX_NEW_TOKENS).text
         for method in [*methods, *(m.name for m in extra)]:
             for budget in budgets:

@@ -37,6 +37,7 @@ class KeysPlan(StepPlan):
 
 class OraclePolicy(Method):
     name: ClassVar[str] = "oracle"
+    follows: ClassVar[bool] = False  # the best selection of its size on its own: no rows besides it
     unit: ClassVar[str] = "key"
 
     def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:

@@ -164,6 +164,7 @@ class Method(ABC):
     Settings: ClassVar[type[MethodSettings]] = MethodSettings
     requires: ClassVar[tuple[str, ...]] = ()
     sparse: ClassVar[bool] = True
+    follows: ClassVar[bool] = True  # its steps also read the follow rows (engine.follow) when the session has them
     unit: ClassVar[str] = "cluster"  # what a lookup keeps, in the UI's words
 
     def __init__(self, settings: MethodSettings | None = None):
@@ -202,15 +203,19 @@ class Method(ABC):
     def calibrate(self, layers: list[CalibrationSet], scale: float) -> Tensors:
         """Once per context, from every global layer's calibration queries (what `plan` maps a budget with)."""
 
-    def plan(self, calibration: Tensors, budget: float) -> StepPlan:
+    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> StepPlan:
         """The turn's plan at `budget`, the share of the fixed context's K/V bytes a step reads (index included), on
         the host: each phase's key fraction from the calibrated reads (engine.policies.budget), then plan_keys.
-        A calibration without them (made by hand, or by a tool that skips them) reads the budget as key fractions."""
+        A calibration without them (made by hand, or by a tool that skips them) reads the budget as key fractions.
+        reserve: (decode, prefill) shares of the bytes that the engine reads besides the method's selection in each
+        phase (engine.follow), left out of what the method may read (at least the fewest keys it keeps)."""
         budget = check_budget(budget)
         if budget >= 1.0:  # every key (what the index costs on top is the price of asking for all)
             return self.plan_keys(calibration, 1.0, 1.0, 1.0)
-        decode = keys_for(calibration["budget_decode"], budget) if "budget_decode" in calibration else budget
-        prefill = keys_for(calibration["budget_prefill"], budget) if "budget_prefill" in calibration else decode
+        room = [max(budget - r, 1e-6) for r in reserve]
+        decode = keys_for(calibration["budget_decode"], room[0]) if "budget_decode" in calibration else room[0]
+        prefill = keys_for(calibration["budget_prefill"], room[1]) if "budget_prefill" in calibration else \
+            (decode if "budget_decode" in calibration else room[1])
         return self.plan_keys(calibration, budget, decode, prefill)
 
     @abstractmethod

@@ -19,7 +19,7 @@ class FullPolicy(Method):
     def calibrate(self, layers, scale) -> Tensors:
         return {}
 
-    def plan(self, calibration: Tensors, budget: float) -> StepPlan:
+    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> StepPlan:
         return StepPlan(budget=1.0)
 
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> StepPlan:

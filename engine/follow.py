@@ -1,0 +1,188 @@
+"""Follow rows: the fixed-context tokens a sparse step reads because its own recent tokens occur in the document.
+
+A question about a document mostly asks the model to copy: a number, a name, a phrase. The heads that copy
+(induction and retrieval heads) attend from the current token to the token right after an earlier occurrence of
+it, or of its last few tokens: a key that the token ids alone locate. A lookup that ranks keys by what they have in
+common (a cluster's centroid, a page's bounds, a bucket) ranks that one key poorly, since its cluster also holds
+keys that follow other tokens. On the embedded model at a 10% budget this is where squeeze loses needles: with
+teacher-forced answers, the question's prefill misses the key's first digit and the first decode step its second
+(engine/NOTES.md, "Follow rows"). So every sparse step of every method also reads, in every global layer and KV
+head, the rows of
+- a decode step: the tokens that follow the document's occurrences of its last tokens, the longest suffix first (up
+  to `ngram` tokens), then shorter ones, the latest occurrences first; at most `decode` rows;
+- a question's prefill: the `window` tokens after each occurrence of one of the question's bigrams, the bigrams
+  rarest in the document first; at most `prefill` rows.
+Their bytes are reserved in the plan of every turn (engine.policies.base.Method.plan's `reserve`), found or not,
+so a budget still means the share of the fixed K/V bytes a step reads. Everything here runs on the device with
+static shapes and no host synchronisation: a captured decode step finds its rows from its own input token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.fixed_rows import FixedRows
+
+
+@dataclass(frozen=True)
+class FollowSettings:
+    """decode: most rows a decode step adds (0: none); prefill: most rows a question's prefill adds (0: none);
+    window: rows after each occurrence of a question bigram; ngram: the longest suffix of the recent tokens a
+    decode step matches."""
+
+    decode: int = 8
+    prefill: int = 64
+    window: int = 8
+    ngram: int = 3
+
+    def __post_init__(self) -> None:
+        for name in ("decode", "prefill"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"follow {name} must be at least 0, got {getattr(self, name)}")
+        if self.window < 1:
+            raise ValueError(f"follow window must be at least 1, got {self.window}")
+        if self.ngram < 1:
+            raise ValueError(f"follow ngram must be at least 1, got {self.ngram}")
+
+    @property
+    def on(self) -> bool:
+        return self.decode > 0 or self.prefill > 0
+
+
+OFF = FollowSettings(decode=0, prefill=0)
+
+
+class Follow:
+    """The follow rows of one context, step after step (one instance per session, on the model's device).
+
+    ids: [L] int64 the context's tokens, in token order; rows: which fixed K/V row holds each token.
+    `begin(ids)` before each forward call over new tokens sets `positions` ([M] int64 token positions, -1 where
+    none) from the call's tokens and the ones before them in the turn (`recent`, a device buffer: a captured
+    decode step updates it itself).
+    """
+
+    def __init__(self, ids: torch.Tensor, rows: FixedRows, settings: FollowSettings):
+        if ids.dim() != 1 or ids.numel() != rows.tokens:
+            raise ValueError(f"ids must be [{rows.tokens}], got {tuple(ids.shape)}")
+        self.settings = settings
+        self.fixed_rows = rows
+        self.ids = ids.to(torch.int64)
+        n = self.ids.numel()
+        # the tokens before each position (-1 before the first): a suffix match compares shifted copies
+        self.before = [_shifted(self.ids, j) for j in range(1, settings.ngram)]
+        self.bigrams = _bigram_codes(_shifted(self.ids, 1), self.ids)  # [L]: -1 at position 0
+        _, inverse, counts = torch.unique(self.bigrams, return_inverse=True, return_counts=True)
+        self.rarity = counts[inverse]  # [L]: how often each position's bigram occurs in the document
+        self.recent = torch.full((settings.ngram,), -1, dtype=torch.int64, device=self.ids.device)
+        self.positions = torch.full((0,), -1, dtype=torch.int64, device=self.ids.device)
+        self.position = torch.arange(n, device=self.ids.device)
+
+    def reserve(self, num_keys: int) -> tuple[float, float]:
+        """(decode, prefill): the share of a global layer's `num_keys` fixed K/V rows each phase's rows may read."""
+        return self.settings.decode / num_keys, self.settings.prefill / num_keys
+
+    def begin(self, ids: torch.Tensor) -> None:
+        """ids: [n] int64 on the device, the tokens of the next forward call (n > 1: a question's prefill, which
+        also starts the turn's recent tokens)."""
+        ids = ids.reshape(-1).to(torch.int64)
+        s = self.settings
+        if ids.numel() > 1:
+            self.positions = self._prefill(ids) if s.prefill > 0 else self.positions[:0]
+            tail = ids[-s.ngram:]
+            self.recent.fill_(-1)
+            self.recent[s.ngram - tail.numel():] = tail  # in place: a captured decode step reads this buffer
+            return
+        self.recent.copy_(torch.cat([self.recent[1:], ids]))
+        self.positions = self._decode(self.recent) if s.decode > 0 else self.positions[:0]
+
+    def step_positions(self, tokens: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """What `begin` sets for a call whose tokens end the turn's `tokens` [n] int64 so far (prefill: the
+        question's prompt; decode: the prompt and the answer up to the call's input token), without the state
+        (the recall measurement's view of a turn)."""
+        tokens = tokens.reshape(-1).to(device=self.ids.device, dtype=torch.int64)
+        s = self.settings
+        if prefill:
+            return self._prefill(tokens) if s.prefill > 0 else self.positions[:0]
+        recent = torch.full((s.ngram,), -1, dtype=torch.int64, device=self.ids.device)
+        tail = tokens[-s.ngram:]
+        recent[s.ngram - tail.numel():] = tail
+        return self._decode(recent) if s.decode > 0 else self.positions[:0]
+
+    def _decode(self, recent: torch.Tensor) -> torch.Tensor:
+        """[decode] the tokens after the latest occurrences of the longest suffixes of `recent` [ngram]."""
+        n = self.ids.numel()
+        match = self.ids == recent[-1]
+        length = match.to(torch.int64)
+        for j, before in enumerate(self.before):  # the token j + 1 back must match too
+            match = match & (before == recent[-2 - j])
+            length = length + match.to(torch.int64)
+        score = torch.where(length > 0, length * (n + 1) + self.position, -1)
+        return _after(score, self.settings.decode, 1, n)
+
+    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+        """[prefill // window * window] the `window` tokens after each occurrence of a bigram of `ids`."""
+        n = self.ids.numel()
+        s = self.settings
+        asked, _ = _bigram_codes(ids[:-1], ids[1:]).sort()  # (torch.isin would synchronise with the host)
+        at = torch.searchsorted(asked, self.bigrams).clamp(max=asked.numel() - 1)
+        found = (asked[at] == self.bigrams) & (self.bigrams >= 0)
+        score = torch.where(found, (n + 1 - self.rarity) * (n + 1) + self.position, -1)  # rarest, then latest
+        return _after(score, max(1, s.prefill // s.window), s.window, n)
+
+    def stored_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [M] (token positions, -1: none) -> ([M] int64 their indexed rows as stored, [M] bool valid:
+        an indexed token's; the dense rows' are read by every step anyway)."""
+        rows = self.fixed_rows
+        stored = positions - rows.sink
+        valid = (positions >= 0) & (stored >= 0) & (stored < rows.indexed)
+        return stored.clamp(0, max(rows.indexed - 1, 0)), valid
+
+
+def layout_order(method, index) -> torch.Tensor | None:
+    """[Hkv, indexed] int32: the row of each stored indexed row in `method`'s layout of a layer (its
+    engine.policies.LayerIndex), made once per index; None for a method that reads rows as stored."""
+    def make():
+        layout = method.layout(index)
+        return None if layout is None else inverse_order(layout.order, index.indexed)
+    return index.memo("follow.order", make)
+
+
+def inverse_order(order: torch.Tensor, indexed: int) -> torch.Tensor:
+    """order [Hkv, N] (the row as stored of each row of a layout) -> [Hkv, indexed] int32: the layout's row of each
+    indexed row as stored."""
+    hkv = order.shape[0]
+    inv = torch.empty(hkv, order.shape[1], dtype=torch.int32, device=order.device)
+    rows = torch.arange(order.shape[1], dtype=torch.int32, device=order.device).expand(hkv, -1).contiguous()
+    inv.scatter_(1, order, rows)
+    return inv[:, :indexed].contiguous()
+
+
+def _shifted(x: torch.Tensor, j: int) -> torch.Tensor:
+    """x shifted right by j, -1 in front."""
+    out = torch.full_like(x, -1)
+    if j < x.numel():
+        out[j:] = x[: x.numel() - j]
+    return out
+
+
+def _bigram_codes(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
+    """One int64 per (first, second) token pair (token ids < 2**31); -1 where `first` is -1."""
+    return torch.where(first >= 0, first * (1 << 31) + second, -1)
+
+
+def _after(score: torch.Tensor, starts: int, window: int, n: int) -> torch.Tensor:
+    """The `window` positions after each of the `starts` best-scored positions (score >= 0), -1 where none or past
+    the context: [starts * window] int64."""
+    k = min(starts, n)
+    best, at = score.topk(k) if k > 0 else (score[:0], score[:0])
+    pos = at[:, None] + 1 + torch.arange(window, device=score.device)[None, :]  # [k, window]
+    ok = (best[:, None] >= 0) & (pos < n)
+    out = torch.where(ok, pos, -1).reshape(-1)
+    if k < starts:  # a context shorter than `starts`: pad to the static size
+        out = torch.cat([out, torch.full(((starts - k) * window,), -1, dtype=torch.int64, device=score.device)])
+    if window > 1:  # windows may overlap: each position once (the attention reads a row once)
+        out, _ = out.sort()
+        out[1:] = torch.where(out[1:] == out[:-1], -1, out[1:])
+    return out

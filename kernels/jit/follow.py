@@ -1,0 +1,86 @@
+"""The follow part of a step's attention: attention over the follow rows a selection row does not hold, the
+@triton.jit kernel (wrapper: kernels/follow_ops.py; reference: kernels/reference/follow.py)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def follow_attn_kernel(
+    q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, pos_ptr, order_ptr, out_ptr, lse_ptr, fresh_ptr,
+    scale, first, indexed, lq, n_q, m_rows, rows, hkv,
+    stride_qh, stride_ql, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_ol, stride_order,
+    HEADS_PER_ROW: tl.constexpr,
+    HAS_ORDER: tl.constexpr,
+    PROBES: tl.constexpr,
+    ROUNDS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    """Program (r, b): selection row r (KV head r * hkv // rows), queries b * BLOCK_M .. of its HEADS_PER_ROW x lq
+    (query i: head r * HEADS_PER_ROW + i // lq, token i % lq).
+
+    Each of the m_rows follow rows (token positions, -1: none) maps to a row of the K/V (position - first, if in
+    [0, indexed); through order[kv head] when HAS_ORDER) and is fresh unless row r of the selection (sorted indices
+    in [indptr[r], indptr[r + 1])) holds it: a search of ROUNDS rounds of PROBES loads, each cutting the range
+    PROBES-fold (a binary search's log2(N) dependent loads were most of a decode step's time here). Program (r, 0) writes fresh [rows,
+    m_rows] int8. out [Hq, Lq, D] fp32 and lse [Hq * Lq] fp32 (natural log; -inf and out 0 without a fresh row).
+    """
+    r = tl.program_id(0)
+    b = tl.program_id(1)
+    h = (r * hkv // rows).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    in_list = offs_k < m_rows
+    pos = tl.load(pos_ptr + offs_k, mask=in_list, other=-1)
+    stored = pos - first
+    valid = in_list & (pos >= 0) & (stored >= 0) & (stored < indexed)
+    stored = tl.where(valid, stored, 0)
+    if HAS_ORDER:
+        row = tl.load(order_ptr + h * stride_order + stored, mask=valid, other=0).to(tl.int64)
+    else:
+        row = stored.to(tl.int64)
+    start = tl.load(indptr_ptr + r).to(tl.int64)
+    end = tl.load(indptr_ptr + r + 1).to(tl.int64)
+    lo = tl.zeros([BLOCK_K], dtype=tl.int64) + start
+    hi = tl.zeros([BLOCK_K], dtype=tl.int64) + end
+    # the first entry >= row in [lo, hi): a PROBES-ary search (ROUNDS dependent loads, not log2 of the row's length)
+    j = tl.arange(0, PROBES).to(tl.int64)
+    for _ in tl.static_range(ROUNDS):
+        step = (hi - lo + PROBES - 1) // PROBES  # [BLOCK_K]
+        at = lo[:, None] + j[None, :] * step[:, None]  # [BLOCK_K, PROBES], increasing
+        inside = valid[:, None] & (at < hi[:, None])
+        val = tl.load(indices_ptr + at, mask=inside, other=0).to(tl.int64)
+        below = inside & (val < row[:, None])
+        c = tl.sum(below.to(tl.int64), axis=1)  # probes before the answer
+        new_lo = tl.where(c > 0, lo + (c - 1) * step + 1, lo)
+        hi = tl.minimum(tl.where(c < PROBES, lo + c * step, hi), hi)
+        lo = new_lo
+    here = valid & (lo < end)
+    found = tl.load(indices_ptr + lo, mask=here, other=-1).to(tl.int64)
+    fresh = valid & ~(here & (found == row))
+    if b == 0:
+        tl.store(fresh_ptr + r * m_rows + offs_k, fresh.to(tl.int8), mask=in_list)
+
+    offs_m = b * BLOCK_M + tl.arange(0, BLOCK_M)
+    ok_m = offs_m < n_q
+    head = (r * HEADS_PER_ROW + offs_m // lq).to(tl.int64)
+    tok = (offs_m % lq).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + head[:, None] * stride_qh + tok[:, None] * stride_ql + offs_d[None, :], mask=ok_m[:, None],
+                other=0.0).to(k_ptr.dtype.element_ty)
+    kk = tl.load(k_ptr + h * stride_kh + row[:, None] * stride_kn + offs_d[None, :], mask=fresh[:, None], other=0.0)
+    s = tl.dot(q, tl.trans(kk)) * scale  # [BLOCK_M, BLOCK_K] fp32
+    s = tl.where(fresh[None, :], s, float("-inf"))
+    m = tl.max(s, axis=1)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    p = tl.where(fresh[None, :], tl.exp(s - m_safe[:, None]), 0.0)
+    l_sum = tl.sum(p, axis=1)
+    vv = tl.load(v_ptr + h * stride_vh + row[:, None] * stride_vn + offs_d[None, :], mask=fresh[:, None], other=0.0)
+    acc = tl.dot(p.to(vv.dtype), vv)
+    out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
+    lse = tl.where(l_sum > 0, m_safe + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
+    tl.store(out_ptr + head[:, None] * stride_oh + tok[:, None] * stride_ol + offs_d[None, :], out, mask=ok_m[:, None])
+    tl.store(lse_ptr + head * lq + tok, lse, mask=ok_m)

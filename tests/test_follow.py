@@ -1,0 +1,222 @@
+"""Follow rows (engine.follow): the positions a step adds, against a brute-force reference; the selection membership
+test the follow part uses (kernels.selection.contains) against a dense mask; the plan's reserve; and in a session,
+the rows a turn reads, in every method's layout (the follow part's kernel: tests/test_follow_kernels.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from tiny_models import tiny_model_path  # noqa: F401 (fixture)
+
+from engine.fixed_rows import FixedRows
+from engine.follow import OFF, Follow, FollowSettings, inverse_order, layout_order
+from kernels.reference.follow import follow_attention, follow_rows
+from kernels.selection import Selection, contains
+
+
+def reference_decode(doc: list[int], recent: list[int], settings: FollowSettings) -> set[int]:
+    """The tokens after the `decode` best positions, best = the longest suffix of `recent` that ends there
+    (at most ngram), then the latest."""
+    scored = []
+    for p in range(len(doc)):
+        n = 0
+        while n < settings.ngram and p - n >= 0 and n < len(recent) and recent[-1 - n] >= 0 and doc[p - n] == recent[-1 - n]:
+            n += 1
+        if n:
+            scored.append((n, p))
+    best = sorted(scored, reverse=True)[: settings.decode]
+    return {p + 1 for _, p in best if p + 1 < len(doc)}
+
+
+def reference_prefill(doc: list[int], prompt: list[int], settings: FollowSettings) -> set[int]:
+    """The `window` tokens after each of the best occurrences of a prompt bigram, best = the rarest bigram in the
+    document, then the latest."""
+    asked = {(a, b) for a, b in zip(prompt, prompt[1:])}
+    counts: dict[tuple[int, int], int] = {}
+    for a, b in zip(doc, doc[1:]):
+        counts[(a, b)] = counts.get((a, b), 0) + 1
+    found = [(-counts[(doc[p - 1], doc[p])], p) for p in range(1, len(doc)) if (doc[p - 1], doc[p]) in asked]
+    best = sorted(found, reverse=True)[: max(1, settings.prefill // settings.window)]
+    return {p + 1 + w for _, p in best for w in range(settings.window) if p + 1 + w < len(doc)}
+
+
+def positions(t: torch.Tensor) -> set[int]:
+    return {int(x) for x in t.tolist() if x >= 0}
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_decode_positions_match_the_reference(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 5, 20])
+    doc = [rng.randrange(vocab) for _ in range(rng.randrange(2, 60))]
+    settings = FollowSettings(decode=rng.choice([1, 4, 8]), ngram=rng.choice([1, 2, 3]))
+    follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), settings)
+    turn = [rng.randrange(vocab) for _ in range(rng.randrange(2, 6))]
+    follow.begin(torch.tensor(turn))  # a prefill starts the recent tokens
+    for token in [rng.randrange(vocab) for _ in range(4)]:
+        turn.append(token)
+        follow.begin(torch.tensor([token]))
+        assert follow.positions.shape == (settings.decode,)
+        assert positions(follow.positions) == reference_decode(doc, turn[-settings.ngram:], settings)
+        assert positions(follow.step_positions(torch.tensor(turn), prefill=False)) == positions(follow.positions)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_prefill_positions_match_the_reference(seed):
+    rng = random.Random(seed)
+    vocab = rng.choice([3, 6, 30])
+    doc = [rng.randrange(vocab) for _ in range(rng.randrange(2, 80))]
+    settings = FollowSettings(prefill=rng.choice([4, 16, 64]), window=rng.choice([1, 2, 4]))
+    follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), settings)
+    prompt = [rng.randrange(vocab) for _ in range(rng.randrange(2, 12))]
+    follow.begin(torch.tensor(prompt))
+    assert follow.positions.numel() == max(1, settings.prefill // settings.window) * settings.window
+    assert positions(follow.positions) == reference_prefill(doc, prompt, settings)
+    assert torch.equal(follow.recent[-min(len(prompt), settings.ngram):], torch.tensor(prompt[-settings.ngram:]))
+
+
+def test_a_question_bigram_finds_the_text_after_it():
+    doc = [7, 1, 2, 3, 4, 5, 6, 1, 9, 9, 9, 1, 2, 8, 8]
+    follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), FollowSettings(prefill=4, window=2))
+    follow.begin(torch.tensor([5, 1, 2]))  # (1, 2) twice in the document, (5, 1) never
+    assert positions(follow.positions) == {3, 4, 13, 14}
+    follow.begin(torch.tensor([3]))  # decode: recent (1, 2, 3) ends at position 3
+    assert positions(follow.positions) == {4}
+
+
+def test_dense_rows_are_not_added_and_layouts_map_rows():
+    doc = list(range(10))
+    rows = FixedRows.of(2, 3, 10)  # sink 2, tail 3: tokens 2..6 indexed as rows 0..4
+    follow = Follow(torch.tensor(doc), rows, FollowSettings(decode=1))
+    follow.positions = torch.tensor([1, 3, 6, 8, -1])
+    stored, valid = follow.stored_rows(follow.positions)
+    assert valid.tolist() == [False, True, True, False, False]
+    assert stored[valid].tolist() == [1, 4]
+    order = torch.tensor([[4, 3, 2, 1, 0, 5, 6, 7, 8, 9]])  # a layout: row r holds stored row order[r]
+    inv = inverse_order(order, rows.indexed)
+    at, ok = follow_rows(follow.positions, rows.sink, rows.indexed, inv, 1)
+    assert at[ok].tolist() == [3, 0]  # stored rows 1 and 4 sit at layout rows 3 and 0
+
+
+def test_settings_are_checked():
+    with pytest.raises(ValueError):
+        FollowSettings(decode=-1)
+    with pytest.raises(ValueError):
+        FollowSettings(window=0)
+    with pytest.raises(ValueError):
+        FollowSettings(ngram=0)
+    assert not OFF.on and FollowSettings().on
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_contains_matches_the_dense_mask(seed):
+    g = torch.Generator().manual_seed(seed)
+    rows, n, m = (int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 40, (1,), generator=g)),
+                  int(torch.randint(0, 6, (1,), generator=g)))
+    mask = torch.rand(rows, n, generator=g) < torch.rand(1, generator=g)
+    sel = Selection.from_mask(mask)
+    spare = torch.randint(0, n, (int(torch.randint(0, 10, (1,), generator=g)),), generator=g)
+    sel = Selection(sel.indptr, torch.cat([sel.indices, spare]), n)  # spare capacity, as the GPU leaves it
+    keys = torch.randint(0, n, (rows, m), generator=g)
+    assert torch.equal(contains(sel, keys), mask.gather(1, keys))
+
+
+def test_the_plan_leaves_the_reserve():
+    """Method.plan maps budget - reserve (per phase) to key fractions through the calibrated reads."""
+    from engine.policies.budget import KEYS_GRID
+    from engine.policies.quest import QuestPolicy
+
+    class Seen(QuestPolicy):
+        def plan_keys(self, calibration, budget, decode_keys, prefill_keys):
+            self.seen = (decode_keys, prefill_keys)
+            return super().plan_keys(calibration, budget, decode_keys, prefill_keys)
+
+    method = Seen()
+    reads = torch.tensor([0.05 + 0.9 * k for k in KEYS_GRID], dtype=torch.float64)  # reads 0.05 + 0.9 x keys
+    calibration = {"budget_decode": reads, "budget_prefill": reads}
+    assert method.plan(calibration, 0.32).budget == 0.32
+    assert method.seen == pytest.approx((0.3, 0.3))
+    assert method.plan(calibration, 0.32, (0.09, 0.18)).budget == 0.32
+    assert method.seen == pytest.approx((0.2, 0.1))
+    method.plan(calibration, 1.0, (0.09, 0.18))
+    assert method.seen == (1.0, 1.0)  # every key: nothing to leave
+
+
+# --- in a session (tiny random-weight models, reference backend) -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def session(tiny_model_path):  # noqa: F811
+    from test_engine_tiny import DOCUMENT, SETTINGS, all_methods, gates_for
+
+    from engine.ingest import ingest_tokens
+    from engine.model import load_model
+    from engine.prompt import tokenize_document
+    from engine.session import ContextSession
+    from kernels.backend import REFERENCE
+
+    lm = load_model(str(tiny_model_path), device="cpu")
+    fc = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context)
+    methods = all_methods()
+    out = ingest_tokens(lm, fc.ids, SETTINGS, REFERENCE, methods, prepared=gates_for(lm, methods))
+    return ContextSession(lm, out.artifacts, SETTINGS, REFERENCE, methods={m.name: m for m in methods})
+
+
+@pytest.mark.parametrize("method", ["squeeze", "hsqueeze", "quest", "duo", "duo-squeeze", "saap"])
+def test_a_step_reads_its_follow_rows_in_the_methods_layout(session, method):
+    """A decode step whose token occurs in the document reads the rows after it besides its own selection, in
+    every global layer, mapped through the method's layout (checked in stored order)."""
+    from engine.bench.recall import in_original_order
+    from kernels.backend import REFERENCE
+
+    lm, follow = session.lm, session.follow
+    m = session.method(method)
+    session.arrange(m)
+    plan = session.plan(method, 0.95)
+    token = session.tokens[session.rows.sink + 3]  # a token of the document (byte tokenizer: it recurs)
+    follow.begin(session.tokens[-4:])
+    follow.begin(token.view(1))
+    stored, valid = follow.stored_rows(follow.positions)
+    assert valid.any()
+    for i in lm.global_layers:
+        layer = session.cache.layers[i]
+        index = layer.indexes[method]
+        q = torch.randn(lm.num_heads, 1, lm.head_dim)
+        lookup = m.lookup(q, index, plan, 1.0, REFERENCE, torch.tensor([session.fixed_len]))
+        order = layout_order(m, index)
+        _, _, fresh = follow_attention(q, layer.fixed_keys, layer.fixed_values, lookup.selection, follow.positions,
+                                       session.rows.sink, session.rows.indexed, order, 1.0)
+        hkv = layer.fixed_keys.shape[0]
+        rows, _ = follow_rows(follow.positions, session.rows.sink, session.rows.indexed, order, hkv)
+        head = torch.arange(lookup.selection.rows) * hkv // lookup.selection.rows
+        read = lookup.selection.to_mask()
+        read.scatter_(1, torch.where(fresh, rows[head], 0), fresh | read.gather(1, torch.where(fresh, rows[head], 0)))
+        mine = in_original_order(lookup.selection.to_mask()[:, None], m.layout(index), hkv)[:, 0]
+        after = in_original_order(read[:, None], m.layout(index), hkv)[:, 0]
+        expected = mine.clone()
+        expected[:, stored[valid]] = True
+        assert torch.equal(after, expected)
+        assert not (fresh & lookup.selection.to_mask().gather(1, rows[head])).any()  # a key is read once
+
+
+def test_follow_rows_change_nothing_at_budget_one(session):
+    full = session.logits("Who kept the lighthouse logbook?", "full")
+    for method in ("squeeze", "quest", "saap"):
+        torch.testing.assert_close(session.logits("Who kept the lighthouse logbook?", method, 0.0), full,
+                                   atol=1e-4, rtol=1e-4)
+
+
+def test_a_turn_reads_its_budget_with_follow_rows(session):
+    """The plan leaves the follow rows' reserve: a turn reads no more than without them, within 0.03 (less where
+    fewer rows are found than reserved: the tiny document's 627 rows make the 64 of a question's reserve a tenth)."""
+    question = "Who kept the lighthouse logbook?"
+    follow = session.follow
+    with_rows = session.ask(question, "squeeze", 0.5, max_new_tokens=4).stats
+    session.follow = None
+    try:
+        without = session.ask(question, "squeeze", 0.5, max_new_tokens=4).stats
+    finally:
+        session.follow = follow
+    assert with_rows.kv_budget_prefill <= without.kv_budget_prefill + 0.03
+    assert with_rows.kv_budget_decode <= without.kv_budget_decode + 0.03
