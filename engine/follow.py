@@ -20,10 +20,14 @@ static shapes and no host synchronisation: a captured decode step finds its rows
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.fixed_rows import FixedRows
+
+if TYPE_CHECKING:
+    from engine.policies.base import LayerIndex, Method
 
 
 @dataclass(frozen=True)
@@ -140,7 +144,7 @@ class Follow:
         return stored.clamp(0, max(rows.indexed - 1, 0)), valid
 
 
-def layout_order(method, index) -> torch.Tensor | None:
+def layout_order(method: Method, index: LayerIndex) -> torch.Tensor | None:
     """[Hkv, indexed] int32: the row of each stored indexed row in `method`'s layout of a layer (its
     engine.policies.LayerIndex), made once per index; None for a method that reads rows as stored."""
     def make():
