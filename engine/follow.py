@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.fixed_rows import FixedRows
+from kernels.reference.follow import follow_rows
 
 if TYPE_CHECKING:
     from engine.policies.base import LayerIndex, Method
@@ -94,9 +95,7 @@ class Follow:
         s = self.settings
         if ids.numel() > 1:
             self.positions = self._prefill(ids) if s.prefill > 0 else self.positions[:0]
-            tail = ids[-s.ngram:]
-            self.recent.fill_(-1)
-            self.recent[s.ngram - tail.numel():] = tail  # in place: a captured decode step reads this buffer
+            _last_tokens(ids, self.recent)  # in place: a captured decode step reads this buffer
             return
         self.recent.copy_(torch.cat([self.recent[1:], ids]))
         self.positions = self._decode(self.recent) if s.decode > 0 else self.positions[:0]
@@ -109,9 +108,7 @@ class Follow:
         s = self.settings
         if prefill:
             return self._prefill(tokens) if s.prefill > 0 else self.positions[:0]
-        recent = torch.full((s.ngram,), -1, dtype=torch.int64, device=self.ids.device)
-        tail = tokens[-s.ngram:]
-        recent[s.ngram - tail.numel():] = tail
+        recent = _last_tokens(tokens, torch.empty(s.ngram, dtype=torch.int64, device=self.ids.device))
         return self._decode(recent) if s.decode > 0 else self.positions[:0]
 
     def _decode(self, recent: torch.Tensor) -> torch.Tensor:
@@ -138,10 +135,8 @@ class Follow:
     def stored_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [M] (token positions, -1: none) -> ([M] int64 their indexed rows as stored, [M] bool valid:
         an indexed token's; the dense rows' are read by every step anyway)."""
-        rows = self.fixed_rows
-        stored = positions - rows.sink
-        valid = (positions >= 0) & (stored >= 0) & (stored < rows.indexed)
-        return stored.clamp(0, max(rows.indexed - 1, 0)), valid
+        stored, valid = follow_rows(positions, self.fixed_rows.sink, self.fixed_rows.indexed, None, 1)
+        return stored[0], valid[0]
 
 
 def layout_order(method: Method, index: LayerIndex) -> torch.Tensor | None:
@@ -161,6 +156,14 @@ def inverse_order(order: torch.Tensor, indexed: int) -> torch.Tensor:
     rows = torch.arange(order.shape[1], dtype=torch.int32, device=order.device).expand(hkv, -1).contiguous()
     inv.scatter_(1, order, rows)
     return inv[:, :indexed].contiguous()
+
+
+def _last_tokens(tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out [ngram] (written in place and returned): the last ngram of `tokens`, -1 in front where there are fewer."""
+    tail = tokens[-out.numel():]
+    out.fill_(-1)
+    out[out.numel() - tail.numel():] = tail
+    return out
 
 
 def _shifted(x: torch.Tensor, j: int) -> torch.Tensor:
