@@ -23,7 +23,9 @@ class AppConfig:
     queue_size: int = 32
     poll_s: float = 1.0
     method: str = "squeeze"
-    sparsity_pct: int = 75  # a 25% KV budget, index included: the shipped passkey PDF answers (80%: it did not)
+    # a 25% KV budget, index included: squeeze agrees with full attention's next token 92-96% of the time at 20-30%
+    # (`squeeze eval`), 91% at 10%; the shipped passkey PDF answers at 90% too since session 18 (follow rows)
+    sparsity_pct: int = 75
     max_new_tokens: int = 64
     max_new_tokens_limit: int = 512
     centroid_ratio: float = SqueezeSettings.centroid_ratio

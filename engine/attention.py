@@ -85,11 +85,12 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
             return selected
         rows = follow.fixed_rows
         order = layout_order(method, index)
-        out, lse, fresh = step.backend.kernel("follow").follow_attention(
-            q, kf, vf, lookup.selection, follow.positions.to(q.device), rows.sink, rows.indexed, order, scale)
+        out, lse, fresh = step.backend.kernel("follow").follow_attention(  # merged with the selection's part
+            q, kf, vf, lookup.selection, follow.positions.to(q.device), rows.sink, rows.indexed, order, scale,
+            prior=selected)
         if recorder is not None:
             recorder.record_follow(layer.layer_idx, fresh)
-        return step.backend.kernel("merge").merge_attention([selected, (out, lse)])
+        return out, lse
 
 
 @torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.compiled): host logic, our own kernels

@@ -11,7 +11,10 @@ head, the rows of
 - a decode step: the tokens that follow the document's occurrences of its last tokens, the longest suffix first (up
   to `ngram` tokens), then shorter ones, the latest occurrences first; at most `decode` rows;
 - a question's prefill: the `window` tokens after each occurrence of one of the question's bigrams, the bigrams
-  rarest in the document first; at most `prefill` rows.
+  rarest in the document first; at most `prefill` rows;
+- and, with `carry`, every decode step of the turn the question's rows again: an answer's first token is often a
+  space or a quote whose own occurrences say nothing (the key's first digit then comes from a step whose recent
+  tokens are "Answer: "), while the place the question points at does (engine/NOTES.md, "Follow rows").
 Their bytes are reserved in the plan of every turn (engine.policies.base.Method.plan's `reserve`), found or not,
 so a budget still means the share of the fixed K/V bytes a step reads. Everything here runs on the device with
 static shapes and no host synchronisation: a captured decode step finds its rows from its own input token.
@@ -35,12 +38,13 @@ if TYPE_CHECKING:
 class FollowSettings:
     """decode: most rows a decode step adds (0: none); prefill: most rows a question's prefill adds (0: none);
     window: rows after each occurrence of a question bigram; ngram: the longest suffix of the recent tokens a
-    decode step matches."""
+    decode step matches; carry: whether each decode step also reads the question's rows (the prefill's)."""
 
     decode: int = 8
     prefill: int = 64
     window: int = 8
     ngram: int = 3
+    carry: bool = True
 
     def __post_init__(self) -> None:
         for name in ("decode", "prefill"):
@@ -55,6 +59,16 @@ class FollowSettings:
     def on(self) -> bool:
         return self.decode > 0 or self.prefill > 0
 
+    @property
+    def question_rows(self) -> int:
+        """Rows a question's prefill adds (a static size: whole windows)."""
+        return max(1, self.prefill // self.window) * self.window if self.prefill > 0 else 0
+
+    @property
+    def carried_rows(self) -> int:
+        """Rows of the question's that each decode step reads again."""
+        return self.question_rows if self.carry else 0
+
 
 OFF = FollowSettings(decode=0, prefill=0)
 
@@ -64,8 +78,9 @@ class Follow:
 
     ids: [L] int64 the context's tokens, in token order; rows: which fixed K/V row holds each token.
     `begin(ids)` before each forward call over new tokens sets `positions` ([M] int64 token positions, -1 where
-    none) from the call's tokens and the ones before them in the turn (`recent`, a device buffer: a captured
-    decode step updates it itself).
+    none, each position once) from the call's tokens and the ones before them in the turn (`recent`, a device
+    buffer: a captured decode step updates it itself) and, in a decode step, the question's rows (`question`, a
+    device buffer the prefill fills in place).
     """
 
     def __init__(self, ids: torch.Tensor, rows: FixedRows, settings: FollowSettings):
@@ -81,12 +96,14 @@ class Follow:
         _, inverse, counts = torch.unique(self.bigrams, return_inverse=True, return_counts=True)
         self.rarity = counts[inverse]  # [L]: how often each position's bigram occurs in the document
         self.recent = torch.full((settings.ngram,), -1, dtype=torch.int64, device=self.ids.device)
+        self.question = torch.full((settings.carried_rows,), -1, dtype=torch.int64, device=self.ids.device)
         self.positions = torch.full((0,), -1, dtype=torch.int64, device=self.ids.device)
         self.position = torch.arange(n, device=self.ids.device)
 
     def reserve(self, num_keys: int) -> tuple[float, float]:
         """(decode, prefill): the share of a global layer's `num_keys` fixed K/V rows each phase's rows may read."""
-        return self.settings.decode / num_keys, self.settings.prefill / num_keys
+        s = self.settings
+        return (s.decode + s.carried_rows) / num_keys, s.question_rows / num_keys
 
     def begin(self, ids: torch.Tensor) -> None:
         """ids: [n] int64 on the device, the tokens of the next forward call (n > 1: a question's prefill, which
@@ -95,21 +112,33 @@ class Follow:
         s = self.settings
         if ids.numel() > 1:
             self.positions = self._prefill(ids) if s.prefill > 0 else self.positions[:0]
-            _last_tokens(ids, self.recent)  # in place: a captured decode step reads this buffer
+            # in place: a captured decode step reads these buffers
+            _last_tokens(ids, self.recent)
+            self.question.copy_(self.positions[: self.question.numel()])
             return
         self.recent.copy_(torch.cat([self.recent[1:], ids]))
-        self.positions = self._decode(self.recent) if s.decode > 0 else self.positions[:0]
+        self.positions = self._step(self.recent, self.question)
 
-    def step_positions(self, tokens: torch.Tensor, prefill: bool) -> torch.Tensor:
-        """What `begin` sets for a call whose tokens end the turn's `tokens` [n] int64 so far (prefill: the
-        question's prompt; decode: the prompt and the answer up to the call's input token), without the state
-        (the recall measurement's view of a turn)."""
-        tokens = tokens.reshape(-1).to(device=self.ids.device, dtype=torch.int64)
+    def step_positions(self, prompt: torch.Tensor, answer: torch.Tensor) -> torch.Tensor:
+        """What `begin` sets for the call of a turn whose question's prompt is `prompt` [Lq] int64 and whose answer
+        so far is `answer` [n] int64 (n = 0: the question's prefill; else the decode step whose input is the last
+        answer token), without the state (the recall measurement's view of a turn)."""
+        prompt = prompt.reshape(-1).to(device=self.ids.device, dtype=torch.int64)
+        answer = answer.reshape(-1).to(device=self.ids.device, dtype=torch.int64)
         s = self.settings
-        if prefill:
-            return self._prefill(tokens) if s.prefill > 0 else self.positions[:0]
-        recent = _last_tokens(tokens, torch.empty(s.ngram, dtype=torch.int64, device=self.ids.device))
-        return self._decode(recent) if s.decode > 0 else self.positions[:0]
+        question = self._prefill(prompt) if s.prefill > 0 else self.positions[:0]
+        if answer.numel() == 0:
+            return question
+        recent = _last_tokens(torch.cat([prompt, answer]), torch.empty(s.ngram, dtype=torch.int64,
+                                                                       device=self.ids.device))
+        return self._step(recent, question[: s.carried_rows])
+
+    def _step(self, recent: torch.Tensor, question: torch.Tensor) -> torch.Tensor:
+        """A decode step's positions: [decode + carried rows], each once (-1 for a repeat)."""
+        mine = self._decode(recent) if self.settings.decode > 0 else self.positions[:0]
+        if not question.numel():
+            return mine
+        return _unique(torch.cat([mine, question]))
 
     def _decode(self, recent: torch.Tensor) -> torch.Tensor:
         """[decode] the tokens after the latest occurrences of the longest suffixes of `recent` [ngram]."""
@@ -189,7 +218,11 @@ def _after(score: torch.Tensor, starts: int, window: int, n: int) -> torch.Tenso
     out = torch.where(ok, pos, -1).reshape(-1)
     if k < starts:  # a context shorter than `starts`: pad to the static size
         out = torch.cat([out, torch.full(((starts - k) * window,), -1, dtype=torch.int64, device=score.device)])
-    if window > 1:  # windows may overlap: each position once (the attention reads a row once)
-        out, _ = out.sort()
-        out[1:] = torch.where(out[1:] == out[:-1], -1, out[1:])
+    return _unique(out) if window > 1 else out  # windows may overlap
+
+
+def _unique(positions: torch.Tensor) -> torch.Tensor:
+    """positions [M] int64 sorted, each once (-1 for a repeat): the attention reads a row once."""
+    out, _ = positions.sort()
+    out[1:] = torch.where(out[1:] == out[:-1], -1, out[1:])
     return out

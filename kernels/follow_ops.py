@@ -3,7 +3,8 @@
 `follow_attention(...)` has the signature and semantics of `kernels.reference.follow.follow_attention` and never
 synchronises with the host: one launch per call, a grid of (selection rows, query blocks); a decode step's is one
 program per row. The follow rows' mapping to the layer's K/V (engine.follow's token positions through the layer's
-layout) and the test against the selection (a binary search in each row's sorted indices) happen in the kernel.
+layout), the test against the selection (a 16-ary search in each row's sorted indices) and, given a `prior` (the
+selection's own attention), the merge with it happen in the kernel, which then writes over the prior's tensors.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def follow_attention(
     indexed: int,
     order: torch.Tensor | None,
     scale: float,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     check_qkv(q, k, v)
     hq, lq, d = q.shape
@@ -51,15 +53,23 @@ def follow_attention(
                          f"positions {tuple(positions.shape)}")
     if order is not None and (order.shape != (hkv, indexed) or order.dtype != torch.int32):
         raise ValueError(f"order must be int32 [{hkv}, {indexed}], got {order.dtype} {tuple(order.shape)}")
+    if prior is not None and (prior[0].shape != (hq, lq, d) or prior[1].shape != (hq, lq)
+                              or prior[0].dtype != torch.float32 or prior[1].dtype != torch.float32):
+        raise ValueError(f"prior must be float32 out [{hq}, {lq}, {d}] and lse [{hq}, {lq}]; got "
+                         f"{prior[0].dtype} {tuple(prior[0].shape)}, {prior[1].dtype} {tuple(prior[1].shape)}")
     if d & (d - 1) or d < 16:
-        return reference.follow_attention(q, k, v, selection, positions, first, indexed, order, scale)
+        return reference.follow_attention(q, k, v, selection, positions, first, indexed, order, scale, prior)
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     m = positions.numel()
-    out = torch.zeros(hq, lq, d, device=q.device, dtype=torch.float32)
-    lse = torch.full((hq, lq), float("-inf"), device=q.device, dtype=torch.float32)
-    fresh = torch.zeros(r, m, device=q.device, dtype=torch.int8)
+    if prior is None:
+        out = torch.zeros(hq, lq, d, device=q.device, dtype=torch.float32)
+        lse = torch.full((hq, lq), float("-inf"), device=q.device, dtype=torch.float32)
+    else:  # merged in place: the kernel reads each query's prior and writes the union's over it
+        out = prior[0] if prior[0].stride(-1) == 1 else prior[0].contiguous()
+        lse = prior[1].contiguous()
     if m == 0 or lq == 0:
-        return out, lse, fresh.bool()
+        return out, lse, torch.zeros(r, m, device=q.device, dtype=torch.bool)
+    fresh = torch.empty(r, m, device=q.device, dtype=torch.int8)  # the kernel writes every entry
     heads_per_row = hq // r
     n_q = heads_per_row * lq
     block_m = BLOCK_M if n_q <= BLOCK_M else PREFILL_BLOCK_M
@@ -71,10 +81,10 @@ def follow_attention(
         scale, first, indexed, lq, n_q, m, r, hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         order.stride(0) if order is not None else 0,
-        HEADS_PER_ROW=heads_per_row, HAS_ORDER=order is not None, PROBES=PROBES, ROUNDS=search_rounds(n),
-        BLOCK_M=block_m, BLOCK_K=block_k, HEAD_DIM=d, num_warps=4,
+        HEADS_PER_ROW=heads_per_row, HAS_ORDER=order is not None, HAS_PRIOR=prior is not None, PROBES=PROBES,
+        ROUNDS=search_rounds(n), BLOCK_M=block_m, BLOCK_K=block_k, HEAD_DIM=d, num_warps=4,
     )
-    return out, lse, fresh.bool()
+    return out, lse, fresh.view(torch.bool)
 
 
 follow_rows = reference.follow_rows  # the rows' mapping (the kernel does it itself; the family's view of it)

@@ -48,19 +48,26 @@ def positions(t: torch.Tensor) -> set[int]:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_decode_positions_match_the_reference(seed):
+    """A decode step's rows: its own (the suffix matches) and, with `carry`, the question's, each position once."""
     rng = random.Random(seed)
     vocab = rng.choice([3, 5, 20])
     doc = [rng.randrange(vocab) for _ in range(rng.randrange(2, 60))]
-    settings = FollowSettings(decode=rng.choice([1, 4, 8]), ngram=rng.choice([1, 2, 3]))
+    settings = FollowSettings(decode=rng.choice([0, 1, 4, 8]), ngram=rng.choice([1, 2, 3]),
+                              prefill=rng.choice([0, 4, 16]), window=rng.choice([1, 2, 4]), carry=rng.random() < 0.7)
     follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), settings)
-    turn = [rng.randrange(vocab) for _ in range(rng.randrange(2, 6))]
-    follow.begin(torch.tensor(turn))  # a prefill starts the recent tokens
+    prompt = [rng.randrange(vocab) for _ in range(rng.randrange(2, 6))]
+    follow.begin(torch.tensor(prompt))  # a prefill starts the recent tokens and sets the question's rows
+    question = reference_prefill(doc, prompt, settings) if settings.carry and settings.prefill else set()
+    answer = []
     for token in [rng.randrange(vocab) for _ in range(4)]:
-        turn.append(token)
+        answer.append(token)
         follow.begin(torch.tensor([token]))
-        assert follow.positions.shape == (settings.decode,)
-        assert positions(follow.positions) == reference_decode(doc, turn[-settings.ngram:], settings)
-        assert positions(follow.step_positions(torch.tensor(turn), prefill=False)) == positions(follow.positions)
+        got = [int(x) for x in follow.positions.tolist() if x >= 0]
+        assert follow.positions.shape == (settings.decode + settings.carried_rows,)
+        assert len(got) == len(set(got))
+        mine = reference_decode(doc, (prompt + answer)[-settings.ngram:], settings) if settings.decode else set()
+        assert set(got) == mine | question
+        assert positions(follow.step_positions(torch.tensor(prompt), torch.tensor(answer))) == set(got)
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -75,15 +82,20 @@ def test_prefill_positions_match_the_reference(seed):
     assert follow.positions.numel() == max(1, settings.prefill // settings.window) * settings.window
     assert positions(follow.positions) == reference_prefill(doc, prompt, settings)
     assert torch.equal(follow.recent[-min(len(prompt), settings.ngram):], torch.tensor(prompt[-settings.ngram:]))
+    assert torch.equal(follow.step_positions(torch.tensor(prompt), torch.tensor([], dtype=torch.int64)),
+                       follow.positions)
 
 
 def test_a_question_bigram_finds_the_text_after_it():
     doc = [7, 1, 2, 3, 4, 5, 6, 1, 9, 9, 9, 1, 2, 8, 8]
-    follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), FollowSettings(prefill=4, window=2))
-    follow.begin(torch.tensor([5, 1, 2]))  # (1, 2) twice in the document, (5, 1) never
-    assert positions(follow.positions) == {3, 4, 13, 14}
-    follow.begin(torch.tensor([3]))  # decode: recent (1, 2, 3) ends at position 3
-    assert positions(follow.positions) == {4}
+    for carry in (False, True):
+        follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), FollowSettings(prefill=4, window=2,
+                                                                                        carry=carry))
+        follow.begin(torch.tensor([5, 1, 2]))  # (1, 2) twice in the document, (5, 1) never
+        assert positions(follow.positions) == {3, 4, 13, 14}
+        follow.begin(torch.tensor([3]))  # decode: recent (1, 2, 3) ends at position 3, and the question's again
+        assert positions(follow.positions) == ({3, 4, 13, 14} if carry else {4})
+        assert follow.positions.tolist().count(4) == 1
 
 
 def test_dense_rows_are_not_added_and_layouts_map_rows():

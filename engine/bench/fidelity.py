@@ -126,11 +126,12 @@ def oracle_mask(probs: torch.Tensor, hkv: int, keys: int, pool_tokens: bool) -> 
 
 
 def method_mask(session, method: str, sparsity: float, layer_idx: int, q: torch.Tensor, scale: float,
-                pool_tokens: bool, positions: torch.Tensor, tokens: torch.Tensor | None = None) -> torch.Tensor:
+                pool_tokens: bool, positions: torch.Tensor, turn: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> torch.Tensor:
     """What `method` attends to for queries q [Hq, T, D] at `positions` [T] at a layer, in original key order:
     [Hq, T, L] bool. One lookup over all T tokens when `pool_tokens` (a question's prefill), else one per token
-    (decode steps). tokens: the turn's tokens [Lq + n] (prompt, then answer), whose ids decide the follow rows a
-    turn adds (engine.follow) where the session has them; the T queries are those of its tokens from position
+    (decode steps). turn: (the question's prompt [Lq], the answer [n]), whose ids decide the follow rows a turn
+    adds (engine.follow) where the session has them; the T queries are those of the turn's tokens from position
     positions[0] - fixed_len on."""
     m = session.method(method)
     layer = session.cache.layers[layer_idx]
@@ -141,15 +142,16 @@ def method_mask(session, method: str, sparsity: float, layer_idx: int, q: torch.
     blocks = [(q, positions)] if pool_tokens else [(q[:, t : t + 1], positions[t : t + 1]) for t in range(q.shape[1])]
     masks = []
     device = layer.fixed_keys.device
-    follow = session.follow if tokens is not None and session.follows(m) else None
+    follow = session.follow if turn is not None and session.follows(m) else None
     added = []
     for block, at in blocks:
         sel = m.lookup(block.to(device), index, plan, scale, REFERENCE, at.to(device)).selection
         mask = torch.ones(hkv, layer.fixed_keys.shape[1], dtype=torch.bool) if sel is None else sel.to_mask().cpu()
         masks.append(mask)  # [rows, L]
         if follow is not None and sel is not None:  # the call's tokens end at the block's last query
-            end = int(at[-1]) - session.fixed_len + 1
-            rows, valid = follow.stored_rows(follow.step_positions(tokens[:end], pool_tokens))
+            prompt, answer = turn
+            answered = int(at[-1]) - session.fixed_len + 1 - prompt.numel()  # the answer's tokens before the call's
+            rows, valid = follow.stored_rows(follow.step_positions(prompt, answer[:max(answered, 0)]))
             added.append(rows[valid].cpu())
     mask = in_original_order(torch.stack(masks, dim=1), m.layout(index), hkv)  # [rows, T', L]
     for t, rows in enumerate(added):
@@ -238,7 +240,7 @@ def recall_rows(session, cases: list[Case], methods: list[str], budgets: list[fl
                     for method in methods:
                         at = torch.arange(starts[phase], starts[phase] + q.shape[1])
                         masks[method] = method_mask(session, method, 1.0 - budget, layer_idx, q, scale, pool, at,
-                                                    torch.cat([case.prompt, case.answer]))
+                                                    (case.prompt, case.answer))
                     for name, mask in masks.items():
                         r = (probs * mask).sum(dim=-1)  # [Hq, T]
                         entry = sums.setdefault((name, budget, phase), [torch.zeros(len(layers), q.shape[0]), 0, []])

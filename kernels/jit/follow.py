@@ -14,6 +14,7 @@ def follow_attn_kernel(
     stride_qh, stride_ql, stride_kh, stride_kn, stride_vh, stride_vn, stride_oh, stride_ol, stride_order,
     HEADS_PER_ROW: tl.constexpr,
     HAS_ORDER: tl.constexpr,
+    HAS_PRIOR: tl.constexpr,
     PROBES: tl.constexpr,
     ROUNDS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -27,7 +28,9 @@ def follow_attn_kernel(
     [0, indexed); through order[kv head] when HAS_ORDER) and is fresh unless row r of the selection (sorted indices
     in [indptr[r], indptr[r + 1])) holds it: a search of ROUNDS rounds of PROBES loads, each cutting the range
     PROBES-fold (a binary search's log2(N) dependent loads cost an 8B-shaped decode step 0.2 ms more at 128K).
-    Program (r, 0) writes fresh [rows, m_rows] int8. out [Hq, Lq, D] fp32 and lse [Hq * Lq] fp32 (natural log; -inf and out 0 without a fresh row).
+    Program (r, 0) writes fresh [rows, m_rows] int8. out [Hq, Lq, D] fp32 and lse [Hq * Lq] fp32 (natural log;
+    -inf and out 0 without a fresh row); with HAS_PRIOR they hold the selection's own attention on entry and the
+    union's on exit (the two merged by log-sum-exp here: no merge kernel after this one).
     """
     r = tl.program_id(0)
     b = tl.program_id(1)
@@ -80,7 +83,18 @@ def follow_attn_kernel(
     l_sum = tl.sum(p, axis=1)
     vv = tl.load(v_ptr + h * stride_vh + row[:, None] * stride_vn + offs_d[None, :], mask=fresh[:, None], other=0.0)
     acc = tl.dot(p.to(vv.dtype), vv)
+    out_at = out_ptr + head[:, None] * stride_oh + tok[:, None] * stride_ol + offs_d[None, :]
+    if HAS_PRIOR:  # the state (max m, sum l, acc) of the fresh rows joined with the prior's (its lse, 1, its out)
+        prior_lse = tl.load(lse_ptr + head * lq + tok, mask=ok_m, other=float("-inf"))
+        prior_out = tl.load(out_at, mask=ok_m[:, None], other=0.0)
+        top = tl.maximum(prior_lse, m)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        w_prior = tl.exp(prior_lse - top)  # 0 for an empty prior
+        w_fresh = tl.exp(m - top)  # 0 without a fresh row (m = -inf; exp(-top) could overflow)
+        l_sum = w_prior + l_sum * w_fresh
+        acc = prior_out * w_prior[:, None] + acc * w_fresh[:, None]
+        m_safe = top
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     lse = tl.where(l_sum > 0, m_safe + tl.log(tl.where(l_sum > 0, l_sum, 1.0)), float("-inf"))
-    tl.store(out_ptr + head[:, None] * stride_oh + tok[:, None] * stride_ol + offs_d[None, :], out, mask=ok_m[:, None])
+    tl.store(out_at, out, mask=ok_m[:, None])
     tl.store(lse_ptr + head * lq + tok, lse, mask=ok_m)

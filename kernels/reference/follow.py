@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reference._common import NEG_INF, _grouped, _ungrouped
+from kernels.reference.merge import merge_attention
 from kernels.selection import Selection, contains
 
 
@@ -35,14 +36,18 @@ def follow_attention(
     indexed: int,
     order: torch.Tensor | None,
     scale: float,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention of each selection row's queries over its follow rows that it does not select (each row of
     `selection` sorted; `positions` without repeats).
 
     q: [Hq, Lq, D]; k, v: [Hkv, N, D]; selection: R = Hkv or Hq rows (row r: KV head r * Hkv // R, query heads
-    r * Hq // R ..); positions: [M] int64 token positions, -1 for none; order: [Hkv, indexed] int32 or None.
+    r * Hq // R ..); positions: [M] int64 token positions, -1 for none; order: [Hkv, indexed] int32 or None;
+    prior: (out [Hq, Lq, D], lse [Hq, Lq]) float32, the selection's own attention, or None.
     Returns out [Hq, Lq, D] float32, lse [Hq, Lq] float32 (-inf, out 0, where a row has no fresh rows) and fresh
-    [R, M] bool (the rows each selection row reads here: valid and not selected).
+    [R, M] bool (the rows each selection row reads here: valid and not selected); with a prior, out and lse are
+    over the union of the selection and the fresh rows (the prior merged in by log-sum-exp; the GPU kernel writes
+    them into the prior's tensors).
     """
     hq, lq, d = q.shape
     hkv = k.shape[0]
@@ -57,5 +62,7 @@ def follow_attention(
     scores = scores.masked_fill(~fresh[:, None, :], NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)  # [R, G * Lq]
     probs = torch.exp(scores - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)[..., None])
-    out = torch.matmul(probs, values)
-    return _ungrouped(out, hq), _ungrouped(lse, hq), fresh
+    out, lse = _ungrouped(torch.matmul(probs, values), hq), _ungrouped(lse, hq)
+    if prior is not None:
+        out, lse = merge_attention([(prior[0].float(), prior[1].float()), (out, lse)])
+    return out, lse, fresh
