@@ -41,7 +41,8 @@ class TurnViews:
         self.compare = gr.HTML("", elem_id="sq-view-compare")
         gr.Markdown("**(b) Retrieved units** (clusters, or pages for Quest): kept by the question's lookup, or by "
                     "the answer's steps (their best score passed the threshold), and the passages their keys come "
-                    "from")
+                    "from, with the follow rows (the text right after the question's words and the answer's last "
+                    "tokens, read by token ids) at full weight")
         self.clusters = gr.Dataframe(headers=CLUSTER_HEADERS, value=[], interactive=False, wrap=True, max_height=260,
                                      elem_id="sq-view-clusters")
         self.passages = gr.HTML("", elem_id="sq-view-passages")

@@ -133,6 +133,17 @@ class Follow:
                                                                        device=self.ids.device))
         return self._step(recent, question[: s.carried_rows])
 
+    def turn_positions(self, prompt: torch.Tensor, inputs: torch.Tensor) -> list[int]:
+        """The indexed token positions a turn read as follow rows, sorted: its prefill's over `prompt` [Lq] int64
+        and those of the decode steps whose inputs were `inputs` [n] int64 (the answer's tokens that were fed back).
+        What the turn's views show among the passages read; one pass per step, after the turn."""
+        inputs = inputs.reshape(-1)
+        read = [self.step_positions(prompt, inputs[:t]) for t in range(inputs.numel() + 1)]
+        positions = torch.cat(read)
+        rows = self.fixed_rows
+        indexed = (positions >= rows.sink) & (positions < rows.sink + rows.indexed)  # the dense rows: read anyway
+        return sorted(set(positions[indexed].tolist()))
+
     def _step(self, recent: torch.Tensor, question: torch.Tensor) -> torch.Tensor:
         """A decode step's positions: [decode + carried rows], each once (-1 for a repeat)."""
         mine = self._decode(recent) if self.settings.decode > 0 else self.positions[:0]

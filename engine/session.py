@@ -45,6 +45,7 @@ class Answer:
     plan: StepPlan | None = None
     unit_scores: dict = field(default_factory=dict)
     history: int = 0  # earlier exchanges of the chat in the turn's input
+    follow: list[int] = field(default_factory=list)  # document tokens the turn read as follow rows (engine.follow)
 
     @property
     def empty(self) -> bool:
@@ -204,6 +205,7 @@ class ContextSession:
         sampler = None if opts.greedy else Sampler(opts, lm.model.config.vocab_size, lm.device)
         eos = lm.eos_ids()
         generated: list[int] = []
+        ended = False  # by an end-of-sequence token: the step after the last answer token ran too
         text = ""
         start = time.perf_counter()
         first = None
@@ -212,6 +214,7 @@ class ContextSession:
         for token in tokens:
             first = first if first is not None else time.perf_counter() - start
             if token in eos:
+                ended = True
                 break
             generated.append(token)
             text, stopped = cut_at_stop(lm.tokenizer.decode(generated, skip_special_tokens=True), fmt.stop_strings)
@@ -236,8 +239,13 @@ class ContextSession:
         stats = recorder.finish(method, sparsity if step.method.sparse else 0.0, len(generated), timings)
         stats.extra.update(unit=step.method.unit, plan=step.plan.describe(), history=turn.history,
                            generation=opts.to_json())
+        follow = []
+        if step.follow is not None:  # the decode steps' inputs: every answer token but the last, unless eos came
+            inputs = generated if ended else generated[:-1]
+            follow = step.follow.turn_positions(torch.as_tensor(turn.ids).to(lm.device),
+                                                torch.tensor(inputs, dtype=torch.int64, device=lm.device))
         yield Answer(text=text.strip(), stats=stats, plan=step.plan, unit_scores=recorder.unit_scores(),
-                     history=turn.history)
+                     history=turn.history, follow=follow)
 
     def ask(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64,
             history: Sequence[Exchange] = (), options: GenerationOptions | None = None) -> Answer:

@@ -83,6 +83,28 @@ def test_token_weights_scale_from_the_threshold_to_the_best_cluster(ctx):
     assert (inspector.token_weights(cid, stale) == 0).all()
 
 
+def test_follow_rows_weigh_one_in_every_layer_and_head_and_make_a_passage(ctx):
+    """The tokens a turn read as follow rows (the report's `follow`) weigh 1 whatever the selection, in every layer
+    and KV head, and even when the index was rebuilt since; positions outside the context are ignored."""
+    store, cid, doc, labels, sink = ctx
+    inspector = ContextInspector(store)
+    n = inspector.data(cid).fixed_len
+    read = [3, 4, 5, n - 1]
+    follow = {**report(), "follow": read + [-1, n + 5]}
+    w = inspector.token_weights(cid, follow)
+    assert (w[read] == 1.0).all()
+    others = np.ones(n, dtype=bool)
+    others[read] = False
+    assert np.allclose(w[others], inspector.token_weights(cid, report())[others])
+    assert (inspector.token_weights(cid, follow, kv_head=1)[read] == 1.0).all()
+    stale = {**follow, "built_at": "2000-01-01T00:00:00+00:00"}
+    w = inspector.token_weights(cid, stale)
+    assert (w[read] == 1.0).all() and w[others].sum() == 0
+    passages = inspector.passages(cid, w, top=2)
+    s, e = inspector.data(cid).offsets[4].tolist()
+    assert any(p.start <= s and e <= p.end for p in passages)
+
+
 def test_the_strongest_passage_comes_first_with_its_page(ctx):
     store, cid, doc, _, _ = ctx
     inspector = ContextInspector(store)

@@ -232,3 +232,21 @@ def test_a_turn_reads_its_budget_with_follow_rows(session):
         session.follow = follow
     assert with_rows.kv_budget_prefill <= without.kv_budget_prefill + 0.03
     assert with_rows.kv_budget_decode <= without.kv_budget_decode + 0.03
+
+
+def test_a_turn_reports_the_follow_rows_it_read(session):
+    """Answer.follow: the indexed tokens the turn's steps read as follow rows: a one-token answer's are its
+    prefill's (the question's rows), a longer one's add its decode steps'; none for full attention."""
+    from engine.prompt import prompt_format, turn_ids
+
+    question = "Who kept the lighthouse logbook?"
+    prompt = turn_ids(session.lm.tokenizer, prompt_format(session.lm.tokenizer), question).ids
+    rows = session.rows
+    question_rows = positions(session.follow.step_positions(prompt, torch.tensor([], dtype=torch.int64)))
+    one = session.ask(question, "squeeze", 0.5, max_new_tokens=1)
+    assert one.follow == sorted(p for p in question_rows if rows.sink <= p < rows.sink + rows.indexed)
+    assert one.follow  # the tiny document repeats its words: the question's bigrams occur
+    longer = session.ask(question, "squeeze", 0.5, max_new_tokens=6)
+    assert longer.follow == sorted(set(longer.follow)) and set(one.follow) <= set(longer.follow)
+    assert all(rows.sink <= p < rows.sink + rows.indexed for p in longer.follow)
+    assert session.ask(question, "full", 0.0, max_new_tokens=2).follow == []

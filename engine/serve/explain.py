@@ -30,6 +30,7 @@ CACHED_CONTEXTS = 2  # contexts whose artifacts the inspector keeps in memory
 MAX_REPORTED = 200  # clusters saved per layer and row with a turn at most (best S first)
 PASSAGE_RADIUS = 14  # tokens each side of a strongly retrieved token that make up its passage
 MIN_MARK = 0.08  # highlight weight of a token whose cluster's S is just at the threshold
+MAX_FOLLOW = 4096  # follow rows saved with a turn at most (engine.follow: read in every layer and head)
 
 
 def retrieval_report(clusters: list[dict], scores: dict[int, dict[str, torch.Tensor]], counts: dict[int, torch.Tensor],
@@ -87,8 +88,8 @@ def explain_turn(answer: Answer, method: str) -> dict:
     """The retrieval report of a finished turn, from what its own lookups scored (Answer.unit_scores: no second pass
     of the model). A plan with a threshold (the cluster methods): `retrieval_report`, the units passing it at a
     decode step counting as retrieved by the answer; a top-K plan (pages): `unit_report`. The report names its
-    method and unit."""
-    head = {"method": method, "unit": REGISTRY[method].unit}
+    method and unit, and lists the document tokens the turn read as follow rows (`follow`: token positions)."""
+    head = {"method": method, "unit": REGISTRY[method].unit, "follow": answer.follow[:MAX_FOLLOW]}
     clusters = answer.stats.clusters
     threshold = answer.plan.retrieval_threshold() if answer.plan is not None else None
     if threshold is None or not answer.unit_scores:
@@ -279,8 +280,16 @@ class ContextInspector:
                       kv_head: int | None = None) -> np.ndarray:
         """[L] how strongly each token's cluster was retrieved, in [0, 1] (0: not retrieved; the dense tail, always
         attended, is 0 here too): the largest S (question or answer) over the report's selections, on a log scale
-        from the threshold (MIN_MARK) to the turn's largest S (1). layer / kv_head: only those selections. All 0
+        from the threshold (MIN_MARK) to the turn's largest S (1). layer / kv_head: only those selections. A token
+        the turn read as a follow row (the report's `follow`: read in every layer and head) weighs 1. Only those
         when the method's index was rebuilt since the turn (the report's unit ids are the old index's)."""
+        weights = self._cluster_weights(context_id, report, layer, kv_head)
+        follow = np.asarray(report.get("follow") or [], dtype=np.int64)
+        weights[follow[(follow >= 0) & (follow < weights.shape[0])]] = 1.0
+        return weights
+
+    def _cluster_weights(self, context_id: str, report: dict, layer: int | None, kv_head: int | None) -> np.ndarray:
+        """`token_weights` of the report's units alone."""
         data = self.data(context_id)
         method = report.get("method", "squeeze")
         best = np.zeros(data.fixed_len, dtype=np.float64)  # largest S of each token's retrieved clusters
