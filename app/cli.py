@@ -113,12 +113,13 @@ def cmd_ask(args) -> int:
             answer = event
     stats = answer.stats.to_json()
     if args.json:
-        print(json.dumps({"answer": answer.text, "empty": answer.empty, "context_id": context_id, **stats}))
+        print(json.dumps({"answer": answer.text, "empty": answer.empty, "context_id": context_id, **stats,
+                          "follow": answer.follow}))
     else:
         print(EMPTY_ANSWER if answer.empty else "")
         print(f"[{stats['method']} sparsity={stats['sparsity']} kv_budget={stats['kv_budget']:.3f} "
               f"(question {stats['kv_budget_prefill']:.3f}, answer {stats['kv_budget_decode']:.3f}) "
-              f"first token {stats['timings']['first_token_s']:.2f}s, {stats['timings']['tokens_per_s']:.1f} tok/s]",
+              f"follow rows {len(answer.follow)}, first token {stats['timings']['first_token_s']:.2f}s, {stats['timings']['tokens_per_s']:.1f} tok/s]",
               file=sys.stderr)
     return 0
 

@@ -9,7 +9,8 @@ teacher-forced answers, the question's prefill misses the key's first digit and 
 (engine/NOTES.md, "Follow rows"). So every sparse step of every method also reads, in every global layer and KV
 head, the rows of
 - a decode step: the tokens that follow the document's occurrences of its last tokens, the longest suffix first (up
-  to `ngram` tokens), then shorter ones, the latest occurrences first; at most `decode` rows;
+  to `ngram` tokens), then shorter ones, the latest occurrences first; at most `decode` rows (an occurrence counts
+  where the token after it is an indexed one: the dense rows are read anyway);
 - a question's prefill: the `window` tokens after each occurrence of one of the question's bigrams, the bigrams
   rarest in the document first; at most `prefill` rows;
 - and, with `carry`, every decode step of the turn the question's rows again: an answer's first token is often a
@@ -99,6 +100,9 @@ class Follow:
         self.question = torch.full((settings.carried_rows,), -1, dtype=torch.int64, device=self.ids.device)
         self.positions = torch.full((0,), -1, dtype=torch.int64, device=self.ids.device)
         self.position = torch.arange(n, device=self.ids.device)
+        # an occurrence counts where the token after it is indexed: the dense rows (the sink and the last tokens)
+        # are read by every step anyway, and a document's end that repeats the question would take every row
+        self.indexed_next = (self.position + 1 >= rows.sink) & (self.position + 1 < rows.sink + rows.indexed)
 
     def reserve(self, num_keys: int) -> tuple[float, float]:
         """(decode, prefill): the share of a global layer's `num_keys` fixed K/V rows each phase's rows may read."""
@@ -159,7 +163,7 @@ class Follow:
         for j, before in enumerate(self.before):  # the token j + 1 back must match too
             match = match & (before == recent[-2 - j])
             length = length + match.to(torch.int64)
-        score = torch.where(length > 0, length * (n + 1) + self.position, -1)
+        score = torch.where((length > 0) & self.indexed_next, length * (n + 1) + self.position, -1)
         return _after(score, self.settings.decode, 1, n)
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
@@ -168,7 +172,7 @@ class Follow:
         s = self.settings
         asked, _ = _bigram_codes(ids[:-1], ids[1:]).sort()  # (torch.isin would synchronise with the host)
         at = torch.searchsorted(asked, self.bigrams).clamp(max=asked.numel() - 1)
-        found = (asked[at] == self.bigrams) & (self.bigrams >= 0)
+        found = (asked[at] == self.bigrams) & (self.bigrams >= 0) & self.indexed_next
         score = torch.where(found, (n + 1 - self.rarity) * (n + 1) + self.position, -1)  # rarest, then latest
         return _after(score, max(1, s.prefill // s.window), s.window, n)
 

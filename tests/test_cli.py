@@ -43,6 +43,8 @@ def test_ingest_ask_list_delete(tiny, capsys):
     assert answer["method"] == "hsqueeze" and answer["sparsity"] == 0.8
     assert len(answer["kept_fraction"]) == 2 and all(len(row) == 4 for row in answer["kept_fraction"])
     assert 0 < answer["kv_budget"] < 1
+    # the document tokens the turn read as follow rows (engine.follow): the byte tokenizer's repeats find some
+    assert answer["follow"] and all(0 <= p < ingest["tokens"] for p in answer["follow"])
     sampled = ["ask", ingest["doc_id"], "What was rebuilt?", "--max-new-tokens", "6", "--temperature", "0.9",
                "--top-p", "0.9", "--repetition-penalty", "1.3", "--seed", "3", "--json", *common]
     first, again = (json.loads(run(capsys, *sampled)[1]) for _ in range(2))

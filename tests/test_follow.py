@@ -16,11 +16,13 @@ from kernels.reference.follow import follow_attention, follow_rows
 from kernels.selection import Selection, contains
 
 
-def reference_decode(doc: list[int], recent: list[int], settings: FollowSettings) -> set[int]:
+def reference_decode(doc: list[int], recent: list[int], settings: FollowSettings, rows: FixedRows) -> set[int]:
     """The tokens after the `decode` best positions, best = the longest suffix of `recent` that ends there
-    (at most ngram), then the latest."""
+    (at most ngram), then the latest; only positions followed by an indexed token."""
     scored = []
     for p in range(len(doc)):
+        if not rows.sink <= p + 1 < rows.sink + rows.indexed:
+            continue
         n = 0
         while n < settings.ngram and p - n >= 0 and n < len(recent) and recent[-1 - n] >= 0 and doc[p - n] == recent[-1 - n]:
             n += 1
@@ -30,14 +32,15 @@ def reference_decode(doc: list[int], recent: list[int], settings: FollowSettings
     return {p + 1 for _, p in best if p + 1 < len(doc)}
 
 
-def reference_prefill(doc: list[int], prompt: list[int], settings: FollowSettings) -> set[int]:
+def reference_prefill(doc: list[int], prompt: list[int], settings: FollowSettings, rows: FixedRows) -> set[int]:
     """The `window` tokens after each of the best occurrences of a prompt bigram, best = the rarest bigram in the
-    document, then the latest."""
+    document, then the latest; only occurrences followed by an indexed token."""
     asked = {(a, b) for a, b in zip(prompt, prompt[1:])}
     counts: dict[tuple[int, int], int] = {}
     for a, b in zip(doc, doc[1:]):
         counts[(a, b)] = counts.get((a, b), 0) + 1
-    found = [(-counts[(doc[p - 1], doc[p])], p) for p in range(1, len(doc)) if (doc[p - 1], doc[p]) in asked]
+    found = [(-counts[(doc[p - 1], doc[p])], p) for p in range(1, len(doc))
+             if (doc[p - 1], doc[p]) in asked and rows.sink <= p + 1 < rows.sink + rows.indexed]
     best = sorted(found, reverse=True)[: max(1, settings.prefill // settings.window)]
     return {p + 1 + w for _, p in best for w in range(settings.window) if p + 1 + w < len(doc)}
 
@@ -54,10 +57,11 @@ def test_decode_positions_match_the_reference(seed):
     doc = [rng.randrange(vocab) for _ in range(rng.randrange(2, 60))]
     settings = FollowSettings(decode=rng.choice([0, 1, 4, 8]), ngram=rng.choice([1, 2, 3]),
                               prefill=rng.choice([0, 4, 16]), window=rng.choice([1, 2, 4]), carry=rng.random() < 0.7)
-    follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), settings)
+    rows = FixedRows.of(rng.choice([0, 1, 2]), rng.choice([1, 3]), len(doc))
+    follow = Follow(torch.tensor(doc), rows, settings)
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(2, 6))]
     follow.begin(torch.tensor(prompt))  # a prefill starts the recent tokens and sets the question's rows
-    question = reference_prefill(doc, prompt, settings) if settings.carry and settings.prefill else set()
+    question = reference_prefill(doc, prompt, settings, rows) if settings.carry and settings.prefill else set()
     answer = []
     for token in [rng.randrange(vocab) for _ in range(4)]:
         answer.append(token)
@@ -65,7 +69,7 @@ def test_decode_positions_match_the_reference(seed):
         got = [int(x) for x in follow.positions.tolist() if x >= 0]
         assert follow.positions.shape == (settings.decode + settings.carried_rows,)
         assert len(got) == len(set(got))
-        mine = reference_decode(doc, (prompt + answer)[-settings.ngram:], settings) if settings.decode else set()
+        mine = reference_decode(doc, (prompt + answer)[-settings.ngram:], settings, rows) if settings.decode else set()
         assert set(got) == mine | question
         assert positions(follow.step_positions(torch.tensor(prompt), torch.tensor(answer))) == set(got)
 
@@ -76,11 +80,12 @@ def test_prefill_positions_match_the_reference(seed):
     vocab = rng.choice([3, 6, 30])
     doc = [rng.randrange(vocab) for _ in range(rng.randrange(2, 80))]
     settings = FollowSettings(prefill=rng.choice([4, 16, 64]), window=rng.choice([1, 2, 4]))
-    follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), settings)
+    rows = FixedRows.of(rng.choice([0, 1, 2]), rng.choice([1, 3]), len(doc))
+    follow = Follow(torch.tensor(doc), rows, settings)
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(2, 12))]
     follow.begin(torch.tensor(prompt))
     assert follow.positions.numel() == max(1, settings.prefill // settings.window) * settings.window
-    assert positions(follow.positions) == reference_prefill(doc, prompt, settings)
+    assert positions(follow.positions) == reference_prefill(doc, prompt, settings, rows)
     assert torch.equal(follow.recent[-min(len(prompt), settings.ngram):], torch.tensor(prompt[-settings.ngram:]))
     assert torch.equal(follow.step_positions(torch.tensor(prompt), torch.tensor([], dtype=torch.int64)),
                        follow.positions)
@@ -96,6 +101,18 @@ def test_a_question_bigram_finds_the_text_after_it():
         follow.begin(torch.tensor([3]))  # decode: recent (1, 2, 3) ends at position 3, and the question's again
         assert positions(follow.positions) == ({3, 4, 13, 14} if carry else {4})
         assert follow.positions.tolist().count(4) == 1
+
+
+def test_occurrences_before_the_dense_rows_are_passed_over():
+    """A document whose end repeats the question: the latest occurrences are followed by dense rows (read by every
+    step anyway), so the earlier ones are taken."""
+    doc = [9, 1, 2, 3, 4, 9, 9, 9, 1, 2, 5, 6]
+    rows = FixedRows.of(0, 3, len(doc))  # tokens 9..11 are the dense tail
+    follow = Follow(torch.tensor(doc), rows, FollowSettings(prefill=2, window=2, decode=1))
+    follow.begin(torch.tensor([1, 2]))  # (1, 2) at positions 2 and 9: the second is followed by the tail
+    assert positions(follow.positions) == {3, 4}
+    follow.begin(torch.tensor([2]))  # decode: recent (1, 2) -> the same occurrence
+    assert positions(follow.positions) == {3, 4}
 
 
 def test_dense_rows_are_not_added_and_layouts_map_rows():
@@ -203,7 +220,8 @@ def test_a_step_reads_its_follow_rows_in_the_methods_layout(session, method):
         rows, _ = follow_rows(follow.positions, session.rows.sink, session.rows.indexed, order, hkv)
         head = torch.arange(lookup.selection.rows) * hkv // lookup.selection.rows
         read = lookup.selection.to_mask()
-        read.scatter_(1, torch.where(fresh, rows[head], 0), fresh | read.gather(1, torch.where(fresh, rows[head], 0)))
+        for r in range(read.shape[0]):
+            read[r, rows[head[r]][fresh[r]]] = True
         mine = in_original_order(lookup.selection.to_mask()[:, None], m.layout(index), hkv)[:, 0]
         after = in_original_order(read[:, None], m.layout(index), hkv)[:, 0]
         expected = mine.clone()
