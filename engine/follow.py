@@ -140,9 +140,18 @@ class Follow:
     def turn_positions(self, prompt: torch.Tensor, inputs: torch.Tensor) -> list[int]:
         """The indexed token positions a turn read as follow rows, sorted: its prefill's over `prompt` [Lq] int64
         and those of the decode steps whose inputs were `inputs` [n] int64 (the answer's tokens that were fed back).
-        What the turn's views show among the passages read; one pass per step, after the turn."""
-        inputs = inputs.reshape(-1)
-        read = [self.step_positions(prompt, inputs[:t]) for t in range(inputs.numel() + 1)]
+        What the turn's views show among the passages read; after the turn: the question's rows once (the rows a
+        decode step carries are among them), then each decode step's own."""
+        prompt = prompt.reshape(-1).to(device=self.ids.device, dtype=torch.int64)
+        tokens = torch.cat([prompt, inputs.reshape(-1).to(device=self.ids.device, dtype=torch.int64)])
+        s = self.settings
+        read = [self._prefill(prompt)] if s.prefill > 0 else []
+        if s.decode > 0:
+            recent = torch.empty(s.ngram, dtype=torch.int64, device=self.ids.device)
+            read += [self._decode(_last_tokens(tokens[:end], recent))
+                     for end in range(prompt.numel() + 1, tokens.numel() + 1)]
+        if not read:
+            return []
         positions = torch.cat(read)
         rows = self.fixed_rows
         indexed = (positions >= rows.sink) & (positions < rows.sink + rows.indexed)  # the dense rows: read anyway

@@ -242,8 +242,7 @@ class ContextSession:
         follow = []
         if step.follow is not None:  # the decode steps' inputs: every answer token but the last, unless eos came
             inputs = generated if ended else generated[:-1]
-            follow = step.follow.turn_positions(torch.as_tensor(turn.ids).to(lm.device),
-                                                torch.tensor(inputs, dtype=torch.int64, device=lm.device))
+            follow = step.follow.turn_positions(turn.ids, torch.tensor(inputs, dtype=torch.int64))
         yield Answer(text=text.strip(), stats=stats, plan=step.plan, unit_scores=recorder.unit_scores(),
                      history=turn.history, follow=follow)
 

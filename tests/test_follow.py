@@ -62,16 +62,21 @@ def test_decode_positions_match_the_reference(seed):
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(2, 6))]
     follow.begin(torch.tensor(prompt))  # a prefill starts the recent tokens and sets the question's rows
     question = reference_prefill(doc, prompt, settings, rows) if settings.carry and settings.prefill else set()
+    read = reference_prefill(doc, prompt, settings, rows) if settings.prefill else set()  # the prefill's
     answer = []
     for token in [rng.randrange(vocab) for _ in range(4)]:
         answer.append(token)
         follow.begin(torch.tensor([token]))
         got = [int(x) for x in follow.positions.tolist() if x >= 0]
+        read |= set(got)
         assert follow.positions.shape == (settings.decode + settings.carried_rows,)
         assert len(got) == len(set(got))
         mine = reference_decode(doc, (prompt + answer)[-settings.ngram:], settings, rows) if settings.decode else set()
         assert set(got) == mine | question
         assert positions(follow.step_positions(torch.tensor(prompt), torch.tensor(answer))) == set(got)
+    # the turn's views: every call's rows, the indexed ones (the dense rows are read anyway)
+    indexed = {p for p in read if rows.sink <= p < rows.sink + rows.indexed}
+    assert follow.turn_positions(torch.tensor(prompt), torch.tensor(answer)) == sorted(indexed)
 
 
 @pytest.mark.parametrize("seed", range(40))
