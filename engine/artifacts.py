@@ -3,6 +3,7 @@
     tokens, offsets                     the fixed context's token ids and their character offsets
     layer{i}.keys, layer{i}.values      layer i's fixed K/V [Hkv, Lkept, D] (original order)
     layer{i}.calib_queries              a global layer's calibration queries [Hq, n, D]
+    layer{i}.query_moment               a global layer's second moment of the context's unit queries [Hkv, D, D]
     {method}.layer{i}.{name}            a method's index of global layer i
     {method}.calib.{name}               a method's calibration
 A model-level artifact of a method (learned once per model, stored apart from documents) is `layer{i}.{name}` or
@@ -21,6 +22,7 @@ OFFSETS = "offsets"
 _LAYER = re.compile(r"layer(\d+)\.(.+)")
 KV_NAMES = ("keys", "values")
 CALIB_QUERIES = "calib_queries"
+QUERY_MOMENT = "query_moment"
 
 
 def layer_name(layer: int, name: str) -> str:
@@ -76,6 +78,7 @@ class ContextArtifacts:
     offsets: torch.Tensor | None = None
     kv: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # layer -> keys/values
     queries: dict[int, torch.Tensor] = field(default_factory=dict)  # global layer -> calibration queries
+    moments: dict[int, torch.Tensor] = field(default_factory=dict)  # global layer -> query moment (engine.kmeans)
     methods: dict[str, MethodArtifacts] = field(default_factory=dict)
     other: dict[str, torch.Tensor] = field(default_factory=dict)
 
@@ -97,6 +100,8 @@ def parse(artifacts: dict[str, torch.Tensor], methods: tuple[str, ...] | None = 
                 out.kv.setdefault(i, {})[rest] = t
             elif rest == CALIB_QUERIES:
                 out.queries[i] = t
+            elif rest == QUERY_MOMENT:
+                out.moments[i] = t
             else:
                 out.other[name] = t
             continue

@@ -8,7 +8,7 @@ from the model's forward call to every attention layer.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -25,15 +25,32 @@ ATTN_NAME = "squeeze"
 
 @dataclass
 class QueryCapture:
-    """Keeps the queries of positions >= `start` at global layers (the calibration queries of an ingest)."""
+    """Keeps the queries of positions >= `start` at global layers (the calibration queries of an ingest) and, when
+    `moments` is a dict, the sums of every query's unit outer product per global layer and query head (the second
+    moment a query-aware clustering weighs keys by: engine.kmeans.query_metric)."""
 
     start: int
     queries: dict[int, list[torch.Tensor]]  # layer -> chunks of [Hq, n, D]
+    moments: dict[int, torch.Tensor] | None = None  # layer -> [Hq, D, D] float32 sums over every position seen
+    seen: dict[int, int] = field(default_factory=dict)  # layer -> positions summed into its moments
 
     def take(self, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
         keep = q_pos >= self.start
         if bool(keep.any()):
             self.queries.setdefault(layer_idx, []).append(q[:, keep].detach().clone())
+        if self.moments is not None:
+            qn = torch.nn.functional.normalize(q.detach().float(), dim=-1)  # [Hq, n, D]
+            outer = qn.transpose(1, 2) @ qn  # [Hq, D, D]
+            self.moments[layer_idx] = self.moments[layer_idx] + outer if layer_idx in self.moments else outer
+            self.seen[layer_idx] = self.seen.get(layer_idx, 0) + q.shape[1]
+
+    def moment(self, layer_idx: int, kv_heads: int) -> torch.Tensor:
+        """A layer's second moment of the unit queries, per KV head (the mean over its group's query heads and every
+        position seen): [Hkv, D, D] float32."""
+        if self.moments is None or layer_idx not in self.moments:
+            raise KeyError(f"no query moments kept for layer {layer_idx}")
+        m = self.moments[layer_idx] / self.seen[layer_idx]  # [Hq, D, D]
+        return m.reshape(kv_heads, m.shape[0] // kv_heads, *m.shape[1:]).mean(dim=1)
 
 
 @dataclass

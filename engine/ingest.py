@@ -13,6 +13,7 @@ from engine.attention import QueryCapture, StepContext
 from engine.config import ContextSettings
 from engine.fixed_cache import FixedContextCache, FixedContextLayer
 from engine.fixed_rows import FixedRows
+from engine.kmeans import query_moment
 from engine.model import LoadedModel
 from engine.policies import CalibrationSet, LayerIndex, LayerKeys, Method, StepPlan, Tensors, make_method
 from engine.policies.budget import budget_curves
@@ -46,11 +47,12 @@ def prefill(lm: LoadedModel, ids: torch.Tensor, calibration: int, backend: Backe
     """Run the fixed context through the model in chunks. ids: [L] int64.
 
     Returns the cache (fixed K/V of every layer, sliding layers trimmed to their window) and the captured queries
-    of the last `calibration` positions at the global layers.
+    of the last `calibration` positions at the global layers, with the sums of every position's unit query outer
+    products (QueryCapture.moment).
     """
     total = ids.numel()
     cache = FixedContextCache.empty(lm.sliding_windows, capacity=total)  # global layers' K/V allocated once
-    capture = QueryCapture(start=max(0, total - calibration), queries={})
+    capture = QueryCapture(start=max(0, total - calibration), queries={}, moments={})
     step = StepContext(cache=cache, method=make_method("full"), plan=StepPlan(1.0), backend=backend, capture=capture)
     progress("prefill", 0, total)
     with torch.inference_mode():
@@ -86,7 +88,8 @@ def kv_artifacts(layer_idx: int, layer: FixedContextLayer) -> dict[str, torch.Te
 def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor], tail: int, methods: list[Method],
                   scale: float, device: torch.device, progress: Progress = _no_progress, on_artifact: OnArtifact = _no_artifact,
                   before_layer: Callable[[int], None] | None = None, prepared: dict[str, Tensors] | None = None,
-                  required: dict[str, dict[int, Tensors]] | None = None, first: int = 0) -> dict[str, torch.Tensor]:
+                  required: dict[str, dict[int, Tensors]] | None = None, first: int = 0,
+                  moments: dict[int, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Each method's index of every global layer, then its calibration, as named artifacts.
 
     keys: global layer -> its fixed keys [Hkv, L, D] (rows as engine.fixed_rows arranges them: the indexed tokens in
@@ -95,7 +98,9 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
     requires: engine.policies.build_order); scale: the layers' softmax scale; device: where the calibrations run
     (one pools every global layer: with device_map="auto" the layers sit on several GPUs); prepared: method -> its model-level artifacts (`layer{i}.{name}`);
     required: indexes built before (method -> global layer -> artifacts) that `methods` may require (not made again);
-    first: the position of the first indexed token (the context's sink rows come after the indexed ones).
+    first: the position of the first indexed token (the context's sink rows come after the indexed ones);
+    moments: global layer -> the second moment of the context's unit queries [Hkv, D, D] (QueryCapture.moment), for
+    a query-aware clustering; a layer without one gets its calibration queries' (engine.kmeans.query_moment).
     Each artifact goes to `on_artifact` when made (a layer's indexes after its layer, calibrations at the end);
     `before_layer(i)` runs before layer i is indexed (the ingest saves its K/V then, overlapping the next layers).
     """
@@ -108,7 +113,11 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
         if before_layer is not None:
             before_layer(layer_idx)
         full = keys[layer_idx]
-        layer = LayerKeys(layer_idx=layer_idx, keys=full[:, : full.shape[1] - tail], tail=tail, first=first)
+        moment = (moments or {}).get(layer_idx)
+        if moment is None and layer_idx in queries:
+            moment = query_moment(queries[layer_idx], full.shape[0])
+        layer = LayerKeys(layer_idx=layer_idx, keys=full[:, : full.shape[1] - tail], tail=tail, first=first,
+                          query_moment=None if moment is None else moment.to(full.device))
         for method in methods:
             missing = [r for r in method.requires if r not in built]
             if missing:
@@ -154,7 +163,8 @@ def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings,
                   methods: list[Method] | None = None, progress: Progress = _no_progress,
                   on_artifact: OnArtifact = _no_artifact, prepared: dict[str, Tensors] | None = None) -> IngestOutput:
     """From token ids to a context's artifacts: per layer `layer{i}.keys` / `.values` [Hkv, Lkept, D], per global
-    layer `.calib_queries` [Hq, n, D] (the queries of the last n = settings.calibration tokens), and the indexes and
+    layer `.calib_queries` [Hq, n, D] (the queries of the last n = settings.calibration tokens) and `.query_moment`
+    [Hkv, D, D] (the second moment of every position's unit queries: engine.kmeans.query_moment), and the indexes and
     calibrations of `methods` (in build order; engine.policies.build_order; None: none, a context that full
     attention reads).
 
@@ -176,16 +186,17 @@ def ingest_tokens(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings,
                 on_artifact(name, t)
         artifacts.update(made)
     queries = {i: torch.cat(capture.queries[i], dim=1) for i in lm.global_layers}  # [Hq, n, D]
+    moments = {i: capture.moment(i, cache.layers[i].fixed_keys.shape[0]) for i in lm.global_layers}  # [Hkv, D, D]
 
     def hand_over(layer_idx: int) -> None:
         for name, t in kv_artifacts(layer_idx, cache.layers[layer_idx]).items():
             on_artifact(name, t)
-        name = names.layer_name(layer_idx, names.CALIB_QUERIES)
-        artifacts[name] = queries[layer_idx]
-        on_artifact(name, queries[layer_idx])
+        for name, t in ((names.CALIB_QUERIES, queries[layer_idx]), (names.QUERY_MOMENT, moments[layer_idx])):
+            artifacts[names.layer_name(layer_idx, name)] = t
+            on_artifact(names.layer_name(layer_idx, name), t)
 
     keys = {i: cache.layers[i].fixed_keys for i in lm.global_layers}
     scale = global_scale(lm)
     artifacts.update(build_methods(keys, queries, rows.dense, methods or [], scale, lm.device, progress, on_artifact,
-                                   hand_over, prepared, first=rows.sink))
+                                   hand_over, prepared, first=rows.sink, moments=moments))
     return IngestOutput(artifacts=artifacts, tokens=ids.numel(), rows=rows)

@@ -1,4 +1,6 @@
-"""Spherical (cosine) k-means in PyTorch, vectorised over heads, seeded and deterministic on CPU and GPU.
+"""k-means in PyTorch, vectorised over heads, seeded and deterministic on CPU and GPU: spherical (cosine) k-means,
+and Euclidean k-means under a metric (`metric_kmeans`; `query_metric` makes the metric of a layer's queries, under
+which a centroid's squared distance to a key is the squared error of the logit it stands in for).
 
 Determinism: the only reduction is `segment_sum`, which sorts by cluster and sums each cluster's run in float64
 with `torch.segment_reduce` (one sequential sum per segment and column on either device, no atomics). The
@@ -21,6 +23,9 @@ from kernels.dispatch import backend_for
 # of ~10K tokens at 5%) the seeding would cost more than the iterations (seconds for a 128K-token layer on a GPU),
 # so the centres start as k distinct points drawn uniformly (as faiss does), from the same seeded generator.
 KMEANS_PP_MAX_CLUSTERS = 512
+# query_metric: the identity's share of the metric (of the unit queries' trace, 1): directions the queries seen do not
+# cover still count a little (0.03-0.3 clustered the embedded model's keys equally well; 0 and 1 worse).
+QUERY_RIDGE = 0.1
 
 
 @dataclass
@@ -64,21 +69,26 @@ def _reseed_empty(cn: torch.Tensor, counts: torch.Tensor, xn: torch.Tensor, best
     return torch.where(empty[..., None], replacement, cn)
 
 
-def _kmeans_plus_plus(xn: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
-    """k-means++ seeding on unit vectors, vectorised over heads: each new centre is drawn with probability
-    proportional to its cosine distance (1 - best similarity) to the centres so far. Deterministic for a seed:
-    the uniform draws come from a CPU generator and are turned into picks by a prefix-sum search.
+def _kmeans_plus_plus(xn: torch.Tensor, k: int, gen: torch.Generator, euclidean: bool = False) -> torch.Tensor:
+    """k-means++ seeding, vectorised over heads: each new centre is drawn with probability proportional to its
+    distance to the centres so far: the cosine distance (1 - best similarity) of unit vectors, or with `euclidean`
+    the squared Euclidean distance. Deterministic for a seed: the uniform draws come from a CPU generator and are
+    turned into picks by a prefix-sum search.
 
-    xn: [H, N, D] unit vectors -> [H, k, D] initial centres.
+    xn: [H, N, D] points (unit vectors unless `euclidean`) -> [H, k, D] initial centres.
     """
     h, n, d = xn.shape
     draws = torch.rand(h, k, generator=gen, dtype=torch.float64).to(xn.device)  # [H, k]
     first = (draws[:, 0] * n).long().clamp(max=n - 1)
     centres = [xn[torch.arange(h, device=xn.device), first]]  # [H, D] each
-    best = torch.full((h, n), -1.0, device=xn.device)
+    best = torch.full((h, n), float("inf") if euclidean else -1.0, device=xn.device)
     for i in range(1, k):
-        best = torch.maximum(best, torch.einsum("hnd,hd->hn", xn, centres[-1]))
-        weight = (1.0 - best).clamp(min=0).double()  # [H, N]
+        if euclidean:
+            best = torch.minimum(best, (xn - centres[-1][:, None, :]).square().sum(dim=-1))
+            weight = best.clamp(min=0).double()  # [H, N]
+        else:
+            best = torch.maximum(best, torch.einsum("hnd,hd->hn", xn, centres[-1]))
+            weight = (1.0 - best).clamp(min=0).double()  # [H, N]
         cum = torch.cumsum(weight, dim=1)
         total = cum[:, -1:]
         target = draws[:, i : i + 1] * torch.where(total > 0, total, torch.ones_like(total))
@@ -131,15 +141,97 @@ def spherical_kmeans(
         if torch.equal(new_labels, labels):
             break
         labels = new_labels
-        seg = _head_segments(labels, k)
-        sums = segment_sum((xn * w[..., None]).reshape(h * n, d), seg, h * k).reshape(h, k, d)
-        counts = segment_sum(w.reshape(h * n, 1), seg, h * k).reshape(h, k)
+        sums, counts = _weighted_sums(xn, w, labels, k)
         cn = torch.nn.functional.normalize(sums, dim=-1)
         cn = _reseed_empty(cn, counts, xn, best)
     labels, _ = assign(xs, cn)
+    return _result(xf, w, labels, k, done)
+
+
+def _weighted_sums(points: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, k: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per cluster of labels [H, N]: the weighted sum of the points [H, N, D] ([H, K, D]) and of the weights w [H, N]
+    ([H, K])."""
+    h, n, d = points.shape
     seg = _head_segments(labels, k)
-    sums = segment_sum((xf * w[..., None]).reshape(h * n, d), seg, h * k).reshape(h, k, d)
-    wsum = segment_sum(w.reshape(h * n, 1), seg, h * k).reshape(h, k)
-    counts = torch.bincount(seg, minlength=h * k).reshape(h, k)
+    sums = segment_sum((points * w[..., None]).reshape(h * n, d), seg, h * k).reshape(h, k, d)
+    return sums, segment_sum(w.reshape(h * n, 1), seg, h * k).reshape(h, k)
+
+
+def _result(xf: torch.Tensor, w: torch.Tensor, labels: torch.Tensor, k: int, done: int) -> KMeansResult:
+    """The clusters of labels [H, N]: centroids the weighted means of the points xf [H, N, D] (weights w [H, N])."""
+    h = xf.shape[0]
+    sums, wsum = _weighted_sums(xf, w, labels, k)
+    counts = torch.bincount(_head_segments(labels, k), minlength=h * k).reshape(h, k)
     centroids = sums / wsum.clamp(min=1e-12)[..., None]
     return KMeansResult(labels=labels, centroids=centroids, counts=counts, iterations=done)
+
+
+def query_moment(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The second moment of unit queries per KV head: queries [Hq, n, D] -> [Hkv, D, D] float32, the mean of q q^T
+    over the n tokens and the group's query heads, q the unit query (trace 1). (An ingest sums it over every
+    position of the context: engine.attention.QueryCapture.moment.)"""
+    hq, n, d = queries.shape
+    if hq % kv_heads or n == 0:
+        raise ValueError(f"expected queries [Hq, n >= 1, D] with Hq a multiple of {kv_heads}; got {tuple(queries.shape)}")
+    qn = torch.nn.functional.normalize(queries.float(), dim=-1).reshape(kv_heads, hq // kv_heads * n, d)
+    return qn.transpose(1, 2) @ qn / qn.shape[1]
+
+
+def query_metric(moment: torch.Tensor, ridge: float = QUERY_RIDGE) -> torch.Tensor:
+    """The metric of a layer's logit errors: moment [Hkv, D, D] (query_moment: M, the unit queries' second moment)
+    -> [Hkv, D, D] float32 W, symmetric, with W W = M + ridge / D * I. For a key k and a centroid c, |(k - c) W|^2
+    is the mean squared error of the logit q . c standing in for q . k over those query directions (plus the ridge's
+    share of |k - c|^2, for directions the queries seen do not cover): Euclidean k-means of x W clusters keys by
+    what a lookup gets wrong."""
+    d = moment.shape[-1]
+    m = moment.double() + ridge / d * torch.eye(d, dtype=torch.float64, device=moment.device)
+    evals, evecs = torch.linalg.eigh(m)
+    return (evecs * evals.clamp(min=0).sqrt()[:, None, :] @ evecs.transpose(1, 2)).float()
+
+
+def metric_kmeans(
+    x: torch.Tensor,
+    k: int,
+    metric: torch.Tensor,
+    iters: int = 20,
+    seed: int = 0,
+    weights: torch.Tensor | None = None,
+    assign: Callable | None = None,
+) -> KMeansResult:
+    """Euclidean k-means of each head's points under a metric: the points y = x W (W = metric[h]) clustered by
+    squared Euclidean distance (k-means++ seeding up to KMEANS_PP_MAX_CLUSTERS clusters), the returned centroids
+    the (weighted) means of the members in x's space, as the lookup scores them.
+
+    x: [H, N, D] points (any float dtype); k: clusters per head (1 <= k <= N); metric: [H, D, D] (query_metric)
+    weights: optional [H, N] non-negative point weights
+    assign: the assignment step, `kernels.reference.nearest_centroid`'s signature with a bias (None: the kernel
+        backend of x's device). It scores y . c - |c|^2 / 2 (the nearest centroid has the largest), on points scaled
+        so that the longest has norm 1 (a common factor: the same clusters), in float16 on a GPU, float32 on the CPU.
+    """
+    h, n, d = x.shape
+    if not 1 <= k <= n:
+        raise ValueError(f"k-means needs 1 <= k <= N, got k={k}, N={n}")
+    if tuple(metric.shape) != (h, d, d):
+        raise ValueError(f"expected a metric [H, D, D] = {(h, d, d)}; got {tuple(metric.shape)}")
+    xf = x.float()
+    y = xf @ metric.float().to(x.device)
+    y = y / y.norm(dim=-1).amax().clamp(min=torch.finfo(torch.float32).tiny)
+    ys = y.half() if x.is_cuda else y  # what the assignment reads
+    sq = y.square().sum(dim=-1)  # [H, N]
+    assign = assign or backend_for(x.device).kernel("assign").nearest_centroid
+    w = torch.ones(h, n, device=x.device) if weights is None else weights.float()
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    c = _kmeans_plus_plus(y, k, gen, euclidean=True) if k <= KMEANS_PP_MAX_CLUSTERS else _random_centres(y, k, gen)
+    labels = torch.full((h, n), -1, dtype=torch.int64, device=x.device)
+    done = 0
+    for done in range(1, iters + 1):
+        new_labels, best = assign(ys, c, -0.5 * c.square().sum(dim=-1))
+        if torch.equal(new_labels, labels):
+            break
+        labels = new_labels
+        sums, counts = _weighted_sums(y, w, labels, k)
+        c = sums / counts.clamp(min=1e-12)[..., None]
+        c = _reseed_empty(c, counts, y, best - 0.5 * sq)  # best - |y|^2 / 2 = -|y - c|^2 / 2: the worst fits first
+    labels, _ = assign(ys, c, -0.5 * c.square().sum(dim=-1))
+    return _result(xf, w, labels, k, done)

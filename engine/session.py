@@ -78,6 +78,7 @@ class ContextSession:
         self.rows = settings.rows(self.fixed_len)  # which token each global layer's K/V row holds
         self.tail = self.rows.dense  # the rows every step reads (the sink's and the tail's)
         self.queries = {i: q.cpu() for i, q in parsed.queries.items()}  # calibration queries, to build methods later
+        self.moments = {i: m.cpu() for i, m in parsed.moments.items()}  # query moments (a context stored before: none)
         layers = []
         for i, window in enumerate(lm.sliding_windows):
             dev = lm.layer_devices[i]
@@ -111,9 +112,9 @@ class ContextSession:
 
     def build(self, method: Method, progress: Progress | None = None,
               prepared: Tensors | None = None) -> dict[str, torch.Tensor]:
-        """Build `method` (and what it requires, when not open) from the session's own K/V and calibration queries,
-        replacing an index of the same method; returns the new artifacts by name (for the store). prepared: the
-        method's model-level artifacts (Method.prepare)."""
+        """Build `method` (and what it requires, when not open) from the session's own K/V, calibration queries and
+        query moments, replacing an index of the same method; returns the new artifacts by name (for the store).
+        prepared: the method's model-level artifacts (Method.prepare)."""
         self.arrange(None)  # as stored: what a method builds from
         global_layers = [i for i, layer in enumerate(self.cache.layers) if layer.sliding_window is None]
         keys = {i: self.cache.layers[i].fixed_keys for i in global_layers}
@@ -128,7 +129,7 @@ class ContextSession:
             mine = prepared if m is method else None
             built = build_methods(keys, queries, self.tail, [m], global_scale(self.lm), self.lm.device,
                                   progress or _no_progress, prepared={name: mine or {}}, required=have,
-                                  first=self.rows.sink)
+                                  first=self.rows.sink, moments=self.moments)
             made.update(built)
             self.add_method(m, names.parse(built, (name,)).methods.get(name, names.MethodArtifacts()), mine)
         return made

@@ -25,10 +25,11 @@ NUM_WARPS = 8
 NUM_STAGES = 3
 
 
-def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """points [H, N, D], centroids [H, K, D] -> (labels [H, N] int64, best [H, N] float32): per point the centroid
-    of the largest inner product (the first on a tie) and that product, computed in the points' dtype (centroids
-    are cast to it) with float32 accumulation."""
+def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, bias: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """points [H, N, D], centroids [H, K, D], bias [H, K] or None -> (labels [H, N] int64, best [H, N] float32): per
+    point the centroid of the largest score, its inner product (computed in the points' dtype, centroids cast to it,
+    float32 accumulation) plus its bias in float32 (the first on a tie), and that score."""
     if points.dim() != 3 or centroids.dim() != 3 or points.shape[0] != centroids.shape[0] \
             or points.shape[2] != centroids.shape[2]:
         raise ValueError(f"expected points [H, N, D] and centroids [H, K, D]; got {tuple(points.shape)}, "
@@ -39,18 +40,21 @@ def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor) -> tuple[tor
     k = centroids.shape[1]
     if k == 0:
         raise ValueError("nearest_centroid needs at least one centroid")
+    if bias is not None and tuple(bias.shape) != (h, k):
+        raise ValueError(f"expected bias [H, K] = {(h, k)}; got {tuple(bias.shape)}")
     if d not in SUPPORTED_HEAD_DIMS:
-        return reference.nearest_centroid(points, centroids)
+        return reference.nearest_centroid(points, centroids, bias)
     x = points if points.stride(-1) == 1 else points.contiguous()
     c = centroids.to(points.dtype)
     c = c if c.stride(-1) == 1 else c.contiguous()
     labels = torch.empty(h, n, device=points.device, dtype=torch.int64)
     best = torch.empty(h, n, device=points.device, dtype=torch.float32)
+    b = labels if bias is None else bias.float().contiguous()  # any tensor: not read without a bias
     block_n = LARGE_BLOCK_N if d >= LARGE_HEAD_DIM else BLOCK_N
     if h and n:
         nearest_centroid_kernel[(triton.cdiv(n, block_n), h)](
-            x, c, labels, best, n, k, x.stride(0), x.stride(1), c.stride(0), c.stride(1),
-            HEAD_DIM=d, BLOCK_N=block_n, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            x, c, b, labels, best, n, k, x.stride(0), x.stride(1), c.stride(0), c.stride(1),
+            HEAD_DIM=d, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )
     return labels, best

@@ -18,6 +18,7 @@ from engine.attention import ATTN_NAME
 from engine.config import ContextSettings
 from engine.generate import generate_tokens
 from engine.ingest import ingest_tokens, prefill
+from engine.kmeans import query_moment
 from engine.model import LoadedModel, load_model
 from engine.policies import METHODS, SPARSE_METHODS, build_order, make_method
 from engine.prompt import ANSWER_RESERVE, STOP_STRINGS, DocumentTooLongError, question_ids, tokenize_document
@@ -371,6 +372,28 @@ def test_chunked_prefill_equals_one_chunk(ctx, chunk):
         got, expected = torch.cat(chunked_q.queries[layer], dim=1), torch.cat(whole_q.queries[layer], dim=1)
         assert got.shape[1] == tail
         torch.testing.assert_close(got, expected, **TOL)
+        hkv = whole.layers[layer].fixed_keys.shape[0]
+        torch.testing.assert_close(chunked_q.moment(layer, hkv), whole_q.moment(layer, hkv), **TOL)
+
+
+def test_query_moments_are_every_positions(ctx):
+    """The ingest keeps each global layer's second moment of the unit queries over every position of the document
+    (QueryCapture.moment: equal to query_moment of all the document's queries), stores it as `layer{i}
+    .query_moment`, and a method built later from a stored context clusters with it (the same index as at ingest)."""
+    n = ctx.fixed_ids.numel()
+    _, everything = prefill(ctx.lm, ctx.fixed_ids, n, REFERENCE)
+    settings = {"centroid_ratio": 0.1, "kmeans": "query"}
+    out = ingest_tokens(ctx.lm, ctx.fixed_ids, SETTINGS, REFERENCE, [make_method("squeeze", settings)])
+    for layer in ctx.lm.global_layers:
+        queries = torch.cat(everything.queries[layer], dim=1)  # [Hq, n, D]
+        assert queries.shape[1] == n
+        stored = out.artifacts[f"layer{layer}.query_moment"]
+        torch.testing.assert_close(stored, query_moment(queries, stored.shape[0]), **TOL)
+    session = ContextSession(ctx.lm, dict(out.artifacts), SETTINGS, REFERENCE)
+    session.methods.pop("squeeze")
+    made = session.build(make_method("squeeze", settings))
+    for layer in ctx.lm.global_layers:
+        assert torch.equal(made[f"squeeze.layer{layer}.labels"], out.artifacts[f"squeeze.layer{layer}.labels"])
 
 
 # --------------------------------------------------------------------------- document length

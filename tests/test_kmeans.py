@@ -1,11 +1,12 @@
-"""engine.kmeans: segment_sum against index_add_, spherical k-means against hand-computed means and known partitions."""
+"""engine.kmeans: segment_sum against index_add_, spherical and metric k-means against hand-computed means and known
+partitions, query_metric against its definition."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.kmeans import segment_sum, spherical_kmeans
+from engine.kmeans import QUERY_RIDGE, metric_kmeans, query_metric, query_moment, segment_sum, spherical_kmeans
 
 # Centroids are float64 segment sums cast to float32 and divided by the (exact, integer-valued or float64) weight: a
 # couple of float32 roundings of values of magnitude ~1, i.e. ~1e-7 relative. 1e-5 leaves margin and still catches any
@@ -227,3 +228,95 @@ def test_many_clusters_start_from_random_points_deterministically():
     for h in range(2):
         assert torch.equal(a.counts[h], torch.bincount(a.labels[h], minlength=k))
     assert not torch.equal(spherical_kmeans(x, k, iters=3, seed=6).labels, a.labels)
+
+
+# ---------------------------------------------------------------- query_metric and metric_kmeans
+
+
+def test_query_metric_is_the_square_root_of_the_queries_second_moment():
+    """query_moment is the mean outer product of the group's unit queries; W is symmetric and W W = that + ridge / D
+    * I, per KV head."""
+    g = _gen(11)
+    q = torch.randn(6, 40, 8, generator=g) * torch.linspace(0.1, 3, 8)  # anisotropic, 3 query heads per KV head
+    w = query_metric(query_moment(q, kv_heads=2))
+    assert w.shape == (2, 8, 8) and w.dtype == torch.float32
+    torch.testing.assert_close(w, w.transpose(1, 2), atol=1e-6, rtol=0)
+    for head in range(2):
+        qn = torch.nn.functional.normalize(q[3 * head : 3 * head + 3].double(), dim=-1).reshape(-1, 8)
+        want = qn.T @ qn / qn.shape[0] + QUERY_RIDGE / 8 * torch.eye(8, dtype=torch.float64)
+        torch.testing.assert_close((w[head] @ w[head]).double(), want, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        query_moment(q, kv_heads=4)
+
+
+def test_metric_kmeans_under_the_identity_recovers_separated_clusters():
+    """With the identity as metric it is Euclidean k-means: blobs far apart are found exactly for every seed, each
+    centroid the mean of its members, the counts its members."""
+    g = _gen(12)
+    h, k, per, d = 2, 5, 25, 6
+    centres = 10 * torch.randn(h, k, d, generator=g)
+    x = centres.repeat_interleave(per, dim=1) + 0.1 * torch.randn(h, k * per, d, generator=g)
+    truth = torch.arange(k).repeat_interleave(per)
+    eye = torch.eye(d).expand(h, d, d)
+    for seed in range(4):
+        result = metric_kmeans(x, k, eye, seed=seed)
+        for head in range(h):
+            labs = group_to_labels(result.labels[head], truth, k)
+            assert all(len(s) == 1 for s in labs) and len(set.union(*labs)) == k, (seed, head)
+            assert torch.equal(result.counts[head], torch.bincount(result.labels[head], minlength=k))
+        assert_centroids_are_member_means(result, x, k)
+
+
+def test_metric_kmeans_clusters_by_the_queries_logit_error():
+    """Keys spread widely along a direction no query reads (dim 0) and in two tight groups along the one every query
+    reads (dim 1). Cosine k-means splits them along dim 0; under the queries' metric they are split by dim 1, and the
+    logit error the centroids make for those queries (the lookup's error) is far smaller."""
+    g = _gen(13)
+    n, d = 200, 4
+    x = torch.zeros(1, n, d)
+    x[0, :, 0] = torch.linspace(-10, 10, n)[torch.randperm(n, generator=g)]
+    side = (torch.arange(n) % 2).float() * 2 - 1  # the two groups, interleaved along dim 0
+    x[0, :, 1] = side + 0.05 * torch.randn(n, generator=g)
+    x[0, :, 2:] = 0.05 * torch.randn(n, d - 2, generator=g)
+    q = torch.zeros(4, 30, d)
+    q[..., 1] = 1.0
+    q += 0.01 * torch.randn(4, 30, d, generator=g)
+
+    def logit_error(result):
+        c = result.centroids[0][result.labels[0]]  # [n, D] each key's centroid
+        return float(((q.reshape(-1, d) @ (x[0] - c).T) ** 2).mean())
+
+    metric = metric_kmeans(x, 2, query_metric(query_moment(q, 1)), seed=0)
+    assert torch.equal(metric.labels[0] == metric.labels[0, 1], side > 0)  # the two groups exactly
+    cosine = spherical_kmeans(x, 2, seed=0)
+    assert logit_error(metric) < 0.05 * logit_error(cosine)
+
+
+def test_metric_kmeans_weights_and_determinism():
+    """k == 1 gives the weighted mean (counts are members); a seed gives the same clusters twice; past
+    KMEANS_PP_MAX_CLUSTERS (random seeding) too."""
+    from engine.kmeans import KMEANS_PP_MAX_CLUSTERS
+
+    x, _ = separated(seed=14, noise=0.1)
+    metric = query_metric(query_moment(torch.randn(3, 20, 16, generator=_gen(15)), 3))
+    weights = torch.rand(x.shape[:2], generator=_gen(16)) + 0.1
+    one = metric_kmeans(x, 1, metric, weights=weights)
+    want = (x.double() * weights.double()[..., None]).sum(1) / weights.double().sum(1, keepdim=True)
+    torch.testing.assert_close(one.centroids[:, 0].double(), want, atol=MEAN_ATOL, rtol=MEAN_RTOL)
+    assert torch.equal(one.counts, torch.full((3, 1), x.shape[1]))
+    a, b = metric_kmeans(x, 7, metric, seed=3), metric_kmeans(x, 7, metric, seed=3)
+    assert torch.equal(a.labels, b.labels) and torch.equal(a.centroids, b.centroids)
+    assert_centroids_are_member_means(a, x, 7)
+    big = torch.randn(2, 3000, 8, generator=_gen(17))
+    eye = torch.eye(8).expand(2, 8, 8)
+    k = KMEANS_PP_MAX_CLUSTERS + 20
+    c, e = metric_kmeans(big, k, eye, iters=3, seed=5), metric_kmeans(big, k, eye, iters=3, seed=5)
+    assert torch.equal(c.labels, e.labels) and torch.equal(c.counts.sum(dim=1), torch.full((2,), 3000))
+
+
+def test_metric_kmeans_bad_input():
+    x = torch.randn(2, 20, 4)
+    with pytest.raises(ValueError, match="1 <= k <= N"):
+        metric_kmeans(x, 21, torch.eye(4).expand(2, 4, 4))
+    with pytest.raises(ValueError, match="expected a metric"):
+        metric_kmeans(x, 3, torch.eye(4))

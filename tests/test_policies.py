@@ -439,3 +439,43 @@ def test_num_centroids_is_clamped():
     assert num_centroids(490, 0.1) == 49 and num_centroids(490, 0.02) == 10
     assert num_centroids(3, 0.1) == 1  # at least one
     assert num_centroids(7, 1.0) == 7  # at most every key
+
+
+def test_squeeze_clusters_under_the_calibration_queries_metric():
+    """kmeans="query" (the default): a build with the layer's query moment clusters with metric_kmeans under
+    query_metric of it (build_methods passes the moments it is given, else its calibration queries'); kmeans=
+    "cosine", or a build without a moment, clusters spherically; hsqueeze's level 1 follows its own setting the
+    same way (over squeeze's centroids, weighted by their sizes)."""
+    from engine.kmeans import metric_kmeans, query_metric, query_moment, spherical_kmeans
+    from engine.policies.base import LayerKeys
+
+    g = torch.Generator().manual_seed(7)
+    keys, queries = torch.randn(HKV, LC, D, generator=g), torch.randn(HQ, CALIB_TOKENS, D, generator=g)
+    moment = query_moment(queries, HKV)
+    k = num_centroids(LC, CENTROID_RATIO)
+    settings = SqueezeSettings(centroid_ratio=CENTROID_RATIO, centroids="exact")
+    assert settings.kmeans == "query"
+    built = SqueezePolicy(settings).build(LayerKeys(0, keys, DENSE_TAIL, query_moment=moment), {}, {})
+    want = metric_kmeans(keys, k, query_metric(moment))
+    assert torch.equal(built["labels"], want.labels)
+    torch.testing.assert_close(built["centroids"], want.centroids)
+    cosine = spherical_kmeans(keys, k)
+    assert not torch.equal(want.labels, cosine.labels)
+    for other in (SqueezePolicy(replace(settings, kmeans="cosine")).build(LayerKeys(0, keys, DENSE_TAIL, query_moment=moment), {}, {}),
+                  SqueezePolicy(settings).build(LayerKeys(0, keys, DENSE_TAIL), {}, {})):
+        assert torch.equal(other["labels"], cosine.labels)
+    h_settings = HierarchicalSettings(level1_ratio=LEVEL1_RATIO, centroids="exact")
+    level1 = HierarchicalSqueezePolicy(h_settings).build(LayerKeys(0, keys, DENSE_TAIL, query_moment=moment),
+                                                          {"squeeze": built}, {})
+    k1 = num_centroids(LC, LEVEL1_RATIO)
+    want1 = metric_kmeans(built["centroids"], k1, query_metric(moment), weights=built["counts"])
+    torch.testing.assert_close(level1["l1_centroids"], want1.centroids)
+    # build_methods: the moments it is given, else the calibration queries'
+    full = torch.cat([keys, torch.randn(HKV, DENSE_TAIL, D, generator=g)], dim=1)
+    other_moment = query_moment(torch.randn(HQ, 50, D, generator=g), HKV)
+    for given, used in ((None, moment), ({0: other_moment}, other_moment)):
+        made = build_methods({0: full}, {0: queries}, DENSE_TAIL, [SqueezePolicy(settings)], SCALE,
+                             torch.device("cpu"), moments=given)
+        assert torch.equal(made["squeeze.layer0.labels"], metric_kmeans(keys, k, query_metric(used)).labels)
+    with pytest.raises(ValueError, match="kmeans must be one of"):
+        SqueezeSettings(kmeans="l2")

@@ -104,12 +104,14 @@ class LayerIndex:
 class LayerKeys:
     """What `build` gets of one global layer: keys [Hkv, Lc, D] (as the attention sees them, RoPE applied) of the
     indexed part of the fixed context, in token order, tokens first .. first + Lc - 1; the `tail` dense rows
-    (engine.fixed_rows) are not in it."""
+    (engine.fixed_rows) are not in it; query_moment [Hkv, D, D]: the second moment of the layer's unit queries over
+    the context (engine.kmeans.query_moment), or None where a caller has none."""
 
     layer_idx: int
     keys: torch.Tensor
     tail: int
     first: int = 0  # the position of the first row's token (the context's sink rows, when any, are dense rows)
+    query_moment: torch.Tensor | None = None
 
 
 @dataclass

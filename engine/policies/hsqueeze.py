@@ -9,11 +9,10 @@ import torch
 
 from engine.calibrate import pooled_thresholds, prefill_windows, window_scores
 from engine.config import SPARSITY_GRID
-from engine.kmeans import spherical_kmeans
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Tensors,
                                   group_rows)
-from engine.policies.squeeze import (ThresholdPlan, centroid_elements, check_threshold_settings, float_centroids,
-                                     code_step, num_centroids, prefill_samples, row_counts, stored_centroids,
+from engine.policies.squeeze import (ThresholdPlan, centroid_elements, check_threshold_settings, cluster_points,
+                                     float_centroids, code_step, num_centroids, prefill_samples, row_counts, stored_centroids,
                                      threshold_plan, weighted_samples)
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
@@ -24,13 +23,15 @@ from kernels.reference.centroid import row_scores, select_clusters
 class HierarchicalSettings(MethodSettings):
     """level1_ratio: level-1 centroids as a fraction of the indexed keys (paper: 1%; at most squeeze's centroids)
     level1_prune: fraction of the keys the level-1 threshold rules out (paper: about half)
-    kmeans_iters, seed: the level-1 k-means'; group, prefill_threshold: as squeeze's (SqueezeSettings)
+    kmeans, kmeans_iters, seed: the level-1 k-means' (of squeeze's centroids, weighted by their sizes); group,
+        prefill_threshold: as squeeze's (SqueezeSettings)
     centroids: as squeeze's, for both levels ("int8": one byte each; level 2 is squeeze's centroids, stored again
         in this form whatever squeeze's own)
     """
 
     level1_ratio: float = 0.01
     level1_prune: float = 0.5
+    kmeans: str = "query"
     kmeans_iters: int = 20
     seed: int = 0
     group: str = "kv"
@@ -72,7 +73,7 @@ class HierarchicalSqueezePolicy(Method):
         index, settings = required["squeeze"], self.settings
         c2 = float_centroids(index)  # [Hkv, C2, D]
         k1 = min(c2.shape[1], num_centroids(layer.keys.shape[1], settings.level1_ratio))
-        result = spherical_kmeans(c2, k1, iters=settings.kmeans_iters, seed=settings.seed, weights=index["counts"])
+        result = cluster_points(c2, k1, settings, layer.query_moment, weights=index["counts"])
         order = torch.argsort(result.labels, dim=1, stable=True)  # [Hkv, C2]: new id -> old id
         new_id = torch.empty_like(order).scatter_(1, order, torch.arange(order.shape[1], device=order.device).expand_as(order).contiguous())
         counts2 = torch.gather(index["counts"], 1, order)

@@ -9,7 +9,7 @@ import torch
 
 from engine.calibrate import pooled_thresholds, prefill_windows, threshold_at, window_scores
 from engine.config import SPARSITY_GRID
-from engine.kmeans import spherical_kmeans
+from engine.kmeans import KMeansResult, metric_kmeans, query_metric, spherical_kmeans
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, StepPlan,
                                   Tensors, check_budget, group_rows)
 from kernels.backend import REFERENCE, Backend
@@ -19,10 +19,13 @@ from kernels.reference.centroid import dequantize_centroids, quantize_centroids,
 GROUPS = ("kv", "query")
 CENTROIDS = ("exact", "int8")
 PREFILL_THRESHOLDS = ("calibrated", "decode")
+KMEANS = ("query", "cosine")
 
 
 def check_threshold_settings(settings) -> None:
-    """The settings squeeze and hsqueeze share: kmeans_iters, group, prefill_threshold, centroids."""
+    """The settings squeeze and hsqueeze share: kmeans, kmeans_iters, group, prefill_threshold, centroids."""
+    if settings.kmeans not in KMEANS:
+        raise ValueError(f"kmeans must be one of {KMEANS}, got {settings.kmeans!r}")
     if settings.kmeans_iters < 1:
         raise ValueError(f"kmeans_iters must be at least 1, got {settings.kmeans_iters}")
     if settings.group not in GROUPS:
@@ -36,6 +39,9 @@ def check_threshold_settings(settings) -> None:
 @dataclass(frozen=True)
 class SqueezeSettings(MethodSettings):
     """centroid_ratio: centroids as a fraction of the indexed keys (paper: 5%)
+    kmeans: how keys are clustered: "query" (default): Euclidean k-means under the metric of the layer's queries
+        (engine.kmeans.query_metric of the context's query moment: a key's distance to its centroid is the error of
+        the logit the centroid stands in for); "cosine": spherical k-means (also where a build has no moment)
     kmeans_iters: most Lloyd iterations; seed: k-means initialisation seed
     group: "kv": one selection per KV head from the mean of its query heads' scores (each selected key is read once
         per GQA group); "query": one per query head (the paper's MHA form)
@@ -49,6 +55,7 @@ class SqueezeSettings(MethodSettings):
     """
 
     centroid_ratio: float = 0.05
+    kmeans: str = "query"
     kmeans_iters: int = 20
     seed: int = 0
     group: str = "kv"
@@ -99,6 +106,16 @@ def threshold_plan(calibration: Tensors, budget: float, decode_keys: float, pref
     prefill = tuple(threshold_at(calibration[f"{n}_prefill"], sparsity(prefill_keys)) for n in names) \
         if all(f"{n}_prefill" in calibration for n in names) else decode
     return ThresholdPlan(budget=check_budget(budget), decode=decode, prefill=prefill)
+
+
+def cluster_points(points: torch.Tensor, k: int, settings, moment: torch.Tensor | None,
+                   weights: torch.Tensor | None = None) -> KMeansResult:
+    """k-means of points [Hkv, N, D] into k clusters per head as `settings` (kmeans, kmeans_iters, seed) say: for
+    "query", under the metric of the layer's query moment [Hkv, D, D] (LayerKeys.query_moment) where there is one."""
+    if settings.kmeans == "query" and moment is not None:
+        metric = query_metric(moment.to(points.device))
+        return metric_kmeans(points, k, metric, iters=settings.kmeans_iters, seed=settings.seed, weights=weights)
+    return spherical_kmeans(points, k, iters=settings.kmeans_iters, seed=settings.seed, weights=weights)
 
 
 def stored_centroids(centroids: torch.Tensor, settings, dtype: torch.dtype, prefix: str = "") -> Tensors:
@@ -181,7 +198,7 @@ class SqueezePolicy(Method):
     def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
         s = self.settings
         k = num_centroids(layer.keys.shape[1], s.centroid_ratio)
-        result = spherical_kmeans(layer.keys, k, iters=s.kmeans_iters, seed=s.seed)
+        result = cluster_points(layer.keys, k, s, layer.query_moment)
         return {
             "labels": result.labels,  # [Hkv, Lc]
             **stored_centroids(result.centroids, s, layer.keys.dtype),  # [Hkv, C, D]

@@ -9,19 +9,22 @@ import triton.language as tl
 
 @triton.jit
 def nearest_centroid_kernel(
-    x_ptr, c_ptr, label_ptr, best_ptr,
+    x_ptr, c_ptr, bias_ptr, label_ptr, best_ptr,
     n, k,
     stride_xh, stride_xn, stride_ch, stride_ck,
     HEAD_DIM: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
 ):
     """Program (i, h): points i * BLOCK_N .. of head h against every centroid of head h, BLOCK_K at a time.
 
-    x: [H, N, HEAD_DIM] points, c: [H, K, HEAD_DIM] centroids (one dtype, unit stride in D) -> label [H * N] int64
-    (the first centroid of the largest inner product), best [H * N] fp32 (that inner product, fp32 accumulation;
-    INPUT_PRECISION "ieee" for fp32 points, which tl.dot would otherwise round to tf32).
+    x: [H, N, HEAD_DIM] points, c: [H, K, HEAD_DIM] centroids (one dtype, unit stride in D), with HAS_BIAS bias
+    [H, K] fp32 contiguous (added to each centroid's products: -|c|^2 / 2 makes the largest score the nearest
+    centroid in Euclidean distance) -> label [H * N] int64 (the first centroid of the largest score), best [H * N]
+    fp32 (that score, fp32 accumulation; INPUT_PRECISION "ieee" for fp32 points, which tl.dot would otherwise round
+    to tf32).
     The [N, K] score matrix is never written: each tile's maximum folds into a running (best, label) per point.
     """
     pid_n = tl.program_id(0)
@@ -39,6 +42,8 @@ def nearest_centroid_kernel(
         c = tl.load(c_ptr + h * stride_ch + offs_k[None, :].to(tl.int64) * stride_ck + offs_d[:, None],
                     mask=col_ok[None, :], other=0.0)  # [D, BLOCK_K]
         s = tl.dot(x, c, input_precision=INPUT_PRECISION)  # [BLOCK_N, BLOCK_K] fp32
+        if HAS_BIAS:
+            s += tl.load(bias_ptr + h * k + offs_k, mask=col_ok, other=0.0)[None, :]
         s = tl.where(col_ok[None, :], s, float("-inf"))
         tile_best = tl.max(s, axis=1)
         tile_label = tl.argmax(s, axis=1) + start
