@@ -66,8 +66,11 @@ def test_a_tiny_grid_through_the_real_model(real_lm):
     for cell in doc["cells"]:
         assert cell["full_found"], f"full attention missed the key: {cell}"
         # calibrated on the context's last tokens, not on this question: measured 0.35-0.57 (hsqueeze) and 0.46-0.53
-        # (squeeze) on these three haystacks with one-byte centroids (session 16), Quest 0.497
-        assert abs(cell["kv_budget_prefill"] - 0.5) <= 0.16
+        # (squeeze) on these three haystacks with one-byte centroids (session 16), Quest 0.497; with query-aware
+        # clusters and follow rows (session 19) squeeze 0.33-0.44, hsqueeze 0.36-0.39, Quest 0.455-0.46: the follow
+        # rows' reserve (64 rows of ~1K, charged in full) is mostly inside the selection (without follow rows squeeze
+        # 0.41-0.52, hsqueeze 0.30-0.44: the calibration's own spread on 1K-token contexts)
+        assert abs(cell["kv_budget_prefill"] - 0.5) <= 0.2
     for method in methods:
         found = [c for c in doc["cells"] if c["method"] == method and c["found"]]
         assert len(found) >= FOUND_AT_LEAST.get(method, len(depths)), (
