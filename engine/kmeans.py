@@ -173,7 +173,8 @@ def query_moment(queries: torch.Tensor, kv_heads: int) -> torch.Tensor:
     position of the context: engine.attention.QueryCapture.moment.)"""
     hq, n, d = queries.shape
     if hq % kv_heads or n == 0:
-        raise ValueError(f"expected queries [Hq, n >= 1, D] with Hq a multiple of {kv_heads}; got {tuple(queries.shape)}")
+        raise ValueError(f"expected queries [Hq, n >= 1, D] with Hq a multiple of {kv_heads}; "
+                         f"got {tuple(queries.shape)}")
     qn = torch.nn.functional.normalize(queries.float(), dim=-1).reshape(kv_heads, hq // kv_heads * n, d)
     return qn.transpose(1, 2) @ qn / qn.shape[1]
 

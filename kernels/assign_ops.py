@@ -54,7 +54,8 @@ def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, bias: torch.
     if h and n:
         nearest_centroid_kernel[(triton.cdiv(n, block_n), h)](
             x, c, b, labels, best, n, k, x.stride(0), x.stride(1), c.stride(0), c.stride(1),
-            HEAD_DIM=d, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=BLOCK_K, INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+            HEAD_DIM=d, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+            INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=NUM_WARPS, num_stages=NUM_STAGES,
         )
     return labels, best

@@ -461,7 +461,8 @@ def test_squeeze_clusters_under_the_calibration_queries_metric():
     torch.testing.assert_close(built["centroids"], want.centroids)
     cosine = spherical_kmeans(keys, k)
     assert not torch.equal(want.labels, cosine.labels)
-    for other in (SqueezePolicy(replace(settings, kmeans="cosine")).build(LayerKeys(0, keys, DENSE_TAIL, query_moment=moment), {}, {}),
+    cosine_settings = replace(settings, kmeans="cosine")
+    for other in (SqueezePolicy(cosine_settings).build(LayerKeys(0, keys, DENSE_TAIL, query_moment=moment), {}, {}),
                   SqueezePolicy(settings).build(LayerKeys(0, keys, DENSE_TAIL), {}, {})):
         assert torch.equal(other["labels"], cosine.labels)
     h_settings = HierarchicalSettings(level1_ratio=LEVEL1_RATIO, centroids="exact")

@@ -12,8 +12,8 @@ from engine.config import SPARSITY_GRID
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Tensors,
                                   group_rows)
 from engine.policies.squeeze import (ThresholdPlan, centroid_elements, check_threshold_settings, cluster_points,
-                                     float_centroids, code_step, num_centroids, prefill_samples, row_counts, stored_centroids,
-                                     threshold_plan, weighted_samples)
+                                     code_step, float_centroids, num_centroids, prefill_samples, row_counts,
+                                     stored_centroids, threshold_plan, weighted_samples)
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
 from kernels.reference.centroid import row_scores, select_clusters
