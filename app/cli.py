@@ -119,7 +119,8 @@ def cmd_ask(args) -> int:
         print(EMPTY_ANSWER if answer.empty else "")
         print(f"[{stats['method']} sparsity={stats['sparsity']} kv_budget={stats['kv_budget']:.3f} "
               f"(question {stats['kv_budget_prefill']:.3f}, answer {stats['kv_budget_decode']:.3f}) "
-              f"follow rows {len(answer.follow)}, first token {stats['timings']['first_token_s']:.2f}s, {stats['timings']['tokens_per_s']:.1f} tok/s]",
+              f"follow rows {len(answer.follow)}, first token {stats['timings']['first_token_s']:.2f}s, "
+              f"{stats['timings']['tokens_per_s']:.1f} tok/s]",
               file=sys.stderr)
     return 0
 

@@ -102,7 +102,7 @@ class Follow:
         self.position = torch.arange(n, device=self.ids.device)
         # an occurrence counts where the token after it is indexed: the dense rows (the sink and the last tokens)
         # are read by every step anyway, and a document's end that repeats the question would take every row
-        self.indexed_next = (self.position + 1 >= rows.sink) & (self.position + 1 < rows.sink + rows.indexed)
+        self.indexed_next = self.stored_rows(self.position + 1)[1]
 
     def reserve(self, num_keys: int) -> tuple[float, float]:
         """(decode, prefill): the share of a global layer's `num_keys` fixed K/V rows each phase's rows may read."""
@@ -153,8 +153,7 @@ class Follow:
         if not read:
             return []
         positions = torch.cat(read)
-        rows = self.fixed_rows
-        indexed = (positions >= rows.sink) & (positions < rows.sink + rows.indexed)  # the dense rows: read anyway
+        _, indexed = self.stored_rows(positions)  # the dense rows: read anyway
         return sorted(set(positions[indexed].tolist()))
 
     def _step(self, recent: torch.Tensor, question: torch.Tensor) -> torch.Tensor:
