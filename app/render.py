@@ -172,8 +172,9 @@ EVAL_COLUMNS = (
     ("method", "the sparse method"),
     ("KV budget", "the share of the context's K/V bytes a step may read, index included (100 - sparsity)"),
     ("needles as good as full", "share of the needle cells where the method did as well as full attention"),
-    ("recall (oracle)", "share of full attention's weight on the keys read; in brackets the best top-k keys "
-                        "at that budget"),
+    ("recall (unit ceiling; oracle)", "share of full attention's weight on the keys read; in brackets the best "
+                                     "choice of the method's own units (clusters, pages) at the keys it read, and "
+                                     "the best top-k keys at that budget"),
     ("top-1", "next tokens the same as full attention's"),
     ("KL", "mean KL(full || method) of the next-token distributions"),
     ("read (question / answer)", "KV budget measured in the question's prefill / the answer's steps"),
@@ -202,12 +203,12 @@ def eval_rows(doc: dict) -> list[list[str]]:
     """The summary of a `squeeze eval` document as table cells, in its order (one row per method and budget)."""
     rows = []
     for r in doc.get("summary") or []:
-        recall, oracle = _number(r.get("recall"), ".2f"), _number(r.get("oracle"), ".2f")
+        recall, units, oracle = (_number(r.get(k), ".2f") for k in ("recall", "units", "oracle"))
         rows.append([
             str(r.get("method", "?")),
             _number(r.get("budget"), ".0f", 100, "%"),
             _number(r.get("needles"), ".0f", 100, "%"),
-            recall if oracle == NO_VALUE else f"{recall} ({oracle})",
+            recall if recall == NO_VALUE else f"{recall} ({units}; {oracle})",
             _number(r.get("top1"), ".0f", 100, "%"),
             _number(r.get("kl"), ".3g"),
             f"{_number(r.get('read_prefill'), '.3f')} / {_number(r.get('read_decode'), '.3f')}",

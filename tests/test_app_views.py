@@ -223,7 +223,8 @@ def eval_doc(model: str = EVAL_MODEL) -> dict:
     """A `squeeze eval` document as the command writes it: a row with every figure, one with nulls."""
     return {"bench": "eval", "model": model, "device": "cpu", "methods": ["squeeze", "quest"], "budgets": [0.1],
             "created": "2025-01-02T03:04:05+00:00", "seconds": 812.3, "opaque": {"kept": True},
-            "summary": [{"method": "squeeze", "budget": 0.1, "needles": 0.833, "recall": 0.912, "oracle": 0.974,
+            "summary": [{"method": "squeeze", "budget": 0.1, "needles": 0.833, "recall": 0.912, "units": 0.931,
+                         "oracle": 0.974,
                          "top1": 0.98, "kl": 0.0123, "read_prefill": 0.1012, "read_decode": 0.0994},
                         {"method": "quest", "budget": 0.1, "needles": None, "recall": None, "oracle": None,
                          "top1": None, "kl": None, "read_prefill": 0.1, "read_decode": None}],
@@ -232,12 +233,12 @@ def eval_doc(model: str = EVAL_MODEL) -> dict:
 
 def test_eval_table_from_a_document():
     assert render.eval_rows(eval_doc()) == [
-        ["squeeze", "10%", "83%", "0.91 (0.97)", "98%", "0.0123", "0.101 / 0.099"],
+        ["squeeze", "10%", "83%", "0.91 (0.93; 0.97)", "98%", "0.0123", "0.101 / 0.099"],
         ["quest", "10%", "–", "–", "–", "–", "0.100 / –"],
     ]
     html = render.eval_html(eval_doc(), EVAL_MODEL)
     assert [h for h, _ in render.EVAL_COLUMNS] == re.findall(r'<th title="[^"]*">([^<]*)</th>', html)
-    assert html.count("<tr>") == 3 and "<td>0.91 (0.97)</td>" in html
+    assert html.count("<tr>") == 3 and "<td>0.91 (0.93; 0.97)</td>" in html
     caption = re.search(r'<div class="sq-caption">([^<]*)</div>', html).group(1)
     local = render.format_date("2025-01-02T03:04:05+00:00")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", local)

@@ -72,21 +72,55 @@ def _doc(summary: list[dict]) -> dict:
     return {"model": "tiny", "device": "cpu", "created": "2026-11-24T00:00:00+00:00", "summary": summary}
 
 
+@pytest.mark.parametrize("pool", [False, True])
+@pytest.mark.parametrize("hq,hkv", [(4, 1), (4, 2)])
+def test_units_best_takes_whole_units_by_weight_per_key_within_the_keys_read(hq, hkv, pool):
+    """units_mask: whole units only, the dense rows always, at most `read` indexed keys, one selection per KV head;
+    with units of one size it holds at least the group's weight of any choice of as many units (brute force); with
+    `read` covering every indexed key it is every key."""
+    import itertools
+
+    torch.manual_seed(1)
+    t, indexed, dense, size = 2, 24, 4, 4
+    probs = torch.softmax(torch.randn(hq, t, indexed + dense) * 3, dim=-1)
+    labels = torch.stack([torch.randperm(indexed) // size for _ in range(hkv)])  # [Hkv, I]: 6 units of 4 keys
+    steps = 1 if pool else t
+    read = torch.full((hkv, steps), 3 * size + 2)  # room for three units, not four
+    mask = fidelity.units_mask(probs, labels, read, pool)
+    assert mask.shape == probs.shape and bool(mask[..., indexed:].all())
+    per_kv = mask.reshape(hkv, hq // hkv, t, -1)
+    assert bool((per_kv == per_kv[:, :1]).all())
+    group = probs.reshape(hkv, hq // hkv, t, -1).sum(dim=1)
+    if pool:
+        group = group.sum(dim=1, keepdim=True)
+    for h in range(hkv):
+        for step in range(steps):
+            chosen = per_kv[h, 0, step, :indexed]
+            units = {int(u) for u in labels[h][chosen]}
+            assert len(units) == 3 and int(chosen.sum()) == 3 * size  # whole units, within the keys read
+            mass = {u: float(group[h, step, :indexed][labels[h] == u].sum()) for u in range(indexed // size)}
+            best = max(sum(mass[u] for u in combo) for combo in itertools.combinations(mass, 3))
+            assert sum(mass[u] for u in units) == pytest.approx(best)
+    everything = fidelity.units_mask(probs, labels, torch.full((hkv, steps), indexed), pool)
+    assert bool(everything.all())
+
+
 def test_summary_joins_the_parts_per_method_and_budget():
     doc = {"needles": {"summary": [{"method": "squeeze", "budget": 0.1, "as_good_as_full": 0.8,
                                     "read_prefill": 0.1, "read_decode": 0.12}]},
-           "recall": {"rows": [{"method": "squeeze", "budget": 0.1, "decode": {"recall": 0.7, "oracle": 0.9}},
+           "recall": {"rows": [{"method": "squeeze", "budget": 0.1,
+                                "decode": {"recall": 0.7, "units": 0.8, "oracle": 0.9}},
                                {"method": "quest", "budget": 0.1, "prefill": {"recall": 0.5, "oracle": 0.8}}]},
            "agreement": {"rows": [{"method": "squeeze", "budget": 0.1, "top1": 0.9, "kl": 0.1,
                                    "read_prefill": 0.08, "read_decode": None}]}}
     rows = {(r["method"], r["budget"]): r for r in evaluate.summarize(doc)}
     assert rows["squeeze", 0.1] == {"method": "squeeze", "budget": 0.1, "needles": 0.8, "recall": 0.7,
-                                    "oracle": 0.9, "top1": 0.9, "kl": 0.1, "read_prefill": 0.09,
+                                    "units": 0.8, "oracle": 0.9, "top1": 0.9, "kl": 0.1, "read_prefill": 0.09,
                                     "read_decode": 0.12}
     assert rows["quest", 0.1]["recall"] == 0.5 and rows["quest", 0.1]["top1"] is None  # decode absent: prefill's
     text = evaluate.table(_doc(evaluate.summarize(doc)))
-    assert "| squeeze | 10% | 80% | 0.700 (0.900) | 90.0% | 0.1000 | 0.090 / 0.120 |" in text
-    assert "| quest | 10% | - | 0.500 (0.800) | - | - | - / - |" in text
+    assert "| squeeze | 10% | 80% | 0.700 (0.800; 0.900) | 90.0% | 0.1000 | 0.090 / 0.120 |" in text
+    assert "| quest | 10% | - | 0.500 (-; 0.800) | - | - | - / - |" in text
 
 
 def test_the_figure_is_a_png_with_a_panel_per_measure(tmp_path):
@@ -141,9 +175,14 @@ def test_recall_falls_with_the_budget_and_stays_under_the_oracle(tiny):
     oracle reads 30% of the keys, the method fewer), within the budget's calibration tolerance."""
     _, session, _ = tiny
     agreement, recall = fidelity.run(session, list(SPARSE_METHODS), [0.3], ["Which light?"], 6, ceiling="oracle")
+    units = {name for name in SPARSE_METHODS if name not in ("duo",)}  # the methods that keep whole units
     for row in recall["rows"]:
         assert row["decode"]["recall"] < 1.0
         assert row["decode"]["recall"] <= row["decode"]["oracle"] + 0.03, row
+        for phase in ("decode", "prefill"):  # the units' best: none for DuoAttention (heads, not units)
+            best = row[phase]["units"]
+            assert (best is None) == (row["method"] not in units), row
+            assert best is None or 0.0 < best <= row[phase]["oracle"] + 0.03, row
     for row in agreement["rows"]:
         assert 0.0 <= row["top1"] <= 1.0 and row["kl"] >= 0.0
         assert row["read_prefill"] <= 0.33 + 1e-9, row

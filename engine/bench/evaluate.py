@@ -39,13 +39,13 @@ BUDGETS = "0.05,0.1,0.2,0.3"
 
 def summarize(doc: dict) -> list[dict]:
     """One row per (method, budget) over the parts that ran: needles (share of cells as good as full attention),
-    recall and the oracle's (decode steps), top-1 agreement, KL, and what the cells read in each phase (the mean over
+    recall, its units' best and the oracle's (decode steps; engine.bench.fidelity), top-1 agreement, KL, and what the cells read in each phase (the mean over
     the parts that measured it)."""
     rows: dict[tuple[str, float], dict] = {}
 
     def row(method: str, budget: float) -> dict:
         return rows.setdefault((method, budget), {"method": method, "budget": budget, "needles": None,
-                                                  "recall": None, "oracle": None, "top1": None, "kl": None,
+                                                  "recall": None, "units": None, "oracle": None, "top1": None, "kl": None,
                                                   "read_prefill": None, "read_decode": None, "_reads": []})
 
     for r in (doc.get("needles") or {}).get("summary", []):
@@ -53,7 +53,8 @@ def summarize(doc: dict) -> list[dict]:
         row(r["method"], r["budget"])["_reads"].append((r["read_prefill"], r["read_decode"]))
     for r in (doc.get("recall") or {}).get("rows", []):
         decode = r.get("decode") or r.get("prefill") or {}
-        row(r["method"], r["budget"]).update(recall=decode.get("recall"), oracle=decode.get("oracle"))
+        row(r["method"], r["budget"]).update(recall=decode.get("recall"), units=decode.get("units"),
+                                             oracle=decode.get("oracle"))
         row(OraclePolicy.name, r["budget"]).update(recall=decode.get("oracle"), oracle=decode.get("oracle"))  # its own row
     for r in (doc.get("agreement") or {}).get("rows", []):
         row(r["method"], r["budget"]).update(top1=r["top1"], kl=r["kl"])
@@ -78,10 +79,12 @@ def table(doc: dict) -> str:
     lines = [f"Model {doc['model']} on {doc['device']}, {doc['created']}"
              + (f"; full attention found {full['needles_found']}/{full['needles_cells']} needles" if full else ""),
              "",
-             "| method | KV budget | needles as good as full | recall (oracle) | top-1 | KL | read (question / answer) |",
+             "| method | KV budget | needles as good as full | recall (unit ceiling; oracle) | top-1 | KL | "
+             "read (question / answer) |",
              "|---|---|---|---|---|---|---|"]
     for r in doc["summary"]:
-        recall = "-" if r["recall"] is None else f"{r['recall']:.3f} ({cell(r['oracle'], '.3f')})"
+        recall = "-" if r["recall"] is None else \
+            f"{r['recall']:.3f} ({cell(r.get('units'), '.3f')}; {cell(r['oracle'], '.3f')})"
         lines.append(f"| {r['method']} | {r['budget']:.0%} | {cell(r['needles'], '.0%')} | {recall} | "
                      f"{cell(r['top1'], '.1%')} | {cell(r['kl'], '.4f')} | "
                      f"{cell(r['read_prefill'], '.3f')} / {cell(r['read_decode'], '.3f')} |")

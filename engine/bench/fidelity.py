@@ -16,6 +16,12 @@ strings); that answer is then teacher-forced:
   over the question's tokens for its prefill, which one selection serves): the best any selection that reads b of
   the bytes can do. Decode steps are the answer tokens' single-token lookups; the question's prefill is one lookup
   over its tokens. Means per (layer, query head) are kept for the figure and the app.
+- **units' best** (`units`), for a method that selects whole units (clusters, pages, buckets: Method.unit_labels):
+  the recall of the best selection of its own units at the keys it read (units_mask: per KV head and step, its
+  units ranked by full attention's weight per key, taken best first while they fit in the count of indexed keys
+  the method read; the dense rows too). It splits what a method loses against the oracle in two: the partition's
+  share (oracle - units' best: no lookup over these units can win it back at this budget) and the lookup's (units'
+  best - recall: the ranking's errors).
 """
 
 from __future__ import annotations
@@ -125,6 +131,32 @@ def oracle_mask(probs: torch.Tensor, hkv: int, keys: int, pool_tokens: bool) -> 
     return mask.expand(hkv, t, length).repeat_interleave(hq // hkv, dim=0)
 
 
+def units_mask(probs: torch.Tensor, labels: torch.Tensor, read: torch.Tensor, pool_tokens: bool) -> torch.Tensor:
+    """The best selection of whole units at a given size: probs [Hq, T, L] (stored row order: the indexed rows
+    first); labels [Hkv, I] int64, the unit of each indexed row (I <= L; the rows past I are dense, always read);
+    read [Hkv, T'] the indexed rows the method read per KV head and step (T' = 1 when `pool_tokens`: one selection
+    serves the T tokens, else T). Per KV head and step, the units are ranked by the weight per key that the group's
+    query heads (and, pooled, the tokens) put on them, and taken best first while their keys fit in `read`.
+    Returns [Hq, T, L] bool."""
+    hq, t, length = probs.shape
+    hkv, indexed = labels.shape
+    group = probs.reshape(hkv, hq // hkv, t, length).sum(dim=1)  # [Hkv, T, L]
+    if pool_tokens:
+        group = group.sum(dim=1, keepdim=True)
+    units = int(labels.max()) + 1 if labels.numel() else 1
+    steps = group.shape[1]
+    index = labels[:, None, :].expand(hkv, steps, indexed)
+    mass = torch.zeros(hkv, steps, units, dtype=group.dtype).scatter_add_(-1, index, group[..., :indexed])
+    sizes = torch.zeros(hkv, units, dtype=group.dtype).scatter_add_(-1, labels, torch.ones_like(labels, dtype=group.dtype))
+    density = torch.where(sizes[:, None] > 0, mass / sizes[:, None].clamp_min(1), -1.0)  # [Hkv, T', U]
+    order = density.argsort(dim=-1, descending=True)
+    fits = torch.gather(sizes[:, None].expand_as(density), -1, order).cumsum(dim=-1) <= read[..., None]
+    taken = torch.zeros_like(fits).scatter_(-1, order, fits)  # [Hkv, T', U]
+    mask = torch.ones(hkv, steps, length, dtype=torch.bool)
+    mask[..., :indexed] = torch.gather(taken, -1, index)
+    return mask.expand(hkv, t, length).repeat_interleave(hq // hkv, dim=0)
+
+
 def method_mask(session, method: str, sparsity: float, layer_idx: int, q: torch.Tensor, scale: float,
                 pool_tokens: bool, positions: torch.Tensor, turn: tuple[torch.Tensor, torch.Tensor] | None = None
                 ) -> torch.Tensor:
@@ -225,6 +257,8 @@ def recall_rows(session, cases: list[Case], methods: list[str], budgets: list[fl
         layer = session.cache.layers[layer_idx]
         keys = layer.fixed_keys.float().cpu()
         hkv, length = keys.shape[:2]
+        labels = {m: session.method(m).unit_labels(layer.indexes[m]) for m in methods}
+        labels = {m: None if x is None else x.cpu() for m, x in labels.items()}
         for case, q_all in zip(cases, queries):
             lq = case.prompt.numel()
             q_all_l = q_all[layer_idx]
@@ -241,6 +275,11 @@ def recall_rows(session, cases: list[Case], methods: list[str], budgets: list[fl
                         at = torch.arange(starts[phase], starts[phase] + q.shape[1])
                         masks[method] = method_mask(session, method, 1.0 - budget, layer_idx, q, scale, pool, at,
                                                     (case.prompt, case.answer))
+                        if labels[method] is not None:
+                            indexed = labels[method].shape[1]
+                            read = masks[method].reshape(hkv, -1, *masks[method].shape[1:]).any(dim=1)
+                            read = read[:, : 1 if pool else None, :indexed].sum(dim=-1)  # [Hkv, T']
+                            masks[(method, "units")] = units_mask(probs, labels[method], read, pool)
                     for name, mask in masks.items():
                         r = (probs * mask).sum(dim=-1)  # [Hq, T]
                         entry = sums.setdefault((name, budget, phase), [torch.zeros(len(layers), q.shape[0]), 0, []])
@@ -258,11 +297,14 @@ def recall_rows(session, cases: list[Case], methods: list[str], budgets: list[fl
                 if mine is None:
                     continue
                 values = torch.cat(mine[2]).double()
+                units = sums.get(((method, "units"), budget, phase))
                 row[phase] = {"recall": round(float(values.mean()), 4),
+                              "units": None if units is None else round(float(torch.cat(units[2]).double().mean()), 4),
                               "recall_p10": round(float(torch.quantile(values, 0.1)), 4),
                               "oracle": round(float(torch.cat(oracle[2]).double().mean()), 4),
                               "by_layer_head": (mine[0] / mine[1]).round(decimals=4).tolist(),
                               "oracle_by_layer_head": (oracle[0] / oracle[1]).round(decimals=4).tolist()}
             rows.append(row)
     return {"global_layers": layers, "heads": lm.num_heads, "kv_heads": lm.num_kv_heads, "rows": rows,
-            "oracle": "per KV head and step, the b x L keys with the most weight summed over its query heads"}
+            "oracle": "per KV head and step, the b x L keys with the most weight summed over its query heads",
+            "units": "per KV head and step, the method's own units with the most weight per key, as many keys as it read"}
