@@ -179,7 +179,7 @@ def test_recall_falls_with_the_budget_and_stays_under_the_oracle(tiny):
     for row in recall["rows"]:
         assert row["decode"]["recall"] < 1.0
         assert row["decode"]["recall"] <= row["decode"]["oracle"] + 0.03, row
-        for phase in ("decode", "prefill"):  # the units' best: none for DuoAttention (heads, not units)
+        for phase in ("decode", "prefill"):  # the unit ceiling: none for DuoAttention (heads, not units)
             best = row[phase]["units"]
             assert (best is None) == (row["method"] not in units), row
             assert best is None or 0.0 < best <= row[phase]["oracle"] + 0.03, row

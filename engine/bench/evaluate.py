@@ -39,14 +39,14 @@ BUDGETS = "0.05,0.1,0.2,0.3"
 
 def summarize(doc: dict) -> list[dict]:
     """One row per (method, budget) over the parts that ran: needles (share of cells as good as full attention),
-    recall, its units' best and the oracle's (decode steps; engine.bench.fidelity), top-1 agreement, KL, and what the cells read in each phase (the mean over
-    the parts that measured it)."""
+    recall, its unit ceiling and the oracle's (decode steps; engine.bench.fidelity), top-1 agreement, KL, and what
+    the cells read in each phase (the mean over the parts that measured it)."""
     rows: dict[tuple[str, float], dict] = {}
 
     def row(method: str, budget: float) -> dict:
         return rows.setdefault((method, budget), {"method": method, "budget": budget, "needles": None,
-                                                  "recall": None, "units": None, "oracle": None, "top1": None, "kl": None,
-                                                  "read_prefill": None, "read_decode": None, "_reads": []})
+                                                  "recall": None, "units": None, "oracle": None, "top1": None,
+                                                  "kl": None, "read_prefill": None, "read_decode": None, "_reads": []})
 
     for r in (doc.get("needles") or {}).get("summary", []):
         row(r["method"], r["budget"]).update(needles=r["as_good_as_full"])

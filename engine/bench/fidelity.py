@@ -16,12 +16,12 @@ strings); that answer is then teacher-forced:
   over the question's tokens for its prefill, which one selection serves): the best any selection that reads b of
   the bytes can do. Decode steps are the answer tokens' single-token lookups; the question's prefill is one lookup
   over its tokens. Means per (layer, query head) are kept for the figure and the app.
-- **units' best** (`units`), for a method that selects whole units (clusters, pages, buckets: Method.unit_labels):
+- **unit ceiling** (`units`), for a method that selects whole units (clusters, pages, buckets: Method.unit_labels):
   the recall of the best selection of its own units at the keys it read (units_mask: per KV head and step, its
   units ranked by full attention's weight per key, taken best first while they fit in the count of indexed keys
   the method read; the dense rows too). It splits what a method loses against the oracle in two: the partition's
-  share (oracle - units' best: no lookup over these units can win it back at this budget) and the lookup's (units'
-  best - recall: the ranking's errors).
+  share (oracle - ceiling: no lookup over these units wins it back at this budget, up to the slack of a greedy fill
+  of units of unequal sizes) and the lookup's (ceiling - recall: the ranking's errors).
 """
 
 from __future__ import annotations
@@ -147,7 +147,8 @@ def units_mask(probs: torch.Tensor, labels: torch.Tensor, read: torch.Tensor, po
     steps = group.shape[1]
     index = labels[:, None, :].expand(hkv, steps, indexed)
     mass = torch.zeros(hkv, steps, units, dtype=group.dtype).scatter_add_(-1, index, group[..., :indexed])
-    sizes = torch.zeros(hkv, units, dtype=group.dtype).scatter_add_(-1, labels, torch.ones_like(labels, dtype=group.dtype))
+    ones = torch.ones_like(labels, dtype=group.dtype)
+    sizes = torch.zeros(hkv, units, dtype=group.dtype).scatter_add_(-1, labels, ones)  # [Hkv, U] keys per unit
     density = torch.where(sizes[:, None] > 0, mass / sizes[:, None].clamp_min(1), -1.0)  # [Hkv, T', U]
     order = density.argsort(dim=-1, descending=True)
     fits = torch.gather(sizes[:, None].expand_as(density), -1, order).cumsum(dim=-1) <= read[..., None]
@@ -307,4 +308,5 @@ def recall_rows(session, cases: list[Case], methods: list[str], budgets: list[fl
             rows.append(row)
     return {"global_layers": layers, "heads": lm.num_heads, "kv_heads": lm.num_kv_heads, "rows": rows,
             "oracle": "per KV head and step, the b x L keys with the most weight summed over its query heads",
-            "units": "per KV head and step, the method's own units with the most weight per key, as many keys as it read"}
+            "units": "the unit ceiling: per KV head and step, the method's own units with the most weight per key, "
+                     "as many keys as it read"}
