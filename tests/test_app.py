@@ -284,7 +284,17 @@ def test_compare_with_full_attention_says_whether_the_answers_agree(app, ready_d
     assert compare["total_s"] > 0
 
 
-def test_stop_ends_the_answer_and_keeps_what_was_said(app, ready_doc):
+def test_stop_ends_the_answer_and_keeps_what_was_said(app, ready_doc, monkeypatch):
+    """The tiny model may end its answer within a few tokens, faster than a stop request's round trip: each streamed
+    piece is held back a while, so that the stop sent after the first pieces lands while the answer still streams."""
+    stream = app.engine.stream
+
+    def slowed(*args, **kwargs):
+        for event in stream(*args, **kwargs):
+            time.sleep(0.2)
+            yield event
+
+    monkeypatch.setattr(app.engine, "stream", slowed)
     client = app.client()
     open_doc(client, ready_doc)
     job = ask(client, "Tell me everything.", max_new=512, wait=False)
