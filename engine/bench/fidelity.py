@@ -119,16 +119,29 @@ def full_queries(session, case: Case) -> dict[int, torch.Tensor]:
     return {layer: torch.cat(chunks, dim=1).float().cpu() for layer, chunks in step.capture.queries.items()}
 
 
+def group_weight(probs: torch.Tensor, hkv: int, pool_tokens: bool) -> torch.Tensor:
+    """probs [Hq, T, L] -> [Hkv, T', L]: each KV head's weight on each key, summed over its query heads (and over
+    the T tokens when `pool_tokens`: T' = 1, one selection serves them; else T' = T)."""
+    hq, t, length = probs.shape
+    group = probs.reshape(hkv, hq // hkv, t, length).sum(dim=1)
+    return group.sum(dim=1, keepdim=True) if pool_tokens else group
+
+
+def per_query_head(mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """A selection per KV head [Hkv, T' (1 or T), L] -> [Hq, T, L] (`shape`): every query head of a group, at every
+    token, attends to its KV head's."""
+    hq, t, length = shape
+    return mask.expand(mask.shape[0], t, length).repeat_interleave(hq // mask.shape[0], dim=0)
+
+
 def oracle_mask(probs: torch.Tensor, hkv: int, keys: int, pool_tokens: bool) -> torch.Tensor:
     """The oracle's selection: probs [Hq, T, L] -> mask [Hq, T, L] (bool) of the `keys` keys with the most weight
     per KV head, summed over its query heads (and over the T tokens when `pool_tokens`: one selection serves them)."""
-    hq, t, length = probs.shape
-    group = probs.reshape(hkv, hq // hkv, t, length).sum(dim=1)  # [Hkv, T, L]
-    if pool_tokens:
-        group = group.sum(dim=1, keepdim=True)
+    length = probs.shape[-1]
+    group = group_weight(probs, hkv, pool_tokens)
     top = group.topk(max(1, min(length, keys)), dim=-1).indices
     mask = torch.zeros_like(group, dtype=torch.bool).scatter_(-1, top, True)
-    return mask.expand(hkv, t, length).repeat_interleave(hq // hkv, dim=0)
+    return per_query_head(mask, probs.shape)
 
 
 def units_mask(probs: torch.Tensor, labels: torch.Tensor, read: torch.Tensor, pool_tokens: bool) -> torch.Tensor:
@@ -138,11 +151,9 @@ def units_mask(probs: torch.Tensor, labels: torch.Tensor, read: torch.Tensor, po
     serves the T tokens, else T). Per KV head and step, the units are ranked by the weight per key that the group's
     query heads (and, pooled, the tokens) put on them, and taken best first while their keys fit in `read`.
     Returns [Hq, T, L] bool."""
-    hq, t, length = probs.shape
+    length = probs.shape[-1]
     hkv, indexed = labels.shape
-    group = probs.reshape(hkv, hq // hkv, t, length).sum(dim=1)  # [Hkv, T, L]
-    if pool_tokens:
-        group = group.sum(dim=1, keepdim=True)
+    group = group_weight(probs, hkv, pool_tokens)
     units = int(labels.max()) + 1 if labels.numel() else 1
     steps = group.shape[1]
     index = labels[:, None, :].expand(hkv, steps, indexed)
@@ -155,7 +166,7 @@ def units_mask(probs: torch.Tensor, labels: torch.Tensor, read: torch.Tensor, po
     taken = torch.zeros_like(fits).scatter_(-1, order, fits)  # [Hkv, T', U]
     mask = torch.ones(hkv, steps, length, dtype=torch.bool)
     mask[..., :indexed] = torch.gather(taken, -1, index)
-    return mask.expand(hkv, t, length).repeat_interleave(hq // hkv, dim=0)
+    return per_query_head(mask, probs.shape)
 
 
 def method_mask(session, method: str, sparsity: float, layer_idx: int, q: torch.Tensor, scale: float,
@@ -189,8 +200,7 @@ def method_mask(session, method: str, sparsity: float, layer_idx: int, q: torch.
     mask = in_original_order(torch.stack(masks, dim=1), m.layout(index), hkv)  # [rows, T', L]
     for t, rows in enumerate(added):
         mask[:, t, rows] = True
-    mask = mask.repeat_interleave(hq // mask.shape[0], dim=0)  # one selection per KV head serves its group
-    return mask.expand(hq, q.shape[1], mask.shape[-1])
+    return per_query_head(mask, torch.Size((hq, q.shape[1], mask.shape[-1])))  # a KV head's selection serves its group
 
 
 def run(session, methods: list[str], budgets: list[float], questions: list[str],
