@@ -88,9 +88,18 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+# What the app does while duo's gates and saap's partitions are trained at their first use, not what they learn
+# (tests/test_duo.py and tests/test_saap.py train them): a few steps on short prompts (the defaults took ~25 s
+# each on the tiny model).
+QUICK_TRAINING = {"duo": {"train_steps": 3, "train_min_tokens": 120, "train_max_tokens": 200, "train_passkeys": 2,
+                          "train_words": 3, "train_sink": 4, "train_recent": 16},
+                  "saap": {"train_prompts": 2, "train_tokens": 256, "train_queries": 32, "train_kmeans_iters": 3,
+                           "train_steps": 6, "train_batch": 32}}
+
+
 @pytest.fixture(scope="module")
 def app(tiny_lm, cache_dir):
-    running = launch(Engine(cache_dir, lm=tiny_lm))
+    running = launch(Engine(cache_dir, lm=tiny_lm, methods=QUICK_TRAINING))
     yield running
     running.close()
 
@@ -317,7 +326,8 @@ def test_history_is_saved_per_document_and_shown_after_a_restart(app, ready_doc,
     ask(client, "In what year was the light first lit?")
     before = open_doc(app.client(), ready_doc)["chat"]
     assert texts(before)[-2] == "In what year was the light first lit?"
-    restarted = launch(Engine(cache_dir, lm=tiny_lm))  # a new process would see the same index
+    # a new process, the same settings: it sees the same index
+    restarted = launch(Engine(cache_dir, lm=tiny_lm, methods=QUICK_TRAINING))
     try:
         after = open_doc(restarted.client(), ready_doc)
         assert texts(after["chat"]) == texts(before)

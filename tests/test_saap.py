@@ -83,7 +83,7 @@ def test_derope_of_a_gemma_global_layer_uses_its_own_frequencies(tmp_path):
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernel runs compiled on a GPU, interpreted otherwise
 
 
-@pytest.mark.parametrize("c", [20, 1024])
+@pytest.mark.parametrize("c", [20, 256])  # 256: the default buckets (1024 took 38 s in the interpreter)
 def test_take_best_equals_a_sorted_loop_and_the_kernel_equals_it(c):
     """Buckets best first while the keys before them are fewer than the budget (ties broken by keeping every
     bucket tied at the last one), by a plain loop; the Triton kernel (compiled or interpreted) gives the same."""
