@@ -11,8 +11,8 @@ head, the rows of
 - a decode step: the tokens that follow the document's occurrences of its last tokens, the longest suffix first (up
   to `ngram` tokens), then shorter ones, the latest occurrences first; at most `decode` rows (an occurrence counts
   where the token after it is an indexed one: the dense rows are read anyway);
-- a question's prefill: the `window` tokens after each occurrence of one of the question's bigrams, the bigrams
-  rarest in the document first; at most `prefill` rows;
+- a question's prefill: the `window` tokens after each occurrence of one of the question's bigrams (and, with a
+  `lead`, the tokens up to it), the bigrams rarest in the document first; at most `prefill` rows;
 - and, with `carry`, every decode step of the turn the question's rows again: an answer's first token is often a
   space or a quote whose own occurrences say nothing (the key's first digit then comes from a step whose recent
   tokens are "Answer: "), while the place the question points at does (engine/NOTES.md, "Follow rows").
@@ -38,12 +38,16 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class FollowSettings:
     """decode: most rows a decode step adds (0: none); prefill: most rows a question's prefill adds (0: none);
-    window: rows after each occurrence of a question bigram; ngram: the longest suffix of the recent tokens a
-    decode step matches; carry: whether each decode step also reads the question's rows (the prefill's)."""
+    window: rows after each occurrence of a question bigram; lead: rows up to it (its own two tokens and those
+    before them; off by default: on the embedded model at a 10% budget 8 won saap the two 16K needles it lost and
+    cost it three of the 30-cell grid, squeeze one: engine/NOTES.md, "Follow rows"); ngram: the longest suffix of
+    the recent tokens a decode step matches; carry: whether each decode step also reads the question's rows (the
+    prefill's)."""
 
     decode: int = 8
     prefill: int = 64
     window: int = 8
+    lead: int = 0
     ngram: int = 3
     carry: bool = True
 
@@ -53,6 +57,8 @@ class FollowSettings:
                 raise ValueError(f"follow {name} must be at least 0, got {getattr(self, name)}")
         if self.window < 1:
             raise ValueError(f"follow window must be at least 1, got {self.window}")
+        if self.lead < 0:
+            raise ValueError(f"follow lead must be at least 0, got {self.lead}")
         if self.ngram < 1:
             raise ValueError(f"follow ngram must be at least 1, got {self.ngram}")
 
@@ -61,9 +67,14 @@ class FollowSettings:
         return self.decode > 0 or self.prefill > 0
 
     @property
+    def windows(self) -> int:
+        """Occurrences of question bigrams a prefill reads around (at least one)."""
+        return max(1, self.prefill // (self.lead + self.window))
+
+    @property
     def question_rows(self) -> int:
-        """Rows a question's prefill adds (a static size: whole windows)."""
-        return max(1, self.prefill // self.window) * self.window if self.prefill > 0 else 0
+        """Rows a question's prefill adds (a static size: whole windows, lead and window)."""
+        return self.windows * (self.lead + self.window) if self.prefill > 0 else 0
 
     @property
     def carried_rows(self) -> int:
@@ -175,14 +186,15 @@ class Follow:
         return _after(score, self.settings.decode, 1, n)
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """[prefill // window * window] the `window` tokens after each occurrence of a bigram of `ids`."""
+        """[question_rows] the `lead` tokens up to and the `window` tokens after each of the `windows` occurrences of
+        a bigram of `ids`, the rarest bigrams first, then the latest."""
         n = self.ids.numel()
         s = self.settings
         asked, _ = _bigram_codes(ids[:-1], ids[1:]).sort()  # (torch.isin would synchronise with the host)
         at = torch.searchsorted(asked, self.bigrams).clamp(max=asked.numel() - 1)
         found = (asked[at] == self.bigrams) & (self.bigrams >= 0) & self.indexed_next
         score = torch.where(found, (n + 1 - self.rarity) * (n + 1) + self.position, -1)  # rarest, then latest
-        return _after(score, max(1, s.prefill // s.window), s.window, n)
+        return _after(score, s.windows, s.window, n, s.lead)
 
     def stored_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [M] (token positions, -1: none) -> ([M] int64 their indexed rows as stored, [M] bool valid:
@@ -231,17 +243,18 @@ def _bigram_codes(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return torch.where(first >= 0, first * (1 << 31) + second, -1)
 
 
-def _after(score: torch.Tensor, starts: int, window: int, n: int) -> torch.Tensor:
-    """The `window` positions after each of the `starts` best-scored positions (score >= 0), -1 where none or past
-    the context: [starts * window] int64."""
+def _after(score: torch.Tensor, starts: int, window: int, n: int, lead: int = 0) -> torch.Tensor:
+    """The `window` positions after each of the `starts` best-scored positions (score >= 0) and the `lead` up to
+    it (itself included), -1 where none or outside the context: [starts * (lead + window)] int64."""
     k = min(starts, n)
     best, at = score.topk(k) if k > 0 else (score[:0], score[:0])
-    pos = at[:, None] + 1 + torch.arange(window, device=score.device)[None, :]  # [k, window]
-    ok = (best[:, None] >= 0) & (pos < n)
+    pos = at[:, None] + 1 - lead + torch.arange(lead + window, device=score.device)[None, :]  # [k, lead + window]
+    ok = (best[:, None] >= 0) & (pos >= 0) & (pos < n)
     out = torch.where(ok, pos, -1).reshape(-1)
     if k < starts:  # a context shorter than `starts`: pad to the static size
-        out = torch.cat([out, torch.full(((starts - k) * window,), -1, dtype=torch.int64, device=score.device)])
-    return _unique(out) if window > 1 else out  # windows may overlap
+        out = torch.cat([out, torch.full(((starts - k) * (lead + window),), -1, dtype=torch.int64,
+                                         device=score.device)])
+    return _unique(out) if lead + window > 1 else out  # windows may overlap
 
 
 def _unique(positions: torch.Tensor) -> torch.Tensor:

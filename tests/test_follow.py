@@ -33,16 +33,17 @@ def reference_decode(doc: list[int], recent: list[int], settings: FollowSettings
 
 
 def reference_prefill(doc: list[int], prompt: list[int], settings: FollowSettings, rows: FixedRows) -> set[int]:
-    """The `window` tokens after each of the best occurrences of a prompt bigram, best = the rarest bigram in the
-    document, then the latest; only occurrences followed by an indexed token."""
+    """The `window` tokens after each of the best occurrences of a prompt bigram and the `lead` up to it (itself
+    included), best = the rarest bigram in the document, then the latest; only occurrences followed by an indexed
+    token."""
     asked = {(a, b) for a, b in zip(prompt, prompt[1:])}
     counts: dict[tuple[int, int], int] = {}
     for a, b in zip(doc, doc[1:]):
         counts[(a, b)] = counts.get((a, b), 0) + 1
     found = [(-counts[(doc[p - 1], doc[p])], p) for p in range(1, len(doc))
              if (doc[p - 1], doc[p]) in asked and rows.sink <= p + 1 < rows.sink + rows.indexed]
-    best = sorted(found, reverse=True)[: max(1, settings.prefill // settings.window)]
-    return {p + 1 + w for _, p in best for w in range(settings.window) if p + 1 + w < len(doc)}
+    best = sorted(found, reverse=True)[: max(1, settings.prefill // (settings.lead + settings.window))]
+    return {p + 1 + w for _, p in best for w in range(-settings.lead, settings.window) if 0 <= p + 1 + w < len(doc)}
 
 
 def positions(t: torch.Tensor) -> set[int]:
@@ -56,7 +57,8 @@ def test_decode_positions_match_the_reference(seed):
     vocab = rng.choice([3, 5, 20])
     doc = [rng.randrange(vocab) for _ in range(rng.randrange(2, 60))]
     settings = FollowSettings(decode=rng.choice([0, 1, 4, 8]), ngram=rng.choice([1, 2, 3]),
-                              prefill=rng.choice([0, 4, 16]), window=rng.choice([1, 2, 4]), carry=rng.random() < 0.7)
+                              prefill=rng.choice([0, 4, 16]), window=rng.choice([1, 2, 4]), lead=rng.choice([0, 1, 3]),
+                              carry=rng.random() < 0.7)
     rows = FixedRows.of(rng.choice([0, 1, 2]), rng.choice([1, 3]), len(doc))
     follow = Follow(torch.tensor(doc), rows, settings)
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(2, 6))]
@@ -84,12 +86,14 @@ def test_prefill_positions_match_the_reference(seed):
     rng = random.Random(seed)
     vocab = rng.choice([3, 6, 30])
     doc = [rng.randrange(vocab) for _ in range(rng.randrange(2, 80))]
-    settings = FollowSettings(prefill=rng.choice([4, 16, 64]), window=rng.choice([1, 2, 4]))
+    settings = FollowSettings(prefill=rng.choice([4, 16, 64]), window=rng.choice([1, 2, 4]),
+                              lead=rng.choice([0, 1, 3, 8]))
     rows = FixedRows.of(rng.choice([0, 1, 2]), rng.choice([1, 3]), len(doc))
     follow = Follow(torch.tensor(doc), rows, settings)
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(2, 12))]
     follow.begin(torch.tensor(prompt))
-    assert follow.positions.numel() == max(1, settings.prefill // settings.window) * settings.window
+    assert follow.positions.numel() == settings.question_rows == \
+        max(1, settings.prefill // (settings.lead + settings.window)) * (settings.lead + settings.window)
     assert positions(follow.positions) == reference_prefill(doc, prompt, settings, rows)
     assert torch.equal(follow.recent[-min(len(prompt), settings.ngram):], torch.tensor(prompt[-settings.ngram:]))
     assert torch.equal(follow.step_positions(torch.tensor(prompt), torch.tensor([], dtype=torch.int64)),
@@ -100,7 +104,7 @@ def test_a_question_bigram_finds_the_text_after_it():
     doc = [7, 1, 2, 3, 4, 5, 6, 1, 9, 9, 9, 1, 2, 8, 8]
     for carry in (False, True):
         follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), FollowSettings(prefill=4, window=2,
-                                                                                        carry=carry))
+                                                                                        lead=0, carry=carry))
         follow.begin(torch.tensor([5, 1, 2]))  # (1, 2) twice in the document, (5, 1) never
         assert positions(follow.positions) == {3, 4, 13, 14}
         follow.begin(torch.tensor([3]))  # decode: recent (1, 2, 3) ends at position 3, and the question's again
@@ -108,12 +112,24 @@ def test_a_question_bigram_finds_the_text_after_it():
         assert follow.positions.tolist().count(4) == 1
 
 
+def test_the_lead_takes_the_tokens_up_to_an_occurrence():
+    """lead 3: the bigram's own two tokens and the one before them, then the window after; none before the
+    document's start."""
+    doc = [4, 1, 2, 3, 5, 6, 7, 8, 9, 9, 9, 9]
+    follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), FollowSettings(prefill=5, window=2, lead=3))
+    follow.begin(torch.tensor([1, 2]))  # (1, 2) at position 2: rows 0..2 up to it, 3..4 after
+    assert positions(follow.positions) == {0, 1, 2, 3, 4} and follow.positions.numel() == 5
+    follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), FollowSettings(prefill=6, window=2, lead=4))
+    follow.begin(torch.tensor([1, 2]))  # the lead would start before position 0
+    assert positions(follow.positions) == {0, 1, 2, 3, 4} and follow.positions.numel() == 6
+
+
 def test_occurrences_before_the_dense_rows_are_passed_over():
     """A document whose end repeats the question: the latest occurrences are followed by dense rows (read by every
     step anyway), so the earlier ones are taken."""
     doc = [9, 1, 2, 3, 4, 9, 9, 9, 1, 2, 5, 6]
     rows = FixedRows.of(0, 3, len(doc))  # tokens 9..11 are the dense tail
-    follow = Follow(torch.tensor(doc), rows, FollowSettings(prefill=2, window=2, decode=1))
+    follow = Follow(torch.tensor(doc), rows, FollowSettings(prefill=2, window=2, lead=0, decode=1))
     follow.begin(torch.tensor([1, 2]))  # (1, 2) at positions 2 and 9: the second is followed by the tail
     assert positions(follow.positions) == {3, 4}
     follow.begin(torch.tensor([2]))  # decode: recent (1, 2) -> the same occurrence
@@ -139,6 +155,8 @@ def test_settings_are_checked():
         FollowSettings(decode=-1)
     with pytest.raises(ValueError):
         FollowSettings(window=0)
+    with pytest.raises(ValueError, match="lead"):
+        FollowSettings(lead=-1)
     with pytest.raises(ValueError):
         FollowSettings(ngram=0)
     assert not OFF.on and FollowSettings().on
