@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from gradio_client import Client, handle_file
-from tiny_models import make_tiny_model
+from tiny_models import QUICK_TRAINING, make_tiny_model
 
 from app.config import AppConfig
 from app.demo import build_demo, launch_kwargs
@@ -86,15 +86,6 @@ def tiny_lm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
-
-
-# What the app does while duo's gates and saap's partitions are trained at their first use, not what they learn
-# (tests/test_duo.py and tests/test_saap.py train them): a few steps on short prompts (the defaults took ~25 s
-# each on the tiny model).
-QUICK_TRAINING = {"duo": {"train_steps": 3, "train_min_tokens": 120, "train_max_tokens": 200, "train_passkeys": 2,
-                          "train_words": 3, "train_sink": 4, "train_recent": 16},
-                  "saap": {"train_prompts": 2, "train_tokens": 256, "train_queries": 32, "train_kmeans_iters": 3,
-                           "train_steps": 6, "train_batch": 32}}
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,12 @@ from engine.gates import GateMix, GateTraining, mixed_attention, rank_heads, tra
 from engine.policies import LayerIndex, make_method
 from engine.policies.base import CalibrationSet
 from engine.policies.duo import HeadPlan, Window, head_selection
-from tiny_models import byte_tokenizer, make_tiny_model
+from tiny_models import QUICK_TRAINING, byte_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 INDEXED, TAIL = 200, 10
-SMALL = {"sink": 4, "recent": 30, "train_steps": 3, "train_min_tokens": 120, "train_max_tokens": 200,
-         "train_passkeys": 2, "train_words": 3, "train_sink": 4, "train_recent": 16}
+SMALL = {"sink": 4, "recent": 30, **QUICK_TRAINING["duo"]}
 
 
 def expected_rows(rank: torch.Tensor, window: Window, plan: HeadPlan, num_keys: int) -> torch.Tensor:

@@ -17,13 +17,12 @@ from engine.policies.saap import LOOKUP_PARTS, SaapPolicy, SaapSettings
 from engine.rope import derope, rope_frequencies
 from kernels.backend import REFERENCE, TRITON
 from kernels.reference.buckets import bucket_scores, take_best
-from tiny_models import make_tiny_model
+from tiny_models import QUICK_TRAINING, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # The tiny model's training: 2 prompts of 256 byte-tokens, 8 buckets, a few Adam steps.
-SMALL = {"buckets": 8, "hidden": 16, "train_prompts": 2, "train_tokens": 256, "train_queries": 32,
-         "train_kmeans_iters": 3, "train_steps": 6, "train_batch": 32, "train_lr": 0.01}
+SMALL = {"buckets": 8, "hidden": 16, **QUICK_TRAINING["saap"]}
 TEXT = "The keeper logged the weather every four hours, rang the bell at dawn and wrote to the harbour master. "
 
 

@@ -35,6 +35,12 @@ MAX_POSITIONS = 4096
 # Saap scaled to tiny documents: its default classifier (256 buckets, hidden 128) would outweigh the K/V of a few
 # hundred tokens (its weights count in every step's read), and layer 0 of these two-layer models is half the model.
 SMALL_SAAP = {"saap": {"buckets": 8, "hidden": 8, "dense_first_layer": False}}
+# Training for what the tests check of a learned method's mechanics, not what it learns: a few steps on short
+# prompts (the defaults took ~25 s each on a tiny model).
+QUICK_TRAINING = {"duo": {"train_steps": 3, "train_min_tokens": 120, "train_max_tokens": 200, "train_passkeys": 2,
+                          "train_words": 3, "train_sink": 4, "train_recent": 16},
+                  "saap": {"train_prompts": 2, "train_tokens": 256, "train_queries": 32, "train_kmeans_iters": 3,
+                           "train_steps": 6, "train_batch": 32, "train_lr": 0.01}}
 GEMMA_SLIDING_WINDOW = 32  # tokens; the test document is several windows long, so the window matters
 
 
