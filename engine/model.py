@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.attention import register
@@ -115,6 +116,22 @@ def _embedded_path() -> Path:
     return Path(embedded.assemble())
 
 
+EMBEDDED_PROBE = ("The secret passkey is", [2, 818, 6789, 1786, 2478, 563])  # BOS, then Gemma 3's own ids
+
+
+def check_embedded_tokenizer(tokenizer) -> None:
+    """Raise ModelLoadError unless `tokenizer` (read from the embedded GGUF, or saved from it) gives the embedded
+    model's known ids for a probe. transformers before 5.23 reads this GGUF's tokenizer wrongly (5.17 splits words
+    into pieces; 5.18-5.22 leave out the BOS token), and the model then answers nonsense (engine/NOTES.md)."""
+    text, expected = EMBEDDED_PROBE
+    got = list(tokenizer(text)["input_ids"])
+    if got != expected:
+        raise ModelLoadError(
+            f"transformers {transformers.__version__} reads the embedded model's tokenizer wrongly ({text!r} gives "
+            f"{got}, not {expected}); install transformers>=5.23, and delete an older conversion of the model in "
+            "the cache's models folder")
+
+
 def is_embedded(name: str | None) -> bool:
     return name in (None, "", EMBEDDED_MODEL)
 
@@ -153,6 +170,7 @@ def _convert_embedded(gguf: Path, target: Path, step: Callable[[str], None]) -> 
 
     step(STEP_GGUF_TOKENIZER)
     tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    check_embedded_tokenizer(tokenizer)
     step(STEP_DEQUANTIZE)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
     step(STEP_SAVE)
@@ -233,6 +251,8 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
     try:
         steps(STEP_TOKENIZER)
         tokenizer = AutoTokenizer.from_pretrained(source, **tok_kwargs)
+        if is_embedded(name):
+            check_embedded_tokenizer(tokenizer)
         steps(STEP_WEIGHTS)
         model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:

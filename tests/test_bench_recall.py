@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.bench.recall import full_probs, head_masks, main, recall_and_error, run
+from engine.bench.recall import full_probs, head_masks, in_original_order, main, recall_and_error, run
 from engine.bench.kept import method_settings
 from engine.policies import REGISTRY, SPARSE_METHODS
 from captures import synthetic_capture
 from kernels.reference.sparse import attention_with_lse, sparse_attention
+from kernels.layout import ClusterLayout
 from kernels.selection import Selection
 
 CAPTURE = Path(__file__).resolve().parents[1] / ".bench" / "keys.safetensors"
@@ -56,6 +57,22 @@ def test_matches_the_reference_sparse_attention():
     assert torch.allclose(recall, torch.exp(lse_sel - lse_full), atol=1e-5)
     want = (out_sel - out_full).norm(dim=-1) / out_full.norm(dim=-1)
     assert torch.allclose(err, want, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout_device", ["cpu", "cuda"])
+def test_a_laid_out_mask_goes_back_to_original_order(layout_device):
+    """Hand case: 2 KV heads of 4 keys, each query head's mask in its KV head's permuted order, back on the mask's
+    device whatever the layout's (the GPU eval keeps layouts on the GPU and masks on the CPU)."""
+    if layout_device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    order = torch.tensor([[2, 0, 3, 1], [1, 2, 0, 3]], device=layout_device)  # laid-out position -> original one
+    layout = ClusterLayout(order=order, starts=torch.tensor([[0, 2, 4], [0, 1, 4]], device=layout_device), tail=0)
+    mask = torch.tensor([[True, False, False, True], [False, False, True, True],  # query heads 0-1: KV head 0
+                         [True, False, False, False], [False, True, True, False]])  # 2-3: KV head 1
+    back = in_original_order(mask[:, None], layout, 2)[:, 0]
+    assert back.device == mask.device
+    assert back.tolist() == [[False, True, True, False], [False, True, False, True],
+                             [False, True, False, False], [True, False, True, False]]
 
 
 def test_head_masks():

@@ -179,3 +179,16 @@ def test_same_answer_at_zero_sparsity(passkey_sessions):
     full = session.ask("Who was the principal keeper when the last keepers left the headland?", "full", 0.0, 16)
     squeeze = session.ask("Who was the principal keeper when the last keepers left the headland?", "squeeze", 0.0, 16)
     assert squeeze.text == full.text
+
+
+def test_the_embedded_tokenizer_is_checked(real_lm):
+    """The loaded tokenizer passes the probe; one that reads the GGUF as transformers 5.17 does (words in pieces)
+    or 5.18-5.22 do (no BOS) is refused with the version to install."""
+    from engine.model import EMBEDDED_PROBE, ModelLoadError, check_embedded_tokenizer
+
+    check_embedded_tokenizer(real_lm.tokenizer)
+    text, expected = EMBEDDED_PROBE
+    assert real_lm.tokenizer(text)["input_ids"] == expected
+    for wrong in ([818, 636, 3343, 510, 702, 2478, 563], expected[1:]):  # 5.17's ids; 5.18-5.22's
+        with pytest.raises(ModelLoadError, match="transformers>=5.23"):
+            check_embedded_tokenizer(lambda _text, ids=wrong: {"input_ids": ids})

@@ -121,11 +121,13 @@ def equal_bytes(rows: list[dict], phase: str = "decode") -> list[dict]:
 
 
 def in_original_order(mask: torch.Tensor, layout: ClusterLayout | None, hkv: int) -> torch.Tensor:
-    """A selection's mask [rows, ..., L] of positions in a method's layout -> the same keys in original order."""
+    """A selection's mask [rows, ..., L] of positions in a method's layout -> the same keys in original order, on the
+    mask's device (the layout may live on the model's GPU while the eval's masks are on the CPU)."""
     if layout is None:
         return mask
     rows = mask.shape[0]
-    order = layout.order[torch.arange(rows) * hkv // rows]  # [rows, L]: original position of each laid-out one
+    heads = torch.arange(rows, device=layout.order.device) * hkv // rows
+    order = layout.order[heads].to(mask.device)  # [rows, L]: original position of each laid-out one
     order = order.view(rows, *([1] * (mask.dim() - 2)), -1).expand_as(mask)
     return torch.zeros_like(mask).scatter_(-1, order, mask)
 
