@@ -45,6 +45,20 @@ def haystack(tokenizer, tokens: int, folder: Path | None = None) -> str:
     return tokenizer.decode(ids)
 
 
+def embedded(tokenizer, text: str, tokens: int, folder: Path | None = None) -> str:
+    """`text` in the middle of the corpus's texts (at the paragraph break nearest before the middle), the whole
+    about `tokens` tokens long (within a few: the pieces are tokenized apart). ValueError when `text` alone holds
+    `tokens` tokens or more."""
+    own = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+    if own >= tokens:
+        raise ValueError(f"the document holds {own} tokens, not fewer than the {tokens} asked for")
+    ids = tokenizer(haystack(tokenizer, tokens - own, folder), add_special_tokens=False)["input_ids"]
+    before, after = tokenizer.decode(ids[:len(ids) // 2]), tokenizer.decode(ids[len(ids) // 2:])
+    cut = before.rfind("\n\n")
+    cut = cut if cut > 0 else len(before)
+    return before[:cut].rstrip() + "\n\n" + text.strip() + "\n\n" + (before[cut:] + after).lstrip()
+
+
 def corpus_ids(tokenizer, tokens: int) -> list[int]:
     """Token ids of up to `tokens` tokens of the corpus (all of it when shorter)."""
     return _ids(tokenizer, text_files(), tokens)

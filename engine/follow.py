@@ -40,14 +40,16 @@ class FollowSettings:
     """decode: most rows a decode step adds (0: none); prefill: most rows a question's prefill adds (0: none);
     window: rows after each occurrence of a question bigram; lead: rows up to it (its own two tokens and those
     before them; off by default: on the embedded model at a 10% budget 8 won saap the two 16K needles it lost and
-    cost it three of the 30-cell grid, squeeze one: engine/NOTES.md, "Follow rows"); ngram: the longest suffix of
-    the recent tokens a decode step matches; carry: whether each decode step also reads the question's rows (the
-    prefill's)."""
+    cost it three of the 30-cell grid, squeeze one, and 2 cost every method 4K depth 0.7: engine/NOTES.md, "The
+    lead, again"); leads: how many of the occurrences (the best first) take the lead (0: every one; the rows in all
+    stay `prefill`); ngram: the longest suffix of the recent tokens a decode step matches; carry: whether each
+    decode step also reads the question's rows (the prefill's)."""
 
     decode: int = 8
     prefill: int = 64
     window: int = 8
     lead: int = 0
+    leads: int = 0
     ngram: int = 3
     carry: bool = True
 
@@ -59,6 +61,8 @@ class FollowSettings:
             raise ValueError(f"follow window must be at least 1, got {self.window}")
         if self.lead < 0:
             raise ValueError(f"follow lead must be at least 0, got {self.lead}")
+        if self.leads < 0:
+            raise ValueError(f"follow leads must be at least 0, got {self.leads}")
         if self.ngram < 1:
             raise ValueError(f"follow ngram must be at least 1, got {self.ngram}")
 
@@ -69,12 +73,19 @@ class FollowSettings:
     @property
     def windows(self) -> int:
         """Occurrences of question bigrams a prefill reads around (at least one)."""
-        return max(1, self.prefill // (self.lead + self.window))
+        if self.leads == 0:
+            return max(1, self.prefill // (self.lead + self.window))
+        return max(1, (self.prefill - self.leads * self.lead) // self.window)
+
+    @property
+    def led(self) -> int:
+        """Of the windows, those that take the lead (the first: the best occurrences)."""
+        return self.windows if self.leads == 0 else min(self.leads, self.windows)
 
     @property
     def question_rows(self) -> int:
-        """Rows a question's prefill adds (a static size: whole windows, lead and window)."""
-        return self.windows * (self.lead + self.window) if self.prefill > 0 else 0
+        """Rows a question's prefill adds (a static size: whole windows, and the lead of those that take it)."""
+        return self.windows * self.window + self.led * self.lead if self.prefill > 0 else 0
 
     @property
     def carried_rows(self) -> int:
@@ -186,15 +197,15 @@ class Follow:
         return _after(score, self.settings.decode, 1, n)
 
     def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
-        """[question_rows] the `lead` tokens up to and the `window` tokens after each of the `windows` occurrences of
-        a bigram of `ids`, the rarest bigrams first, then the latest."""
+        """[question_rows] the `window` tokens after each of the `windows` occurrences of a bigram of `ids`, the
+        rarest bigrams first, then the latest, and the `lead` tokens up to each of the first `led`."""
         n = self.ids.numel()
         s = self.settings
         asked, _ = _bigram_codes(ids[:-1], ids[1:]).sort()  # (torch.isin would synchronise with the host)
         at = torch.searchsorted(asked, self.bigrams).clamp(max=asked.numel() - 1)
         found = (asked[at] == self.bigrams) & (self.bigrams >= 0) & self.indexed_next
         score = torch.where(found, (n + 1 - self.rarity) * (n + 1) + self.position, -1)  # rarest, then latest
-        return _after(score, s.windows, s.window, n, s.lead)
+        return _after(score, s.windows, s.window, n, s.lead, s.led)
 
     def stored_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [M] (token positions, -1: none) -> ([M] int64 their indexed rows as stored, [M] bool valid:
@@ -243,17 +254,24 @@ def _bigram_codes(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     return torch.where(first >= 0, first * (1 << 31) + second, -1)
 
 
-def _after(score: torch.Tensor, starts: int, window: int, n: int, lead: int = 0) -> torch.Tensor:
-    """The `window` positions after each of the `starts` best-scored positions (score >= 0) and the `lead` up to
-    it (itself included), -1 where none or outside the context: [starts * (lead + window)] int64."""
+def _after(score: torch.Tensor, starts: int, window: int, n: int, lead: int = 0, led: int | None = None
+           ) -> torch.Tensor:
+    """The `window` positions after each of the `starts` best-scored positions (score >= 0) and, for the first
+    `led` of them (None: every one), the `lead` up to it (itself included), -1 where none or outside the context:
+    [starts * window + led * lead] int64."""
+    led = starts if led is None else min(led, starts)
     k = min(starts, n)
     best, at = score.topk(k) if k > 0 else (score[:0], score[:0])
-    pos = at[:, None] + 1 - lead + torch.arange(lead + window, device=score.device)[None, :]  # [k, lead + window]
-    ok = (best[:, None] >= 0) & (pos >= 0) & (pos < n)
-    out = torch.where(ok, pos, -1).reshape(-1)
     if k < starts:  # a context shorter than `starts`: pad to the static size
-        out = torch.cat([out, torch.full(((starts - k) * (lead + window),), -1, dtype=torch.int64,
-                                         device=score.device)])
+        best = torch.cat([best, torch.full((starts - k,), -1, dtype=best.dtype, device=score.device)])
+        at = torch.cat([at, torch.zeros(starts - k, dtype=at.dtype, device=score.device)])
+    parts = []
+    for rows, first, size in ((slice(0, led), 1 - lead, lead + window), (slice(led, starts), 1, window)):
+        if rows.stop > rows.start:
+            pos = at[rows, None] + first + torch.arange(size, device=score.device)[None, :]  # [occurrences, size]
+            ok = (best[rows, None] >= 0) & (pos >= 0) & (pos < n)
+            parts.append(torch.where(ok, pos, -1).reshape(-1))
+    out = parts[0] if len(parts) == 1 else torch.cat(parts)
     return _unique(out) if lead + window > 1 else out  # windows may overlap
 
 

@@ -4,7 +4,7 @@ turn."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -46,6 +46,7 @@ class Answer:
     unit_scores: dict = field(default_factory=dict)
     history: int = 0  # earlier exchanges of the chat in the turn's input
     follow: list[int] = field(default_factory=list)  # document tokens the turn read as follow rows (engine.follow)
+    tokens: list[int] = field(default_factory=list)  # the answer's token ids (through the one that ends a stop string)
 
     @property
     def empty(self) -> bool:
@@ -185,14 +186,16 @@ class ContextSession:
 
     def stream(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64,
                history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
-               history_tokens: int = HISTORY_TOKENS) -> Iterator[Delta | Answer]:
+               history_tokens: int = HISTORY_TOKENS, until: Callable[[str], bool] | None = None,
+               ) -> Iterator[Delta | Answer]:
         """Yield Delta pieces of the answer, then one Answer with the turn's statistics.
 
         history: the chat's earlier exchanges, oldest first (the latest that fit `history_tokens` and the model's
         context go into the input, after the document: new tokens, read densely); options: how tokens are chosen
         (None: greedy). The answer's stop strings count from its first non-blank character (engine.prompt.cut_at_stop):
         an answer that opens with blank lines goes on; a piece that could begin a stop string is held back until the
-        next tokens tell (engine.prompt.held_back), so a stream never shows a stop string's start."""
+        next tokens tell (engine.prompt.held_back), so a stream never shows a stop string's start. until: the answer
+        also ends once until(its text so far) holds (squeeze eval's needles: the key said)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         lm = self.lm
@@ -224,7 +227,7 @@ class ContextSession:
             if visible.startswith(shown) and len(visible) > len(shown):
                 yield Delta(visible[len(shown):])
                 shown = visible
-            if stopped:
+            if stopped or (until is not None and until(text)):
                 break
         tokens.close()  # hands the replayed steps' statistics to the recorder
         if text.startswith(shown) and len(text) > len(shown):  # the end held back: no stop string after all
@@ -245,12 +248,13 @@ class ContextSession:
             inputs = generated if ended else generated[:-1]
             follow = step.follow.turn_positions(turn.ids, torch.tensor(inputs, dtype=torch.int64))
         yield Answer(text=text.strip(), stats=stats, plan=step.plan, unit_scores=recorder.unit_scores(),
-                     history=turn.history, follow=follow)
+                     history=turn.history, follow=follow, tokens=generated)
 
     def ask(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64,
-            history: Sequence[Exchange] = (), options: GenerationOptions | None = None) -> Answer:
-        """The whole answer at once."""
-        for event in self.stream(question, method, sparsity, max_new_tokens, history, options):
+            history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
+            until: Callable[[str], bool] | None = None) -> Answer:
+        """The whole answer at once (until: stream's)."""
+        for event in self.stream(question, method, sparsity, max_new_tokens, history, options, until=until):
             if isinstance(event, Answer):
                 return event
         raise AssertionError("stream ended without an answer")

@@ -195,6 +195,17 @@ def test_kernel_bench_parses_method_settings():
 
     assert parse_settings(["quest.bounds=int8", "quest.page_size=8", "squeeze.centroid_ratio=0.1"]) == {
         "quest": {"bounds": "int8", "page_size": 8}, "squeeze": {"centroid_ratio": 0.1}}
-    for bad in ("quest.colour=red", "nope.bounds=int8", "quest.bounds"):
+    for bad in ("quest.colour=red", "nope.bounds=int8", "quest.bounds", "quest.page_size=x"):
         with pytest.raises(ValueError):
             parse_settings([bad])
+
+
+def test_follow_settings_parse_from_the_command_line():
+    """`squeeze eval --follow lead=4 --follow carry=false`: typed like the defaults; unknown or bad ones refused."""
+    from engine.bench.settings import parse_follow
+    from engine.follow import FollowSettings
+
+    assert parse_follow(["lead=4", "carry=false"]) == FollowSettings(lead=4, carry=False)
+    for bad in ("colour=red", "lead", "lead=x", "lead=-1", "carry=perhaps"):
+        with pytest.raises(ValueError):
+            parse_follow([bad])

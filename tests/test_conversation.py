@@ -173,3 +173,23 @@ def test_the_stream_says_the_answer_and_never_a_stop_string(tmp_path):
         assert "".join(pieces).strip() == answer.text
         stopped += answer.stats.new_tokens < 40
     assert stopped  # some answers did end at a stop string
+
+
+def test_until_ends_an_answer_once_it_holds_and_the_next_turn_is_unchanged(tmp_path):
+    """`stream(..., until=f)` (squeeze eval's needles: an answer ends once it has said the key): the answer is the
+    uninterrupted one's first tokens, through the first whose text makes f hold; Answer.tokens are the ids it said;
+    and the turn after it answers as the first did (the cache's dynamic part was reset)."""
+    lm = load_model(str(make_tiny_model(tmp_path, "llama_gqa")), device="cpu")
+    fixed = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context)
+    methods = [make_method("squeeze")]
+    session = ContextSession(lm, ingest_tokens(lm, fixed.ids, SETTINGS, REFERENCE, methods).artifacts, SETTINGS,
+                             REFERENCE, methods={"squeeze": methods[0]})
+    whole = session.ask("And the price?", "squeeze", 0.5, 24)
+    assert whole.stats.new_tokens == len(whole.tokens) >= 8
+    piece = lm.tokenizer.decode(whole.tokens[:6], skip_special_tokens=True)[-2:]
+    first = next(n for n in range(1, len(whole.tokens) + 1)
+                 if piece in lm.tokenizer.decode(whole.tokens[:n], skip_special_tokens=True))
+    short = session.ask("And the price?", "squeeze", 0.5, 24, until=lambda text: piece in text)
+    assert short.tokens == whole.tokens[:first] and short.stats.new_tokens == first
+    again = session.ask("And the price?", "squeeze", 0.5, 24)
+    assert again.tokens == whole.tokens and again.text == whole.text

@@ -114,7 +114,8 @@ def test_summary_joins_the_parts_per_method_and_budget():
            "agreement": {"rows": [{"method": "squeeze", "budget": 0.1, "top1": 0.9, "kl": 0.1,
                                    "read_prefill": 0.08, "read_decode": None}]}}
     rows = {(r["method"], r["budget"]): r for r in evaluate.summarize(doc)}
-    assert rows["squeeze", 0.1] == {"method": "squeeze", "budget": 0.1, "needles": 0.8, "recall": 0.7,
+    assert rows["squeeze", 0.1] == {"method": "squeeze", "budget": 0.1, "needles": 0.8, "needles_short": None,
+                                    "recall": 0.7,
                                     "units": 0.8, "oracle": 0.9, "top1": 0.9, "kl": 0.1, "read_prefill": 0.09,
                                     "read_decode": 0.12}
     assert rows["quest", 0.1]["recall"] == 0.5 and rows["quest", 0.1]["top1"] is None  # decode absent: prefill's
@@ -229,7 +230,7 @@ def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, c
                      "--budgets", "0.5,1.0", "--document", str(doc_path), "--questions", str(questions),
                      "--answer-tokens", "4", "--out", str(out), "--plot", str(plot), "--cache-dir", str(cache),
                      "--table", "--sink", "2", "--dense-tail", "5", "--set", "saap.buckets=8", "--set",
-                     "saap.hidden=8"])
+                     "saap.hidden=8", "--follow", "lead=2", "--document-tokens", "900"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "| method | KV budget |" in printed
@@ -237,6 +238,8 @@ def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, c
     assert doc["bench"] == "eval" and doc["parts"] == ["recall", "agreement"]
     assert (doc["context"]["sink"], doc["context"]["dense_tail"]) == (2, 5)  # the contexts it measured
     assert doc["method_settings"] == {"saap": {"buckets": 8, "hidden": 8}}
+    assert doc["follow"]["lead"] == 2
+    assert doc["document"]["in_essays"] and abs(doc["document"]["tokens"] - 900) <= 8  # the document amid essays
     assert {(r["method"], r["budget"]) for r in doc["summary"]} == {
         (m, b) for m in (*SPARSE_METHODS, "oracle") for b in (0.5, 1.0)}  # the oracle's agreement: the ceiling
     assert all(r["top1"] == 1.0 for r in doc["summary"] if r["budget"] == 1.0)
@@ -252,6 +255,9 @@ def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, c
     (["--budgets", "0,0.5"], "budgets must be in"),
     (["--sink", "-1"], "--sink must be"),
     (["--dense-tail", "0"], "--dense-tail must be"),
+    (["--needle-tokens", "0"], "--needle-tokens must be"),
+    (["--document-tokens", "0"], "--document-tokens must be"),
+    (["--follow", "lead=2", "--no-follow"], "exclude each other"),
 ])
 def test_the_command_refuses_bad_options(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -267,3 +273,6 @@ def test_the_command_says_what_is_missing_before_loading_a_model(tmp_path, capsy
     code = cli_main(["eval", "--parts", "agreement", "--set", "saap.nope=1"])
     assert code == 2
     assert "saap has no setting 'nope'" in capsys.readouterr().err
+    code = cli_main(["eval", "--parts", "agreement", "--follow", "nope=1"])
+    assert code == 2
+    assert "with a follow setting" in capsys.readouterr().err

@@ -9,8 +9,8 @@ import pytest
 
 from engine.bench.evaluate import summarize as summarize_eval
 from engine.bench.evaluate import table
-from engine.bench.needles import passkeys, run, summarize
-from engine.corpus import essays_dir, haystack
+from engine.bench.needles import SHORT_ANSWER, key_end, passkeys, run, summarize
+from engine.corpus import embedded, essays_dir, haystack
 
 
 def test_the_essays_are_there():
@@ -34,6 +34,65 @@ def test_summary_counts_cells_as_good_as_full_attention():
            "needles": {"summary": [row]}}
     doc["summary"] = summarize_eval(doc)
     assert "| quest | 10% | 75% | - | - | - | 0.100 / 0.200 |" in table(doc)
+
+
+class _Pieces:
+    """A tokenizer whose token i is the text pieces[i]."""
+
+    def __init__(self, pieces: list[str]):
+        self.pieces = pieces
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(self.pieces[i] for i in ids)
+
+
+def test_key_end_is_the_answer_tokens_through_the_keys_last_digit():
+    tok = _Pieces(["1.", " The", " secret", " pass", "key", " is", " 604", "94", "."])
+    assert key_end(tok, list(range(9)), "60494") == 8
+    assert key_end(tok, list(range(7)), "60494") is None  # cut before the last digits
+    assert key_end(tok, [6, 7], "60494") == 2
+
+
+def test_the_short_share_cuts_answers_after_SHORT_ANSWER_tokens():
+    """A key ending after SHORT_ANSWER tokens counts as found in the whole answer only; full attention's too."""
+    late = SHORT_ANSWER + 3
+    cells = [{"method": "squeeze", "budget": 0.1, "found": e is not None, "full_found": f is not None, "key_end": e,
+              "full_key_end": f, "kv_budget_prefill": 0.1, "kv_budget_decode": 0.1}
+             for e, f in ((5, 5), (late, 5), (None, 5), (late, late))]
+    (row,) = summarize(cells)
+    assert row["as_good_as_full"] == 0.75  # all but (None, 5)
+    assert row["as_good_as_full_short"] == 0.5  # (5, 5), and (late, late): full attention's key is late too
+    assert summarize([{k: v for k, v in c.items() if k not in ("key_end", "full_key_end")}
+                      for c in cells])[0]["as_good_as_full_short"] is None  # older cells do not say
+    doc = {"model": "m", "device": "cpu", "created": "now", "needles": {"summary": [row]}}
+    doc["summary"] = summarize_eval(doc)
+    assert "| squeeze | 10% | 75% (50%) |" in table(doc)
+
+
+class _Chars:
+    """A tokenizer of one token per character."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_document_goes_in_the_middle_of_the_essays(tmp_path):
+    """`squeeze eval --document-tokens N`: the document whole, at a paragraph break near the middle of the corpus's
+    text, the whole N tokens (within the joins' few); refused when the document alone is that long."""
+    (tmp_path / "a.txt").write_text("\n\n".join(f"Essay paragraph {i}." for i in range(40)))
+    (tmp_path / "b.txt").write_text("More text. " * 100)
+    doc = "# Facts\n\nThe harbour opens at six."
+    text = embedded(_Chars(), doc, 600, tmp_path)
+    assert abs(len(text) - 600) <= 6
+    at = text.index(doc)
+    assert text[at - 2:at] == "\n\n" and text[at + len(doc):at + len(doc) + 2] == "\n\n"
+    assert 0.2 < at / len(text) < 0.6
+    assert text.startswith("Essay paragraph 0.")
+    with pytest.raises(ValueError, match="holds"):
+        embedded(_Chars(), doc, len(doc), tmp_path)
 
 
 @pytest.mark.slow
@@ -60,7 +119,7 @@ def test_a_tiny_grid_through_the_real_model(real_lm):
     # of training; squeeze eval measures them, tests/test_duo.py trains gates on tiny models)
     methods = [m for m in SPARSE_METHODS if not any(REGISTRY[r].learns_per_model() for r in build_order([m]))]
     depths = [0.25, 0.5, 0.75]
-    doc = run(real_lm, [1024], depths, [0.5], methods)
+    doc = run(real_lm, [1024], depths, [0.5], methods, answer_tokens=SHORT_ANSWER)  # short answers: quicker
     json.dumps(doc)  # the document is JSON
     assert len(doc["cells"]) == len(methods) * len(depths)
     for cell in doc["cells"]:
@@ -84,7 +143,7 @@ def test_follow_rows_find_needles_the_lookups_lose(real_lm):
     at the first decode step; with them (the default) squeeze, hsqueeze and Quest answer (engine/NOTES.md, "Follow
     rows"). Full attention answers too, and each turn reads about its budget."""
     methods = ["squeeze", "hsqueeze", "quest"]
-    doc = run(real_lm, [2048], [0.3, 0.5], [0.1], methods)
+    doc = run(real_lm, [2048], [0.3, 0.5], [0.1], methods, answer_tokens=SHORT_ANSWER)
     for cell in doc["cells"]:
         assert cell["full_found"] and cell["found"], cell
         assert cell["kv_budget_prefill"] <= 0.13 and cell["kv_budget_decode"] <= 0.13, cell

@@ -34,16 +34,22 @@ def reference_decode(doc: list[int], recent: list[int], settings: FollowSettings
 
 def reference_prefill(doc: list[int], prompt: list[int], settings: FollowSettings, rows: FixedRows) -> set[int]:
     """The `window` tokens after each of the best occurrences of a prompt bigram and the `lead` up to it (itself
-    included), best = the rarest bigram in the document, then the latest; only occurrences followed by an indexed
-    token."""
+    included; for the best `leads` only, unless 0), best = the rarest bigram in the document, then the latest; only
+    occurrences followed by an indexed token; the rows in all at most `prefill`."""
     asked = {(a, b) for a, b in zip(prompt, prompt[1:])}
     counts: dict[tuple[int, int], int] = {}
     for a, b in zip(doc, doc[1:]):
         counts[(a, b)] = counts.get((a, b), 0) + 1
     found = [(-counts[(doc[p - 1], doc[p])], p) for p in range(1, len(doc))
              if (doc[p - 1], doc[p]) in asked and rows.sink <= p + 1 < rows.sink + rows.indexed]
-    best = sorted(found, reverse=True)[: max(1, settings.prefill // (settings.lead + settings.window))]
-    return {p + 1 + w for _, p in best for w in range(-settings.lead, settings.window) if 0 <= p + 1 + w < len(doc)}
+    if settings.leads == 0:
+        windows = led = max(1, settings.prefill // (settings.lead + settings.window))
+    else:
+        windows = max(1, (settings.prefill - settings.leads * settings.lead) // settings.window)
+        led = min(settings.leads, windows)
+    best = sorted(found, reverse=True)[:windows]
+    return {p + 1 + w for i, (_, p) in enumerate(best) for w in range(-settings.lead if i < led else 0, settings.window)
+            if 0 <= p + 1 + w < len(doc)}
 
 
 def positions(t: torch.Tensor) -> set[int]:
@@ -87,13 +93,15 @@ def test_prefill_positions_match_the_reference(seed):
     vocab = rng.choice([3, 6, 30])
     doc = [rng.randrange(vocab) for _ in range(rng.randrange(2, 80))]
     settings = FollowSettings(prefill=rng.choice([4, 16, 64]), window=rng.choice([1, 2, 4]),
-                              lead=rng.choice([0, 1, 3, 8]))
+                              lead=rng.choice([0, 1, 3, 8]), leads=rng.choice([0, 0, 1, 2]))
     rows = FixedRows.of(rng.choice([0, 1, 2]), rng.choice([1, 3]), len(doc))
     follow = Follow(torch.tensor(doc), rows, settings)
     prompt = [rng.randrange(vocab) for _ in range(rng.randrange(2, 12))]
     follow.begin(torch.tensor(prompt))
-    assert follow.positions.numel() == settings.question_rows == \
-        max(1, settings.prefill // (settings.lead + settings.window)) * (settings.lead + settings.window)
+    windows = max(1, settings.prefill // (settings.lead + settings.window)) if settings.leads == 0 else \
+        max(1, (settings.prefill - settings.leads * settings.lead) // settings.window)
+    led = windows if settings.leads == 0 else min(settings.leads, windows)
+    assert follow.positions.numel() == settings.question_rows == windows * settings.window + led * settings.lead
     assert positions(follow.positions) == reference_prefill(doc, prompt, settings, rows)
     assert torch.equal(follow.recent[-min(len(prompt), settings.ngram):], torch.tensor(prompt[-settings.ngram:]))
     assert torch.equal(follow.step_positions(torch.tensor(prompt), torch.tensor([], dtype=torch.int64)),
@@ -122,6 +130,17 @@ def test_the_lead_takes_the_tokens_up_to_an_occurrence():
     follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), FollowSettings(prefill=6, window=2, lead=4))
     follow.begin(torch.tensor([1, 2]))  # the lead would start before position 0
     assert positions(follow.positions) == {0, 1, 2, 3, 4} and follow.positions.numel() == 6
+
+
+def test_leads_gives_the_lead_to_the_best_occurrences_only():
+    """leads 1: the rarest bigram's occurrence takes the lead and the window, the others the window alone; the rows
+    in all stay `prefill` (one lead of 2 and 3 windows of 2 in 8)."""
+    doc = [7, 7, 1, 2, 3, 4, 7, 5, 6, 8, 8, 7, 5, 6, 9, 9, 7, 5, 6, 9, 9]
+    settings = FollowSettings(prefill=8, window=2, lead=2, leads=1)
+    assert (settings.windows, settings.led, settings.question_rows) == (3, 1, 8)
+    follow = Follow(torch.tensor(doc), FixedRows.of(0, 1, len(doc)), settings)
+    follow.begin(torch.tensor([1, 2, 9, 5, 6]))  # (1, 2) once at 3; (5, 6) three times, at 8, 13 and 18
+    assert positions(follow.positions) == {2, 3, 4, 5} | {19, 20} | {14, 15}
 
 
 def test_occurrences_before_the_dense_rows_are_passed_over():
@@ -157,6 +176,8 @@ def test_settings_are_checked():
         FollowSettings(window=0)
     with pytest.raises(ValueError, match="lead"):
         FollowSettings(lead=-1)
+    with pytest.raises(ValueError, match="leads"):
+        FollowSettings(leads=-1)
     with pytest.raises(ValueError):
         FollowSettings(ngram=0)
     assert not OFF.on and FollowSettings().on

