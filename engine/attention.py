@@ -63,6 +63,10 @@ class StepContext:
     graphs: where greedy generation finds (or captures) its decode step; None runs every step eagerly
     follow: the context's follow rows (engine.follow), added to every sparse selection; None: none. The caller of
     a forward call runs `follow.begin(ids)` before it (engine.generate, engine.graph)
+    token_lookups: a call over several tokens (a question's prefill) looks up each token's keys on its own, as a
+        decode step does (each at the decode plan), instead of one lookup whose selection all its tokens share (the
+        Squeezed Attention paper's prefill: S averaged over the tokens); engine/NOTES.md, "One lookup per question
+        token"
     """
 
     cache: FixedContextCache
@@ -75,6 +79,7 @@ class StepContext:
     static: bool = False
     graphs: object | None = None  # engine.graph.DecodeGraphs: decode steps replayed from CUDA graphs (None: eager)
     follow: Follow | None = None
+    token_lookups: bool = False
 
 
 def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
@@ -83,12 +88,27 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
     if layer.sliding_window is not None:  # the last window of the document, dense, masked by distance
         k_start = layer.fixed_len - kf.shape[1]
         return step.backend.kernel("causal").causal_attention(q, kf, vf, scale, q_pos, k_start, layer.sliding_window)
-    recorder = step.recorder
-    timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
     method = step.method
     index = layer.indexes.get(method.name)
     if index is None and method.sparse:
         raise RuntimeError(f"layer {layer.layer_idx} has no {method.name} index: build the method for this context")
+    lq = q.shape[1]
+    if not (step.token_lookups and method.sparse and lq > 1):
+        return _selected_part(layer, index, q, q_pos, scale, step)
+    if step.recorder is not None:
+        step.recorder.lookups_per_step(lq)
+    parts = [_selected_part(layer, index, q[:, t : t + 1], q_pos[t : t + 1], scale, step) for t in range(lq)]
+    return torch.cat([out for out, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=1)
+
+
+def _selected_part(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                   step: StepContext):
+    """One lookup for q's Lq tokens, then their attention over the keys it selected (and the follow rows).
+    Returns (out [Hq, Lq, D], lse [Hq, Lq]) float32."""
+    kf, vf = layer.fixed_keys, layer.fixed_values
+    recorder = step.recorder
+    timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
+    method = step.method
     with timed("lookup"):
         lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos)
     if recorder is not None:

@@ -60,7 +60,8 @@ class ContextSession:
 
     def __init__(self, lm: LoadedModel, artifacts: dict[str, torch.Tensor], settings: ContextSettings,
                  backend: Backend, methods: dict[str, Method] | None = None, graphs: bool = True,
-                 prepared: dict[str, Tensors] | None = None, follow: FollowSettings | None = None):
+                 prepared: dict[str, Tensors] | None = None, follow: FollowSettings | None = None,
+                 token_lookups: bool = False):
         """artifacts: a context's tensors by name. The fixed K/V are taken out of the dict (popped) layer by layer
         as they move into the session's cache, so that the session holds the only copy of the fixed context on the
         device (an ingest's K/V are reused in place where they sit on the right device).
@@ -70,8 +71,11 @@ class ContextSession:
         graphs: replay decode steps from CUDA graphs where the model allows (engine.graph); False: every step
         eager (benchmarks compare the two).
         prepared: method -> its model-level artifacts (Method.prepare; `layer{i}.{name}` join layer i's index).
-        follow: the follow rows every sparse step adds (engine.follow; None: the defaults, engine.follow.OFF: none)."""
+        follow: the follow rows every sparse step adds (engine.follow; None: the defaults, engine.follow.OFF: none).
+        token_lookups: a question's prefill looks up each of its tokens' keys on its own (engine.attention.
+        StepContext.token_lookups); False: one lookup for the question, the paper's."""
         self.lm, self.backend = lm, backend
+        self.token_lookups = token_lookups
         parsed = names.parse(artifacts, tuple(REGISTRY))
         self.tokens = parsed.tokens
         self.fixed_len = int(self.tokens.numel())
@@ -177,7 +181,8 @@ class ContextSession:
         m = self.method(method)
         self.arrange(m)
         return StepContext(cache=self.cache, method=m, plan=self.plan(method, sparsity), backend=self.backend,
-                           recorder=recorder, graphs=self.graphs, follow=self.follow if self.follows(m) else None)
+                           recorder=recorder, graphs=self.graphs, follow=self.follow if self.follows(m) else None,
+                           token_lookups=self.token_lookups)
 
     def logits(self, question: str, method: str = "full", sparsity: float = 0.0) -> torch.Tensor:
         """[Lq, V] logits of the question's prompt tokens (tests: the sparse path against full attention)."""

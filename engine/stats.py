@@ -17,11 +17,12 @@ class TurnStats:
     """A turn's statistics; `to_json()` is the public form (CLI, app, chat history).
 
     kept_fraction_prefill/decode: [global layer][query head] kept keys / fixed-context length
-    kept_fraction: the same averaged over all steps (the question's prefill counts as one step)
+    kept_fraction: the same averaged over all steps (the question's prefill counts as one step, or as one per token
+        with token lookups: TurnRecorder.lookups_per_step)
     kv_budget: fraction of the global layers' fixed-context K and V bytes read per step (index bytes included),
                averaged over the turn's steps; kv_budget_prefill / kv_budget_decode: the same for each phase
     clusters: per global layer, per selection row, the units (clusters, pages) the question's prefill retrieved
-              (ids, sizes, and the lookup's scores of them)
+              (ids, sizes, and the lookup's scores of them; with token lookups, its last token's)
     """
 
     method: str
@@ -96,6 +97,7 @@ class TurnRecorder:
         self.seconds = {"lookup": 0.0, "attention": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._step = -1
+        self._prefill_lookups = 1  # lookups the question's prefill makes per global layer (lookups_per_step)
         self.timing = True  # time lookup and attention (off for steps that are not counted in timed_steps)
         self.timed_steps = 0  # eager steps whose lookup and attention were timed (replayed ones cannot be)
 
@@ -142,12 +144,23 @@ class TurnRecorder:
         yield
         self.seconds[kind] += time.perf_counter() - start_s
 
+    def lookups_per_step(self, lookups: int) -> None:
+        """The question's prefill looks up each of its `lookups` tokens on its own (engine.attention.StepContext.
+        token_lookups): each global layer records that many lookups, and the phase's figures are their mean, as if
+        each token were a step of its own. Called before the layers' first record (again by every layer: the same
+        count). Decode steps, of one token, never call it."""
+        if self._step > 0:
+            raise RuntimeError("only the question's prefill looks up its tokens one by one")
+        self._prefill_lookups = lookups
+        if self.prefill is not None:
+            self.prefill.steps = lookups
+
     def _phase_totals(self, device: torch.device) -> StepTotals:
         if self.current is None:
             if self._step <= 0:
                 if self.prefill is None:
                     self.prefill = self.totals(device)
-                    self.prefill.steps = 1
+                    self.prefill.steps = self._prefill_lookups
                 self.current = self.prefill
             else:
                 if self.decode is None:

@@ -209,3 +209,17 @@ def test_follow_settings_parse_from_the_command_line():
     for bad in ("colour=red", "lead", "lead=x", "lead=-1", "carry=perhaps"):
         with pytest.raises(ValueError):
             parse_follow([bad])
+
+
+def test_token_lookups_are_timed_and_read_their_budget(one_thread):
+    """`--token-lookups`: the question's tokens each look up their own keys; the run says so, and each question's
+    prefill still reads a part of the keys (the mean over its tokens)."""
+    stdout = io.StringIO()
+    with contextlib.redirect_stdout(stdout):
+        code = main(["--shape", "tiny", "--device", "cpu", "--context", str(CONTEXT), "--steps", str(STEPS),
+                     "--questions", ",".join(QUESTIONS), "--methods", "full,squeeze", "--no-peer", "--token-lookups"])
+    doc = json.loads(stdout.getvalue().strip().splitlines()[-1])
+    assert code == 0 and doc["token_lookups"] is True
+    row = doc["methods"]["squeeze"]
+    assert set(row["prefill_ms"]) == set(QUESTIONS)
+    assert all(0 < b < 1 for b in row["prefill_kv_budget"].values()), row["prefill_kv_budget"]

@@ -230,7 +230,7 @@ def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, c
                      "--budgets", "0.5,1.0", "--document", str(doc_path), "--questions", str(questions),
                      "--answer-tokens", "4", "--out", str(out), "--plot", str(plot), "--cache-dir", str(cache),
                      "--table", "--sink", "2", "--dense-tail", "5", "--set", "saap.buckets=8", "--set",
-                     "saap.hidden=8", "--follow", "lead=2", "--document-tokens", "900"])
+                     "saap.hidden=8", "--follow", "lead=2", "--document-tokens", "900", "--token-lookups"])
     assert code == 0
     printed = capsys.readouterr().out
     assert "| method | KV budget |" in printed
@@ -239,6 +239,7 @@ def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, c
     assert (doc["context"]["sink"], doc["context"]["dense_tail"]) == (2, 5)  # the contexts it measured
     assert doc["method_settings"] == {"saap": {"buckets": 8, "hidden": 8}}
     assert doc["follow"]["lead"] == 2
+    assert doc["token_lookups"] is True  # one lookup per question token: at budget 1.0 still full attention (below)
     assert doc["document"]["in_essays"] and abs(doc["document"]["tokens"] - 900) <= 8  # the document amid essays
     assert {(r["method"], r["budget"]) for r in doc["summary"]} == {
         (m, b) for m in (*SPARSE_METHODS, "oracle") for b in (0.5, 1.0)}  # the oracle's agreement: the ceiling

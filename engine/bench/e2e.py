@@ -555,12 +555,13 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, backend: Backend, methods: list[str],
                    sparsity: float, prompts: dict[int, torch.Tensor], steps: int, profile: str | None = None,
                    graphs: bool = True, tag: str = "", method_settings: dict[str, dict] | None = None,
-                   follow: FollowSettings | None = None) -> dict:
+                   follow: FollowSettings | None = None, token_lookups: bool = False) -> dict:
     """The engine's phases: the ingest (after an untimed one of the first WARMUP_CONTEXT tokens), the session's
     opening, each method's turns (and, with `profile` on CUDA, a profile of its decode steps written there).
     graphs: the session replays decode steps from CUDA graphs where it can (False: every step eager); tag: a prefix
     of the profile's section titles; method_settings: method -> its settings (the others at their defaults);
-    follow: the session's follow rows (engine.follow; None: the defaults).
+    follow: the session's follow rows (engine.follow; None: the defaults); token_lookups: a question's prefill looks
+    up each token on its own (engine.session.ContextSession).
     Returns the report's "ingest", "session" and "methods"; the session and its K/V are freed before returning."""
     cuda = lm.device.type == "cuda"
     warmup = ids[:WARMUP_CONTEXT]
@@ -589,7 +590,8 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
         try:
             start = time.perf_counter()
             session = ContextSession(lm, ingest.artifacts, settings, backend, graphs=graphs,  # takes the artifacts' K/V
-                                     prepared=prepared, methods={m.name: m for m in instances}, follow=follow)
+                                     prepared=prepared, methods={m.name: m for m in instances}, follow=follow,
+                                     token_lookups=token_lookups)
             _sync(lm.device)
             out["session"] = {"open_s": round(time.perf_counter() - start, 3), "graphs": session.graphs is not None}
         except Exception as exc:  # noqa: BLE001
@@ -678,7 +680,7 @@ def run(args: argparse.Namespace) -> dict:
     follow = None if args.follow else OFF
     out: dict = {"bench": "e2e", "device": device_name(device), "gpus": args.gpus,
                  **_versions(), "shape": args.shape if args.model is None else None, "model": args.model,
-                 "follow": args.follow}
+                 "follow": args.follow, "token_lookups": args.token_lookups}
     _log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
     lm = open_model(args.shape, args.model, args.device, args.gpus)
     if args.compile == "on":
@@ -712,7 +714,8 @@ def run(args: argparse.Namespace) -> dict:
     new_tokens = questions[0] + (WARMUP_STEPS + 1 + args.steps) / 2  # mean over the timed decode steps
     out["bound"] = byte_bound(lm, fixed_len, new_tokens)
     out.update(measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps, args.profile,
-                              args.graphs, method_settings=method_settings, follow=follow))
+                              args.graphs, method_settings=method_settings, follow=follow,
+                              token_lookups=args.token_lookups))
     if not args.peer:
         out["peer"] = {"skipped": "--no-peer"}
     elif args.gpus > 1:
@@ -734,7 +737,7 @@ def run(args: argparse.Namespace) -> dict:
         compile_layers(lm)
         compiled = measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps,
                                   args.profile, args.graphs, tag="compiled ", method_settings=method_settings,
-                                  follow=follow)
+                                  follow=follow, token_lookups=args.token_lookups)
         add_ratios({**compiled, "peer": out["peer"], "bound": out["bound"], "bandwidth_gbs": out["bandwidth_gbs"]})
         for method, row in compiled["methods"].items():
             row["speedup_vs_uncompiled"] = _ratio(out["methods"].get(method, {}).get("decode_ms_median"),
@@ -781,6 +784,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="a method's setting (repeatable), e.g. --set saap.buckets=1024")
     parser.add_argument("--follow", action=argparse.BooleanOptionalAction, default=True,
                         help="sparse steps also read the follow rows (engine.follow)")
+    parser.add_argument("--token-lookups", action="store_true",
+                        help="a question's prefill looks up each of its tokens' keys on its own (engine.attention)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--profile", default=None, help="CUDA: append a torch.profiler table of each method's "
                                                         "decode steps to this file (kernels per step in the JSON)")

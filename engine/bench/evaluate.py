@@ -3,7 +3,7 @@
     squeeze eval [--parts needles,recall,agreement] [--budgets 0.05,0.1,0.2,0.3] [--lengths 2048,4096]
                  [--depths 0.1,0.3,0.5,0.7,0.9] [--keys 1] [--needle-tokens 64] [--document FILE]
                  [--document-tokens N] [--questions FILE]
-                 [--set METHOD.SETTING=VALUE] [--follow SETTING=VALUE] [--no-follow]
+                 [--set METHOD.SETTING=VALUE] [--follow SETTING=VALUE] [--no-follow] [--token-lookups]
                  [--out FILE] [--plot FILE] [--table] [--no-save] [--sink N] [--model M] [--device D] [--cache-dir DIR]
 
 Parts (each in its own module):
@@ -104,14 +104,15 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
         keys: int, document: Path, questions: list[str], answer_tokens: int, progress=lambda *a: None,
         context: ContextSettings | None = None, prepared: dict | None = None,
         settings: dict[str, dict] | None = None, follow: FollowSettings | None = None,
-        needle_tokens: int = NEEDLE_TOKENS, document_tokens: int | None = None) -> dict:
+        needle_tokens: int = NEEDLE_TOKENS, document_tokens: int | None = None, token_lookups: bool = False) -> dict:
     """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc).
     context: how the documents become contexts (None: the defaults; e.g. another sink); prepared: method -> its
     model-level artifacts (needed by a method that learns per model: main gets them from the cache's store, training
     them first where they are missing); settings: method -> its settings (the others at their defaults); follow:
     the follow rows every sparse step adds (engine.follow; None: the defaults); needle_tokens: a needle answer's
     most tokens; document_tokens: the document placed in the middle of the essays, this many tokens in all (None:
-    the document alone)."""
+    the document alone); token_lookups: a question's prefill looks up each of its tokens on its own, as decode steps
+    do (engine.session.ContextSession; the recall part's closed form keeps one lookup for the question)."""
     from engine.bench import fidelity, needles
     from engine.corpus import embedded, essays_dir
 
@@ -119,11 +120,12 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
     doc: dict = {"bench": "eval", "model": lm.model_id, "device": str(lm.device), "methods": methods,
                  "budgets": budgets, "parts": parts, "context": (context or ContextSettings()).as_dict(),
                  "method_settings": settings or {}, "follow": asdict(follow or FollowSettings()),
+                 "token_lookups": token_lookups,
                  "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")}
     if "needles" in parts:
         doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()],
                                      context=context, prepared=prepared, settings=settings, follow=follow,
-                                     answer_tokens=needle_tokens)
+                                     answer_tokens=needle_tokens, token_lookups=token_lookups)
         cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
         doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells)}
     if "recall" in parts or "agreement" in parts:
@@ -131,7 +133,7 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
         if document_tokens is not None:
             text = embedded(lm.tokenizer, text, document_tokens, essays_dir())
         session = needles.context_session(lm, text, methods, settings, extra=[OraclePolicy()], context=context,
-                                          prepared=prepared, follow=follow)
+                                          prepared=prepared, follow=follow, token_lookups=token_lookups)
         agreement, recall = fidelity.run(session, methods, budgets, questions, answer_tokens, progress,
                                          recall="recall" in parts, agreement="agreement" in parts,
                                          ceiling=OraclePolicy.name)
@@ -191,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-follow", action="store_true",
                         help="steps read no follow rows (engine.follow: the tokens after the document's occurrences "
                              "of the step's own recent tokens)")
+    parser.add_argument("--token-lookups", action="store_true",
+                        help="a question's prefill looks up each of its tokens' keys on its own, as a decode step "
+                             "does (default: one lookup for the question's tokens, the Squeezed Attention paper's)")
     args = parser.parse_args(argv)
     parts = [p for p in args.parts.split(",") if p]
     methods = [m for m in args.methods.split(",") if m]
@@ -243,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     prepared = {name: engine.prepared(name, training) for name in build_order(methods)}
     doc = run(engine.lm, parts, methods, budgets, [int(x) for x in args.lengths.split(",") if x],
               _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress, context,
-              prepared, settings, follow, args.needle_tokens, args.document_tokens)
+              prepared, settings, follow, args.needle_tokens, args.document_tokens, args.token_lookups)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))

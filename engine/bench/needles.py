@@ -31,13 +31,14 @@ def passkeys(count: int, seed: int = 0) -> list[str]:
 
 
 def context_session(lm, text: str, methods: list[str], settings: dict[str, dict] | None = None, extra=(),
-                    context=None, prepared: dict | None = None, follow=None):
+                    context=None, prepared: dict | None = None, follow=None, token_lookups: bool = False):
     """`text` prepared as a fixed context with every method of `methods` (and what they require) built, in memory
     (nothing stored): an engine.session.ContextSession on the model's device. settings: method -> its settings
     (the others at their defaults); extra: more Method instances to build (not registered: the eval's oracle);
     context: the engine.config.ContextSettings (None: the defaults); prepared: method -> its model-level artifacts
     (Method.prepare: a method that learns per model, e.g. duo, cannot be built without them); follow: the
-    engine.follow.FollowSettings of its turns (None: the defaults)."""
+    engine.follow.FollowSettings of its turns (None: the defaults); token_lookups: a question's prefill looks up each
+    token on its own (engine.session.ContextSession)."""
     from engine.config import ContextSettings
     from engine.ingest import ingest_tokens
     from engine.policies import build_order, make_method
@@ -50,7 +51,8 @@ def context_session(lm, text: str, methods: list[str], settings: dict[str, dict]
     instances = {m.name: m for m in (make_method(n, (settings or {}).get(n)) for n in build_order(methods))}
     context = context or ContextSettings()
     out = ingest_tokens(lm, fixed.ids, context, backend, list(instances.values()), prepared=prepared)
-    session = ContextSession(lm, out.artifacts, context, backend, methods=instances, prepared=prepared, follow=follow)
+    session = ContextSession(lm, out.artifacts, context, backend, methods=instances, prepared=prepared, follow=follow,
+                             token_lookups=token_lookups)
     for method in extra:  # built from the session's own K/V and calibration queries
         session.build(method)
     return session
@@ -65,14 +67,15 @@ def key_end(tokenizer, tokens: list[int], key: str) -> int | None:
 
 def run(lm, lengths: list[int], depths: list[float], budgets: list[float], methods: list[str], keys: int = 1,
         progress=lambda *a: None, extra=(), context=None, prepared: dict | None = None,
-        settings: dict[str, dict] | None = None, follow=None, answer_tokens: int = ANSWER_TOKENS) -> dict:
+        settings: dict[str, dict] | None = None, follow=None, answer_tokens: int = ANSWER_TOKENS,
+        token_lookups: bool = False) -> dict:
     """Every (length, depth, key) context, full attention and every (method, budget). Returns the JSON document:
     `cells` (one per answer) and `summary` (per method and budget: the share found, full attention's share on
     the same contexts, the mean KV budget read in each phase). answer_tokens: the most tokens an answer has (it
     ends sooner at a stop string or once it has said the key); extra: more Method instances (not registered: the
     eval's oracle) answered as the methods are; context: the engine.config.ContextSettings (None: the defaults);
     prepared: method -> its model-level artifacts (context_session); settings: method -> its settings; follow: the
-    follow rows' settings (context_session)."""
+    follow rows' settings; token_lookups: one lookup per question token (both: context_session)."""
     folder = essays_dir()
     cells, stacks = [], {}
     cases = [(n, d, k) for n in lengths for d in depths for k in passkeys(keys)]
@@ -81,7 +84,7 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
         if length not in stacks:
             stacks[length] = haystack(lm.tokenizer, length, folder)
         session = context_session(lm, insert_passkey(stacks[length], key, depth), methods, settings, extra=extra,
-                                  context=context, prepared=prepared, follow=follow)
+                                  context=context, prepared=prepared, follow=follow, token_lookups=token_lookups)
 
         def said(text: str, key: str = key) -> bool:  # an answer ends once it has said the key
             return key in text
