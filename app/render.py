@@ -175,7 +175,8 @@ EVAL_COLUMNS = (
     ("recall (unit ceiling; oracle)", "share of full attention's weight on the keys read; in brackets the best "
                                      "choice of the method's own units (clusters, pages) at the keys it read, and "
                                      "the best top-k keys at that budget"),
-    ("top-1", "next tokens the same as full attention's"),
+    ("top-1 (decided)", "next tokens the same as full attention's; in brackets over the positions where full "
+                        "attention's top two tokens are at least 0.5 nats apart (its near-ties left out)"),
     ("KL", "mean KL(full || method) of the next-token distributions"),
     ("read (question / answer)", "KV budget measured in the question's prefill / the answer's steps"),
 )
@@ -204,12 +205,13 @@ def eval_rows(doc: dict) -> list[list[str]]:
     rows = []
     for r in doc.get("summary") or []:
         recall, units, oracle = (_number(r.get(k), ".2f") for k in ("recall", "units", "oracle"))
+        top1, decided = (_number(r.get(k), ".0f", 100, "%") for k in ("top1", "top1_decided"))
         rows.append([
             str(r.get("method", "?")),
             _number(r.get("budget"), ".0f", 100, "%"),
             _number(r.get("needles"), ".0f", 100, "%"),
             recall if recall == NO_VALUE else f"{recall} ({units}; {oracle})",
-            _number(r.get("top1"), ".0f", 100, "%"),
+            top1 if decided == NO_VALUE else f"{top1} ({decided})",
             _number(r.get("kl"), ".3g"),
             f"{_number(r.get('read_prefill'), '.3f')} / {_number(r.get('read_decode'), '.3f')}",
         ])

@@ -225,7 +225,8 @@ def eval_doc(model: str = EVAL_MODEL) -> dict:
             "created": "2025-01-02T03:04:05+00:00", "seconds": 812.3, "opaque": {"kept": True},
             "summary": [{"method": "squeeze", "budget": 0.1, "needles": 0.833, "recall": 0.912, "units": 0.931,
                          "oracle": 0.974,
-                         "top1": 0.98, "kl": 0.0123, "read_prefill": 0.1012, "read_decode": 0.0994},
+                         "top1": 0.98, "top1_decided": 1.0, "kl": 0.0123, "read_prefill": 0.1012,
+                         "read_decode": 0.0994},
                         {"method": "quest", "budget": 0.1, "needles": None, "recall": None, "oracle": None,
                          "top1": None, "kl": None, "read_prefill": 0.1, "read_decode": None}],
             "full": {"needles_found": 6, "needles_cells": 6}}
@@ -233,7 +234,7 @@ def eval_doc(model: str = EVAL_MODEL) -> dict:
 
 def test_eval_table_from_a_document():
     assert render.eval_rows(eval_doc()) == [
-        ["squeeze", "10%", "83%", "0.91 (0.93; 0.97)", "98%", "0.0123", "0.101 / 0.099"],
+        ["squeeze", "10%", "83%", "0.91 (0.93; 0.97)", "98% (100%)", "0.0123", "0.101 / 0.099"],
         ["quest", "10%", "–", "–", "–", "–", "0.100 / –"],
     ]
     html = render.eval_html(eval_doc(), EVAL_MODEL)

@@ -38,6 +38,13 @@ def test_kl_and_top1_against_a_hand_computation():
     assert math.isclose(float(kl[0]), 0.5 * math.log(3), rel_tol=1e-6)
 
 
+def test_top_margin_is_the_gap_between_the_top_two_log_probabilities():
+    """p = (0.5, 0.3, 0.2): ln(0.5 / 0.3); a tie: 0; the logits' offset does not matter."""
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]])) + 3.0
+    torch.testing.assert_close(fidelity.top_margin(logits), torch.tensor([math.log(0.5 / 0.3), 0.0],
+                               dtype=torch.float64), atol=1e-6, rtol=0)
+
+
 @pytest.mark.parametrize("pool", [False, True])
 @pytest.mark.parametrize("hq,hkv", [(4, 1), (4, 2), (2, 2)])
 def test_the_oracle_beats_every_selection_of_its_size(hq, hkv, pool):
@@ -111,16 +118,17 @@ def test_summary_joins_the_parts_per_method_and_budget():
            "recall": {"rows": [{"method": "squeeze", "budget": 0.1,
                                 "decode": {"recall": 0.7, "units": 0.8, "oracle": 0.9}},
                                {"method": "quest", "budget": 0.1, "prefill": {"recall": 0.5, "oracle": 0.8}}]},
-           "agreement": {"rows": [{"method": "squeeze", "budget": 0.1, "top1": 0.9, "kl": 0.1,
-                                   "read_prefill": 0.08, "read_decode": None}]}}
+           "agreement": {"rows": [{"method": "squeeze", "budget": 0.1, "top1": 0.9, "top1_decided": 1.0,
+                                   "kl": 0.1, "read_prefill": 0.08, "read_decode": None}]}}
     rows = {(r["method"], r["budget"]): r for r in evaluate.summarize(doc)}
     assert rows["squeeze", 0.1] == {"method": "squeeze", "budget": 0.1, "needles": 0.8, "needles_short": None,
                                     "recall": 0.7,
-                                    "units": 0.8, "oracle": 0.9, "top1": 0.9, "kl": 0.1, "read_prefill": 0.09,
+                                    "units": 0.8, "oracle": 0.9, "top1": 0.9, "top1_decided": 1.0, "kl": 0.1,
+                                    "read_prefill": 0.09,
                                     "read_decode": 0.12}
     assert rows["quest", 0.1]["recall"] == 0.5 and rows["quest", 0.1]["top1"] is None  # decode absent: prefill's
     text = evaluate.table(_doc(evaluate.summarize(doc)))
-    assert "| squeeze | 10% | 80% | 0.700 (0.800; 0.900) | 90.0% | 0.1000 | 0.090 / 0.120 |" in text
+    assert "| squeeze | 10% | 80% | 0.700 (0.800; 0.900) | 90.0% (100.0%) | 0.1000 | 0.090 / 0.120 |" in text
     assert "| quest | 10% | - | 0.500 (-; 0.800) | - | - | - / - |" in text
 
 
@@ -161,6 +169,7 @@ def test_full_budget_agrees_with_full_attention(tiny):
     for row in agreement["rows"]:
         assert row["positions"] == sum(a["tokens"] for a in agreement["answers"])
         assert row["top1"] == 1.0 and row["kl"] < 1e-6, row
+        assert row["miss_margins"] == [] and row["top1_decided"] in (1.0, None)
         assert 1.0 <= row["read_prefill"] <= 1.1  # every key, and the lookup still reads its index
     for row in recall["rows"]:
         for phase in ("decode", "prefill"):
@@ -187,6 +196,12 @@ def test_recall_falls_with_the_budget_and_stays_under_the_oracle(tiny):
     for row in agreement["rows"]:
         assert 0.0 <= row["top1"] <= 1.0 and row["kl"] >= 0.0
         assert row["read_prefill"] <= 0.33 + 1e-9, row
+        misses = row["miss_margins"]  # full attention's margin at each miss, and top-1 where it is decided
+        assert len(misses) == round((1.0 - row["top1"]) * row["positions"]) and misses == sorted(misses)
+        assert 0 <= row["decided"] <= row["positions"]
+        decided_misses = sum(m >= fidelity.DECIDED_MARGIN for m in misses)
+        if row["decided"]:
+            assert row["top1_decided"] == pytest.approx(1.0 - decided_misses / row["decided"], abs=1e-4)
     (oracle,) = [r for r in agreement["rows"] if r["method"] == "oracle"]
     assert oracle["read_prefill"] == pytest.approx(0.3, abs=0.01)  # its keys only: its index is not counted
     assert oracle["read_decode"] == pytest.approx(0.3, abs=0.01)

@@ -51,7 +51,8 @@ def summarize(doc: dict) -> list[dict]:
     def row(method: str, budget: float) -> dict:
         return rows.setdefault((method, budget), {"method": method, "budget": budget, "needles": None,
                                                   "needles_short": None, "recall": None, "units": None,
-                                                  "oracle": None, "top1": None, "kl": None, "read_prefill": None,
+                                                  "oracle": None, "top1": None, "top1_decided": None, "kl": None,
+                                                  "read_prefill": None,
                                                   "read_decode": None, "_reads": []})
 
     for r in (doc.get("needles") or {}).get("summary", []):
@@ -64,7 +65,7 @@ def summarize(doc: dict) -> list[dict]:
                                              oracle=decode.get("oracle"))
         row(OraclePolicy.name, r["budget"]).update(recall=decode.get("oracle"), oracle=decode.get("oracle"))  # its own row
     for r in (doc.get("agreement") or {}).get("rows", []):
-        row(r["method"], r["budget"]).update(top1=r["top1"], kl=r["kl"])
+        row(r["method"], r["budget"]).update(top1=r["top1"], top1_decided=r.get("top1_decided"), kl=r["kl"])
         row(r["method"], r["budget"])["_reads"].append((r["read_prefill"], r["read_decode"]))
     out = []
     for key in sorted(rows):
@@ -79,7 +80,8 @@ def summarize(doc: dict) -> list[dict]:
 
 def table(doc: dict) -> str:
     """The summary as a Markdown table (a dash where a part did not run; needles within the first
-    engine.bench.needles.SHORT_ANSWER answer tokens in brackets where the cells say)."""
+    engine.bench.needles.SHORT_ANSWER answer tokens in brackets where the cells say; top-1 over the positions full
+    attention is decided on, engine.bench.fidelity.DECIDED_MARGIN, in brackets where the rows say)."""
     def cell(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
@@ -88,14 +90,15 @@ def table(doc: dict) -> str:
              + (f"; full attention found {full['needles_found']}/{full['needles_cells']} needles" if full else ""),
              "",
              f"| method | KV budget | needles as good as full ({SHORT_ANSWER} tokens) | "
-             "recall (unit ceiling; oracle) | top-1 | KL | read (question / answer) |",
+             "recall (unit ceiling; oracle) | top-1 (decided) | KL | read (question / answer) |",
              "|---|---|---|---|---|---|---|"]
     for r in doc["summary"]:
         recall = "-" if r["recall"] is None else \
             f"{r['recall']:.3f} ({cell(r.get('units'), '.3f')}; {cell(r['oracle'], '.3f')})"
         found = cell(r["needles"], ".0%") + ("" if r.get("needles_short") is None else f" ({r['needles_short']:.0%})")
+        top1 = cell(r["top1"], ".1%") + ("" if r.get("top1_decided") is None else f" ({r['top1_decided']:.1%})")
         lines.append(f"| {r['method']} | {r['budget']:.0%} | {found} | {recall} | "
-                     f"{cell(r['top1'], '.1%')} | {cell(r['kl'], '.4f')} | "
+                     f"{top1} | {cell(r['kl'], '.4f')} | "
                      f"{cell(r['read_prefill'], '.3f')} / {cell(r['read_decode'], '.3f')} |")
     return "\n".join(lines)
 

@@ -7,7 +7,9 @@ strings); that answer is then teacher-forced:
 - **agreement**: each (method, budget) reads the question as a turn does (one prefill lookup) and then every answer
   token in turn (a decode step each, its own lookup), and its next-token distribution at each answer position is
   compared with full attention's through the same path: top-1 agreement and KL(full || method), in nats. What each
-  phase read (the turn recorder's KV budget) goes beside it.
+  phase read (the turn recorder's KV budget) goes beside it. Top-1 is also given over the positions where full
+  attention itself is decided (its top two tokens DECIDED_MARGIN nats or more apart in log-probability), with the
+  margins of every miss: a near-tie of full attention's own flips under almost any change to what is read.
 - **recall**: full attention's queries of the same tokens at every global layer (the reference trajectory, so that
   every method's selection is judged on the same queries) against the fixed context's keys in original order. For a
   (layer, query head, token), recall is the share of full attention's weight over the fixed context that falls on
@@ -45,6 +47,7 @@ ASSETS = Path(__file__).resolve().parents[2] / "assets"
 DOCUMENT = ASSETS / "sample.md"
 QUESTIONS = ASSETS / "sample_facts.json"
 ANSWER_TOKENS = 16
+DECIDED_MARGIN = 0.5  # nats between full attention's top two tokens: a position it is decided on (p1 >= 1.65 p2)
 
 
 @dataclass
@@ -108,6 +111,12 @@ def agreement_stats(full: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tens
     log_q = torch.log_softmax(other.double(), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0.0)
     return full.argmax(dim=-1) == other.argmax(dim=-1), kl
+
+
+def top_margin(logits: torch.Tensor) -> torch.Tensor:
+    """Per position of logits [n, V]: the log-probability of the top token minus the runner-up's (nats) [n]."""
+    top2 = torch.log_softmax(logits.double(), dim=-1).topk(2, dim=-1).values
+    return top2[:, 0] - top2[:, 1]
 
 
 def full_queries(session, case: Case) -> dict[int, torch.Tensor]:
@@ -224,7 +233,8 @@ def run(session, methods: list[str], budgets: list[float], questions: list[str],
 def agreement_rows(session, cases: list[Case], methods: list[str], budgets: list[float],
                    progress=lambda *a: None) -> list[dict]:
     """Per (method, budget): top-1 agreement and KL (mean, 90th percentile) over every answer position of every
-    case, and the mean KV budget each phase read."""
+    case, top-1 over the positions full attention is decided on (top_margin >= DECIDED_MARGIN) and full attention's
+    margin at each miss, and the mean KV budget each phase read."""
     total = len(cases) * (1 + len(methods) * len(budgets))
     done = 0
     full_runs = []
@@ -232,6 +242,8 @@ def agreement_rows(session, cases: list[Case], methods: list[str], budgets: list
         full_runs.append(forced_logits(session, "full", 0.0, case)[0])
         done += 1
         progress(done, total, "agreement: full attention")
+    margin = torch.cat([top_margin(full) for full in full_runs])  # [positions]
+    decided = margin >= DECIDED_MARGIN
     rows = []
     for method in methods:
         for budget in budgets:
@@ -251,6 +263,10 @@ def agreement_rows(session, cases: list[Case], methods: list[str], budgets: list
                          "top1": round(float(agree_all.double().mean()), 4),
                          "kl": round(float(kl_all.mean()), 5),
                          "kl_p90": round(float(torch.quantile(kl_all, 0.9)), 5),
+                         "decided": int(decided.sum()),
+                         "top1_decided": round(float(agree_all[decided].double().mean()), 4) if bool(decided.any())
+                         else None,
+                         "miss_margins": sorted(round(float(m), 3) for m in margin[~agree_all]),
                          "read_prefill": mean_or_none(reads_p), "read_decode": mean_or_none(reads_d)})
     return rows
 
