@@ -38,6 +38,14 @@ def test_kl_and_top1_against_a_hand_computation():
     assert math.isclose(float(kl[0]), 0.5 * math.log(3), rel_tol=1e-6)
 
 
+def test_the_larger_question_set_holds_the_default_one_first():
+    """assets/sample_facts_20.json (320 teacher-forced positions): the six default questions, then 14 more, none
+    twice."""
+    default = fidelity.load_questions()
+    larger = fidelity.load_questions(fidelity.ASSETS / "sample_facts_20.json")
+    assert len(larger) == 20 and larger[:len(default)] == default and len(set(larger)) == 20
+
+
 def test_top_margin_is_the_gap_between_the_top_two_log_probabilities():
     """p = (0.5, 0.3, 0.2): ln(0.5 / 0.3); a tie: 0; the logits' offset does not matter."""
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.2], [0.4, 0.4, 0.2]])) + 3.0
