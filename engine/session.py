@@ -177,6 +177,13 @@ class ContextSession:
                     x.copy_(torch.gather(x, 1, src[:, :, None].expand(-1, -1, x.shape[2])))
         self._arranged_for = method.name if method is not None else None
 
+    def recorder(self, sync_cuda: bool | None = None) -> TurnRecorder:
+        """A turn's statistics collector for this context and model. sync_cuda: time lookup and attention with CUDA
+        events (TurnRecorder); None: where the model runs on CUDA."""
+        lm = self.lm
+        return TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, self.fixed_len,
+                            sync_cuda=lm.device.type == "cuda" if sync_cuda is None else sync_cuda)
+
     def step_context(self, method: str, sparsity: float, recorder: TurnRecorder | None = None) -> StepContext:
         m = self.method(method)
         self.arrange(m)
@@ -204,11 +211,10 @@ class ContextSession:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         lm = self.lm
-        on_cuda = lm.device.type == "cuda"
         fmt = prompt_format(lm.tokenizer)
         turn = turn_ids(lm.tokenizer, fmt, question, history, history_tokens,
                         room=lm.max_context - self.fixed_len - max_new_tokens)
-        recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, self.fixed_len, sync_cuda=on_cuda)
+        recorder = self.recorder()
         step = self.step_context(method, sparsity, recorder)
         opts = options or GenerationOptions()
         sampler = None if opts.greedy else Sampler(opts, lm.model.config.vocab_size, lm.device)

@@ -19,7 +19,6 @@ from engine.model import load_model
 from engine.policies import REGISTRY
 from engine.prompt import question_ids, tokenize_document
 from engine.session import ContextSession
-from engine.stats import TurnRecorder
 from kernels.dispatch import backend_for
 
 from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods
@@ -143,8 +142,7 @@ def test_no_host_sync_inside_a_step(session, compiled_session, method, sparsity,
     session = compiled_session if compiled else session
     lm, cache = session.lm, session.cache
     prompt = _prompt(session)
-    recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,
-                            sync_cuda=True)
+    recorder = session.recorder(sync_cuda=True)
     step = replace(session.step_context(method, sparsity, recorder), graphs=None)
     with torch.inference_mode():
         for checked in (False, True):
@@ -168,8 +166,7 @@ def test_replayed_statistics_match_eager(session, method, sparsity):
     prompt = _prompt(session)
     stats = {}
     for graphs in (None, session.graphs):
-        recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,
-                                sync_cuda=True)
+        recorder = session.recorder(sync_cuda=True)
         step = replace(session.step_context(method, sparsity, recorder), graphs=graphs)
         tokens = list(generate_tokens(lm, step, prompt, STEPS))
         session.cache.reset_dynamic()

@@ -41,12 +41,6 @@ def session(tiny_model_path):  # noqa: F811
                           token_lookups=True)
 
 
-def _recorder(session) -> TurnRecorder:
-    lm = session.lm
-    return TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,
-                        sync_cuda=False)
-
-
 def _one_at_a_time(session, method: str, prompt: torch.Tensor, recorder: TurnRecorder | None) -> torch.Tensor:
     """[Lq, V]: each prompt token's logits, the tokens fed one per call (the reference)."""
     step = session.step_context(method, SPARSITY, recorder)
@@ -128,10 +122,10 @@ def test_the_prefill_reports_the_mean_of_its_tokens_reads(session, method):
     """kv_budget_prefill with token lookups = the mean read of the one-token steps that the reference runs (its
     first call counts as a prefill, the others as decode steps: the turn's kv_budget averages all of them)."""
     prompt = question_ids(session.lm.tokenizer, "Who kept the lighthouse logbook?")
-    recorder = _recorder(session)
+    recorder = session.recorder(sync_cuda=False)
     full_logits(session.lm, session.step_context(method, SPARSITY, recorder), prompt)
     mine = recorder.finish(method, SPARSITY, 0, {})
-    reference = _recorder(session)
+    reference = session.recorder(sync_cuda=False)
     _one_at_a_time(session, method, prompt, reference)
     theirs = reference.finish(method, SPARSITY, prompt.numel() - 1, {})
     assert 0.0 < mine.kv_budget_prefill < 1.0

@@ -46,7 +46,7 @@ from engine.model import LoadedModel, layer_devices, load_model
 from engine.bench.settings import parse_settings
 from engine.policies import METHODS, REGISTRY, Method, Tensors, build_order, make_method, stand_ins
 from engine.session import ContextSession
-from engine.stats import TurnRecorder, TurnStats
+from engine.stats import TurnStats
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
 
@@ -324,8 +324,7 @@ def timed_turn(lm: LoadedModel, session: ContextSession, method: str, sparsity: 
                tokens: int) -> tuple[list[float], TurnStats]:
     """One turn of `tokens` greedy tokens with the product's statistics on. Returns the seconds of each forward call
     (the first is the question's prefill, each later one a decode step) and the turn's statistics."""
-    recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,
-                            sync_cuda=False)
+    recorder = session.recorder(sync_cuda=False)
     step = session.step_context(method, sparsity, recorder)
     times: list[float] = []
     try:
@@ -629,8 +628,7 @@ def profile_decode(lm: LoadedModel, session: ContextSession, method: str, sparsi
     table to `path`. Returns the GPU time per step and the kernels a step runs."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
-    step = session.step_context(method, sparsity, TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads,
-                                                               lm.head_dim, session.fixed_len, sync_cuda=False))
+    step = session.step_context(method, sparsity, session.recorder(sync_cuda=False))
     tokens = generate_tokens(lm, step, prompt, 1 + WARMUP_STEPS + PROFILE_STEPS)
     try:
         for _ in range(1 + WARMUP_STEPS):

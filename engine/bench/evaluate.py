@@ -52,8 +52,7 @@ def summarize(doc: dict) -> list[dict]:
         return rows.setdefault((method, budget), {"method": method, "budget": budget, "needles": None,
                                                   "needles_short": None, "recall": None, "units": None,
                                                   "oracle": None, "top1": None, "top1_decided": None, "kl": None,
-                                                  "read_prefill": None,
-                                                  "read_decode": None, "_reads": []})
+                                                  "read_prefill": None, "read_decode": None, "_reads": []})
 
     for r in (doc.get("needles") or {}).get("summary", []):
         row(r["method"], r["budget"]).update(needles=r["as_good_as_full"],

@@ -40,7 +40,6 @@ from engine.bench.recall import full_probs, in_original_order
 from engine.generate import forward_step, full_logits, generate_tokens
 from engine.ingest import global_scale
 from engine.prompt import question_ids
-from engine.stats import TurnRecorder
 from kernels.backend import REFERENCE
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -85,8 +84,7 @@ def forced_logits(session, method: str, sparsity: float, case: Case):
     computes them (the question's prefill, then one decode step per answer token but the last), and the turn's
     statistics (engine.stats.TurnStats: what each phase read)."""
     lm = session.lm
-    recorder = TurnRecorder(lm.global_layers, lm.num_heads, lm.num_kv_heads, lm.head_dim, session.fixed_len,
-                            sync_cuda=lm.device.type == "cuda")
+    recorder = session.recorder()
     step = session.step_context(method, sparsity, recorder)
     cache = step.cache
     out = []
