@@ -171,7 +171,10 @@ def compare_html(compare: dict | None) -> str:
 EVAL_COLUMNS = (
     ("method", "the sparse method"),
     ("KV budget", "the share of the context's K/V bytes a step may read, index included (100 - sparsity)"),
-    ("needles as good as full", "share of the needle cells where the method did as well as full attention"),
+    ("needles as good as full (decided)", "share of the needle cells where the method did as well as full "
+                                          "attention; in brackets the share it found of the cells full attention "
+                                          "found with no near-tie on the way (top two tokens at least 0.5 nats "
+                                          "apart at every answer token through the key)"),
     ("recall (unit ceiling; oracle)", "share of full attention's weight on the keys read; in brackets the best "
                                      "choice of the method's own units (clusters, pages) at the keys it read, and "
                                      "the best top-k keys at that budget"),
@@ -206,10 +209,11 @@ def eval_rows(doc: dict) -> list[list[str]]:
     for r in doc.get("summary") or []:
         recall, units, oracle = (_number(r.get(k), ".2f") for k in ("recall", "units", "oracle"))
         top1, decided = (_number(r.get(k), ".0f", 100, "%") for k in ("top1", "top1_decided"))
+        needles, needles_decided = (_number(r.get(k), ".0f", 100, "%") for k in ("needles", "needles_decided"))
         rows.append([
             str(r.get("method", "?")),
             _number(r.get("budget"), ".0f", 100, "%"),
-            _number(r.get("needles"), ".0f", 100, "%"),
+            needles if needles_decided == NO_VALUE else f"{needles} ({needles_decided})",
             recall if recall == NO_VALUE else f"{recall} ({units}; {oracle})",
             top1 if decided == NO_VALUE else f"{top1} ({decided})",
             _number(r.get("kl"), ".3g"),
@@ -234,6 +238,8 @@ def eval_html(doc: dict | None, model: str) -> str:
     full = doc.get("full") or {}
     if "needles_found" in full and "needles_cells" in full:
         caption += f"; full attention found {full['needles_found']}/{full['needles_cells']} needles"
+        if isinstance(full.get("needles_decided"), int):
+            caption += f", {full['needles_decided']} with no near-tie"
     return (f'<div class="sq-eval" id="sq-eval"><div class="sq-caption">{esc(caption)}</div>'
             f'<table class="sq-eval-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>')
 

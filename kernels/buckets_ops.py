@@ -11,7 +11,7 @@ import triton
 
 from kernels.jit.buckets import logits_kernel, pick_kernel, take_best_kernel
 from kernels.reference import buckets as reference
-from kernels.reference.buckets import classify, derope
+from kernels.reference.buckets import classify, derope, ranking
 
 DECODE_BLOCK_C = 64  # buckets per program of the logits (decode)
 DECODE_ROWS = 16  # the most query rows (query heads of a group x tokens) a step's scores take the kernels for
@@ -31,7 +31,7 @@ def bucket_scores(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
 
 def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, sizes: torch.Tensor | None,
-                 budget: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 budget: float, per_key: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     hq, lq, d = q.shape
     hkv, _, hidden = w1.shape
     c = w2.shape[-1]
@@ -41,7 +41,7 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     rows = (hq // hkv) * lq
     if rows > DECODE_ROWS or not c:  # a prefill's scores: torch's batched products (cuBLAS) beat a kernel here
         score = reference.bucket_scores(q, positions, inv_freq, w1, b1, w2, b2)
-        return score, None if sizes is None else take_best(score, sizes, budget)
+        return score, None if sizes is None else take_best(reference.ranking(score, sizes, per_key), sizes, budget)
     params = [t.to(device=q.device, dtype=torch.float32).contiguous() for t in (inv_freq, w1, b1, w2, b2)]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -57,7 +57,7 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     if sizes is not None:
         _check_sizes(score, sizes)
     pick_kernel[(hkv,)](logits, score if sizes is None else sizes.contiguous(), score, keep, rows, c, 1.0 / lq,
-                        float(budget), HAS_SIZES=sizes is not None, BLOCK_C=max(16, triton.next_power_of_2(c)),
+                        float(budget), HAS_SIZES=sizes is not None, PER_KEY=per_key, BLOCK_C=max(16, triton.next_power_of_2(c)),
                         num_warps=WARPS)
     return score, None if sizes is None else keep
 
@@ -81,4 +81,4 @@ def take_best(score: torch.Tensor, sizes: torch.Tensor, budget: float) -> torch.
     return keep
 
 
-__all__ = ["best_buckets", "bucket_scores", "take_best", "classify", "derope", "reference"]
+__all__ = ["best_buckets", "bucket_scores", "take_best", "classify", "derope", "ranking", "reference"]

@@ -227,15 +227,15 @@ def eval_doc(model: str = EVAL_MODEL) -> dict:
                          "oracle": 0.974,
                          "top1": 0.98, "top1_decided": 1.0, "kl": 0.0123, "read_prefill": 0.1012,
                          "read_decode": 0.0994},
-                        {"method": "quest", "budget": 0.1, "needles": None, "recall": None, "oracle": None,
-                         "top1": None, "kl": None, "read_prefill": 0.1, "read_decode": None}],
-            "full": {"needles_found": 6, "needles_cells": 6}}
+                        {"method": "quest", "budget": 0.1, "needles": 0.5, "needles_decided": 0.75, "recall": None,
+                         "oracle": None, "top1": None, "kl": None, "read_prefill": 0.1, "read_decode": None}],
+            "full": {"needles_found": 6, "needles_cells": 6, "needles_decided": 4}}
 
 
 def test_eval_table_from_a_document():
     assert render.eval_rows(eval_doc()) == [
         ["squeeze", "10%", "83%", "0.91 (0.93; 0.97)", "98% (100%)", "0.0123", "0.101 / 0.099"],
-        ["quest", "10%", "–", "–", "–", "–", "0.100 / –"],
+        ["quest", "10%", "50% (75%)", "–", "–", "–", "0.100 / –"],
     ]
     html = render.eval_html(eval_doc(), EVAL_MODEL)
     assert [h for h, _ in render.EVAL_COLUMNS] == re.findall(r'<th title="[^"]*">([^<]*)</th>', html)
@@ -244,7 +244,7 @@ def test_eval_table_from_a_document():
     local = render.format_date("2025-01-02T03:04:05+00:00")
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", local)
     assert caption == (f"Latest squeeze eval of tiny-eval-&lt;model&gt;, {local} (cpu, 14 min); "
-                       "full attention found 6/6 needles")
+                       "full attention found 6/6 needles, 4 with no near-tie")
     assert render.format_date("not a time") == "not a time" and render.format_date(None) == "-"
 
 

@@ -12,12 +12,15 @@ import torch
 from tiny_models import SMALL_SAAP, gates_for, make_tiny_model
 
 from app.cli import main as cli_main
-from engine.bench import evaluate, fidelity
+from engine.bench import evaluate, fidelity, needles
 from engine.bench.eval_plot import save_figure, series
 from engine.bench.needles import context_session
 from engine.bench.oracle import OraclePolicy
+from engine.bench.passkey import PASSKEY_QUESTION
+from engine.generate import full_logits
 from engine.model import load_model
 from engine.policies import SPARSE_METHODS, make_method
+from engine.prompt import prompt_format, turn_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -130,7 +133,7 @@ def test_summary_joins_the_parts_per_method_and_budget():
                                    "kl": 0.1, "read_prefill": 0.08, "read_decode": None}]}}
     rows = {(r["method"], r["budget"]): r for r in evaluate.summarize(doc)}
     assert rows["squeeze", 0.1] == {"method": "squeeze", "budget": 0.1, "needles": 0.8, "needles_short": None,
-                                    "recall": 0.7,
+                                    "needles_decided": None, "recall": 0.7,
                                     "units": 0.8, "oracle": 0.9, "top1": 0.9, "top1_decided": 1.0, "kl": 0.1,
                                     "read_prefill": 0.09,
                                     "read_decode": 0.12}
@@ -165,6 +168,18 @@ def tiny(tmp_path_factory):
     settings = {"duo": small, "duo-squeeze": small, **SMALL_SAAP}
     return lm, context_session(lm, text, list(SPARSE_METHODS), settings, extra=[OraclePolicy()],
                                prepared=gates_for(lm, [make_method(n, settings.get(n)) for n in SPARSE_METHODS])), path
+
+
+def test_full_margin_is_the_one_pass_logits_least_gap(tiny):
+    """needles.full_margin (the turn's prefill of the passkey question, then a decode step per answer token) equals
+    the least top-two gap of the logits of one pass over the question and the answer (engine.generate.full_logits)
+    at the answer's positions, within 1e-3 nats (float32 logits through two paths)."""
+    lm, session, _ = tiny
+    answer = [11, 45, 46, 47]
+    prompt = turn_ids(lm.tokenizer, prompt_format(lm.tokenizer), PASSKEY_QUESTION).ids
+    logits = full_logits(lm, session.step_context("full", 0.0), torch.cat([prompt, torch.tensor(answer[:-1])]))
+    want = float(fidelity.top_margin(logits[prompt.numel() - 1:]).min())
+    assert needles.full_margin(session, answer) == pytest.approx(want, abs=1e-3)
 
 
 def test_full_budget_agrees_with_full_attention(tiny):

@@ -9,6 +9,7 @@ import pytest
 
 from engine.bench.evaluate import summarize as summarize_eval
 from engine.bench.evaluate import table
+from engine.bench.fidelity import DECIDED_MARGIN
 from engine.bench.needles import SHORT_ANSWER, key_end, passkeys, run, summarize
 from engine.corpus import embedded, essays_dir, haystack
 
@@ -34,6 +35,27 @@ def test_summary_counts_cells_as_good_as_full_attention():
            "needles": {"summary": [row]}}
     doc["summary"] = summarize_eval(doc)
     assert "| quest | 10% | 75% | - | - | - | 0.100 / 0.200 |" in table(doc)
+
+
+def test_decided_cells_are_those_full_attention_found_with_no_near_tie():
+    """`decided`: cells where full attention found the key and its least top-two gap on the way is at least
+    DECIDED_MARGIN; `found_decided`: the share of them the method found. Cells that do not say: None (older runs);
+    the table puts it after the short share, the caption counts the decided cells."""
+    cells = [{"method": "saap", "budget": 0.1, "found": f, "full_found": m is not None, "full_margin": m,
+              "key_end": 6 if f else None, "full_key_end": None if m is None else 6, "kv_budget_prefill": 0.1,
+              "kv_budget_decode": 0.1}
+             for f, m in ((True, 1.4), (False, 0.08), (False, 2.0), (True, DECIDED_MARGIN), (False, None))]
+    (row,) = summarize(cells)
+    assert (row["decided"], row["found_decided"]) == (3, round(2 / 3, 4))
+    assert row["as_good_as_full"] == 0.6
+    older = summarize([{k: v for k, v in c.items() if k != "full_margin"} for c in cells])[0]
+    assert (older["decided"], older["found_decided"]) == (None, None)
+    doc = {"model": "m", "device": "cpu", "created": "now", "needles": {"summary": [row]},
+           "full": {"needles_found": 4, "needles_cells": 5, "needles_decided": 3}}
+    doc["summary"] = summarize_eval(doc)
+    text = table(doc)
+    assert "| saap | 10% | 60% (60%; 67%) |" in text
+    assert "full attention found 4/5 needles, 3 with no near-tie" in text
 
 
 class _Pieces:
@@ -130,6 +152,7 @@ def test_a_tiny_grid_through_the_real_model(real_lm):
         # rows' reserve (64 rows of ~1K, charged in full) is mostly inside the selection (without follow rows squeeze
         # 0.41-0.52, hsqueeze 0.30-0.44: the calibration's own spread on 1K-token contexts)
         assert abs(cell["kv_budget_prefill"] - 0.5) <= 0.2
+        assert cell["full_margin"] >= 0.0  # full attention's greedy answer: its own top token at every position
     for method in methods:
         found = [c for c in doc["cells"] if c["method"] == method and c["found"]]
         assert len(found) >= FOUND_AT_LEAST.get(method, len(depths)), (

@@ -3,6 +3,7 @@ against plain references, and the method through the engine and the CLI on a tin
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -16,7 +17,7 @@ from engine.policies.base import LayerIndex, LayerKeys
 from engine.policies.saap import LOOKUP_PARTS, SaapPolicy, SaapSettings
 from engine.rope import derope, rope_frequencies
 from kernels.backend import REFERENCE, TRITON
-from kernels.reference.buckets import bucket_scores, take_best
+from kernels.reference.buckets import bucket_scores, ranking, take_best
 from tiny_models import QUICK_TRAINING, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -147,10 +148,27 @@ def test_bucket_scores_kernel_equals_the_reference(hq, hkv, d, hidden, c, lq):
     torch.testing.assert_close(got.sum(-1), torch.full((hkv,), float(hq // hkv)), rtol=0, atol=1e-4)
     torch.testing.assert_close(got, want, rtol=0, atol=2e-5 * (hq // hkv))
     sizes = torch.randint(0, 50, (hkv, c), generator=g)
-    for budget in (0.2 * float(sizes.sum(-1).min()), float("inf")):  # (inf: every bucket, a layer read whole)
-        score, keep = TRITON.kernel("buckets").best_buckets(*(t.to(DEVICE) for t in (q, pos, *args, sizes)), budget)
+    for budget, per_key in itertools.product((0.2 * float(sizes.sum(-1).min()), float("inf")), (False, True)):
+        # (inf: every bucket, a layer read whole)
+        score, keep = TRITON.kernel("buckets").best_buckets(*(t.to(DEVICE) for t in (q, pos, *args, sizes)), budget,
+                                                            per_key=per_key)
         torch.testing.assert_close(score.cpu(), want, rtol=0, atol=2e-5 * (hq // hkv))
-        assert torch.equal(keep.cpu(), take_best(score.cpu(), sizes, budget)), budget  # the pick of its own scores
+        # the pick of its own scores (per key: of the same division, in float32 alike)
+        assert torch.equal(keep.cpu(), take_best(ranking(score.cpu(), sizes, per_key), sizes, budget)), budget
+
+
+def test_ranking_per_key_takes_the_most_score_for_the_keys():
+    """A big bucket with the most score and small ones with less: by mass the big one is taken first and fills a
+    small budget; per key the small ones that score more for each key they cost are, and the big one only when the
+    budget reaches it."""
+    score = torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]])
+    sizes = torch.tensor([[100, 10, 10, 50, 0]])
+    by_mass = take_best(ranking(score, sizes, False), sizes, 20.0)
+    by_key = take_best(ranking(score, sizes, True), sizes, 20.0)
+    assert by_mass.tolist() == [[True, False, False, False, False]]
+    assert by_key.tolist() == [[False, True, True, False, False]]
+    assert take_best(ranking(score, sizes, True), sizes, 100.0).tolist() == [[True, True, True, False, False]]
+    torch.testing.assert_close(ranking(score, sizes, True), torch.tensor([[0.005, 0.03, 0.015, 0.001, 0.0]]))
 
 
 def test_targets_are_the_long_range_attention_per_bucket():
@@ -253,7 +271,7 @@ def test_build_assigns_de_roped_keys_and_keeps_the_dense_part():
 def test_lookup_reads_the_best_buckets_and_the_dense_part():
     hkv, hq, d, lc, tail = 2, 4, 16, 400, 8
     g = torch.Generator().manual_seed(6)
-    method = SaapPolicy(SaapSettings(buckets=16, hidden=8))
+    method = SaapPolicy(SaapSettings(buckets=16, hidden=8, rank="mass"))
     prepared = {k.split(".", 1)[1]: v for k, v in method.stand_in([2], hkv, d).items()}
     keys = torch.randn(hkv, lc + tail, d, generator=g)
     built = method.build(LayerKeys(layer_idx=2, keys=keys[:, :lc], tail=tail), {}, prepared)
@@ -275,6 +293,13 @@ def test_lookup_reads_the_best_buckets_and_the_dense_part():
         assert torch.equal(mask[h], want[layout.order[h]])
     with pytest.raises(ValueError, match="positions"):
         method.lookup(q, layer, plan, d ** -0.5, REFERENCE)
+    per_key = SaapPolicy(SaapSettings(buckets=16, hidden=8))  # the default
+    found = per_key.lookup(q, layer, plan, d ** -0.5, REFERENCE, pos)
+    sizes = built["counts"][:, :16]
+    assert torch.equal(found.units, take_best(score / sizes.clamp(min=1), sizes, 0.3 * lc))
+    assert per_key.prepare_key() == method.prepare_key()  # the same trained partitions
+    with pytest.raises(ValueError, match="rank"):
+        SaapSettings(rank="size")
 
 
 def test_saap_through_the_engine_trains_once_and_equals_full_attention_at_budget_1(tiny_llama, tmp_path):

@@ -50,13 +50,15 @@ def summarize(doc: dict) -> list[dict]:
 
     def row(method: str, budget: float) -> dict:
         return rows.setdefault((method, budget), {"method": method, "budget": budget, "needles": None,
-                                                  "needles_short": None, "recall": None, "units": None,
+                                                  "needles_short": None, "needles_decided": None,
+                                                  "recall": None, "units": None,
                                                   "oracle": None, "top1": None, "top1_decided": None, "kl": None,
                                                   "read_prefill": None, "read_decode": None, "_reads": []})
 
     for r in (doc.get("needles") or {}).get("summary", []):
         row(r["method"], r["budget"]).update(needles=r["as_good_as_full"],
-                                             needles_short=r.get("as_good_as_full_short"))
+                                             needles_short=r.get("as_good_as_full_short"),
+                                             needles_decided=r.get("found_decided"))
         row(r["method"], r["budget"])["_reads"].append((r["read_prefill"], r["read_decode"]))
     for r in (doc.get("recall") or {}).get("rows", []):
         decode = r.get("decode") or r.get("prefill") or {}
@@ -78,23 +80,29 @@ def summarize(doc: dict) -> list[dict]:
 
 
 def table(doc: dict) -> str:
-    """The summary as a Markdown table (a dash where a part did not run; needles within the first
-    engine.bench.needles.SHORT_ANSWER answer tokens in brackets where the cells say; top-1 over the positions full
-    attention is decided on, engine.bench.fidelity.DECIDED_MARGIN, in brackets where the rows say)."""
+    """The summary as a Markdown table (a dash where a part did not run; in brackets where the cells say: needles
+    within the first engine.bench.needles.SHORT_ANSWER answer tokens, then the share found of the cells where full
+    attention found the key with no near-tie on the way; top-1 over the positions full attention is decided on,
+    engine.bench.fidelity.DECIDED_MARGIN, in brackets where the rows say)."""
     def cell(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     full = doc.get("full") or {}
     lines = [f"Model {doc['model']} on {doc['device']}, {doc['created']}"
-             + (f"; full attention found {full['needles_found']}/{full['needles_cells']} needles" if full else ""),
+             + (f"; full attention found {full['needles_found']}/{full['needles_cells']} needles" if full else "")
+             + (f", {full['needles_decided']} with no near-tie" if full.get("needles_decided") is not None else ""),
              "",
-             f"| method | KV budget | needles as good as full ({SHORT_ANSWER} tokens) | "
+             f"| method | KV budget | needles as good as full ({SHORT_ANSWER} tokens; found where full is decided) | "
              "recall (unit ceiling; oracle) | top-1 (decided) | KL | read (question / answer) |",
              "|---|---|---|---|---|---|---|"]
     for r in doc["summary"]:
         recall = "-" if r["recall"] is None else \
             f"{r['recall']:.3f} ({cell(r.get('units'), '.3f')}; {cell(r['oracle'], '.3f')})"
-        found = cell(r["needles"], ".0%") + ("" if r.get("needles_short") is None else f" ({r['needles_short']:.0%})")
+        short, decided = r.get("needles_short"), r.get("needles_decided")
+        brackets = [] if short is None else [format(short, ".0%")]
+        if decided is not None:
+            brackets = [cell(short, ".0%"), format(decided, ".0%")]
+        found = cell(r["needles"], ".0%") + (f" ({'; '.join(brackets)})" if brackets else "")
         top1 = cell(r["top1"], ".1%") + ("" if r.get("top1_decided") is None else f" ({r['top1_decided']:.1%})")
         lines.append(f"| {r['method']} | {r['budget']:.0%} | {found} | {recall} | "
                      f"{top1} | {cell(r['kl'], '.4f')} | "
@@ -129,7 +137,8 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
                                      context=context, prepared=prepared, settings=settings, follow=follow,
                                      answer_tokens=needle_tokens, token_lookups=token_lookups)
         cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
-        doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells)}
+        doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells),
+                       "needles_decided": needles.summarize(cells)[0]["decided"]}
     if "recall" in parts or "agreement" in parts:
         text = document.read_text(encoding="utf-8", errors="replace")
         if document_tokens is not None:

@@ -35,7 +35,6 @@ from pathlib import Path
 import torch
 
 from engine.attention import QueryCapture
-from engine.bench.needles import mean_or_none
 from engine.bench.recall import full_probs, in_original_order
 from engine.generate import forward_step, full_logits, generate_tokens
 from engine.ingest import global_scale
@@ -109,6 +108,10 @@ def agreement_stats(full: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tens
     log_q = torch.log_softmax(other.double(), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1).clamp_min(0.0)
     return full.argmax(dim=-1) == other.argmax(dim=-1), kl
+
+
+def mean_or_none(values: list[float]) -> float | None:
+    return round(sum(values) / len(values), 4) if values else None
 
 
 def top_margin(logits: torch.Tensor) -> torch.Tensor:

@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import random
 
+import torch
+
+from engine.bench.fidelity import DECIDED_MARGIN, Case, forced_logits, mean_or_none, top_margin
 from engine.bench.passkey import PASSKEY_QUESTION, insert_passkey
 from engine.corpus import essays_dir, haystack
+from engine.prompt import prompt_format, turn_ids
 
 ANSWER_TOKENS = 64  # the app's default answer length (app.config.AppConfig.max_new_tokens)
 SHORT_ANSWER = 12  # the answer length of the runs before session 23: a five-digit key and a little more; it cuts
@@ -91,6 +95,7 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
 
         full = session.ask(PASSKEY_QUESTION, "full", 0.0, answer_tokens, until=said)
         full_found, full_end = key in full.text, key_end(lm.tokenizer, full.tokens, key)
+        margin = full_margin(session, full.tokens[:full_end]) if full_found and full_end else None
         for method in [*methods, *(m.name for m in extra)]:
             for budget in budgets:
                 answer = session.ask(PASSKEY_QUESTION, method, 1.0 - budget, answer_tokens, until=said)
@@ -100,6 +105,8 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
                               # answer tokens through the key's last digit (None: not found)
                               "key_end": key_end(lm.tokenizer, answer.tokens, key) if key in answer.text else None,
                               "full_key_end": full_end if full_found else None,
+                              # full attention's least top-two gap through the key (None: it missed the key)
+                              "full_margin": margin,
                               "kv_budget_prefill": answer.stats.kv_budget_prefill,
                               # None: the answer ended at its first token (no decode step read anything)
                               "kv_budget_decode": answer.stats.kv_budget_decode or None})
@@ -109,11 +116,24 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
             "cells": cells, "summary": summarize(cells)}
 
 
+def full_margin(session, tokens: list[int]) -> float:
+    """Full attention's least top-two log-probability gap (nats) over its answer `tokens` [n >= 1] to the passkey
+    question, teacher-forced as a turn computes them (the turn's own prompt format): how sure it was on its way to
+    the key. Under engine.bench.fidelity.DECIDED_MARGIN some answer token was a near-tie, where a sparse method's
+    slightest change of the logits decides the cell either way."""
+    lm = session.lm
+    prompt = turn_ids(lm.tokenizer, prompt_format(lm.tokenizer), PASSKEY_QUESTION).ids
+    logits, _ = forced_logits(session, "full", 0.0, Case(PASSKEY_QUESTION, prompt, torch.tensor(tokens)))
+    return round(float(top_margin(logits).min()), 4)
+
+
 def summarize(cells: list[dict]) -> list[dict]:
     """Per (method, budget): cells, found, full attention's found on the same contexts, the share of the cells
     where the method is as good as full attention (found, or full attention missed too), the same share with
     answers cut at SHORT_ANSWER tokens (`as_good_as_full_short`; None where the cells do not say where the key
-    ends), mean reads (decode's over the cells whose answer had decode steps; None without any)."""
+    ends), the cells where full attention found the key with no near-tie on the way (`decided`: full_margin at
+    least DECIDED_MARGIN) and the share of them the method found (`found_decided`; both None where the cells do
+    not say), mean reads (decode's over the cells whose answer had decode steps; None without any)."""
     groups: dict[tuple[str, float], list[dict]] = {}
     for cell in cells:
         groups.setdefault((cell["method"], cell["budget"]), []).append(cell)
@@ -124,9 +144,19 @@ def summarize(cells: list[dict]) -> list[dict]:
                     "found": sum(c["found"] for c in group), "full_found": sum(c["full_found"] for c in group),
                     "as_good_as_full": round(sum(c["found"] or not c["full_found"] for c in group) / n, 4),
                     "as_good_as_full_short": _short_share(group),
+                    **_decided(group),
                     "read_prefill": round(sum(c["kv_budget_prefill"] for c in group) / n, 4),
                     "read_decode": mean_or_none([c["kv_budget_decode"] for c in group if c["kv_budget_decode"] is not None])})
     return out
+
+
+def _decided(group: list[dict]) -> dict:
+    """`decided` and `found_decided` of a (method, budget)'s cells (summarize)."""
+    if not all("full_margin" in c for c in group):
+        return {"decided": None, "found_decided": None}
+    decided = [c for c in group if c["full_margin"] is not None and c["full_margin"] >= DECIDED_MARGIN]
+    return {"decided": len(decided),
+            "found_decided": round(sum(c["found"] for c in decided) / len(decided), 4) if decided else None}
 
 
 def _short_share(group: list[dict]) -> float | None:
@@ -138,7 +168,3 @@ def _short_share(group: list[dict]) -> float | None:
         return end is not None and end <= SHORT_ANSWER
 
     return round(sum(within(c["key_end"]) or not within(c["full_key_end"]) for c in group) / len(group), 4)
-
-
-def mean_or_none(values: list[float]) -> float | None:
-    return round(sum(values) / len(values), 4) if values else None

@@ -10,8 +10,8 @@ every key (section 3: its attention is spread over all keys).
 
 Lookup (no host synchronisation: fixed shapes, the budget a number of keys known on the host): the step's queries
 de-RoPE'd at their positions, each query head's classifier scores (softmax over buckets), summed over the KV head's
-query heads (section 5) and averaged over the step's tokens; buckets taken best first, their keys counted, until the
-plan's share of the indexed keys is reached (the bucket that crosses it included: kernels/jit/buckets.py, a
+query heads (section 5) and averaged over the step's tokens; buckets taken best first (by that score, or by it per
+key: `SaapSettings.rank`), their keys counted, until the plan's share of the indexed keys is reached (the bucket that crosses it included: kernels/jit/buckets.py, a
 threshold found without sorting); the expansion to key positions is squeeze's kernel. The classifier's weights are
 what a step reads of the index (counted in the budget).
 """
@@ -44,13 +44,21 @@ CORPUS_SPARE = 2  # corpus tokens read: this many times what the prompts need (t
 class SaapSettings(MethodSettings):
     """buckets, hidden: the partitions' size (C per layer and KV head; the paper: 1024) and the classifier's width;
     dense_first_layer: the model's layer 0 reads every key when it is a global layer (the paper's choice);
+    rank: what the buckets are taken best first by until the budget: "per_key" (default), the score over the
+    bucket's keys in the document (the predicted weight a key of the budget buys), or "mass", the classifier's
+    score alone (the paper's top buckets, whose buckets are balanced; ours are not: engine/NOTES.md, "Saap's
+    buckets ranked per key");
     train_*: engine.partitions.PartitionTraining (prompts x tokens of text, sampled queries per prompt and head,
     k-means iterations, Adam steps, batch, learning rate, long-range queries only); seed: the training's. All but
-    dense_first_layer are the key of the stored partitions."""
+    dense_first_layer and rank are the key of the stored partitions."""
+
+    RANKS: ClassVar[tuple[str, ...]] = ("mass", "per_key")
+    LOOKUP_ONLY: ClassVar[tuple[str, ...]] = ("dense_first_layer", "rank")  # not the trained partitions' key
 
     buckets: int = 256
     hidden: int = 128
     dense_first_layer: bool = True
+    rank: str = "per_key"
     train_prompts: int = 4
     train_tokens: int = 4096
     train_queries: int = 512
@@ -63,6 +71,8 @@ class SaapSettings(MethodSettings):
 
     def __post_init__(self) -> None:
         self.training()  # validates the sizes
+        if self.rank not in self.RANKS:
+            raise ValueError(f"saap rank must be one of {self.RANKS}, got {self.rank!r}")
 
     def training(self) -> PartitionTraining:
         return PartitionTraining(buckets=self.buckets, hidden=self.hidden, prompts=self.train_prompts,
@@ -93,7 +103,7 @@ class SaapPolicy(Method):
 
     def prepare_key(self) -> dict:
         return {f.name: getattr(self.settings, f.name) for f in fields(self.settings)
-                if f.name != "dense_first_layer"}
+                if f.name not in SaapSettings.LOOKUP_ONLY}
 
     def prepare(self, lm, preparation: Preparation | None = None) -> Tensors:
         """Train the partitions (engine.partitions) on the corpus (engine.corpus): `layer{i}.centroids`, the
@@ -185,7 +195,8 @@ class SaapPolicy(Method):
         parts = layer.memo(("saap", q.device), lambda: LookupParts.of(layer, q.device))
         budget = float("inf") if parts.whole else plan.at(q.shape[1]) * float(layer.indexed)  # inf: every bucket
         score, keep = backend.kernel("buckets").best_buckets(q, positions, *(layer[n] for n in LOOKUP_PARTS),
-                                                             parts.sizes, budget)  # [Hkv, C] each
+                                                             parts.sizes, budget,
+                                                             per_key=self.settings.rank == "per_key")  # [Hkv, C] each
         # the dense part, the same keys in every KV head and the last group of the layout, is read with the tail
         selection = backend.kernel("compact").expand_groups(keep, parts.starts, layer.indexed - parts.dense,
                                                             layer.tail + parts.dense)

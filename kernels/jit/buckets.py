@@ -124,12 +124,13 @@ def pick_kernel(
     logits_ptr,  # [H, ROWS, C] float32
     sizes_ptr,  # [H, C] int64 (< 2^31 each; HAS_SIZES)
     score_ptr,  # [H, C] float32 out: the rows' softmax over C, summed, times `weight`
-    keep_ptr,  # [H, C] bool out: take_best of the scores
+    keep_ptr,  # [H, C] bool out: take_best of the scores (PER_KEY: of the scores over max(size, 1))
     ROWS,
     C,
     weight,
     budget,
     HAS_SIZES: tl.constexpr,  # False: the scores alone
+    PER_KEY: tl.constexpr,  # the buckets ranked by score per key (kernels.reference.buckets.ranking)
     BLOCK_C: tl.constexpr,  # >= C, a power of two
 ):
     h = tl.program_id(0)
@@ -144,7 +145,10 @@ def pick_kernel(
     tl.store(score_ptr + h * C + cc, score, mask=valid)
     if HAS_SIZES:
         n = tl.load(sizes_ptr + h * C + cc, mask=valid, other=0)
-        tl.store(keep_ptr + h * C + cc, _take_best(score, n, valid, budget), mask=valid)
+        rank = score
+        if PER_KEY:
+            rank = score / tl.maximum(n, 1).to(tl.float32)
+        tl.store(keep_ptr + h * C + cc, _take_best(rank, n, valid, budget), mask=valid)
 
 
 @triton.jit

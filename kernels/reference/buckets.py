@@ -51,11 +51,19 @@ def bucket_scores(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
 
 def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, sizes: torch.Tensor | None,
-                 budget: float) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A lookup's two steps at once: (bucket_scores [Hkv, C] of the arguments as bucket_scores', take_best of them
-    with sizes [Hkv, C] int64 and `budget` [Hkv, C] bool; None where sizes is None)."""
+                 budget: float, per_key: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A lookup's two steps at once: (bucket_scores [Hkv, C] of the arguments as bucket_scores', take_best with
+    sizes [Hkv, C] int64 and `budget` [Hkv, C] bool of the scores, or with `per_key` of the scores per key
+    (`ranking`); None where sizes is None)."""
     score = bucket_scores(q, positions, inv_freq, w1, b1, w2, b2)
-    return score, None if sizes is None else take_best(score, sizes, budget)
+    return score, None if sizes is None else take_best(ranking(score, sizes, per_key), sizes, budget)
+
+
+def ranking(score: torch.Tensor, sizes: torch.Tensor, per_key: bool) -> torch.Tensor:
+    """What buckets are taken best first by: score [H, C] float32 itself, or with `per_key` the score per key the
+    bucket holds (score / max(size, 1), sizes [H, C] int64): under a budget of keys, the buckets that give the
+    most of the predicted weight for the keys they cost."""
+    return score / sizes.clamp(min=1).to(score.dtype) if per_key else score
 
 
 def take_best(score: torch.Tensor, sizes: torch.Tensor, budget: float) -> torch.Tensor:
