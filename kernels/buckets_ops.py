@@ -41,7 +41,7 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     rows = (hq // hkv) * lq
     if rows > DECODE_ROWS or not c:  # a prefill's scores: torch's batched products (cuBLAS) beat a kernel here
         score = reference.bucket_scores(q, positions, inv_freq, w1, b1, w2, b2)
-        return score, None if sizes is None else take_best(reference.ranking(score, sizes, per_key), sizes, budget)
+        return score, None if sizes is None else take_best(ranking(score, sizes, per_key), sizes, budget)
     params = [t.to(device=q.device, dtype=torch.float32).contiguous() for t in (inv_freq, w1, b1, w2, b2)]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -57,8 +57,8 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     if sizes is not None:
         _check_sizes(score, sizes)
     pick_kernel[(hkv,)](logits, score if sizes is None else sizes.contiguous(), score, keep, rows, c, 1.0 / lq,
-                        float(budget), HAS_SIZES=sizes is not None, PER_KEY=per_key, BLOCK_C=max(16, triton.next_power_of_2(c)),
-                        num_warps=WARPS)
+                        float(budget), HAS_SIZES=sizes is not None, PER_KEY=per_key,
+                        BLOCK_C=max(16, triton.next_power_of_2(c)), num_warps=WARPS)
     return score, None if sizes is None else keep
 
 
