@@ -136,9 +136,10 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
         doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()],
                                      context=context, prepared=prepared, settings=settings, follow=follow,
                                      answer_tokens=needle_tokens, token_lookups=token_lookups)
-        cells = [c for c in doc["needles"]["cells"] if c["method"] == methods[0] and c["budget"] == budgets[0]]
-        doc["full"] = {"needles_found": sum(c["full_found"] for c in cells), "needles_cells": len(cells),
-                       "needles_decided": needles.summarize(cells)[0]["decided"]}
+        # full attention's figures: any (method, budget) row's, the same contexts
+        first = next(r for r in doc["needles"]["summary"] if (r["method"], r["budget"]) == (methods[0], budgets[0]))
+        doc["full"] = {"needles_found": first["full_found"], "needles_cells": first["cells"],
+                       "needles_decided": first["decided"]}
     if "recall" in parts or "agreement" in parts:
         text = document.read_text(encoding="utf-8", errors="replace")
         if document_tokens is not None:
