@@ -13,7 +13,10 @@ prefill (full attention), keeping every global layer's keys and queries:
    the KV head gives its own example (the paper's "each batch from one prompt, long-range pairs only").
 3. the classifier, one per (layer, KV head), shared by its query heads (their scores are summed at search time,
    section 5): logits = W2 gelu(W1 q / |q| + b1) + b2, trained with Adam on the KL divergence between the targets
-   and its softmax (equation 1), `steps` minibatches of `batch` examples.
+   and its softmax (equation 1), `steps` minibatches of `batch` examples. With `size_prior`, the softmax is over
+   logits + log n_b, n_b the long-range keys bucket b holds for that query: the logits are then a bucket's weight
+   per key, apart from how many keys the training text put in it, and a document's lookup adds its own counts
+   (engine.policies.saap: log n_b folded into b2 at ingest).
 Resumable: the state (centroids, weights, Adam moments, step) goes to `save` every `checkpoint_every` steps; the
 prompts and every minibatch are functions of (seed, step), so a resumed run ends where an uninterrupted one does.
 """
@@ -48,7 +51,8 @@ class PartitionTraining:
     prompts, tokens: the training text; queries: examples per prompt and query head; kmeans_iters (the paper: 10);
     steps, batch, lr: the classifier's Adam; seed: which text and which examples; long_range: train only on the
     queries whose best-matching key (the sink aside) is at least the dense window back (the paper's filter,
-    appendix A: the dense part serves the others)."""
+    appendix A: the dense part serves the others); size_prior: the classifier's softmax is over its logits plus the
+    log of each bucket's long-range keys (module docstring, step 3), not the paper's logits alone."""
 
     buckets: int = 256
     hidden: int = 128
@@ -61,6 +65,7 @@ class PartitionTraining:
     lr: float = 1e-3
     seed: int = 0
     long_range: bool = False
+    size_prior: bool = True
     checkpoint_every: int = 50
 
     def __post_init__(self) -> None:
@@ -133,8 +138,9 @@ def train_partitions(lm, training: PartitionTraining, corpus: list[int], inv_fre
     x = torch.cat([e[0] for e in examples])  # [U, E, D], U = layers x Hkv
     t = torch.cat([e[1] for e in examples])  # [U, E, C]
     usable = torch.cat([e[2] for e in examples]) if training.long_range else None  # [U, E]
+    prior = torch.cat([e[3] for e in examples]) if training.size_prior else None  # [U, E, C]
     weights = train_classifiers(x, t, training, state, save, lambda step, loss: tell(
-        step, training.steps, "training the classifier", loss), usable=usable)
+        step, training.steps, "training the classifier", loss), usable=usable, prior=prior)
     hkv = x.shape[0] // len(layers)
     return {i: {"centroids": centroids[i], **{n: w[k * hkv:(k + 1) * hkv].clone() for n, w in weights.items()},
                 "sizes": bucket_sizes(labels[i], training.buckets)} for k, i in enumerate(layers)}
@@ -190,16 +196,18 @@ def collect(lm, training: PartitionTraining, corpus: list[int], inv_freq: dict[i
 
 
 def bucket_targets(prompts: list[Prompt], labels: list[torch.Tensor], c: int, scale: float, window: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x [Hkv, E', D] unit de-RoPE'd queries, targets [Hkv, E', C], far [Hkv, E'] bool) over the prompts,
-    E' = prompts x G x E: each sampled query of each query head, the share of its attention over the long-range
-    keys (at least `window` tokens before it, the sink excluded; the model's softmax renormalised over them) in each
-    of the `c` buckets, and whether its best-matching key (over all keys before it, the sink excluded) is one of
-    them; labels: per prompt, each key's bucket [Hkv, L] (bucket_labels)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [Hkv, E', D] unit de-RoPE'd queries, targets [Hkv, E', C], far [Hkv, E'] bool, log_sizes [Hkv, E', C])
+    over the prompts, E' = prompts x G x E: each sampled query of each query head, the share of its attention over
+    the long-range keys (at least `window` tokens before it, the sink excluded; the model's softmax renormalised
+    over them) in each of the `c` buckets, whether its best-matching key (over all keys before it, the sink
+    excluded) is one of them, and the log of each bucket's long-range keys (log_counts: EMPTY where none);
+    labels: per prompt, each key's bucket [Hkv, L] (bucket_labels)."""
     hkv = prompts[0].keys.shape[0]
     xs: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
     ts: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
     fs: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
+    ns: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
     for p, found in zip(prompts, labels):
         key_pos = torch.arange(p.keys.shape[1], device=p.keys.device)
         far = (key_pos[None, :] <= p.pos[:, None] - window) & (key_pos[None, :] >= 1)  # [E, L]
@@ -215,8 +223,21 @@ def bucket_targets(prompts: list[Prompt], labels: list[torch.Tensor], c: int, sc
             ts[h].append(target.flatten(0, 1))
             best = logits.masked_fill(~before[None], float("-inf")).argmax(-1)  # [G, E]
             fs[h].append((best <= p.pos[None, :] - window).flatten())
+            sizes = torch.zeros(q.shape[1], c, device=q.device).scatter_add_(
+                1, found[h][None, :].expand(q.shape[1], -1), far.float())  # [E, C]
+            ns[h].append(log_counts(sizes)[None].expand(group, -1, -1).flatten(0, 1))
     return (torch.stack([torch.cat(x) for x in xs]), torch.stack([torch.cat(t) for t in ts]),
-            torch.stack([torch.cat(f) for f in fs]))
+            torch.stack([torch.cat(f) for f in fs]), torch.stack([torch.cat(n) for n in ns]))
+
+
+EMPTY = -1e4  # log_counts of an empty bucket: exp() of it is 0 in float32, and no product with it is NaN
+
+
+def log_counts(sizes: torch.Tensor) -> torch.Tensor:
+    """Keys per bucket (any shape, any dtype) -> float32 log of them, EMPTY where a bucket holds none: what a
+    size-prior classifier adds to its logits (PartitionTraining.size_prior)."""
+    sizes = sizes.float()
+    return torch.where(sizes > 0, torch.log(sizes.clamp(min=1)), torch.full_like(sizes, EMPTY))
 
 
 def imbalance(sizes: torch.Tensor) -> float:
@@ -244,10 +265,12 @@ def init_weights(units: int, dim: int, hidden: int, buckets: int, seed: int, dev
 
 def train_classifiers(x: torch.Tensor, targets: torch.Tensor, training: PartitionTraining,
                       state: dict[str, torch.Tensor], save, progress: Callable[[int, float], None],
-                      usable: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                      usable: torch.Tensor | None = None, prior: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Every unit's classifier at once (batched matrix products): x [U, E, D], targets [U, E, C] -> PARAMS
     [U, ...] float32 on the CPU. `state` holds a stopped run's weights and Adam moments ("classifier.*").
-    usable [U, E] bool: each unit's batches drawn among its usable examples only (a unit with none uses all)."""
+    usable [U, E] bool: each unit's batches drawn among its usable examples only (a unit with none uses all).
+    prior [U, E, C]: added to the logits before the softmax (the size prior: log_counts of each example's
+    buckets)."""
     units, examples, dim = x.shape
     if usable is not None:
         usable = usable.to(x.device).clone()
@@ -274,11 +297,14 @@ def train_classifiers(x: torch.Tensor, targets: torch.Tensor, training: Partitio
         if usable is None:
             pick = torch.randperm(examples, generator=gen)[:batch].to(device)
             xb, tb = x[:, pick], targets[:, pick]
+            pb = None if prior is None else prior[:, pick]
         else:  # [U, batch]: each unit's own draw
             pick = torch.multinomial(draw_from, batch, generator=gen).to(device)
             xb = x.gather(1, pick[..., None].expand(-1, -1, x.shape[-1]))
             tb = targets.gather(1, pick[..., None].expand(-1, -1, targets.shape[-1]))
-        loss = kl_loss(classify(xb, weights), tb)
+            pb = None if prior is None else prior.gather(1, pick[..., None].expand(-1, -1, prior.shape[-1]))
+        logits = classify(xb, weights)
+        loss = kl_loss(logits if pb is None else logits + pb, tb)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()

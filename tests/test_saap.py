@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.partitions import (PartitionTraining, Prompt, bucket_labels, bucket_targets, classify, init_weights,
+from engine.partitions import (EMPTY, PartitionTraining, Prompt, bucket_labels, bucket_targets, classify, init_weights,
                                kl_loss, recent_window, train_partitions)
 from engine.policies.base import LayerIndex, LayerKeys
 from engine.policies.saap import LOOKUP_PARTS, SaapPolicy, SaapSettings
@@ -174,7 +174,7 @@ def test_ranking_per_key_takes_the_most_score_for_the_keys():
 def test_targets_are_the_long_range_attention_per_bucket():
     """bucket_targets: each row is a distribution over the buckets (sums to 1) equal to the softmax over the keys
     at least `window` tokens back (sink excluded), summed per bucket; an example is a long-range query where its
-    best-matching key is one of those."""
+    best-matching key is one of those; log_sizes: the log of each bucket's keys among those (EMPTY where none)."""
     g = torch.Generator().manual_seed(4)
     hkv, hq, length, d, c, window = 1, 2, 40, 8, 4, 6
     keys = torch.randn(hkv, length, d, generator=g)
@@ -182,8 +182,9 @@ def test_targets_are_the_long_range_attention_per_bucket():
     pos = torch.tensor([15, 30, 39])
     centroids = F.normalize(torch.randn(hkv, c, d, generator=g), dim=-1)
     prompt = Prompt(keys=keys, keys_pre=keys, queries=queries, queries_pre=queries, pos=pos)
-    x, t, usable = bucket_targets([prompt], [bucket_labels(keys, centroids)], c, 0.5, window)
+    x, t, usable, log_sizes = bucket_targets([prompt], [bucket_labels(keys, centroids)], c, 0.5, window)
     assert x.shape == (hkv, hq * 3, d) and t.shape == (hkv, hq * 3, c) and usable.shape == (hkv, hq * 3)
+    assert log_sizes.shape == t.shape
     torch.testing.assert_close(t.sum(-1), torch.ones(hkv, hq * 3))
     labels = (keys[0] @ centroids[0].T).argmax(-1)
     for qh in range(hq):
@@ -193,6 +194,9 @@ def test_targets_are_the_long_range_attention_per_bucket():
             w = torch.softmax((queries[qh, e] @ keys[0].T * 0.5).masked_fill(~far, float("-inf")), dim=-1)
             want = torch.zeros(c).index_add_(0, labels, w)
             torch.testing.assert_close(t[0, qh * 3 + e], want, rtol=1e-5, atol=1e-6)
+            sizes = torch.zeros(c).index_add_(0, labels, far.float())
+            want_log = torch.where(sizes > 0, sizes.clamp(min=1).log(), torch.full_like(sizes, EMPTY))
+            torch.testing.assert_close(log_sizes[0, qh * 3 + e], want_log)
             best = int((queries[qh, e] @ keys[0, 1:p + 1].T).argmax()) + 1  # the best key before it, sink aside
             assert bool(usable[0, qh * 3 + e]) == (best <= p - window)
 
@@ -215,6 +219,29 @@ def test_long_range_training_draws_only_usable_examples():
     probs = torch.softmax(classify(x, weights), dim=-1)
     assert float(probs[0, :, 0].min()) > 0.9  # unit 0 learnt bucket 0 everywhere: it never drew a bucket-1 example
     assert float(probs[1, :, 1].min()) > 0.9  # unit 1 (nothing usable) trained on all its examples
+
+
+def test_a_size_prior_classifier_learns_the_weight_per_key():
+    """Targets that are one density over the buckets (softmax of `a`) times each example's bucket sizes, the same
+    query for every example: with the sizes as a prior (log_counts added before the softmax) the classifier fits
+    them all, its logits' softmax the density within 0.02; without, one output cannot fit sizes that differ."""
+    from engine.partitions import log_counts, train_classifiers
+
+    g = torch.Generator().manual_seed(9)
+    units, examples, d, c = 1, 128, 8, 5
+    x = F.normalize(torch.randn(d, generator=g), dim=0).expand(units, examples, d).contiguous()
+    a = torch.tensor([2.0, 0.0, -1.0, 1.0, 0.5])
+    sizes = torch.randint(0, 40, (units, examples, c), generator=g)
+    sizes[..., 0] = sizes[..., 0].clamp(min=1)  # every example holds some keys
+    prior = log_counts(sizes)
+    targets = torch.softmax(a + prior, dim=-1)
+    training = PartitionTraining(buckets=c, hidden=8, steps=400, batch=32, lr=0.02, tokens=256, size_prior=True)
+    weights = train_classifiers(x, targets, training, {}, None, lambda step, loss: None, prior=prior)
+    logits = classify(x, weights)
+    torch.testing.assert_close(torch.softmax(logits[0, 0], -1), torch.softmax(a, -1), atol=0.02, rtol=0)
+    fitted = float(kl_loss(logits + prior, targets))
+    plain = train_classifiers(x, targets, training, {}, None, lambda step, loss: None)
+    assert fitted < 0.01 < float(kl_loss(classify(x, plain), targets))
 
 
 @pytest.mark.parametrize("long_range", [False, True])
@@ -271,7 +298,7 @@ def test_build_assigns_de_roped_keys_and_keeps_the_dense_part():
 def test_lookup_reads_the_best_buckets_and_the_dense_part():
     hkv, hq, d, lc, tail = 2, 4, 16, 400, 8
     g = torch.Generator().manual_seed(6)
-    method = SaapPolicy(SaapSettings(buckets=16, hidden=8, rank="mass"))
+    method = SaapPolicy(SaapSettings(buckets=16, hidden=8, rank="mass", size_prior=False))  # the paper's
     prepared = {k.split(".", 1)[1]: v for k, v in method.stand_in([2], hkv, d).items()}
     keys = torch.randn(hkv, lc + tail, d, generator=g)
     built = method.build(LayerKeys(layer_idx=2, keys=keys[:, :lc], tail=tail), {}, prepared)
@@ -293,11 +320,24 @@ def test_lookup_reads_the_best_buckets_and_the_dense_part():
         assert torch.equal(mask[h], want[layout.order[h]])
     with pytest.raises(ValueError, match="positions"):
         method.lookup(q, layer, plan, d ** -0.5, REFERENCE)
-    per_key = SaapPolicy(SaapSettings(buckets=16, hidden=8))  # the default
+    per_key = SaapPolicy(SaapSettings(buckets=16, hidden=8, size_prior=False))
     found = per_key.lookup(q, layer, plan, d ** -0.5, REFERENCE, pos)
     sizes = built["counts"][:, :16]
     assert torch.equal(found.units, take_best(score / sizes.clamp(min=1), sizes, 0.3 * lc))
     assert per_key.prepare_key() == method.prepare_key()  # the same trained partitions
+    # with the size prior the index's b2 holds the document's log sizes: the scores are softmax(logits + log n)
+    prior = SaapPolicy(SaapSettings(buckets=16, hidden=8))  # the default
+    assert prior.prepare_key() != method.prepare_key()  # partitions of their own
+    with_prior = LayerIndex(prior.build(LayerKeys(layer_idx=2, keys=keys[:, :lc], tail=tail), {}, prepared),
+                            lc + tail, tail)
+    torch.testing.assert_close(with_prior["b2"], prepared["b2"] + torch.where(
+        sizes > 0, sizes.clamp(min=1).float().log(), torch.full(sizes.shape, EMPTY)))
+    x = F.normalize(derope(q, pos, prepared["inv_freq"]), dim=-1).reshape(hkv, hq // hkv, d)
+    logits = classify(x, {n: prepared[n] for n in ("w1", "b1", "w2", "b2")})  # [Hkv, G, C]
+    want = torch.softmax(logits + with_prior["b2"][:, None] - prepared["b2"][:, None], dim=-1).sum(1)
+    found = prior.lookup(q, with_prior, plan, d ** -0.5, REFERENCE, pos)
+    torch.testing.assert_close(found.scores, want, rtol=1e-5, atol=1e-6)
+    assert torch.equal(found.units, take_best(want / sizes.clamp(min=1), sizes, 0.3 * lc))
     with pytest.raises(ValueError, match="rank"):
         SaapSettings(rank="size")
 

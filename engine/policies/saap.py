@@ -26,7 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.artifacts import layer_name
-from engine.partitions import PARAMS, PartitionTraining, StepReport, bucket_labels, init_weights, recent_window
+from engine.partitions import (PARAMS, PartitionTraining, StepReport, bucket_labels, init_weights, log_counts,
+                               recent_window)
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Preparation,
                                   StepPlan, Tensors, check_budget)
 from engine.policies.budget import budget_curves
@@ -49,6 +50,11 @@ class SaapSettings(MethodSettings):
     bucket's keys in the document (the predicted weight a key of the budget buys), or "mass", the classifier's
     score alone (the paper's top buckets, whose buckets are balanced; ours are not: engine/NOTES.md, "Saap's
     buckets ranked per key");
+    size_prior: the classifier's softmax over its logits plus log n_b, n_b the keys in bucket b (the training
+    prompt's long-range ones in training, the document's at ingest, folded into the index's copy of b2): its
+    logits are a bucket's weight per key, whatever the sizes of the buckets in the training text
+    (engine.partitions, PartitionTraining.size_prior; engine/NOTES.md, "Saap's classifier with the buckets'
+    sizes");
     train_*: engine.partitions.PartitionTraining (prompts x tokens of text, sampled queries per prompt and head,
     k-means iterations, Adam steps, batch, learning rate, long-range queries only); seed: the training's. All but
     dense_first_layer and rank are the key of the stored partitions."""
@@ -60,6 +66,7 @@ class SaapSettings(MethodSettings):
     hidden: int = 128
     dense_first_layer: bool = True
     rank: str = "per_key"
+    size_prior: bool = True
     train_prompts: int = 4
     train_tokens: int = 4096
     train_queries: int = 512
@@ -80,7 +87,7 @@ class SaapSettings(MethodSettings):
                                  tokens=self.train_tokens, queries=self.train_queries,
                                  kmeans_iters=self.train_kmeans_iters, steps=self.train_steps,
                                  batch=self.train_batch, lr=self.train_lr, seed=self.seed,
-                                 long_range=self.train_long_range)
+                                 long_range=self.train_long_range, size_prior=self.size_prior)
 
 
 @dataclass(frozen=True)
@@ -167,10 +174,13 @@ class SaapPolicy(Method):
         if layer.first == 0:
             labels[:, 0] = c  # ... and the first token (with a sink, the context's first tokens are dense rows)
         starts = group_starts(labels, c + 1)
+        counts = starts[:, 1:] - starts[:, :-1]
         dense = layer.layer_idx == 0 and self.settings.dense_first_layer
-        return {"labels": labels, "counts": starts[:, 1:] - starts[:, :-1], "key_starts": starts,
-                "dense": torch.tensor([dense], device=device),
-                **{n: prepared[n].to(device=device, dtype=torch.float32).clone() for n in LOOKUP_PARTS}}
+        parts = {n: prepared[n].to(device=device, dtype=torch.float32).clone() for n in LOOKUP_PARTS}
+        if self.settings.size_prior:  # the document's buckets' keys enter the classifier's softmax
+            parts["b2"] = parts["b2"] + log_counts(counts[:, :c])
+        return {"labels": labels, "counts": counts, "key_starts": starts,
+                "dense": torch.tensor([dense], device=device), **parts}
 
     def calibrate(self, layers: list[CalibrationSet], scale: float) -> Tensors:
         """The budget curves measured over the sparse layers, then averaged with the dense ones' reads by their
