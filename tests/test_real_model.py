@@ -38,7 +38,16 @@ def passkey_methods() -> dict:
 
 
 @pytest.fixture(scope="module")
-def passkey_contexts(real_lm):
+def saap_partitions(real_lm):
+    """Saap's partitions for the default settings' shapes (256 buckets, width 128), trained on 2 prompts of 1,024
+    tokens for 200 steps (about 10 s on 2 cores; the default training reads 16x the text)."""
+    from engine.policies.saap import SaapPolicy, SaapSettings
+
+    return SaapPolicy(SaapSettings(train_prompts=2, train_tokens=1024, train_steps=200)).prepare(real_lm)
+
+
+@pytest.fixture(scope="module")
+def passkey_contexts(real_lm, saap_partitions):
     """One ingested context per passkey depth: (session, calibration queries by global layer)."""
     contexts = {}
     for depth in DEPTHS:
@@ -46,9 +55,11 @@ def passkey_contexts(real_lm):
         fixed = tokenize_document(real_lm.tokenizer, text, real_lm.max_context)
         methods = passkey_methods()
         # duo with untrained gates (training takes minutes: tests/test_duo.py trains them on tiny models); what is
-        # checked here of it is mechanics: the budget it reads, full attention at budget 1
+        # checked here of it is mechanics: the budget it reads, full attention at budget 1. Saap with partitions
+        # trained on little text (saap_partitions): its buckets are the model's keys' (random centroids put most
+        # keys of a layer in a few buckets, and the bucket that crosses the budget is read whole)
         out = ingest_tokens(real_lm, fixed.ids, ContextSettings(), REFERENCE, list(methods.values()),
-                            prepared=gates_for(real_lm, list(methods.values())))
+                            prepared={**gates_for(real_lm, list(methods.values())), "saap": saap_partitions})
         queries = {i: out.artifacts[f"layer{i}.calib_queries"] for i in real_lm.global_layers}
         contexts[depth] = (ContextSession(real_lm, out.artifacts, ContextSettings(), REFERENCE, methods=methods),
                            queries)
