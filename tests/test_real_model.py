@@ -40,7 +40,7 @@ def passkey_methods() -> dict:
 @pytest.fixture(scope="module")
 def saap_partitions(real_lm):
     """Saap's partitions for the default settings' shapes (256 buckets, width 128), trained on 2 prompts of 1,024
-    tokens for 200 steps (about 10 s on 2 cores; the default training reads 16x the text)."""
+    tokens for 200 steps (about 20 s on 2 cores; the default training reads 8x the text)."""
     from engine.policies.saap import SaapPolicy, SaapSettings
 
     return SaapPolicy(SaapSettings(train_prompts=2, train_tokens=1024, train_steps=200)).prepare(real_lm)

@@ -9,12 +9,13 @@ at 128K), read at every step with the engine's dense rows. The model's layer 0, 
 every key (section 3: its attention is spread over all keys).
 
 Lookup (no host synchronisation: fixed shapes, the budget a number of keys known on the host): the step's queries
-de-RoPE'd at their positions, each query head's classifier scores (softmax over buckets), summed over the KV head's
-query heads (section 5) and averaged over the step's tokens; buckets taken best first (by that score per key by
-default, or by the score: `SaapSettings.rank`), their keys counted, until the plan's share of the indexed keys is
-reached (the bucket that crosses it included: kernels/jit/buckets.py, a threshold found without sorting); the
-expansion to key positions is squeeze's kernel. The classifier's weights are
-what a step reads of the index (counted in the budget).
+de-RoPE'd at their positions, each query head's classifier scores (softmax over buckets; with the size prior, the
+default, over its logits plus the log of each bucket's keys in the document, held in the index's b2), summed over the
+KV head's query heads (section 5) and averaged over the step's tokens; buckets taken best first (by that score per
+key by default, or by the score: `SaapSettings.rank`), their keys counted, until the plan's share of the indexed keys
+is reached (the bucket that crosses it included: kernels/jit/buckets.py, a threshold found without sorting); the
+expansion to key positions is squeeze's kernel. The classifier's weights are what a step reads of the index (counted
+in the budget).
 """
 
 from __future__ import annotations
