@@ -156,7 +156,7 @@ def _decided(group: list[dict]) -> dict:
         return {"decided": None, "found_decided": None}
     decided = [c for c in group if c["full_margin"] is not None and c["full_margin"] >= DECIDED_MARGIN]
     return {"decided": len(decided),
-            "found_decided": round(sum(c["found"] for c in decided) / len(decided), 4) if decided else None}
+            "found_decided": mean_or_none([float(c["found"]) for c in decided])}
 
 
 def _short_share(group: list[dict]) -> float | None:
