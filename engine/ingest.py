@@ -133,9 +133,10 @@ def build_methods(keys: dict[int, torch.Tensor], queries: dict[int, torch.Tensor
     progress("clustering", len(layers), len(layers))
     progress("calibrating", 0, len(methods))
     for n, method in enumerate(methods):
-        own = prepared.get(method.name, {})  # a lookup sees its layer's model-level artifacts too (as in a session)
+        own = prepared.get(method.name, {})  # a lookup sees its layer's model-level artifacts too (as in a session,
+        # the index's own copy of one winning: saap's b2 with the document's bucket sizes, its chunks' columns)
         sets = [CalibrationSet(index=LayerIndex(tensors={k: t.to(device) for k, t in
-                                                         {**built[method.name][i], **layer_part(own, i)}.items()},
+                                                         {**layer_part(own, i), **built[method.name][i]}.items()},
                                                 num_keys=keys[i].shape[1], tail=tail),
                                queries=queries[i].to(device)) for i in layers]
         calibration = method.calibrate(sets, scale)

@@ -133,7 +133,8 @@ def train_partitions(lm, training: PartitionTraining, corpus: list[int], inv_fre
     examples = []
     for n, i in enumerate(layers):
         tell(n, len(layers), "bucket targets")
-        examples.append(bucket_targets(prompts[i], labels[i], training.buckets, scale[i], window))
+        examples.append(bucket_targets(prompts[i], labels[i], training.buckets, scale[i], window,
+                                       sizes=training.size_prior))
     del prompts
     x = torch.cat([e[0] for e in examples])  # [U, E, D], U = layers x Hkv
     t = torch.cat([e[1] for e in examples])  # [U, E, C]
@@ -195,14 +196,15 @@ def collect(lm, training: PartitionTraining, corpus: list[int], inv_freq: dict[i
     return out
 
 
-def bucket_targets(prompts: list[Prompt], labels: list[torch.Tensor], c: int, scale: float, window: int
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def bucket_targets(prompts: list[Prompt], labels: list[torch.Tensor], c: int, scale: float, window: int,
+                   sizes: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(x [Hkv, E', D] unit de-RoPE'd queries, targets [Hkv, E', C], far [Hkv, E'] bool, log_sizes [Hkv, E', C])
     over the prompts, E' = prompts x G x E: each sampled query of each query head, the share of its attention over
     the long-range keys (at least `window` tokens before it, the sink excluded; the model's softmax renormalised
     over them) in each of the `c` buckets, whether its best-matching key (over all keys before it, the sink
-    excluded) is one of them, and the log of each bucket's long-range keys (log_counts: EMPTY where none);
-    labels: per prompt, each key's bucket [Hkv, L] (bucket_labels)."""
+    excluded) is one of them, and the log of each bucket's long-range keys (log_counts: EMPTY where none; None
+    unless `sizes`: only the size prior needs them, as much memory as the targets); labels: per prompt, each key's
+    bucket [Hkv, L] (bucket_labels)."""
     hkv = prompts[0].keys.shape[0]
     xs: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
     ts: list[list[torch.Tensor]] = [[] for _ in range(hkv)]
@@ -223,11 +225,12 @@ def bucket_targets(prompts: list[Prompt], labels: list[torch.Tensor], c: int, sc
             ts[h].append(target.flatten(0, 1))
             best = logits.masked_fill(~before[None], float("-inf")).argmax(-1)  # [G, E]
             fs[h].append((best <= p.pos[None, :] - window).flatten())
-            sizes = torch.zeros(q.shape[1], c, device=q.device).scatter_add_(
-                1, found[h][None, :].expand(q.shape[1], -1), far.float())  # [E, C]
-            ns[h].append(log_counts(sizes)[None].expand(group, -1, -1).flatten(0, 1))
+            if sizes:
+                counts = torch.zeros(q.shape[1], c, device=q.device).scatter_add_(
+                    1, found[h][None, :].expand(q.shape[1], -1), far.float())  # [E, C]
+                ns[h].append(log_counts(counts)[None].expand(group, -1, -1).flatten(0, 1))
     return (torch.stack([torch.cat(x) for x in xs]), torch.stack([torch.cat(t) for t in ts]),
-            torch.stack([torch.cat(f) for f in fs]), torch.stack([torch.cat(n) for n in ns]))
+            torch.stack([torch.cat(f) for f in fs]), torch.stack([torch.cat(n) for n in ns]) if sizes else None)
 
 
 EMPTY = -1e4  # log_counts of an empty bucket: exp() of it is 0 in float32, and no product with it is NaN

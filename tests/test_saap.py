@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from engine.partitions import (EMPTY, PartitionTraining, Prompt, bucket_labels, bucket_targets, classify, init_weights,
                                kl_loss, recent_window, train_partitions)
 from engine.policies.base import LayerIndex, LayerKeys
-from engine.policies.saap import LOOKUP_PARTS, SaapPolicy, SaapSettings
+from engine.policies.saap import LOOKUP_PARTS, SaapPolicy, SaapSettings, split_buckets
 from engine.rope import derope, rope_frequencies
 from kernels.backend import REFERENCE, TRITON
 from kernels.reference.buckets import bucket_scores, ranking, take_best
@@ -174,7 +174,8 @@ def test_ranking_per_key_takes_the_most_score_for_the_keys():
 def test_targets_are_the_long_range_attention_per_bucket():
     """bucket_targets: each row is a distribution over the buckets (sums to 1) equal to the softmax over the keys
     at least `window` tokens back (sink excluded), summed per bucket; an example is a long-range query where its
-    best-matching key is one of those; log_sizes: the log of each bucket's keys among those (EMPTY where none)."""
+    best-matching key is one of those; log_sizes: the log of each bucket's keys among those (EMPTY where none), None
+    when not asked for."""
     g = torch.Generator().manual_seed(4)
     hkv, hq, length, d, c, window = 1, 2, 40, 8, 4, 6
     keys = torch.randn(hkv, length, d, generator=g)
@@ -199,6 +200,10 @@ def test_targets_are_the_long_range_attention_per_bucket():
             torch.testing.assert_close(log_sizes[0, qh * 3 + e], want_log)
             best = int((queries[qh, e] @ keys[0, 1:p + 1].T).argmax()) + 1  # the best key before it, sink aside
             assert bool(usable[0, qh * 3 + e]) == (best <= p - window)
+    same = bucket_targets([prompt], [bucket_labels(keys, centroids)], c, 0.5, window, sizes=False)
+    assert same[3] is None  # without the size prior: no log sizes, the rest the same
+    for a, b in zip(same[:3], (x, t, usable)):
+        torch.testing.assert_close(a, b)
 
 
 def test_long_range_training_draws_only_usable_examples():
@@ -280,7 +285,7 @@ def test_build_assigns_de_roped_keys_and_keeps_the_dense_part():
     are group C (read at every step); layer 0 is read whole."""
     g = torch.Generator().manual_seed(5)
     hkv, d, lc, tail = 2, 16, 300, 10
-    method = SaapPolicy(SaapSettings(buckets=8, hidden=4))
+    method = SaapPolicy(SaapSettings(buckets=8, hidden=4, max_bucket=0))  # (no chunks: split_buckets' test)
     prepared = {k.split(".", 1)[1]: v for k, v in method.stand_in([0], hkv, d).items()}
     keys = torch.randn(hkv, lc, d, generator=g)
     index = method.build(LayerKeys(layer_idx=3, keys=keys, tail=tail), {}, prepared)
@@ -326,7 +331,7 @@ def test_lookup_reads_the_best_buckets_and_the_dense_part():
     assert torch.equal(found.units, take_best(score / sizes.clamp(min=1), sizes, 0.3 * lc))
     assert per_key.prepare_key() == method.prepare_key()  # the same trained partitions
     # with the size prior the index's b2 holds the document's log sizes: the scores are softmax(logits + log n)
-    prior = SaapPolicy(SaapSettings(buckets=16, hidden=8))  # the default
+    prior = SaapPolicy(SaapSettings(buckets=16, hidden=8, max_bucket=0))  # the default but for chunks (below)
     assert prior.prepare_key() != method.prepare_key()  # partitions of their own
     with_prior = LayerIndex(prior.build(LayerKeys(layer_idx=2, keys=keys[:, :lc], tail=tail), {}, prepared),
                             lc + tail, tail)
@@ -340,6 +345,90 @@ def test_lookup_reads_the_best_buckets_and_the_dense_part():
     assert torch.equal(found.units, take_best(want / sizes.clamp(min=1), sizes, 0.3 * lc))
     with pytest.raises(ValueError, match="rank"):
         SaapSettings(rank="size")
+
+
+def test_split_buckets_cuts_big_buckets_into_consecutive_chunks():
+    """split_buckets against a loop: every bucket of more than `cap` keys becomes chunks of its keys in token order,
+    of near-equal sizes at most `cap`; the first keeps its id, the others take new ones with their parent; the dense
+    part moves to the last id; a head with fewer chunks pads with empty buckets (parent -1)."""
+    g = torch.Generator().manual_seed(11)
+    hkv, lc, c, cap = 2, 300, 6, 20
+    labels = torch.randint(0, c, (hkv, lc), generator=g)
+    labels[0, torch.rand(lc, generator=g) < 0.5] = 2  # head 0: one big bucket
+    labels[:, -30:] = c  # the dense part
+    labels[:, 0] = c
+    out, parent, piece = split_buckets(labels, c, cap)
+    c2 = parent.shape[1]
+    for h in range(hkv):
+        extra = c
+        for b in range(c):
+            where = torch.nonzero(labels[h] == b)[:, 0]  # token order
+            n = where.numel()
+            pieces = max(1, -(-n // cap))
+            got = out[h, where]
+            want = torch.tensor([b if (i * pieces) // n == 0 else extra + (i * pieces) // n - 1 for i in range(n)],
+                                dtype=torch.int64)
+            assert torch.equal(got, want)
+            assert int(piece[h, b]) == 0
+            for j in range(1, pieces):
+                assert int(parent[h, extra + j - 1]) == b and int(piece[h, extra + j - 1]) == j
+            extra += pieces - 1
+        assert int(parent[h, :c].ne(torch.arange(c)).sum()) == 0
+        assert torch.equal(parent[h, extra:], torch.full((c2 - extra,), -1))  # padding
+        assert torch.equal(out[h] == c2, labels[h] == c)  # the dense part, last
+        sizes = torch.bincount(out[h], minlength=c2 + 1)[:c2]
+        assert int(sizes.max()) <= cap and int(sizes[extra:].sum()) == 0
+    assert c2 > c and int((parent[1] >= 0).sum()) < c2  # head 0 cut its big bucket, head 1 pads
+    same, plain, first = split_buckets(labels, c, lc)  # a cap no bucket reaches: nothing changes
+    assert torch.equal(same, labels) and torch.equal(plain, torch.arange(c).expand(hkv, c)) and not bool(first.any())
+
+
+@pytest.mark.parametrize("size_prior", [True, False])
+def test_chunks_keep_each_buckets_score_and_bound_the_read(size_prior):
+    """An index with big buckets cut into chunks (max_bucket): each bucket's score is its chunks' sum and each chunk's
+    score per key its bucket's (with or without the size prior; within CHUNK_TIE per chunk, which orders a bucket's
+    chunks), and a lookup reads at most one chunk past the budget, where with the size prior the whole crossing
+    bucket overshoots (stand-in centroids crowd the keys into a few buckets; without the prior a big bucket's
+    share per key ranks it last here)."""
+    hkv, hq, d, lc, tail, c = 2, 4, 16, 600, 8, 16
+    g = torch.Generator().manual_seed(12)
+    whole = SaapPolicy(SaapSettings(buckets=c, hidden=8, size_prior=size_prior, max_bucket=0))
+    cut = SaapPolicy(SaapSettings(buckets=c, hidden=8, size_prior=size_prior, max_bucket=2))
+    prepared = {k.split(".", 1)[1]: v for k, v in whole.stand_in([2], hkv, d).items()}
+    keys = torch.randn(hkv, lc + tail, d, generator=g) + 2.0 * torch.randn(1, 1, d, generator=g)  # crowded
+    a = LayerIndex(whole.build(LayerKeys(layer_idx=2, keys=keys[:, :lc], tail=tail), {}, prepared), lc + tail, tail)
+    b = LayerIndex(cut.build(LayerKeys(layer_idx=2, keys=keys[:, :lc], tail=tail), {}, prepared), lc + tail, tail)
+    def parent_of(h: int, j: int) -> int:  # the bucket a chunk's keys had (-1: padding)
+        held = a["labels"][h][b["labels"][h] == j]
+        return j if j < c else (int(held[0]) if held.numel() else -1)
+
+    parent = torch.tensor([[parent_of(h, j) for j in range(b["counts"].shape[1] - 1)] for h in range(hkv)])
+    indexed = int((a["labels"][0] < c).sum())
+    cap = math.ceil(2 * indexed / c)
+    assert parent.shape[1] > c and int(b["counts"][:, :-1].max()) <= cap < int(a["counts"][:, :-1].max())
+    overshoots = False
+    for step in range(3):
+        q = torch.randn(hq, 1, d, generator=g)
+        pos = torch.tensor([lc + tail + step])
+        plan = whole.plan_keys({}, 0.2, 0.2, 0.2)
+        fa = whole.lookup(q, a, plan, d ** -0.5, REFERENCE, pos)
+        fb = cut.lookup(q, b, plan, d ** -0.5, REFERENCE, pos)
+        summed = torch.zeros(hkv, c).scatter_add_(1, parent.clamp(min=0), fb.scores * (parent >= 0))
+        torch.testing.assert_close(summed, fa.scores, rtol=1e-3, atol=1e-6)
+        sizes_a, sizes_b = a["counts"][:, :c].float(), b["counts"][:, :-1].float()
+        real = (parent >= 0) & (sizes_b > 0)
+        per_key_b = fb.scores / sizes_b.clamp(min=1)
+        per_key_a = (fa.scores / sizes_a.clamp(min=1)).gather(1, parent.clamp(min=0))
+        torch.testing.assert_close(per_key_b[real], per_key_a[real], rtol=1e-3, atol=1e-7)
+        if size_prior:  # the Triton lookup (compiled or interpreted) of an index of C' = 20 buckets keeps the same
+            on_device = LayerIndex({k: v.to(DEVICE) for k, v in b.tensors.items()}, lc + tail, tail)
+            ft = cut.lookup(q.to(DEVICE), on_device, plan, d ** -0.5, TRITON, pos.to(DEVICE))
+            assert torch.equal(ft.units.cpu(), fb.units)
+        read = (fb.units.float() * sizes_b).sum(1)
+        assert bool((read <= 0.2 * indexed + cap).all()) and bool((read >= 0.2 * indexed).all())
+        over = (fa.units.float() * sizes_a).sum(1)
+        overshoots = overshoots or bool((over > 0.2 * indexed + cap).any())
+    assert overshoots or not size_prior  # with the prior, unchunked, some step read a whole big bucket past it
 
 
 def test_saap_through_the_engine_trains_once_and_equals_full_attention_at_budget_1(tiny_llama, tmp_path):
@@ -361,6 +450,17 @@ def test_saap_through_the_engine_trains_once_and_equals_full_attention_at_budget
     assert answer.stats.method == "saap" and 0.5 < answer.stats.kv_budget_decode < 1.0
     assert answer.stats.kept_fraction[0] == [1.0] * len(answer.stats.kept_fraction[0])
     assert max(answer.stats.kept_fraction[1]) < 1.0
+    # big buckets cut into chunks at ingest: the same trained partitions, an index of more buckets, calibrated
+    # with its own classifier columns, equal to full attention at budget 1
+    chunked = Engine(tmp_path / "cache", lm=tiny_llama, methods={"saap": {**SMALL, "max_bucket": 1.0}})
+    assert chunked.needs_preparation("saap") == []
+    context = chunked.ingest(doc, methods=("saap",)).context_id
+    session = chunked.session(context)
+    counts = [layer.indexes["saap"]["counts"] for layer in session.cache.layers if "saap" in layer.indexes]
+    assert max(c.shape[1] for c in counts) > SMALL["buckets"] + 1
+    torch.testing.assert_close(session.logits("Who rang the bell?", "saap", 0.0), full, atol=1e-4, rtol=1e-4)
+    answer = chunked.ask(context, "Who rang the bell?", "saap", 0.5, 4)
+    assert 0.5 < answer.stats.kv_budget_decode < 1.0
 
 
 def test_cli_trains_saap(tmp_path, capsys):

@@ -2,24 +2,26 @@
 their nearest centroid (spherical k-means of de-RoPE'd keys), queries to buckets by a learned classifier (an MLP on
 de-RoPE'd queries); both learned once per model (engine.partitions), the document's keys only assigned at ingest.
 
-Index (per global layer): each indexed key's bucket (`labels`), in the cluster-permuted layout squeeze uses (an
-inverted file the sparse kernel reads as ranges), plus one more group, the dense part "1 + W": the context's first
-token and its last W indexed tokens (W = engine.partitions.recent_window of the context's length, the paper's 2047
-at 128K), read at every step with the engine's dense rows. The model's layer 0, when it is a global layer, reads
-every key (section 3: its attention is spread over all keys).
+Index (per global layer): each indexed key's bucket (`labels`; a bucket of more than `max_bucket` times the mean
+cut into chunks of consecutive keys, each a bucket with its share of the score: split_buckets), in the
+cluster-permuted layout squeeze uses (an inverted file the sparse kernel reads as ranges), plus one more group, the
+dense part "1 + W": the context's first token and its last W indexed tokens (W = engine.partitions.recent_window of
+the context's length, the paper's 2047 at 128K), read at every step with the engine's dense rows. The model's layer
+0, when it is a global layer, reads every key (section 3: its attention is spread over all keys).
 
 Lookup (no host synchronisation: fixed shapes, the budget a number of keys known on the host): the step's queries
 de-RoPE'd at their positions, each query head's classifier scores (softmax over buckets; with the size prior, the
 default, over its logits plus the log of each bucket's keys in the document, held in the index's b2), summed over the
 KV head's query heads (section 5) and averaged over the step's tokens; buckets taken best first (by that score per
 key by default, or by the score: `SaapSettings.rank`), their keys counted, until the plan's share of the indexed keys
-is reached (the bucket that crosses it included: kernels/jit/buckets.py, a threshold found without sorting); the
-expansion to key positions is squeeze's kernel. The classifier's weights are what a step reads of the index (counted
-in the budget).
+is reached (the bucket that crosses it included, a chunk at most past it: kernels/jit/buckets.py, a threshold found
+without sorting); the expansion to key positions is squeeze's kernel. The classifier's weights are what a step reads
+of the index (counted in the budget).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
@@ -27,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.artifacts import layer_name
-from engine.partitions import (PARAMS, PartitionTraining, StepReport, bucket_labels, init_weights, log_counts,
+from engine.partitions import (EMPTY, PARAMS, PartitionTraining, StepReport, bucket_labels, init_weights, log_counts,
                                recent_window)
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, Preparation,
                                   StepPlan, Tensors, check_budget)
@@ -40,6 +42,7 @@ TRAINING_PREFIX = "train_"
 MODEL_PARTS = ("centroids", *PARAMS, "inv_freq")  # a layer's model-level artifacts
 LOOKUP_PARTS = ("inv_freq", *PARAMS)  # what a lookup reads of them (the bucket_scores kernel's order): copied
 # into each context's index
+CHUNK_TIE = 1e-4  # the share of its score a bucket's chunk gives up per chunk before it (SaapPolicy.build)
 CORPUS_SPARE = 2  # corpus tokens read: this many times what the prompts need (they must not run short)
 
 
@@ -56,18 +59,24 @@ class SaapSettings(MethodSettings):
     logits are a bucket's weight per key, whatever the sizes of the buckets in the training text
     (engine.partitions, PartitionTraining.size_prior; engine/NOTES.md, "Saap's classifier with the buckets'
     sizes");
+    max_bucket: with rank "per_key", a bucket holding more than this many times the document's mean of indexed keys
+    per bucket is cut at ingest into chunks of consecutive keys, each at most that size, each a bucket of the index
+    with the bucket's classifier column and its share of the score (split_buckets: per key every chunk ranks as its
+    bucket did), so that the bucket crossing the budget, read whole, overshoots it by one chunk at most; 0: never
+    (engine/NOTES.md, "Saap's big buckets cut at ingest");
     train_*: engine.partitions.PartitionTraining (prompts x tokens of text, sampled queries per prompt and head,
     k-means iterations, Adam steps, batch, learning rate, long-range queries only); seed: the training's. All but
-    dense_first_layer and rank are the key of the stored partitions."""
+    dense_first_layer, rank and max_bucket are the key of the stored partitions."""
 
     RANKS: ClassVar[tuple[str, ...]] = ("mass", "per_key")
-    LOOKUP_ONLY: ClassVar[tuple[str, ...]] = ("dense_first_layer", "rank")  # not the trained partitions' key
+    LOOKUP_ONLY: ClassVar[tuple[str, ...]] = ("dense_first_layer", "rank", "max_bucket")  # not the partitions' key
 
     buckets: int = 256
     hidden: int = 128
     dense_first_layer: bool = True
     rank: str = "per_key"
     size_prior: bool = True
+    max_bucket: float = 4.0
     train_prompts: int = 4
     train_tokens: int = 4096
     train_queries: int = 512
@@ -82,6 +91,8 @@ class SaapSettings(MethodSettings):
         self.training()  # validates the sizes
         if self.rank not in self.RANKS:
             raise ValueError(f"saap rank must be one of {self.RANKS}, got {self.rank!r}")
+        if not (self.max_bucket == 0 or self.max_bucket >= 1):
+            raise ValueError(f"saap max_bucket must be 0 (off) or at least 1, got {self.max_bucket}")
 
     def training(self) -> PartitionTraining:
         return PartitionTraining(buckets=self.buckets, hidden=self.hidden, prompts=self.train_prompts,
@@ -154,10 +165,12 @@ class SaapPolicy(Method):
         return partition_artifacts(out)
 
     def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
-        """`labels` [Hkv, Lc] int64 (bucket of each indexed key; C = the dense part "1 + W"), `counts` [Hkv, C + 1],
-        `key_starts` [Hkv, C + 2] (where each group lies in the layout), `dense` [1] bool (a layer read whole), and a
-        copy of the classifier and the RoPE frequencies (LOOKUP_PARTS: the index is whole without the model's
-        artifacts, and a retrained model's contexts are rebuilt: the training settings are part of its key)."""
+        """`labels` [Hkv, Lc] int64 (bucket of each indexed key: its nearest centroid's, or with `max_bucket` a chunk
+        of it, split_buckets: C' >= C buckets; C' = the dense part "1 + W"), `counts` [Hkv, C' + 1], `key_starts`
+        [Hkv, C' + 2] (where each group lies in the layout), `dense` [1] bool (a layer read whole), and a copy of the
+        classifier (a chunk with its bucket's column) and the RoPE frequencies (LOOKUP_PARTS: the index is whole
+        without the model's artifacts, and a retrained model's contexts are rebuilt: the training settings are part
+        of its key)."""
         missing = [n for n in MODEL_PARTS if n not in prepared]
         if missing:
             raise ValueError("saap needs its trained partitions (`squeeze train saap`, or the app's first use of the "
@@ -174,12 +187,27 @@ class SaapPolicy(Method):
         labels[:, lc - recent:] = c  # the dense part: the last W indexed tokens ...
         if layer.first == 0:
             labels[:, 0] = c  # ... and the first token (with a sink, the context's first tokens are dense rows)
+        parts = {n: prepared[n].to(device=device, dtype=torch.float32).clone() for n in LOOKUP_PARTS}
+        s = self.settings
+        if s.rank == "per_key" and s.max_bucket > 0:  # big buckets cut into chunks, each a bucket of the index
+            indexed = int((labels[0] < c).sum())  # (the dense part holds the same keys in every KV head)
+            labels, parent, piece = split_buckets(labels, c, max(1, math.ceil(s.max_bucket * indexed / c)))
+            column = parent.clamp(min=0)  # [Hkv, C']: each bucket's classifier column (padding: any, never read)
+            parts["w2"] = parts["w2"].gather(2, column[:, None, :].expand(-1, parts["w2"].shape[1], -1))
+            # a bucket's later chunks score a hair lower, so that a threshold between equal scores cannot take them
+            # all (the pick keeps every bucket at or above it): they are read in token order
+            parts["b2"] = parts["b2"].gather(1, column) + piece * math.log1p(-CHUNK_TIE)
+            c = parent.shape[1]
         starts = group_starts(labels, c + 1)
         counts = starts[:, 1:] - starts[:, :-1]
-        dense = layer.layer_idx == 0 and self.settings.dense_first_layer
-        parts = {n: prepared[n].to(device=device, dtype=torch.float32).clone() for n in LOOKUP_PARTS}
-        if self.settings.size_prior:  # the document's buckets' keys enter the classifier's softmax
-            parts["b2"] = parts["b2"] + log_counts(counts[:, :c])
+        if s.size_prior:  # the document's buckets' keys enter the classifier's softmax (a chunk's own, a padding's
+            parts["b2"] = parts["b2"] + log_counts(counts[:, :c])  # none: EMPTY)
+        elif c != prepared["centroids"].shape[1]:  # without it a chunk takes its share of its bucket's score
+            n = counts[:, :c].float()
+            whole = torch.zeros_like(n).scatter_add_(1, column, n).gather(1, column)  # [Hkv, C'] its bucket's keys
+            share = torch.where(whole > 0, n / whole.clamp(min=1), torch.ones_like(n))
+            parts["b2"] = parts["b2"] + torch.where(parent >= 0, share.clamp(min=1e-30).log(), EMPTY)
+        dense = layer.layer_idx == 0 and s.dense_first_layer
         return {"labels": labels, "counts": counts, "key_starts": starts,
                 "dense": torch.tensor([dense], device=device), **parts}
 
@@ -253,3 +281,35 @@ def partition_artifacts(layers: dict[int, Tensors]) -> Tensors:
     """layer -> its MODEL_PARTS -> `layer{i}.{name}` (float32 copies)."""
     return {layer_name(i, n): parts[n].float().clone() for i, parts in layers.items() for n in MODEL_PARTS}
 
+
+def split_buckets(labels: torch.Tensor, c: int, cap: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Buckets of more than `cap` keys cut into chunks of consecutive keys (in token order, near-equal sizes, each at
+    most `cap`). labels [Hkv, Lc] int64 in [0, c] (c: the dense part, left whole) -> (labels [Hkv, Lc] in [0, C'],
+    the dense part now C'; parent [Hkv, C'] int64: the bucket each new one was cut from, -1 for padding; piece
+    [Hkv, C'] int64: its place among its bucket's chunks, 0 for the first and for a bucket left whole). A bucket's
+    first chunk keeps its id, the others take ids from c up; every KV head has C' = c + the most extra chunks of any
+    head (a head with fewer pads with empty buckets)."""
+    hkv, lc = labels.shape
+    device = labels.device
+    sizes = torch.zeros(hkv, c + 1, dtype=torch.int64, device=device).scatter_add_(
+        1, labels, torch.ones_like(labels))[:, :c]  # [Hkv, c]
+    pieces = ((sizes + cap - 1) // cap).clamp(min=1)  # chunks per bucket
+    first_extra = c + torch.cumsum(pieces - 1, dim=1) - (pieces - 1)  # [Hkv, c]: the id of each bucket's 2nd chunk
+    extra = int((pieces - 1).sum(dim=1).max())
+    c2 = c + extra
+    order = torch.argsort(labels * lc + torch.arange(lc, device=device), dim=1)  # by bucket, then token
+    sorted_labels = labels.gather(1, order)
+    starts = torch.searchsorted(sorted_labels, torch.arange(c, device=device).expand(hkv, c).contiguous())
+    bucket = sorted_labels.clamp(max=c - 1)
+    rank = torch.arange(lc, device=device) - starts.gather(1, bucket)  # each key's place in its bucket
+    dense = sorted_labels == c
+    piece = torch.where(dense, 0, rank * pieces.gather(1, bucket) // sizes.gather(1, bucket).clamp(min=1))
+    new = torch.where(piece == 0, bucket, first_extra.gather(1, bucket) + piece - 1)
+    new = torch.where(dense, c2, new)  # the dense part, last
+    out = torch.empty_like(labels).scatter_(1, order, new)
+    parent = torch.full((hkv, c2 + 1), -1, dtype=torch.int64, device=device)  # (a spare column: the others' writes)
+    parent[:, :c] = torch.arange(c, device=device)
+    parent.scatter_(1, torch.where(piece > 0, new, c2), torch.where(piece > 0, bucket, -1))
+    place = torch.zeros(hkv, c2 + 1, dtype=torch.int64, device=device)
+    place.scatter_(1, torch.where(piece > 0, new, c2), piece)
+    return out, parent[:, :c2], place[:, :c2]
