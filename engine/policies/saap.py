@@ -189,6 +189,7 @@ class SaapPolicy(Method):
             labels[:, 0] = c  # ... and the first token (with a sink, the context's first tokens are dense rows)
         parts = {n: prepared[n].to(device=device, dtype=torch.float32).clone() for n in LOOKUP_PARTS}
         s = self.settings
+        parent = None
         if s.rank == "per_key" and s.max_bucket > 0:  # big buckets cut into chunks, each a bucket of the index
             indexed = int((labels[0] < c).sum())  # (the dense part holds the same keys in every KV head)
             labels, parent, piece = split_buckets(labels, c, max(1, math.ceil(s.max_bucket * indexed / c)))
@@ -202,11 +203,8 @@ class SaapPolicy(Method):
         counts = starts[:, 1:] - starts[:, :-1]
         if s.size_prior:  # the document's buckets' keys enter the classifier's softmax (a chunk's own, a padding's
             parts["b2"] = parts["b2"] + log_counts(counts[:, :c])  # none: EMPTY)
-        elif c != prepared["centroids"].shape[1]:  # without it a chunk takes its share of its bucket's score
-            n = counts[:, :c].float()
-            whole = torch.zeros_like(n).scatter_add_(1, column, n).gather(1, column)  # [Hkv, C'] its bucket's keys
-            share = torch.where(whole > 0, n / whole.clamp(min=1), torch.ones_like(n))
-            parts["b2"] = parts["b2"] + torch.where(parent >= 0, share.clamp(min=1e-30).log(), EMPTY)
+        elif parent is not None:  # without it a chunk takes its share of its bucket's score
+            parts["b2"] = parts["b2"] + chunk_log_shares(counts[:, :c], parent)
         dense = layer.layer_idx == 0 and s.dense_first_layer
         return {"labels": labels, "counts": counts, "key_starts": starts,
                 "dense": torch.tensor([dense], device=device), **parts}
@@ -291,15 +289,14 @@ def split_buckets(labels: torch.Tensor, c: int, cap: int) -> tuple[torch.Tensor,
     head (a head with fewer pads with empty buckets)."""
     hkv, lc = labels.shape
     device = labels.device
-    sizes = torch.zeros(hkv, c + 1, dtype=torch.int64, device=device).scatter_add_(
-        1, labels, torch.ones_like(labels))[:, :c]  # [Hkv, c]
+    bounds = group_starts(labels, c + 1)  # [Hkv, c + 2]: where each bucket's keys begin, sorted by bucket
+    starts, sizes = bounds[:, :c], bounds.diff(dim=1)[:, :c]  # [Hkv, c] each
     pieces = ((sizes + cap - 1) // cap).clamp(min=1)  # chunks per bucket
     first_extra = c + torch.cumsum(pieces - 1, dim=1) - (pieces - 1)  # [Hkv, c]: the id of each bucket's 2nd chunk
     extra = int((pieces - 1).sum(dim=1).max())
     c2 = c + extra
     order = torch.argsort(labels * lc + torch.arange(lc, device=device), dim=1)  # by bucket, then token
     sorted_labels = labels.gather(1, order)
-    starts = torch.searchsorted(sorted_labels, torch.arange(c, device=device).expand(hkv, c).contiguous())
     bucket = sorted_labels.clamp(max=c - 1)
     rank = torch.arange(lc, device=device) - starts.gather(1, bucket)  # each key's place in its bucket
     dense = sorted_labels == c
@@ -313,3 +310,13 @@ def split_buckets(labels: torch.Tensor, c: int, cap: int) -> tuple[torch.Tensor,
     place = torch.zeros(hkv, c2 + 1, dtype=torch.int64, device=device)
     place.scatter_(1, torch.where(piece > 0, new, c2), piece)
     return out, parent[:, :c2], place[:, :c2]
+
+
+def chunk_log_shares(counts: torch.Tensor, parent: torch.Tensor) -> torch.Tensor:
+    """counts [Hkv, C'] keys of each bucket of a split index, parent [Hkv, C'] (split_buckets) -> [Hkv, C'] float32:
+    log(a chunk's keys / its bucket's), 0 for a bucket left whole (empty ones too), EMPTY for padding."""
+    n = counts.float()
+    column = parent.clamp(min=0)
+    whole = torch.zeros_like(n).scatter_add_(1, column, n).gather(1, column)  # each one's bucket's keys
+    share = torch.where(whole > 0, n / whole.clamp(min=1), torch.ones_like(n))
+    return torch.where(parent >= 0, share.clamp(min=1e-30).log(), EMPTY)
