@@ -11,6 +11,7 @@ import math
 from collections.abc import Sequence
 from datetime import datetime
 
+from engine.bench.evaluate import full_attention_found
 from engine.serve.jobs import LOADING, STAGES
 
 STAGE_LABELS = {
@@ -235,11 +236,9 @@ def eval_html(doc: dict | None, model: str) -> str:
         ran.append(format_seconds(doc["seconds"]))
     if ran:
         caption += f" ({', '.join(ran)})"
-    full = doc.get("full") or {}
-    if "needles_found" in full and "needles_cells" in full:
-        caption += f"; full attention found {full['needles_found']}/{full['needles_cells']} needles"
-        if isinstance(full.get("needles_decided"), int):
-            caption += f", {full['needles_decided']} with no near-tie"
+    found = full_attention_found(doc.get("full") or {})
+    if found:
+        caption += f"; {found}"
     return (f'<div class="sq-eval" id="sq-eval"><div class="sq-caption">{esc(caption)}</div>'
             f'<table class="sq-eval-table"><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>')
 

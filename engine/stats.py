@@ -249,8 +249,8 @@ class TurnRecorder:
                 ids = kept[r].nonzero().flatten()
                 sizes = counts[r * self.hkv // rows][ids]
                 entry = {"row": r, "kv_head": r * self.hkv // rows, "ids": ids.tolist(), "sizes": sizes.tolist()}
-                if scores is not None:
-                    entry["scores"] = [round(float(x), 6) for x in scores[r][ids]]
+                if scores is not None:  # tolist, not a loop over the tensor: an element each is a select and an item
+                    entry["scores"] = [round(x, 6) for x in scores[r][ids].tolist()]
                 heads.append(entry)
             out.append({"layer": layer, "rows": heads})
         return out

@@ -556,7 +556,8 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
                    graphs: bool = True, tag: str = "", method_settings: dict[str, dict] | None = None,
                    follow: FollowSettings | None = None, token_lookups: bool = False) -> dict:
     """The engine's phases: the ingest (after an untimed one of the first WARMUP_CONTEXT tokens), the session's
-    opening, each method's turns (and, with `profile` on CUDA, a profile of its decode steps written there).
+    opening, each method's turns (and, with `profile` on CUDA, profiles of its decode steps and of its shortest
+    question's prefill written there).
     graphs: the session replays decode steps from CUDA graphs where it can (False: every step eager); tag: a prefix
     of the profile's section titles; method_settings: method -> its settings (the others at their defaults);
     follow: the session's follow rows (engine.follow; None: the defaults); token_lookups: a question's prefill looks
@@ -609,6 +610,9 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
             if profile and cuda:
                 out["methods"][method]["profile"] = profile_decode(lm, session, method, sparsity,
                                                                    next(iter(prompts.values())), profile, tag)
+                shortest = min(prompts)
+                out["methods"][method]["profile_prefill"] = profile_prefill(lm, session, method, sparsity,
+                                                                            prompts[shortest], profile, tag)
         except Exception as exc:  # noqa: BLE001
             out["methods"][method] = {"error": _error(exc)}
             session.cache.reset_dynamic()
@@ -647,6 +651,34 @@ def profile_decode(lm: LoadedModel, session: ContextSession, method: str, sparsi
         f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30) + "\n")
     return {"kernels_per_step": sum(e.count for e in events) / PROFILE_STEPS,
             "gpu_ms_per_step": round(sum(e.self_device_time_total for e in events) / PROFILE_STEPS / 1e3, 3)}
+
+
+def profile_prefill(lm: LoadedModel, session: ContextSession, method: str, sparsity: float, prompt: torch.Tensor,
+                    path: str, tag: str = "") -> dict:
+    """torch.profiler over one question's prefill (a turn of one token, after an untimed one of the same length),
+    appending its table by host time and by GPU time to `path`. Returns the question's tokens, the profiled turn's
+    wall milliseconds (its statistics, TurnRecorder.finish, and the profiler's own cost included), the GPU's busy
+    milliseconds (its kernels' times summed) and the kernels it runs: a GPU time far under the wall time says the
+    prefill waits on the host."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    timed_turn(lm, session, method, sparsity, prompt, 1)
+    _sync(lm.device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        timed_turn(lm, session, method, sparsity, prompt, 1)
+        _sync(lm.device)
+        wall = time.perf_counter() - start
+    averages = prof.key_averages()
+    events = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    with open(path, "a") as f:
+        f.write(f"== {tag}{method}, a {prompt.numel()}-token question's prefill, by host time\n")
+        f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
+        f.write(f"== {tag}{method}, a {prompt.numel()}-token question's prefill, by GPU time\n")
+        f.write(averages.table(sort_by="self_device_time_total", row_limit=20) + "\n")
+    return {"tokens": int(prompt.numel()), "wall_ms": round(wall * 1e3, 3),
+            "gpu_ms": round(sum(e.self_device_time_total for e in events) / 1e3, 3),
+            "kernels": sum(e.count for e in events)}
 
 
 def add_ratios(out: dict) -> None:
@@ -785,8 +817,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--token-lookups", action="store_true",
                         help="a question's prefill looks up each of its tokens' keys on its own (engine.attention)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
-    parser.add_argument("--profile", default=None, help="CUDA: append a torch.profiler table of each method's "
-                                                        "decode steps to this file (kernels per step in the JSON)")
+    parser.add_argument("--profile", default=None, help="CUDA: append torch.profiler tables of each method's "
+                                                        "decode steps and of its shortest question's prefill to this "
+                                                        "file (kernels and GPU time in the JSON)")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")

@@ -79,6 +79,17 @@ def summarize(doc: dict) -> list[dict]:
     return out
 
 
+def full_attention_found(full: dict) -> str:
+    """The needles full attention found, as the table's and the app's captions say it ("" without a needles
+    part): full is a document's "full" entry (needles_found, needles_cells, needles_decided)."""
+    if "needles_found" not in full or "needles_cells" not in full:
+        return ""
+    line = f"full attention found {full['needles_found']}/{full['needles_cells']} needles"
+    if isinstance(full.get("needles_decided"), int):
+        line += f", {full['needles_decided']} with no near-tie"
+    return line
+
+
 def table(doc: dict) -> str:
     """The summary as a Markdown table (a dash where a part did not run; in brackets where the cells say: needles
     within the first engine.bench.needles.SHORT_ANSWER answer tokens, then the share found of the cells where full
@@ -87,10 +98,8 @@ def table(doc: dict) -> str:
     def cell(value, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    full = doc.get("full") or {}
-    lines = [f"Model {doc['model']} on {doc['device']}, {doc['created']}"
-             + (f"; full attention found {full['needles_found']}/{full['needles_cells']} needles" if full else "")
-             + (f", {full['needles_decided']} with no near-tie" if full.get("needles_decided") is not None else ""),
+    found = full_attention_found(doc.get("full") or {})
+    lines = [f"Model {doc['model']} on {doc['device']}, {doc['created']}" + (f"; {found}" if found else ""),
              "",
              f"| method | KV budget | needles as good as full ({SHORT_ANSWER} tokens; found where full is decided) | "
              "recall (unit ceiling; oracle) | top-1 (decided) | KL | read (question / answer) |",
