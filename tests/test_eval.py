@@ -257,6 +257,11 @@ def test_the_oracle_method_keeps_the_heaviest_keys_of_the_group(tiny):
         assert bool((kept >= dropped - 1e-6).all())
 
 
+# what the methods that learn per model train on here: a little (what this test checks is the command's outputs; the
+# training itself: tests/test_duo.py, tests/test_saap.py)
+TRAINING = ("saap.buckets=8", "saap.hidden=8", "saap.train_steps=50", "saap.train_prompts=1", "duo.train_steps=5")
+
+
 def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, capsys):
     _, _, model_path = tiny
     doc_path = tmp_path / "doc.txt"
@@ -267,15 +272,16 @@ def test_the_command_writes_json_table_figure_and_records_them(tiny, tmp_path, c
     code = cli_main(["eval", "--parts", "recall,agreement", "--model", str(model_path), "--device", "cpu",
                      "--budgets", "0.5,1.0", "--document", str(doc_path), "--questions", str(questions),
                      "--answer-tokens", "4", "--out", str(out), "--plot", str(plot), "--cache-dir", str(cache),
-                     "--table", "--sink", "2", "--dense-tail", "5", "--set", "saap.buckets=8", "--set",
-                     "saap.hidden=8", "--follow", "lead=2", "--document-tokens", "900", "--token-lookups"])
+                     "--table", "--sink", "2", "--dense-tail", "5", "--follow", "lead=2", "--document-tokens", "900",
+                     "--token-lookups", *(f"--set={s}" for s in TRAINING)])
     assert code == 0
     printed = capsys.readouterr().out
     assert "| method | KV budget |" in printed
     doc = json.loads(out.read_text())
     assert doc["bench"] == "eval" and doc["parts"] == ["recall", "agreement"]
     assert (doc["context"]["sink"], doc["context"]["dense_tail"]) == (2, 5)  # the contexts it measured
-    assert doc["method_settings"] == {"saap": {"buckets": 8, "hidden": 8}}
+    assert doc["method_settings"] == {"saap": {"buckets": 8, "hidden": 8, "train_steps": 50, "train_prompts": 1},
+                                      "duo": {"train_steps": 5}}
     assert doc["follow"]["lead"] == 2
     assert doc["token_lookups"] is True  # one lookup per question token: at budget 1.0 still full attention (below)
     assert doc["document"]["in_essays"] and abs(doc["document"]["tokens"] - 900) <= 8  # the document amid essays

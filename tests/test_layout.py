@@ -152,12 +152,13 @@ def test_triton_expansion_of_large_groups(rows):
 
 
 def test_fixed_rows_with_block_sums_read_in_chunks():
-    """32 rows of 70 blocks of 16 groups: the expansion reads the earlier rows' block sums (and their fixed flags)
-    16 rows at a time (RCHUNK < rows), the path of long contexts with many KV heads."""
+    """20 rows of 65 blocks of 16 groups: the expansion reads the earlier rows' block sums (and their fixed flags)
+    16 rows at a time (RCHUNK = SUM_TILE // 128 < rows: more than 64 blocks), the path of long contexts with many KV
+    heads."""
     from kernels.selection import Fixed
 
-    hkv, rows, block_g, lc, tail = 4, 32, 16, 2000, 5
-    groups = block_g * 70
+    hkv, rows, block_g, lc, tail = 4, 20, 16, 2000, 5
+    groups = block_g * 65
     labels = random_labels(hkv, lc, groups, seed=7)
     starts = group_starts(labels, groups)
     g = torch.Generator().manual_seed(8)
@@ -166,7 +167,7 @@ def test_fixed_rows_with_block_sums_read_in_chunks():
     fixed = Fixed(lists.to(torch.int32), torch.tensor([True, False, False, True]))
     head = torch.arange(rows) * hkv // rows
     sizes = torch.where(keep, (starts[:, 1:] - starts[:, :-1])[head], 0)
-    block_sums = sizes.reshape(rows, -1, block_g).sum(-1)  # [rows, 70]
+    block_sums = sizes.reshape(rows, -1, block_g).sum(-1)  # [rows, 65]
     want = expand_groups(keep, starts, lc, tail, fixed=fixed)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     got = compact_ops.expand_block_sums(keep.to(dev), starts.to(dev), block_sums.to(dev), block_g, lc, tail,

@@ -32,9 +32,15 @@ DEPTHS = (0.1, 0.5, 0.9)
 # defaults (session 18).
 
 
-def passkey_methods() -> dict:
-    """Every sparse method with its default settings."""
-    return {n: make_method(n) for n in build_order(SPARSE_METHODS)}
+# The depth whose context has every method (the budget and zero-sparsity tests); the others have the methods the
+# retrieval tests ask at every depth (DEPTHS_METHODS): duo, duo-squeeze and saap add ~10 s of calibration each.
+EVERY_METHOD_DEPTH = 0.5
+DEPTHS_METHODS = ("squeeze", "hsqueeze", "quest")
+
+
+def passkey_methods(names=SPARSE_METHODS) -> dict:
+    """The sparse methods `names` (and what they require) with their default settings."""
+    return {n: make_method(n) for n in build_order(list(names))}
 
 
 @pytest.fixture(scope="module")
@@ -48,18 +54,20 @@ def saap_partitions(real_lm):
 
 @pytest.fixture(scope="module")
 def passkey_contexts(real_lm, saap_partitions):
-    """One ingested context per passkey depth: (session, calibration queries by global layer)."""
+    """One ingested context per passkey depth, with every sparse method at EVERY_METHOD_DEPTH and DEPTHS_METHODS at
+    the others: (session, calibration queries by global layer)."""
     contexts = {}
     for depth in DEPTHS:
         text = insert_passkey(SAMPLE.read_text(), KEY, depth)
         fixed = tokenize_document(real_lm.tokenizer, text, real_lm.max_context)
-        methods = passkey_methods()
+        methods = passkey_methods(SPARSE_METHODS if depth == EVERY_METHOD_DEPTH else DEPTHS_METHODS)
         # duo with untrained gates (training takes minutes: tests/test_duo.py trains them on tiny models); what is
         # checked here of it is mechanics: the budget it reads, full attention at budget 1. Saap with partitions
         # trained on little text (saap_partitions): its buckets are the model's keys' (random centroids put most
         # keys of a layer in a few buckets, and the bucket that crosses the budget is read whole)
         out = ingest_tokens(real_lm, fixed.ids, ContextSettings(), REFERENCE, list(methods.values()),
-                            prepared={**gates_for(real_lm, list(methods.values())), "saap": saap_partitions})
+                            prepared={**gates_for(real_lm, list(methods.values())),
+                                      **({"saap": saap_partitions} if "saap" in methods else {})})
         queries = {i: out.artifacts[f"layer{i}.calib_queries"] for i in real_lm.global_layers}
         contexts[depth] = (ContextSession(real_lm, out.artifacts, ContextSettings(), REFERENCE, methods=methods),
                            queries)
@@ -79,7 +87,7 @@ def test_budget_read_on_the_calibration_queries(passkey_contexts, method, budget
     from engine.ingest import global_scale
     from engine.policies.budget import read_fraction
 
-    session, queries = passkey_contexts[0.5]
+    session, queries = passkey_contexts[EVERY_METHOD_DEPTH]
     scale = global_scale(session.lm)
     policy = session.method(method)
     plan = session.plan(method, 1 - budget)
@@ -128,7 +136,7 @@ def test_zero_sparsity_equals_full_attention(real_lm, passkey_sessions):
     Tolerance: float32 with a different summation order (chunked prefill, log-sum-exp merge) over ~4K keys;
     the logits are O(30), observed differences O(1e-5).
     """
-    session = passkey_sessions[0.5]
+    session = passkey_sessions[EVERY_METHOD_DEPTH]
     full = session.logits(PASSKEY_QUESTION, "full")
     for method in SPARSE_METHODS:
         torch.testing.assert_close(session.logits(PASSKEY_QUESTION, method, 0.0), full, atol=2e-4, rtol=1e-4)
