@@ -159,6 +159,7 @@ def test_fixed_rows_with_block_sums_read_in_chunks():
 
     hkv, rows, block_g, lc, tail = 4, 20, 16, 2000, 5
     groups = block_g * 65
+    assert compact_ops.SUM_TILE // 128 < rows  # 65 blocks round up to 128: the rows' sums are read in chunks
     labels = random_labels(hkv, lc, groups, seed=7)
     starts = group_starts(labels, groups)
     g = torch.Generator().manual_seed(8)
