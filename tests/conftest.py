@@ -19,18 +19,6 @@ if XDIST_WORKERS:
 
 from engine.model import LoadedModel, load_model
 
-# The files that take one worker longest on 2 cores (worker seconds in session 30's `--durations=0`: 406, 277, 138,
-# 127, 90, 80, 76; the suite's ~1,780 in all), collected first: under `--dist loadfile` a worker takes the next file
-# when it is done, so a long file collected last (the real model's comes late in the alphabet) ran alone at the end.
-LONGEST_FIRST = ("test_real_model.py", "test_engine_triton.py", "test_eval_needles.py", "test_engine_tiny.py",
-                 "test_app.py", "test_app_browser.py", "test_bench_e2e.py")
-
-
-def pytest_collection_modifyitems(config, items) -> None:
-    """The LONGEST_FIRST files first, in that order; every file's own tests, and the other files, in their order."""
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # a stable sort
-
 
 @pytest.fixture(scope="session")
 def real_lm_load(tmp_path_factory) -> tuple[LoadedModel, list[tuple[str, int, int]]]:

@@ -33,7 +33,8 @@ DEPTHS = (0.1, 0.5, 0.9)
 
 
 # The depth whose context has every method (the budget and zero-sparsity tests); the others have the methods the
-# retrieval tests ask at every depth (DEPTHS_METHODS): duo, duo-squeeze and saap add ~10 s of calibration each.
+# retrieval tests ask at every depth (DEPTHS_METHODS): saap's and duo-squeeze's calibrations take ~5 s each on two
+# free cores (session 30), twice that beside another worker.
 EVERY_METHOD_DEPTH = 0.5
 DEPTHS_METHODS = ("squeeze", "hsqueeze", "quest")
 
