@@ -15,7 +15,7 @@ from kernels.layout import ClusterLayout
 from kernels.reference.centroid import centroid_log_scores, reduce_scores, row_scores, select_clusters
 from kernels.reference.compact import expand_groups
 from kernels.reference.merge import merge_attention
-from kernels.reference.sparse import attention_with_lse, sparse_attention
+from kernels.reference.sparse import _explicit, _fused_cpu, attention_with_lse, sparse_attention
 from kernels.selection import Selection
 
 # The code under test computes in float32 from the (exactly upcast) inputs; the references compute in float64 from the
@@ -78,19 +78,25 @@ def assert_attention_close(got, want, atol=ATOL, rtol=RTOL):
 
 
 # ---------------------------------------------------------------- attention_with_lse
+# attention_with_lse runs `_fused_cpu` on the CPU (torch's fused flash attention) and `_explicit` elsewhere: both
+# are held to the naive float64 attention here.
+IMPLS = [pytest.param(attention_with_lse, id="dispatch"), pytest.param(_explicit, id="explicit"),
+         pytest.param(_fused_cpu, id="fused-cpu")]
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", GQA)
-def test_attention_with_lse_matches_naive(hq, hkv, dtype):
+def test_attention_with_lse_matches_naive(hq, hkv, dtype, impl):
     q, k, v = make_qkv(hq, hkv, lq=5, lk=37, dtype=dtype)
     scale = D**-0.5
-    assert_attention_close(attention_with_lse(q, k, v, scale), naive_attention(q, k, v, scale))
+    assert_attention_close(impl(q, k, v, scale), naive_attention(q, k, v, scale))
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("hq,hkv", GQA)
-def test_attention_with_lse_per_head_mask_with_fully_masked_rows(hq, hkv, dtype):
+def test_attention_with_lse_per_head_mask_with_fully_masked_rows(hq, hkv, dtype, impl):
     q, k, v = make_qkv(hq, hkv, lq=6, lk=29, dtype=dtype, seed=1)
     scale = 0.3
     mask = torch.rand(hq, 6, 29, generator=_gen(2)) < 0.5  # [Hq, Lq, Lk]
@@ -98,7 +104,7 @@ def test_attention_with_lse_per_head_mask_with_fully_masked_rows(hq, hkv, dtype)
     mask[hq - 1] = False  # a whole query head attends to nothing
     mask[1, 0] = False
     mask[1, 0, 28] = True  # a query that attends to exactly one key
-    out, lse = attention_with_lse(q, k, v, scale, mask)
+    out, lse = impl(q, k, v, scale, mask)
     assert_attention_close((out, lse), naive_attention(q, k, v, scale, mask))
     # The fully masked rows are exactly out 0 and lse -inf (not NaN, not a tiny number).
     assert torch.equal(out[0, 2], torch.zeros(D)) and lse[0, 2].item() == -math.inf
@@ -107,8 +113,9 @@ def test_attention_with_lse_per_head_mask_with_fully_masked_rows(hq, hkv, dtype)
     assert not torch.isnan(out).any() and not torch.isnan(lse).any()
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (8, 2)])
-def test_attention_with_lse_shared_causal_mask(hq, hkv):
+def test_attention_with_lse_shared_causal_mask(hq, hkv, impl):
     """A [Lq, Lk] mask is shared by every head (here: causal over the last Lq keys, first query sees nothing)."""
     lq, lk = 4, 10
     q, k, v = make_qkv(hq, hkv, lq, lk, torch.float32, seed=3)
@@ -116,9 +123,19 @@ def test_attention_with_lse_shared_causal_mask(hq, hkv):
     mask = torch.arange(lk)[None, :] < pos_q[:, None]  # [Lq, Lk], strictly causal
     mask[0] = False
     scale = D**-0.5
-    got = attention_with_lse(q, k, v, scale, mask)
+    got = impl(q, k, v, scale, mask)
     assert_attention_close(got, naive_attention(q, k, v, scale, mask.expand(hq, lq, lk)))
     assert torch.isneginf(got[1][:, 0]).all() and torch.equal(got[0][:, 0], torch.zeros(hq, D))
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_with_lse_mask_broadcast_over_tokens(impl):
+    """A [Hq, 1, Lk] mask: each head's keys for all of its tokens (as the follow rows' union in
+    tests/test_follow_kernels.py), one head seeing none."""
+    q, k, v = make_qkv(8, 2, 5, 23, torch.float32, seed=4)
+    mask = torch.rand(8, 1, 23, generator=_gen(5)) < 0.6
+    mask[3] = False
+    assert_attention_close(impl(q, k, v, 0.3, mask), naive_attention(q, k, v, 0.3, mask.expand(8, 5, 23)))
 
 
 def test_attention_with_lse_no_keys():

@@ -55,23 +55,24 @@ def budget_curves(method: Method, layers: list[CalibrationSet], scale: float, ca
     lookups (H100, Llama-3-8B shape at 128K, squeeze and Quest, 8 layers: 15 s; the Triton lookups took 32 s, a
     compilation per question length and a launch per step)."""
     decode, prefill = [], []
-    for keys in KEYS_GRID:
-        plan = method.plan_keys(calibration, keys, keys, keys)
-        d_sum = d_n = p_sum = p_w = 0.0
-        for layer in layers[:: max(1, -(-len(layers) // MAX_LAYERS))]:
-            q, pos = layer.queries, layer.query_positions()
-            n = q.shape[1]
-            step = max(1, n // DECODE_TOKENS)
-            for t in range(n - 1, -1, -step)[:DECODE_TOKENS]:
-                found = method.lookup(q[:, t : t + 1], layer.index, plan, scale, REFERENCE, pos[t : t + 1])
-                d_sum += read_fraction(found, q.shape[2], layer.index.num_keys)
-                d_n += 1
-            for a, b, w in prefill_windows(n, PREFILL_WINDOWS):
-                found = method.lookup(q[:, a:b], layer.index, plan, scale, REFERENCE, pos[a:b])
-                p_sum += w * read_fraction(found, q.shape[2], layer.index.num_keys)
-                p_w += w
-        decode.append(d_sum / max(d_n, 1))
-        prefill.append(p_sum / max(p_w, 1e-12))
+    with torch.inference_mode():  # ~2,300 small lookups per method: autograd's bookkeeping is 10-20% of them
+        for keys in KEYS_GRID:
+            plan = method.plan_keys(calibration, keys, keys, keys)
+            d_sum = d_n = p_sum = p_w = 0.0
+            for layer in layers[:: max(1, -(-len(layers) // MAX_LAYERS))]:
+                q, pos = layer.queries, layer.query_positions()
+                n = q.shape[1]
+                step = max(1, n // DECODE_TOKENS)
+                for t in range(n - 1, -1, -step)[:DECODE_TOKENS]:
+                    found = method.lookup(q[:, t : t + 1], layer.index, plan, scale, REFERENCE, pos[t : t + 1])
+                    d_sum += read_fraction(found, q.shape[2], layer.index.num_keys)
+                    d_n += 1
+                for a, b, w in prefill_windows(n, PREFILL_WINDOWS):
+                    found = method.lookup(q[:, a:b], layer.index, plan, scale, REFERENCE, pos[a:b])
+                    p_sum += w * read_fraction(found, q.shape[2], layer.index.num_keys)
+                    p_w += w
+            decode.append(d_sum / max(d_n, 1))
+            prefill.append(p_sum / max(p_w, 1e-12))
     return {"budget_decode": torch.tensor(decode, dtype=torch.float64),
             "budget_prefill": torch.tensor(prefill, dtype=torch.float64)}
 
