@@ -48,3 +48,25 @@ def test_read_fraction_counts_a_kv_heads_keys_once_and_the_index():
     lookup = Lookup(selection=Selection.from_mask(mask), index_elements=torch.tensor([8.0]))
     assert read_fraction(lookup, head_dim=4, num_keys=10) == pytest.approx((6 * 2 * 4 + 8) / (10 * 2 * 4))
     assert read_fraction(Lookup(selection=None, index_elements=torch.zeros(1)), 4, 10) == 1.0
+
+
+@pytest.mark.parametrize("settings", [{}, {"group": "query"}, {"centroids": "exact", "centroid_ratio": 0.1}])
+def test_squeeze_reads_every_plan_as_its_lookups_do(settings):
+    """SqueezePolicy.reads scores once for all the plans; each value equals read_fraction of the method's own lookup
+    at that plan (Method.reads), decode steps and a question's prefill alike: the budget curves are unchanged."""
+    from engine.policies import make_method
+    from engine.policies.base import CalibrationSet, LayerIndex, LayerKeys, Method
+
+    g = torch.Generator().manual_seed(7)
+    hq, hkv, d, n, tail = 4, 2, 16, 300, 8
+    keys = torch.randn(hkv, n + tail, d, generator=g)
+    queries = torch.randn(hq, 40, d, generator=g)
+    policy = make_method("squeeze", settings)
+    index = LayerIndex(tensors=policy.build(LayerKeys(layer_idx=0, keys=keys[:, :n], tail=tail), {}, {}),
+                       num_keys=n + tail, tail=tail)
+    calibration = policy.calibrate([CalibrationSet(index=index, queries=queries)], d**-0.5)
+    plans = [policy.plan_keys(calibration, f, f, f) for f in KEYS_GRID]
+    for q, pos in ((queries[:, -1:], torch.tensor([n + tail - 1])), (queries[:, 5:17], torch.arange(n - 12, n))):
+        fast = policy.reads(q, index, plans, d**-0.5, pos)
+        assert fast == pytest.approx(Method.reads(policy, q, index, plans, d**-0.5, pos), abs=1e-12)
+        assert len(set(fast)) > 5  # the plans read different amounts: the grid is exercised

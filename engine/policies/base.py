@@ -28,8 +28,8 @@ from typing import ClassVar
 
 import torch
 
-from engine.policies.budget import keys_for
-from kernels.backend import Backend
+from engine.policies.budget import keys_for, read_fraction
+from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout
 from kernels.selection import Selection
 
@@ -231,6 +231,14 @@ class Method(ABC):
         """q: [Hq, Lq, D] the step's queries (Lq > 1: the question's prefill), RoPE applied; positions: [Lq] int64
         on q's device, their positions (a method that works on de-RoPE'd queries needs them; the engine always
         passes them). No host synchronisation."""
+
+    def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[StepPlan], scale: float,
+              positions: torch.Tensor | None = None) -> list[float]:
+        """The share of the fixed K/V bytes one step of q reads under each of `plans` (engine.policies.budget's
+        read_fraction of its reference lookup): what the budget's calibration measures, ~2,300 steps per method. A
+        method whose scores do not depend on the plan may score once for all of them; it must give these values."""
+        return [read_fraction(self.lookup(q, layer, plan, scale, REFERENCE, positions), q.shape[2], layer.num_keys)
+                for plan in plans]
 
     def layout(self, layer: LayerIndex) -> ClusterLayout | None:
         """The order of the fixed K/V that this method's selections index (None: original positions)."""

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.calibrate import prefill_windows
-from kernels.backend import REFERENCE
 
 if TYPE_CHECKING:
     from engine.policies.base import CalibrationSet, Lookup, Method, Tensors
@@ -54,25 +53,24 @@ def budget_curves(method: Method, layers: list[CalibrationSet], scale: float, ca
     DECODE_TOKENS single tokens; prefill: windows of them, each length weighted alike), through the reference
     lookups (H100, Llama-3-8B shape at 128K, squeeze and Quest, 8 layers: 15 s; the Triton lookups took 32 s, a
     compilation per question length and a launch per step)."""
-    decode, prefill = [], []
+    plans = [method.plan_keys(calibration, keys, keys, keys) for keys in KEYS_GRID]
+    d_sum, p_sum = [0.0] * len(plans), [0.0] * len(plans)
+    d_n = p_w = 0.0
     with torch.inference_mode():  # ~2,300 small lookups per method: autograd's bookkeeping is 10-20% of them
-        for keys in KEYS_GRID:
-            plan = method.plan_keys(calibration, keys, keys, keys)
-            d_sum = d_n = p_sum = p_w = 0.0
-            for layer in layers[:: max(1, -(-len(layers) // MAX_LAYERS))]:
-                q, pos = layer.queries, layer.query_positions()
-                n = q.shape[1]
-                step = max(1, n // DECODE_TOKENS)
-                for t in range(n - 1, -1, -step)[:DECODE_TOKENS]:
-                    found = method.lookup(q[:, t : t + 1], layer.index, plan, scale, REFERENCE, pos[t : t + 1])
-                    d_sum += read_fraction(found, q.shape[2], layer.index.num_keys)
-                    d_n += 1
-                for a, b, w in prefill_windows(n, PREFILL_WINDOWS):
-                    found = method.lookup(q[:, a:b], layer.index, plan, scale, REFERENCE, pos[a:b])
-                    p_sum += w * read_fraction(found, q.shape[2], layer.index.num_keys)
-                    p_w += w
-            decode.append(d_sum / max(d_n, 1))
-            prefill.append(p_sum / max(p_w, 1e-12))
+        for layer in layers[:: max(1, -(-len(layers) // MAX_LAYERS))]:
+            q, pos = layer.queries, layer.query_positions()
+            n = q.shape[1]
+            step = max(1, n // DECODE_TOKENS)
+            for t in range(n - 1, -1, -step)[:DECODE_TOKENS]:
+                for i, read in enumerate(method.reads(q[:, t : t + 1], layer.index, plans, scale, pos[t : t + 1])):
+                    d_sum[i] += read
+                d_n += 1
+            for a, b, w in prefill_windows(n, PREFILL_WINDOWS):
+                for i, read in enumerate(method.reads(q[:, a:b], layer.index, plans, scale, pos[a:b])):
+                    p_sum[i] += w * read
+                p_w += w
+    decode = [s / max(d_n, 1) for s in d_sum]
+    prefill = [s / max(p_w, 1e-12) for s in p_sum]
     return {"budget_decode": torch.tensor(decode, dtype=torch.float64),
             "budget_prefill": torch.tensor(prefill, dtype=torch.float64)}
 

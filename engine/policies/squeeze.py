@@ -245,6 +245,27 @@ class SqueezePolicy(Method):
         read = torch.full((hkv,), float(centroid_elements(layer, q.element_size())), device=q.device)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 
+    def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[ThresholdPlan], scale: float,
+              positions: torch.Tensor | None = None) -> list[float]:
+        """Method.reads with one scoring of q for every plan (a cluster's score does not depend on the threshold):
+        the keys of the clusters any row of a KV head keeps, the dense tail once per KV head, and the centroids,
+        as read_fraction counts the lookup's selection (tests/test_budget.py holds it to the lookups')."""
+        hq, hkv, d = q.shape[0], layer["counts"].shape[0], q.shape[2]
+        rows = group_rows(self.settings.group, hq, hkv)
+        counts = layer["counts"]  # [Hkv, C]
+        _, score = REFERENCE.kernel("centroid").cluster_keep(q, layer["centroids"], counts, scale, 0.0, rows,
+                                                             step=code_step(layer))  # [rows, C]
+        nonempty = (counts > 0).repeat_interleave(rows // hkv, dim=0)  # [rows, C]
+        # the plans' thresholds in the scores' dtype, as a lookup compares them (select_clusters: S > T, or S >= 0
+        # where T <= 0)
+        t = torch.tensor([plan.at(q.shape[1])[0] for plan in plans], dtype=score.dtype, device=score.device)
+        t = t[:, None, None]  # [F, 1, 1]
+        keep = torch.where(t > 0, score > t, score >= 0) & nonempty  # [F, rows, C]
+        union = keep.reshape(len(plans), hkv, rows // hkv, -1).any(dim=2)  # [F, Hkv, C]: a row of the head keeps it
+        keys = (counts * union).sum(dim=(1, 2)) + hkv * layer.tail  # [F]
+        index = hkv * float(centroid_elements(layer, q.element_size()))
+        return [(float(k) * 2 * d + index) / (hkv * layer.num_keys * 2 * d) for k in keys.tolist()]
+
     def layout(self, layer: LayerIndex) -> ClusterLayout:
         return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)
 
