@@ -50,9 +50,10 @@ def read_fraction(lookup: Lookup, head_dim: int, num_keys: int) -> float:
 def budget_curves(method: Method, layers: list[CalibrationSet], scale: float, calibration: Tensors) -> Tensors:
     """{"budget_decode", "budget_prefill"}: [len(KEYS_GRID)] float64, the mean share of the K/V bytes read at each
     key fraction of KEYS_GRID over the calibration queries of up to MAX_LAYERS global layers (decode: up to
-    DECODE_TOKENS single tokens; prefill: windows of them, each length weighted alike), through the reference
-    lookups (H100, Llama-3-8B shape at 128K, squeeze and Quest, 8 layers: 15 s; the Triton lookups took 32 s, a
-    compilation per question length and a launch per step)."""
+    DECODE_TOKENS single tokens; prefill: windows of them, each length weighted alike), through `Method.reads`:
+    the reference lookups at every key fraction (H100, Llama-3-8B shape at 128K, squeeze and Quest, 8 layers: 15 s;
+    the Triton lookups took 32 s, a compilation per question length and a launch per step), or a method's own count
+    of the same reads (squeeze scores a step once for all the fractions: 3.3 -> 0.06 s on an H200 at 128K)."""
     plans = [method.plan_keys(calibration, keys, keys, keys) for keys in KEYS_GRID]
     d_sum, p_sum = [0.0] * len(plans), [0.0] * len(plans)
     d_n = p_w = 0.0
