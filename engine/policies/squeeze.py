@@ -12,9 +12,10 @@ from engine.config import SPARSITY_GRID
 from engine.kmeans import KMeansResult, metric_kmeans, query_metric, spherical_kmeans
 from engine.policies.base import (CalibrationSet, LayerIndex, LayerKeys, Lookup, Method, MethodSettings, StepPlan,
                                   Tensors, check_budget, group_rows)
+from engine.policies.budget import byte_share
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
-from kernels.reference.centroid import dequantize_centroids, quantize_centroids, row_scores
+from kernels.reference.centroid import dequantize_centroids, quantize_centroids, row_scores, select_clusters
 
 GROUPS = ("kv", "query")
 CENTROIDS = ("exact", "int8")
@@ -256,15 +257,12 @@ class SqueezePolicy(Method):
         _, score = REFERENCE.kernel("centroid").cluster_keep(q, layer["centroids"], counts, scale, 0.0, rows,
                                                              step=code_step(layer))  # [rows, C]
         nonempty = (counts > 0).repeat_interleave(rows // hkv, dim=0)  # [rows, C]
-        # the plans' thresholds in the scores' dtype, as a lookup compares them (select_clusters: S > T, or S >= 0
-        # where T <= 0)
-        t = torch.tensor([plan.at(q.shape[1])[0] for plan in plans], dtype=score.dtype, device=score.device)
-        t = t[:, None, None]  # [F, 1, 1]
-        keep = torch.where(t > 0, score > t, score >= 0) & nonempty  # [F, rows, C]
+        # each plan's clusters as its lookup keeps them (select_clusters), stacked: [F, rows, C]
+        keep = torch.stack([select_clusters(score, plan.at(q.shape[1])[0]) for plan in plans]) & nonempty
         union = keep.reshape(len(plans), hkv, rows // hkv, -1).any(dim=2)  # [F, Hkv, C]: a row of the head keeps it
         keys = (counts * union).sum(dim=(1, 2)) + hkv * layer.tail  # [F]
         index = hkv * float(centroid_elements(layer, q.element_size()))
-        return [(float(k) * 2 * d + index) / (hkv * layer.num_keys * 2 * d) for k in keys.tolist()]
+        return [byte_share(float(k), index, hkv, layer.num_keys, d) for k in keys.tolist()]
 
     def layout(self, layer: LayerIndex) -> ClusterLayout:
         return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)
