@@ -6,16 +6,21 @@ from __future__ import annotations
 import gradio as gr
 
 from app import render
-from app.config import CENTROID_RATIOS, LEVEL1_RATIOS, SPARSITY_MAX, SPARSITY_MIN, method_settings
+from app.config import (
+    CENTROID_RATIOS,
+    LEVEL1_RATIOS,
+    SPARSITY_MAX,
+    SPARSITY_MIN,
+    method_settings,
+)
 from app.services import Services, doc_choices, doc_status, library_rows
 from app.views import TurnViews
-from engine.config import ContextSettings
-from engine.policies import METHODS, REGISTRY, build_order
-from engine.sampling import GenerationOptions
+from engine.context.session import Delta
+from engine.context.settings import ContextSettings
+from engine.methods import METHODS, REGISTRY, build_order
+from engine.model.sampling import GenerationOptions
 from engine.serve.jobs import plain_error
-from engine.session import Delta
 from storage import NotFoundError, StorageError
-
 
 
 def new_state(config) -> dict:

@@ -8,7 +8,13 @@ import json
 import sys
 import time
 
-from engine.catalog import EMBEDDED_MODEL, METHODS, SPARSE_METHODS, TRAINED_METHODS, default_cache_dir
+from engine.model.catalog import (
+    EMBEDDED_MODEL,
+    METHODS,
+    SPARSE_METHODS,
+    TRAINED_METHODS,
+    default_cache_dir,
+)
 
 
 def _progress(enabled: bool):
@@ -51,7 +57,7 @@ def _dest(method: str, name: str) -> str:
 
 def _method_settings(args) -> dict[str, dict]:
     """Each method's settings named on the command line (method -> {field: value}); the others stay at defaults."""
-    from engine.policies import REGISTRY  # noqa: PLC0415
+    from engine.methods import REGISTRY  # noqa: PLC0415
 
     out: dict[str, dict] = {}
     for method, cls in REGISTRY.items():
@@ -65,7 +71,7 @@ def _method_settings(args) -> dict[str, dict]:
 def _method_options() -> argparse.ArgumentParser:
     """Every registered method's settings as options `--{method}-{setting}` (unset: the method's default); a
     method's index is built, or rebuilt, with them when a question asks for the method."""
-    from engine.policies import REGISTRY  # noqa: PLC0415
+    from engine.methods import REGISTRY  # noqa: PLC0415
 
     p = argparse.ArgumentParser(add_help=False)
     group = p.add_argument_group("method settings (each method's index is built with its own)")
@@ -86,7 +92,7 @@ def cmd_ingest(args) -> int:
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(SPARSE_METHODS)}")
     engine = _engine(args)
-    report = engine.ingest(args.path, truncate=args.truncate, progress=_progress(not args.quiet), methods=methods)
+    report = engine.context.ingest(args.path, truncate=args.truncate, progress=_progress(not args.quiet), methods=methods)
     out = report.to_json()
     print(json.dumps(out) if args.json else
           f"{out['doc_id']}  {out['tokens']} tokens, {out['pages']} page(s), context {out['context_id']}"
@@ -95,9 +101,9 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_ask(args) -> int:
-    from engine.sampling import GenerationOptions  # noqa: PLC0415
+    from engine.context.session import Answer, Delta  # noqa: PLC0415
+    from engine.model.sampling import GenerationOptions  # noqa: PLC0415
     from engine.serve.turns import EMPTY_ANSWER  # noqa: PLC0415
-    from engine.session import Answer, Delta  # noqa: PLC0415
 
     options = GenerationOptions(temperature=args.temperature, top_p=args.top_p,  # (refused before the model loads)
                                 repetition_penalty=args.repetition_penalty, seed=args.seed)

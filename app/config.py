@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.policies import make_method
-from engine.policies.hsqueeze import HierarchicalSettings
-from engine.policies.squeeze import SqueezeSettings
+from engine.methods import make_method
+from engine.methods.hsqueeze import HierarchicalSettings
+from engine.methods.squeeze import SqueezeSettings
 
 SPARSITY_MIN, SPARSITY_MAX = 50, 99  # the slider's range, in percent
 CENTROID_RATIOS = (0.01, 0.2)  # the centroid-ratio slider's range

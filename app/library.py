@@ -10,8 +10,15 @@ import gradio as gr
 
 from app import render
 from app.chat import ChatTab
-from engine.config import ContextSettings
-from app.services import Services, doc_choices, doc_status, error_text, library_rows, library_table
+from app.services import (
+    Services,
+    doc_choices,
+    doc_status,
+    error_text,
+    library_rows,
+    library_table,
+)
+from engine.context.settings import ContextSettings
 from engine.serve.jobs import document_id
 from storage import NotFoundError
 from storage.documents import KIND_BY_SUFFIX, UnsupportedTypeError, document_kind

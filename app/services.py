@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from app.config import AppConfig
 from app.render import format_date, stage_text, time_left
-from engine.config import ContextSettings
+from engine.context.settings import ContextSettings
 from engine.serve.explain import ContextInspector
 from engine.serve.jobs import IngestWorker, JobView
 from engine.serve.preparer import Preparer

@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.reference import assign as reference
 from kernels.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from kernels.jit.assign import nearest_centroid_kernel
+from kernels.reference import assign as reference
 
 # --- Knobs ---------------------------------------------------------------------------------------------------------
 # A point tile stays in registers while the centroid tiles stream past it; head dim 256 halves the point tile.

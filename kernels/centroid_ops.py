@@ -29,10 +29,22 @@ import triton
 
 from kernels.checks import LOG2E
 from kernels.compact_ops import expand_block_sums
-from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel, centroid_score_prefill_kernel
+from kernels.jit.centroid import (
+    centroid_denominator_kernel,
+    centroid_score_kernel,
+    centroid_score_prefill_kernel,
+)
+
 # no kernels of their own (the calibration and the explanations use them): the backend's op names, from the reference
-from kernels.reference.centroid import (centroid_log_scores, dequantize_centroids, quantize_centroids,  # noqa: F401
-                                       reduce_scores, row_scores, scaled_queries, select_clusters)
+from kernels.reference.centroid import (  # noqa: F401
+    centroid_log_scores,
+    dequantize_centroids,
+    quantize_centroids,
+    reduce_scores,
+    row_scores,
+    scaled_queries,
+    select_clusters,
+)
 from kernels.selection import Fixed, Selection
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

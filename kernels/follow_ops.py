@@ -2,13 +2,12 @@
 
 `follow_attention(...)` has the signature and semantics of `kernels.reference.follow.follow_attention` and never
 synchronises with the host: one launch per call, a grid of (selection rows, query blocks); a decode step's is one
-program per row. The follow rows' mapping to the layer's K/V (engine.follow's token positions through the layer's
+program per row. The follow rows' mapping to the layer's K/V (engine.attention.follow's token positions through the layer's
 layout), the test against the selection (a 16-ary search in each row's sorted indices) and, given a `prior` (the
 selection's own attention), the merge with it happen in the kernel, which then writes over the prior's tensors.
 """
 
 from __future__ import annotations
-
 
 import torch
 import triton

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 import torch
 
 
-
 @dataclass
 class ClusterLayout:
     """order: [Hkv, Lc + tail] int64 original position of each permuted position; starts: [Hkv, C + 1] int64."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.reference import merge as reference
 from kernels.jit.merge import merge_two_kernel
+from kernels.reference import merge as reference
 
 BLOCK_ROWS = 16  # (head, token) rows per program; a decode step of 32 heads is 2 programs
 

@@ -17,7 +17,7 @@ XDIST_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
 if XDIST_WORKERS:
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // XDIST_WORKERS))
 
-from engine.model import LoadedModel, load_model
+from engine.model.load import LoadedModel, load_model
 
 
 @pytest.fixture(scope="session")

@@ -18,13 +18,12 @@ from tiny_models import QUICK_TRAINING, make_tiny_model
 
 from app.config import AppConfig
 from app.demo import build_demo, launch_kwargs
-from engine.policies import SPARSE_METHODS
+from engine.methods import SPARSE_METHODS
+from engine.model.load import load_model
 from engine.serve.jobs import IngestWorker
-from engine.model import load_model
-from engine.prompt import ANSWER_RESERVE
 from engine.serve.service import Engine
-from engine.prompt import Exchange
 from engine.serve.turns import EMPTY_ANSWER, Turns, same_answer
+from engine.text.prompt import ANSWER_RESERVE, Exchange
 from storage import NotFoundError
 
 pytestmark = [

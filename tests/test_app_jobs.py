@@ -8,11 +8,18 @@ import time
 
 import pytest
 
-from engine.config import ContextSettings
-from engine.model import STEP_TOKENIZER, STEP_WEIGHTS, LoadStep
-from engine.serve.jobs import CANCELLED, DEFAULT_STAGE_SHARE, LOADING, STAGES, IngestWorker, document_id
-from engine.prompt import DocumentTooLongError
+from engine.context.settings import ContextSettings
+from engine.model.load import STEP_TOKENIZER, STEP_WEIGHTS, LoadStep
+from engine.serve.jobs import (
+    CANCELLED,
+    DEFAULT_STAGE_SHARE,
+    LOADING,
+    STAGES,
+    IngestWorker,
+    document_id,
+)
 from engine.serve.service import IngestReport
+from engine.text.prompt import DocumentTooLongError
 from storage import Store
 
 TEXT = ("The keeper logged the weather every four hours. " * 40).encode()

@@ -24,7 +24,7 @@ SECRET = {"passkey", "48213."}  # their tokens form cluster 0 of KV head 0
 @pytest.fixture(scope="module", params=[0, 2], ids=["no-sink", "sink"])
 def ctx(request):
     """A ready context of a two-page PDF: one token per word, one clustered layer with two KV heads; with a sink,
-    its first tokens stored after the indexed ones (engine.fixed_rows), which the labels then start after."""
+    its first tokens stored after the indexed ones (engine.attention.rows), which the labels then start after."""
     sink = request.param
     store = Store.memory()
     doc = load_document_bytes(make_text_pdf([PAGE1, PAGE2]), "guide.pdf")

@@ -1,4 +1,4 @@
-"""kernels.assign_ops.nearest_centroid (Triton) against kernels.reference.nearest_centroid, and engine.kmeans with
+"""kernels.assign_ops.nearest_centroid (Triton) against kernels.reference.nearest_centroid, and engine.index.kmeans with
 either as its assignment step.
 
 Points and centroids are random; a label may differ from the reference's only where two centroids' inner products
@@ -12,7 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kmeans import metric_kmeans, query_metric, query_moment, spherical_kmeans
+from engine.index.kmeans import (
+    metric_kmeans,
+    query_metric,
+    query_moment,
+    spherical_kmeans,
+)
 from kernels import assign_ops
 from kernels.reference import assign as reference
 

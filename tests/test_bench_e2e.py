@@ -10,22 +10,27 @@ import json
 
 import pytest
 import torch
+from tiny_models import SMALL_SAAP, gates_for
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tiny_models import SMALL_SAAP, gates_for
-
-from engine.bench.e2e import SHAPES, build_shape, even_device_map, main, measure_peer, peer_model
-from engine.config import ContextSettings
-from engine.policies import build_order, make_method, SPARSE_METHODS
-from engine.generate import full_logits
-from engine.ingest import ingest_tokens
-from engine.policies import REGISTRY
-from engine.session import ContextSession
+from engine.bench.e2e import (
+    SHAPES,
+    build_shape,
+    even_device_map,
+    main,
+    measure_peer,
+    peer_model,
+)
+from engine.context.ingest import ingest_tokens
+from engine.context.session import ContextSession
+from engine.context.settings import ContextSettings
+from engine.methods import REGISTRY, SPARSE_METHODS, build_order, make_method
+from engine.model.generate import full_logits
 from kernels.backend import REFERENCE
 
 # 1,024 tokens: duo's streaming window (64 + 256 tokens) is then a part of the context, as sparsity needs
 CONTEXT, STEPS, QUESTIONS = 1024, 4, ("8", "16")
-STAGES = {"prefill", "clustering", "calibrating"}  # engine.ingest's progress stages
+STAGES = {"prefill", "clustering", "calibrating"}  # engine.context.ingest's progress stages
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +176,7 @@ def test_split_over_two_gpus(tmp_path):
 
 
 def test_compile_both_measures_the_engine_twice_in_one_run(one_thread, tmp_path):
-    """--compile both: the engine's phases without, then with compiled decoder layers (engine.compiled), each with
+    """--compile both: the engine's phases without, then with compiled decoder layers (engine.model.compiled), each with
     its ratios, and the compiled decode's speedup over the uncompiled one of the same run."""
     out_file = tmp_path / "e2e.json"
     with contextlib.redirect_stdout(io.StringIO()):
@@ -202,8 +207,8 @@ def test_kernel_bench_parses_method_settings():
 
 def test_follow_settings_parse_from_the_command_line():
     """`squeeze eval --follow lead=4 --follow carry=false`: typed like the defaults; unknown or bad ones refused."""
+    from engine.attention.follow import FollowSettings
     from engine.bench.settings import parse_follow
-    from engine.follow import FollowSettings
 
     assert parse_follow(["lead=4", "carry=false"]) == FollowSettings(lead=4, carry=False)
     for bad in ("colour=red", "lead", "lead=x", "lead=-1", "carry=perhaps"):

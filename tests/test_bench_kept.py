@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
+from captures import synthetic_capture
 
 from engine.bench.kept import main, method_settings, run
-from engine.policies import SPARSE_METHODS
-from captures import synthetic_capture
+from engine.methods import SPARSE_METHODS
 
 CAPTURE = Path(__file__).resolve().parents[1] / ".bench" / "keys.safetensors"
 SETTINGS = method_settings(centroid_ratio=0.05, level1_prune=0.5, kmeans_iters=10)  # the GPU bench's

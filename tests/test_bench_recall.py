@@ -9,13 +9,20 @@ from pathlib import Path
 
 import pytest
 import torch
-
-from engine.bench.recall import full_probs, head_masks, in_original_order, main, recall_and_error, run
-from engine.bench.kept import method_settings
-from engine.policies import REGISTRY, SPARSE_METHODS
 from captures import synthetic_capture
-from kernels.reference.sparse import attention_with_lse, sparse_attention
+
+from engine.bench.kept import method_settings
+from engine.bench.recall import (
+    full_probs,
+    head_masks,
+    in_original_order,
+    main,
+    recall_and_error,
+    run,
+)
+from engine.methods import REGISTRY, SPARSE_METHODS
 from kernels.layout import ClusterLayout
+from kernels.reference.sparse import attention_with_lse, sparse_attention
 from kernels.selection import Selection
 
 CAPTURE = Path(__file__).resolve().parents[1] / ".bench" / "keys.safetensors"

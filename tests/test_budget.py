@@ -1,13 +1,13 @@
-"""The KV budget's calibration (engine.policies.budget): inverting a method's measured reads, and what one step
-reads (the definition engine.stats' kv_budget uses)."""
+"""The KV budget's calibration (engine.attention.budget): inverting a method's measured reads, and what one step
+reads (the definition engine.attention.stats' kv_budget uses)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.policies.base import Lookup
-from engine.policies.budget import KEYS_GRID, keys_for, read_fraction
+from engine.attention.budget import KEYS_GRID, keys_for
+from engine.attention.method import Lookup
 from kernels.selection import Selection
 
 
@@ -46,16 +46,16 @@ def test_read_fraction_counts_a_kv_heads_keys_once_and_the_index():
     mask[0, :4] = True
     mask[1, 2:6] = True  # union: keys 0..5
     lookup = Lookup(selection=Selection.from_mask(mask), index_elements=torch.tensor([8.0]))
-    assert read_fraction(lookup, head_dim=4, num_keys=10) == pytest.approx((6 * 2 * 4 + 8) / (10 * 2 * 4))
-    assert read_fraction(Lookup(selection=None, index_elements=torch.zeros(1)), 4, 10) == 1.0
+    assert lookup.read_fraction(head_dim=4, num_keys=10) == pytest.approx((6 * 2 * 4 + 8) / (10 * 2 * 4))
+    assert Lookup(selection=None, index_elements=torch.zeros(1)).read_fraction(4, 10) == 1.0
 
 
 @pytest.mark.parametrize("settings", [{}, {"group": "query"}, {"centroids": "exact", "centroid_ratio": 0.1}])
 def test_squeeze_reads_every_plan_as_its_lookups_do(settings):
-    """SqueezePolicy.reads scores once for all the plans; each value equals read_fraction of the method's own lookup
+    """SqueezePolicy.reads scores once for all the plans; each value equals Lookup.read_fraction of the method's own lookup
     at that plan (Method.reads), decode steps and a question's prefill alike: the budget curves are unchanged."""
-    from engine.policies import make_method
-    from engine.policies.base import CalibrationSet, LayerIndex, LayerKeys, Method
+    from engine.attention.method import CalibrationSet, LayerIndex, LayerKeys, Method
+    from engine.methods import make_method
 
     g = torch.Generator().manual_seed(7)
     hq, hkv, d, n, tail = 4, 2, 16, 300, 8

@@ -1,4 +1,4 @@
-"""engine.calibrate: weighted quantile thresholds and their interpolation over the sparsity grid."""
+"""engine.index.thresholds: weighted quantile thresholds and their interpolation over the sparsity grid."""
 
 from __future__ import annotations
 
@@ -7,8 +7,14 @@ import math
 import pytest
 import torch
 
-from engine.calibrate import pooled_thresholds, prefill_windows, threshold_at, weighted_thresholds, window_scores
-from engine.config import SPARSITY_GRID
+from engine.index.thresholds import (
+    SPARSITY_GRID,
+    pooled_thresholds,
+    prefill_windows,
+    threshold_at,
+    weighted_thresholds,
+    window_scores,
+)
 from kernels.reference.centroid import reduce_scores, select_clusters
 
 

@@ -19,11 +19,12 @@ import math
 
 import pytest
 import torch
+from test_sparse_kernels import (
+    make_qkv,  # the same inputs: q scaled up so that a wrong key shows
+)
 
-from kernels.reference import causal as reference
 from kernels.causal_ops import causal_attention
-
-from test_sparse_kernels import make_qkv  # the same inputs: q scaled up so that a wrong key shows
+from kernels.reference import causal as reference
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -15,10 +15,15 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.reference import centroid as reference
+from kernels.centroid_ops import (
+    LookupConfig,
+    cluster_keep,
+    cluster_keep_list,
+    cluster_select,
+)
 from kernels.layout import group_starts
+from kernels.reference import centroid as reference
 from kernels.reference.compact import expand_groups
-from kernels.centroid_ops import LookupConfig, cluster_keep, cluster_keep_list, cluster_select
 from kernels.selection import Fixed
 
 pytestmark = pytest.mark.usefixtures("one_thread")

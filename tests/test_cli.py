@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 
 import pytest
+from tiny_models import make_tiny_model
 
 from app.cli import main
-from tiny_models import make_tiny_model
 
 DOC = "The harbour wall was rebuilt after the storm. " * 30
 
@@ -43,7 +43,7 @@ def test_ingest_ask_list_delete(tiny, capsys):
     assert answer["method"] == "hsqueeze" and answer["sparsity"] == 0.8
     assert len(answer["kept_fraction"]) == 2 and all(len(row) == 4 for row in answer["kept_fraction"])
     assert 0 < answer["kv_budget"] < 1
-    # the document tokens the turn read as follow rows (engine.follow): the byte tokenizer's repeats find some
+    # the document tokens the turn read as follow rows (engine.attention.follow): the byte tokenizer's repeats find some
     assert answer["follow"] and all(0 <= p < ingest["tokens"] for p in answer["follow"])
     sampled = ["ask", ingest["doc_id"], "What was rebuilt?", "--max-new-tokens", "6", "--temperature", "0.9",
                "--top-p", "0.9", "--repetition-penalty", "1.3", "--seed", "3", "--json", *common]
@@ -123,7 +123,7 @@ def test_method_options_build_that_index_once(tiny, capsys, tmp_path):
 
 
 def test_compile_gives_the_same_answer(tiny, capsys, tmp_path):
-    """`--compile` (engine.compiled): the decoder layers under torch.compile answer as the eager model does."""
+    """`--compile` (engine.model.compiled): the decoder layers under torch.compile answer as the eager model does."""
     model, root = tiny
     common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path), "--quiet", "--json"]
     ask = ["ask", str(root / "doc.txt"), "What was rebuilt?", "--method", "squeeze", "--sparsity", "0.5",
@@ -136,9 +136,9 @@ def test_compile_gives_the_same_answer(tiny, capsys, tmp_path):
 
 
 def test_the_catalog_names_the_registered_methods():
-    """engine.catalog (what the command line knows without torch) agrees with the method registry."""
-    from engine.catalog import METHODS, SPARSE_METHODS, TRAINED_METHODS
-    from engine.policies import REGISTRY
+    """engine.model.catalog (what the command line knows without torch) agrees with the method registry."""
+    from engine.methods import REGISTRY
+    from engine.model.catalog import METHODS, SPARSE_METHODS, TRAINED_METHODS
 
     assert METHODS == tuple(REGISTRY)
     assert SPARSE_METHODS == tuple(n for n, cls in REGISTRY.items() if cls.sparse)

@@ -1,4 +1,4 @@
-"""engine.compiled: decoder layers under torch.compile around the engine's attention give the eager model's
+"""engine.model.compiled: decoder layers under torch.compile around the engine's attention give the eager model's
 logits and tokens (CPU, fp32, tiny models; the GPU variant with CUDA graphs is in tests/test_engine_graph.py).
 
 Each model is loaded twice from its directory (the same weights): one copy compiled, one eager, over one ingest's
@@ -8,17 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods
 from tiny_models import gates_for, tiny_model_path  # noqa: F401 (fixture)
 
-from engine.compiled import compile_layers, layers_compiled
-from engine.generate import generate_tokens
-from engine.ingest import ingest_tokens
-from engine.model import load_model
-from engine.prompt import question_ids, tokenize_document
-from engine.session import ContextSession
+from engine.context.ingest import ingest_tokens
+from engine.context.session import ContextSession
+from engine.model.compiled import compile_layers, layers_compiled
+from engine.model.generate import generate_tokens
+from engine.model.load import load_model
+from engine.text.prompt import question_ids, tokenize_document
 from kernels.backend import REFERENCE
-
-from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods
 
 # fp32 on both sides; inductor fuses the element-wise ops (one rounding per fused kernel instead of one per op)
 TOL = dict(atol=1e-4, rtol=1e-4)

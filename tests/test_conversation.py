@@ -7,18 +7,25 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from engine.config import ContextSettings
-from engine.ingest import ingest_tokens
-from engine.model import load_model
-from engine.policies import make_method
-from engine.prompt import (BasePrompt, ChatPrompt, Exchange, cut_at_stop, prompt_format, tokenize_document,
-                           turn_ids)
-from engine.sampling import GenerationOptions, Sampler, top_p_filter
-from engine.session import ContextSession
-from kernels.backend import REFERENCE
 from test_engine_tiny import plain_greedy
 from tiny_models import CHAT_TEMPLATE, byte_tokenizer, make_tiny_model
+
+from engine.context.ingest import ingest_tokens
+from engine.context.session import ContextSession
+from engine.context.settings import ContextSettings
+from engine.methods import make_method
+from engine.model.load import load_model
+from engine.model.sampling import GenerationOptions, Sampler, top_p_filter
+from engine.text.prompt import (
+    BasePrompt,
+    ChatPrompt,
+    Exchange,
+    cut_at_stop,
+    prompt_format,
+    tokenize_document,
+    turn_ids,
+)
+from kernels.backend import REFERENCE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -88,7 +95,7 @@ def test_stop_strings_count_from_the_first_non_blank_character(text, want):
 @pytest.mark.parametrize("text,held", [("48213.\nAnswer", len("\nAnswer")), ("48213.", 0), ("Pier 3\n", 1),
                                        ("\n\n", 0), ("\n\nPier\nQues", len("\nQues")), ("Answer", 0)])
 def test_a_stream_holds_back_what_could_start_a_stop_string(text, held):
-    from engine.prompt import STOP_STRINGS, held_back
+    from engine.text.prompt import STOP_STRINGS, held_back
 
     assert held_back(text, STOP_STRINGS) == held
 
@@ -150,8 +157,8 @@ def test_sampler_applies_penalty_temperature_and_top_p():
 def test_the_stream_says_the_answer_and_never_a_stop_string(tmp_path):
     """The pieces a turn streams add up to its answer, and never show a stop string (nor, held back, its start)
     past the first non-blank character. A random tiny model sampled hot emits newlines often."""
-    from engine.prompt import STOP_STRINGS
-    from engine.session import Delta
+    from engine.context.session import Delta
+    from engine.text.prompt import STOP_STRINGS
 
     lm = load_model(str(make_tiny_model(tmp_path, "llama_gqa")), device="cpu")
     fixed = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context)

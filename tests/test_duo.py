@@ -1,4 +1,4 @@
-"""DuoAttention (engine/policies/duo.py, engine/gates.py, engine/gate_data.py): the heads' selections against a mask
+"""DuoAttention (engine/methods/duo/policy.py, engine/methods/duo/gates.py, engine/methods/duo/data.py): the heads' selections against a mask
 built by hand, the budget a plan reads, the training attention against its two references, gate training on tiny
 models (deterministic, resumable, stored once per model), and the method end to end through the engine and the CLI.
 The method contract's own checks (tests/test_methods_contract.py) run it too."""
@@ -10,13 +10,19 @@ import math
 
 import pytest
 import torch
-
-from engine.gate_data import GateData, training_sequence
-from engine.gates import GateMix, GateTraining, mixed_attention, rank_heads, train_gates
-from engine.policies import LayerIndex, make_method
-from engine.policies.base import CalibrationSet
-from engine.policies.duo import HeadPlan, Window, head_selection
 from tiny_models import QUICK_TRAINING, byte_tokenizer, make_tiny_model
+
+from engine.attention.method import CalibrationSet
+from engine.methods import LayerIndex, make_method
+from engine.methods.duo.data import GateData, training_sequence
+from engine.methods.duo.gates import (
+    GateMix,
+    GateTraining,
+    mixed_attention,
+    rank_heads,
+    train_gates,
+)
+from engine.methods.duo.policy import HeadPlan, Window, head_selection
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -157,7 +163,7 @@ def test_training_sequences_are_a_function_of_seed_and_step():
 
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     return load_model(str(make_tiny_model(tmp_path_factory.mktemp("duo"), "gemma3_hybrid")), device="cpu")
 
@@ -223,8 +229,8 @@ def test_duo_answers_through_the_engine_and_equals_full_attention_at_budget_1(ti
     engine = Engine(tmp_path / "cache", lm=tiny_gemma, methods={"duo": SMALL})
     doc = tmp_path / "doc.txt"
     doc.write_text("The lighthouse keeper rang the bell at dawn and logged the weather every four hours. " * 8)
-    context = engine.ingest(doc, methods=("duo",)).context_id
-    session = engine.session(context)
+    context = engine.context.ingest(doc, methods=("duo",)).context_id
+    session = engine.context.session(context)
     full = session.logits("Who rang the bell?", "full")
     torch.testing.assert_close(session.logits("Who rang the bell?", "duo", 0.0), full, atol=1e-4, rtol=1e-4)
     answer = engine.ask(context, "Who rang the bell?", "duo", 0.7, 4)
@@ -263,8 +269,8 @@ def test_replace_rows_equals_the_mask_by_hand():
 def test_duo_squeeze_streams_the_low_heads_and_looks_up_the_high_ones():
     """duo-squeeze: the heads of rank >= its retrieval share read their window (the sink's and the recent tokens,
     found in squeeze's layout, then the dense rows); the others exactly squeeze's selection at the plan's threshold."""
-    from engine.ingest import build_methods
-    from engine.policies import build_order, stand_ins
+    from engine.context.ingest import build_methods
+    from engine.methods import build_order, stand_ins
     from kernels.backend import REFERENCE
 
     g = torch.Generator().manual_seed(1)

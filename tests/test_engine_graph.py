@@ -10,18 +10,17 @@ from dataclasses import replace
 
 import pytest
 import torch
+from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods
 from tiny_models import gates_for, tiny_model_path  # noqa: F401 (fixture)
 
-from engine.compiled import compile_layers
-from engine.generate import forward_step, generate_tokens
-from engine.ingest import ingest_tokens
-from engine.model import load_model
-from engine.policies import REGISTRY
-from engine.prompt import question_ids, tokenize_document
-from engine.session import ContextSession
+from engine.context.ingest import ingest_tokens
+from engine.context.session import ContextSession
+from engine.methods import REGISTRY
+from engine.model.compiled import compile_layers
+from engine.model.generate import forward_step, generate_tokens
+from engine.model.load import load_model
+from engine.text.prompt import question_ids, tokenize_document
 from kernels.dispatch import backend_for
-
-from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -105,7 +104,7 @@ def test_replayed_decode_matches_eager(session, method, sparsity):
 
 @pytest.fixture(scope="module")
 def compiled_session(tiny_model_path, session):  # noqa: F811
-    """A second copy of the model with its decoder layers compiled (engine.compiled), over a context ingested by
+    """A second copy of the model with its decoder layers compiled (engine.model.compiled), over a context ingested by
     the eager copy."""
     lm = load_model(str(tiny_model_path), device="cuda")
     compile_layers(lm)
@@ -190,7 +189,7 @@ def test_sampled_tokens_feed_the_replayed_steps(session, method, sparsity):
     """With a sampler, a replayed step takes the chosen token as its successor's input: greedy decoding with a
     repetition penalty (the sampler's path, no randomness) replayed equals it eager; seeded sampling replayed is
     reproducible, capture included."""
-    from engine.sampling import GenerationOptions, Sampler
+    from engine.model.sampling import GenerationOptions, Sampler
 
     lm = session.lm
     prompt = question_ids(lm.tokenizer, QUESTION)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 import engine.serve.service as service
-from engine.model import EMBEDDED_MODEL, model_id_for
+from engine.model.load import EMBEDDED_MODEL, model_id_for
 from engine.serve.service import Engine
 
 MODEL = "tiny-eval-model"  # not a path and never loaded: the engine only names it

@@ -12,17 +12,30 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from tiny_models import SMALL_SAAP, GEMMA_SLIDING_WINDOW, byte_tokenizer, gates_for, tiny_model_path  # noqa: F401 (fixture)
+from tiny_models import (  # noqa: F401 (fixture)
+    GEMMA_SLIDING_WINDOW,
+    SMALL_SAAP,
+    byte_tokenizer,
+    gates_for,
+    tiny_model_path,
+)
 
-from engine.attention import ATTN_NAME
-from engine.config import ContextSettings
-from engine.generate import generate_tokens
-from engine.ingest import ingest_tokens, prefill
-from engine.kmeans import query_moment
-from engine.model import LoadedModel, load_model
-from engine.policies import METHODS, SPARSE_METHODS, build_order, make_method
-from engine.prompt import ANSWER_RESERVE, STOP_STRINGS, DocumentTooLongError, question_ids, tokenize_document
-from engine.session import ContextSession
+from engine.attention.function import ATTN_NAME
+from engine.context.ingest import ingest_tokens
+from engine.context.session import ContextSession
+from engine.context.settings import ContextSettings
+from engine.index.kmeans import query_moment
+from engine.methods import METHODS, SPARSE_METHODS, build_order, make_method
+from engine.model.generate import generate_tokens
+from engine.model.load import LoadedModel, load_model
+from engine.model.prefill import prefill
+from engine.text.prompt import (
+    ANSWER_RESERVE,
+    STOP_STRINGS,
+    DocumentTooLongError,
+    question_ids,
+    tokenize_document,
+)
 from kernels.backend import REFERENCE
 
 # ~600 characters of varied text: digits, punctuation, capitals, one non-ASCII word (several bytes per char).

@@ -11,18 +11,22 @@ import dataclasses
 
 import pytest
 import torch
+from test_engine_tiny import (  # the same document and index settings
+    DOCUMENT,
+    QUESTION,
+    SETTINGS,
+    all_methods,
+)
 from tiny_models import gates_for, tiny_model_path  # noqa: F401 (fixture)
 
-from engine.ingest import ingest_tokens
-from engine.model import load_model
-from engine.policies import SPARSE_METHODS
-from engine.prompt import tokenize_document
-from engine.session import ContextSession
+from engine.context.ingest import ingest_tokens
+from engine.context.session import ContextSession
+from engine.methods import SPARSE_METHODS
+from engine.model.load import load_model
+from engine.text.prompt import tokenize_document
 from kernels.backend import REFERENCE, Backend
-from kernels.reference import centroid as reference
 from kernels.dispatch import backend_for
-
-from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods  # the same document and index settings
+from kernels.reference import centroid as reference
 
 # On the CPU both backends compute in float32; the lookup scores differ by rounding only, and a cluster whose
 # score sits within rounding of the threshold could flip (see TIE_RTOL); a flip would show as a logit difference

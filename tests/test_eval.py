@@ -17,10 +17,10 @@ from engine.bench.eval_plot import save_figure, series
 from engine.bench.needles import context_session
 from engine.bench.oracle import OraclePolicy
 from engine.bench.passkey import PASSKEY_QUESTION
-from engine.generate import full_logits
-from engine.model import load_model
-from engine.policies import SPARSE_METHODS, make_method
-from engine.prompt import prompt_format, turn_ids
+from engine.methods import SPARSE_METHODS, make_method
+from engine.model.generate import full_logits
+from engine.model.load import load_model
+from engine.text.prompt import prompt_format, turn_ids
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -172,7 +172,7 @@ def tiny(tmp_path_factory):
 
 def test_full_margin_is_the_one_pass_logits_least_gap(tiny):
     """needles.full_margin (the turn's prefill of the passkey question, then a decode step per answer token) equals
-    the least top-two gap of the logits of one pass over the question and the answer (engine.generate.full_logits)
+    the least top-two gap of the logits of one pass over the question and the answer (engine.model.generate.full_logits)
     at the answer's positions, within 1e-3 nats (float32 logits through two paths)."""
     lm, session, _ = tiny
     answer = [11, 45, 46, 47]
@@ -233,7 +233,7 @@ def test_recall_falls_with_the_budget_and_stays_under_the_oracle(tiny):
 def test_the_oracle_method_keeps_the_heaviest_keys_of_the_group(tiny):
     """The oracle's lookup at a decode step and at a question's prefill keeps, per KV head, the keys with the most
     softmax weight over the indexed keys summed over the group (and the tokens), and the whole dense tail."""
-    from engine.ingest import global_scale
+    from engine.model.prefill import global_scale
     from kernels.backend import REFERENCE
 
     lm, session, _ = tiny

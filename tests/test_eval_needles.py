@@ -11,7 +11,7 @@ from engine.bench.evaluate import summarize as summarize_eval
 from engine.bench.evaluate import table
 from engine.bench.fidelity import DECIDED_MARGIN
 from engine.bench.needles import SHORT_ANSWER, key_end, passkeys, run, summarize
-from engine.corpus import embedded, essays_dir, haystack
+from engine.text.corpus import embedded, essays_dir, haystack
 
 
 def test_the_essays_are_there():
@@ -135,7 +135,7 @@ FOUND_AT_LEAST = {"hsqueeze": 2}
 def test_a_tiny_grid_through_the_real_model(real_lm):
     """Three 1K-token haystacks, the key at depths 0.25/0.5/0.75: full attention answers every one, and every method
     at a 50% budget all of them (hsqueeze: two, FOUND_AT_LEAST); each cell records what it read, about its budget."""
-    from engine.policies import REGISTRY, SPARSE_METHODS, build_order
+    from engine.methods import REGISTRY, SPARSE_METHODS, build_order
 
     # the methods that need nothing learned per model (duo's answers, and duo-squeeze's, need trained gates: minutes
     # of training; squeeze eval measures them, tests/test_duo.py trains gates on tiny models)

@@ -12,7 +12,7 @@ import pytest
 from tiny_models import make_tiny_model
 
 import storage.repositories.contexts as contexts_repository
-from engine.model import load_model
+from engine.model.load import load_model
 from engine.serve.jobs import plain_error
 from engine.serve.service import Engine
 
@@ -43,7 +43,7 @@ def test_a_full_disk_during_an_ingest_leaves_no_half_written_context(tiny_lm, tm
 
     monkeypatch.setattr(contexts_repository, "write_artifact", fills_up)
     with pytest.raises(Exception) as failed:  # noqa: PT011 - the writer's error, caused by the OSError
-        engine.ingest(path)
+        engine.context.ingest(path)
     assert plain_error(failed.value) == "the disk is full: free some space, then prepare the document again"
     doc_id = engine.store.documents.find("ferry.txt")["id"]
     (ctx,) = engine.store.contexts.list(doc_id)
@@ -66,19 +66,19 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path, monkeypatch):
     chat's first turn; nothing is lost."""
     from gradio_client import Client
     from gradio_client.utils import Status
+    from test_app import free_port
 
     from app.config import AppConfig
     from app.demo import build_demo, launch_kwargs
-    from engine.prompt import Exchange
     from engine.serve.jobs import IngestWorker
     from engine.serve.turns import Turns
-    from test_app import free_port
+    from engine.text.prompt import Exchange
 
     engine = Engine(tmp_path / "cache", lm=tiny_lm)
     docs = {}
     for name, text in (("ferry.txt", DOC), ("lighthouse.txt", "Callow Head Light was first lit in 1847. " * 12)):
         (tmp_path / name).write_text(text)
-        docs[name] = engine.ingest(tmp_path / name).doc_id
+        docs[name] = engine.context.ingest(tmp_path / name).doc_id
     gate, real_answer = threading.Event(), Turns.answer
 
     def held_answer(self, *args, **kwargs):  # a turn starts answering once the test lets it
@@ -146,13 +146,13 @@ def test_an_answer_abandoned_mid_stream_leaves_the_chat_consistent(tiny_lm, tmp_
     """The browser closed while an answer streams: Gradio closes the turn's generator at its next piece. Nothing
     half-written is recorded, the session's new-token buffers are reset, and the chat's next turn is answered
     exactly as it would have been."""
+    from engine.context.session import Delta
     from engine.serve.turns import EMPTY_ANSWER, RecordedTurn, Turns
-    from engine.session import Delta
 
     path = tmp_path / "ferry.txt"
     path.write_text(DOC)
     engine = Engine(tmp_path / "cache", lm=tiny_lm)
-    report = engine.ingest(path)
+    report = engine.context.ingest(path)
     turns = Turns(engine)
     chat = engine.store.chats.create(report.doc_id, report.context_id)
     stream = turns.answer(chat, report.context_id, "When does the ferry leave?", "squeeze", 0.5, 16)

@@ -1,14 +1,18 @@
-"""engine.fixed_cache (static new-token buffers written at a device-side offset, the fixed part filled in place)
-and engine.stats.TurnRecorder (device totals, dense layers counted on the host, replayed steps handed over)."""
+"""engine.attention.cache (static new-token buffers written at a device-side offset, the fixed part filled in place)
+and engine.attention.stats.TurnRecorder (device totals, dense layers counted on the host, replayed steps handed over)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.fixed_cache import MIN_NEW_CAPACITY, FixedContextCache, FixedContextLayer
-from engine.policies.base import Lookup
-from engine.stats import StepTotals, TurnRecorder
+from engine.attention.cache import (
+    MIN_NEW_CAPACITY,
+    FixedContextCache,
+    FixedContextLayer,
+)
+from engine.attention.method import Lookup
+from engine.attention.stats import StepTotals, TurnRecorder
 from kernels.selection import Selection
 
 HKV, D = 2, 8

@@ -1,4 +1,4 @@
-"""The rows of a global layer's fixed K/V (engine/fixed_rows.py): the sink's tokens stored with the dense tail, the
+"""The rows of a global layer's fixed K/V (engine/attention/rows.py): the sink's tokens stored with the dense tail, the
 same K/V as a context without a sink up to that order, the same full-attention answers, and every method reading
 the sink at any budget."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 from tiny_models import gates_for, make_tiny_model
 
+from engine.attention.rows import FixedRows
 from engine.bench import fidelity
 from engine.bench.needles import context_session
-from engine.config import ContextSettings
-from engine.fixed_rows import FixedRows
-from engine.model import load_model
-from engine.policies import SPARSE_METHODS, make_method
+from engine.context.settings import ContextSettings
+from engine.methods import SPARSE_METHODS, make_method
+from engine.model.load import load_model
 from kernels.backend import REFERENCE
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -64,8 +64,8 @@ def test_settings_validate_and_read_back_old_contexts_without_a_sink():
 def test_the_calibration_queries_are_the_last_tokens_whatever_the_tail(sessions):
     """`calibration` sets how many of the context's last tokens give their queries, apart from the dense tail: the
     same queries (exactly) with a tail of 8 or of 20."""
-    from engine.ingest import ingest_tokens
-    from engine.prompt import tokenize_document
+    from engine.context.ingest import ingest_tokens
+    from engine.text.prompt import tokenize_document
 
     lm = sessions[0].lm
     ids = tokenize_document(lm.tokenizer, TEXT, lm.max_context).ids

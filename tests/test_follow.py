@@ -1,4 +1,4 @@
-"""Follow rows (engine.follow): the positions a step adds, against a brute-force reference; the selection membership
+"""Follow rows (engine.attention.follow): the positions a step adds, against a brute-force reference; the selection membership
 test the follow part uses (kernels.selection.contains) against a dense mask; the plan's reserve; and in a session,
 the rows a turn reads, in every method's layout (the follow part's kernel: tests/test_follow_kernels.py)."""
 
@@ -10,8 +10,14 @@ import pytest
 import torch
 from tiny_models import tiny_model_path  # noqa: F401 (fixture)
 
-from engine.fixed_rows import FixedRows
-from engine.follow import OFF, Follow, FollowSettings, inverse_order, layout_order
+from engine.attention.follow import (
+    OFF,
+    Follow,
+    FollowSettings,
+    inverse_order,
+    layout_order,
+)
+from engine.attention.rows import FixedRows
 from kernels.reference.follow import follow_attention, follow_rows
 from kernels.selection import Selection, contains
 
@@ -198,8 +204,8 @@ def test_contains_matches_the_dense_mask(seed):
 
 def test_the_plan_leaves_the_reserve():
     """Method.plan maps budget - reserve (per phase) to key fractions through the calibrated reads."""
-    from engine.policies.budget import KEYS_GRID
-    from engine.policies.quest import QuestPolicy
+    from engine.attention.budget import KEYS_GRID
+    from engine.methods.quest import QuestPolicy
 
     class Seen(QuestPolicy):
         def plan_keys(self, calibration, budget, decode_keys, prefill_keys):
@@ -223,10 +229,10 @@ def test_the_plan_leaves_the_reserve():
 def session(tiny_model_path):  # noqa: F811
     from test_engine_tiny import DOCUMENT, SETTINGS, all_methods, gates_for
 
-    from engine.ingest import ingest_tokens
-    from engine.model import load_model
-    from engine.prompt import tokenize_document
-    from engine.session import ContextSession
+    from engine.context.ingest import ingest_tokens
+    from engine.context.session import ContextSession
+    from engine.model.load import load_model
+    from engine.text.prompt import tokenize_document
     from kernels.backend import REFERENCE
 
     lm = load_model(str(tiny_model_path), device="cpu")
@@ -299,7 +305,7 @@ def test_a_turn_reads_its_budget_with_follow_rows(session):
 def test_a_turn_reports_the_follow_rows_it_read(session):
     """Answer.follow: the indexed tokens the turn's steps read as follow rows: a one-token answer's are its
     prefill's (the question's rows), a longer one's add its decode steps'; none for full attention."""
-    from engine.prompt import prompt_format, turn_ids
+    from engine.text.prompt import prompt_format, turn_ids
 
     question = "Who kept the lighthouse logbook?"
     prompt = turn_ids(session.lm.tokenizer, prompt_format(session.lm.tokenizer), question).ids

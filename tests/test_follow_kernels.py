@@ -41,7 +41,7 @@ SHAPES = [  # hq, hkv, rows, lq, n, m, first, layout
     (8, 2, 8, 1, 300, 8, 2, False),
     (4, 1, 1, 37, 500, 64, 0, True),
     (4, 4, 4, 20, 130, 16, 3, False),
-    (8, 2, 2, 1, 400, 72, 1, True),  # a decode step's 8 rows and the question's 64 carried (engine.follow)
+    (8, 2, 2, 1, 400, 72, 1, True),  # a decode step's 8 rows and the question's 64 carried (engine.attention.follow)
 ]
 
 

@@ -15,8 +15,15 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tiny_models import CHAT_TEMPLATE, byte_tokenizer
 
-from engine.prompt import (BasePrompt, DocumentTooLongError, Exchange, cut_at_stop, prompt_format, tokenize_document,
-                           turn_ids)
+from engine.text.prompt import (
+    BasePrompt,
+    DocumentTooLongError,
+    Exchange,
+    cut_at_stop,
+    prompt_format,
+    tokenize_document,
+    turn_ids,
+)
 from storage import DocumentError, load_document_bytes
 
 EXAMPLES = int(os.environ.get("SQUEEZE_FUZZ_EXAMPLES", "150"))

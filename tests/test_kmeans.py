@@ -1,4 +1,4 @@
-"""engine.kmeans: segment_sum against index_add_, spherical and metric k-means against hand-computed means and known
+"""engine.index.kmeans: segment_sum against index_add_, spherical and metric k-means against hand-computed means and known
 partitions, query_metric against its definition."""
 
 from __future__ import annotations
@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kmeans import QUERY_RIDGE, metric_kmeans, query_metric, query_moment, segment_sum, spherical_kmeans
+from engine.index.kmeans import (
+    QUERY_RIDGE,
+    metric_kmeans,
+    query_metric,
+    query_moment,
+    segment_sum,
+    spherical_kmeans,
+)
 
 # Centroids are float64 segment sums cast to float32 and divided by the (exact, integer-valued or float64) weight: a
 # couple of float32 roundings of values of magnitude ~1, i.e. ~1e-7 relative. 1e-5 leaves margin and still catches any
@@ -217,7 +224,7 @@ def test_weights_give_the_weighted_mean():
 def test_many_clusters_start_from_random_points_deterministically():
     """Past KMEANS_PP_MAX_CLUSTERS the seeding draws distinct points (k-means++ would be k passes over the data):
     still seeded, still a valid clustering."""
-    from engine.kmeans import KMEANS_PP_MAX_CLUSTERS
+    from engine.index.kmeans import KMEANS_PP_MAX_CLUSTERS
 
     k = KMEANS_PP_MAX_CLUSTERS + 88
     x = torch.randn(2, 3000, 8, generator=torch.Generator().manual_seed(3))
@@ -295,7 +302,7 @@ def test_metric_kmeans_clusters_by_the_queries_logit_error():
 def test_metric_kmeans_weights_and_determinism():
     """k == 1 gives the weighted mean (counts are members); a seed gives the same clusters twice; past
     KMEANS_PP_MAX_CLUSTERS (random seeding) too."""
-    from engine.kmeans import KMEANS_PP_MAX_CLUSTERS
+    from engine.index.kmeans import KMEANS_PP_MAX_CLUSTERS
 
     x, _ = separated(seed=14, noise=0.1)
     metric = query_metric(query_moment(torch.randn(3, 20, 16, generator=_gen(15)), 3))

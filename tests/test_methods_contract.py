@@ -1,4 +1,4 @@
-"""One contract, every registered method (engine.policies.REGISTRY): the same checks for each.
+"""One contract, every registered method (engine.methods.REGISTRY): the same checks for each.
 
 - budget 1 reads every key and equals full attention;
 - a selection is valid (CSR rows, keys in range, no repeats, the dense tail in every row) in the method's layout;
@@ -17,9 +17,15 @@ import math
 import pytest
 import torch
 
-from engine.ingest import build_methods
-from engine.policies import REGISTRY, SPARSE_METHODS, LayerIndex, build_order, make_method
-from engine.policies.quest import QuestPolicy
+from engine.context.ingest import build_methods
+from engine.methods import (
+    REGISTRY,
+    SPARSE_METHODS,
+    LayerIndex,
+    build_order,
+    make_method,
+)
+from engine.methods.quest import QuestPolicy
 from kernels.backend import REFERENCE, TRITON
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -72,7 +78,7 @@ def build_context(variant: str):
     methods = [make_method(n, settings[n]) for n in build_order(SPARSE_METHODS)]
     prepared = {m.name: m.stand_in(list(LAYERS), HKV, D) for m in methods}  # what a trained model would have given
     artifacts = build_methods(keys, queries, TAIL, methods, SCALE, torch.device("cpu"), prepared=prepared)
-    for method in methods:  # a session's index joins the model-level artifacts to each layer's (engine.session)
+    for method in methods:  # a session's index joins the model-level artifacts to each layer's (engine.context.session)
         artifacts.update({f"{method.name}.{name}": t for name, t in prepared[method.name].items()})
     return keys, values, queries, {m.name: m for m in methods}, artifacts
 
@@ -185,10 +191,9 @@ def test_triton_lookup_equals_reference(contexts, name, variant):
 @pytest.mark.parametrize("budget", [0.2, 0.3, 0.5])
 def test_measured_budget_is_the_asked_one(contexts, name, variant, budget):
     """The knob is a KV budget: over the calibration queries, a decode step and a question's prefill each read
-    within BUDGET_TOL of the asked share of the K/V bytes, the index's bytes included (engine.policies.budget).
+    within BUDGET_TOL of the asked share of the K/V bytes, the index's bytes included (engine.attention.budget).
     Budgets from 0.2: below, this small context's index and dense tail alone (~0.06-0.1) leave little to keep."""
-    from engine.calibrate import prefill_windows
-    from engine.policies.budget import read_fraction
+    from engine.index.thresholds import prefill_windows
 
     keys, values, queries, methods, artifacts = contexts(variant)
     method = methods[name]
@@ -197,11 +202,11 @@ def test_measured_budget_is_the_asked_one(contexts, name, variant, budget):
     for layer in LAYERS:
         index = layer_index(artifacts, name, layer)
         for t in range(TAIL):  # every calibration query as a decode step
-            decode.append(read_fraction(method.lookup(queries[layer][:, t : t + 1], index, plan, SCALE, REFERENCE,
-                                                      positions(t, t + 1)), D, INDEXED + TAIL))
+            decode.append(method.lookup(queries[layer][:, t : t + 1], index, plan, SCALE, REFERENCE,
+                                        positions(t, t + 1)).read_fraction(D, INDEXED + TAIL))
         for a, b, w in prefill_windows(TAIL):  # windows of them as questions
             found = method.lookup(queries[layer][:, a:b], index, plan, SCALE, REFERENCE, positions(a, b))
-            prefill += w * read_fraction(found, D, INDEXED + TAIL)
+            prefill += w * found.read_fraction(D, INDEXED + TAIL)
             weight += w
     read_decode, read_prefill = sum(decode) / len(decode), prefill / weight
     assert abs(read_decode - budget) <= BUDGET_TOL, f"{name} decode at budget {budget} read {read_decode:.3f}"
@@ -235,7 +240,7 @@ def test_model_level_artifacts_are_made_once_and_stored_apart(tmp_path, monkeypa
     restart."""
     from tiny_models import make_tiny_model
 
-    from engine.model import load_model
+    from engine.model.load import load_model
     from engine.serve.service import Engine
 
     monkeypatch.setitem(REGISTRY, "probe", Probe)
@@ -243,7 +248,7 @@ def test_model_level_artifacts_are_made_once_and_stored_apart(tmp_path, monkeypa
     doc = tmp_path / "doc.txt"
     doc.write_text("The lighthouse keeper rang the bell at dawn and logged the weather every four hours. " * 6)
     engine = Engine(tmp_path / "cache", lm=lm)
-    report = engine.ingest(doc, methods=("squeeze", "probe"))
+    report = engine.context.ingest(doc, methods=("squeeze", "probe"))
     assert Probe.prepared_calls == 1
     names = engine.store.models.names(lm.model_id, "probe", engine.method("probe").settings.as_dict())
     assert names == sorted(f"layer{i}.learned" for i in lm.global_layers)

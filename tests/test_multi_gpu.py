@@ -18,18 +18,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_engine_tiny import (  # the same document and index settings
+    DOCUMENT,
+    QUESTION,
+    SETTINGS,
+    all_methods,
+)
 from tiny_models import tiny_model_path  # noqa: F401 (fixture)
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.generate import forward_step, generate_tokens
-from engine.ingest import ingest_tokens
-from engine.model import LoadedModel, load_model
-from engine.prompt import question_ids, tokenize_document
-from engine.session import ContextSession
+from engine.context.ingest import ingest_tokens
+from engine.context.session import ContextSession
+from engine.model.generate import forward_step, generate_tokens
+from engine.model.load import LoadedModel, load_model
+from engine.text.prompt import question_ids, tokenize_document
 from kernels.backend import REFERENCE, Backend
 from kernels.dispatch import backend_for
-
-from test_engine_tiny import DOCUMENT, QUESTION, SETTINGS, all_methods  # the same document and index settings
 
 # Llama (GQA, two global layers: one per GPU, so calibration pools scores from both) and the Gemma 3 hybrid
 # (sliding layers on both GPUs, its global layer on cuda:1).
@@ -99,7 +103,7 @@ def pair(tiny_model_path) -> Pair:  # noqa: F811
 def forced_step_logits(session: ContextSession, method: str, sparsity: float, prompt: torch.Tensor,
                        answer: list[int]) -> torch.Tensor:
     """[1 + len(answer), V] float32 logits of each step of a turn that is fed `answer`'s tokens: the question's
-    prefill (Lq > 1), then one decode step (Lq == 1) per token, the forward calls of engine.generate.generate_tokens.
+    prefill (Lq > 1), then one decode step (Lq == 1) per token, the forward calls of engine.model.generate.generate_tokens.
     Fed the same tokens, two models can be compared at every step without a near-tie argmax forking the answers."""
     lm, step = session.lm, session.step_context(method, sparsity, None)
     cache = step.cache

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.policies.quest import page_bounds
+from engine.methods.quest import page_bounds
 from kernels.reference.pages import page_scores as reference_scores
 
 pytestmark = pytest.mark.usefixtures("one_thread")

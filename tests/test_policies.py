@@ -1,4 +1,4 @@
-"""The cluster methods (engine.policies squeeze, hsqueeze) on random keys: build, calibrate through CalibrationSet,
+"""The cluster methods (engine.methods squeeze, hsqueeze) on random keys: build, calibrate through CalibrationSet,
 plan, lookup; sparsity and structure checks. (tests/test_methods_contract.py checks every method on the contract.)
 
 No model: two "layers" of random keys [Hkv, L, D] and random calibration queries stand in for a prefilled context.
@@ -11,20 +11,26 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 
-from engine.calibrate import prefill_windows, weighted_thresholds
-from engine.config import SPARSITY_GRID, ContextSettings
-from engine.ingest import build_methods
-from engine.policies import CalibrationSet, LayerIndex, make_method
-from engine.policies.full import FullPolicy
-from engine.policies.hsqueeze import HierarchicalSettings, HierarchicalSqueezePolicy
-from engine.policies.squeeze import SqueezePolicy, SqueezeSettings, num_centroids, per_token_scores, weighted_samples
+from engine.context.ingest import build_methods
+from engine.context.settings import ContextSettings
+from engine.index.thresholds import SPARSITY_GRID, prefill_windows, weighted_thresholds
+from engine.methods import CalibrationSet, LayerIndex, make_method
+from engine.methods.full import FullPolicy
+from engine.methods.hsqueeze import HierarchicalSettings, HierarchicalSqueezePolicy
+from engine.methods.squeeze import (
+    SqueezePolicy,
+    SqueezeSettings,
+    num_centroids,
+    per_token_scores,
+    weighted_samples,
+)
 from kernels.backend import REFERENCE
 from kernels.layout import ClusterLayout
 from kernels.reference.centroid import centroid_log_scores, reduce_scores
 
 HQ, HKV, L, D = 4, 2, 500, 32
 DENSE_TAIL = 10
-LC = L - DENSE_TAIL  # clustered keys: the context minus its dense tail, as engine/ingest.py cuts it
+LC = L - DENSE_TAIL  # clustered keys: the context minus its dense tail, as engine/context/ingest.py cuts it
 NUM_LAYERS = 2
 CALIB_TOKENS = 16
 SCALE = D**-0.5
@@ -446,8 +452,13 @@ def test_squeeze_clusters_under_the_calibration_queries_metric():
     query_metric of it (build_methods passes the moments it is given, else its calibration queries'); kmeans=
     "cosine", or a build without a moment, clusters spherically; hsqueeze's level 1 follows its own setting the
     same way (over squeeze's centroids, weighted by their sizes)."""
-    from engine.kmeans import metric_kmeans, query_metric, query_moment, spherical_kmeans
-    from engine.policies.base import LayerKeys
+    from engine.attention.method import LayerKeys
+    from engine.index.kmeans import (
+        metric_kmeans,
+        query_metric,
+        query_moment,
+        spherical_kmeans,
+    )
 
     g = torch.Generator().manual_seed(7)
     keys, queries = torch.randn(HKV, LC, D, generator=g), torch.randn(HQ, CALIB_TOKENS, D, generator=g)

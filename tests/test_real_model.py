@@ -9,16 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny_models import gates_for
 
-from engine.config import ContextSettings
-from engine.policies import SPARSE_METHODS, build_order, make_method
-from engine.ingest import ingest_tokens
-from engine.model import STEP_DEQUANTIZE, STEP_DONE, STEP_GGUF_TOKENIZER, STEP_SAVE, STEP_TOKENIZER, STEP_WEIGHTS
 from engine.bench.passkey import PASSKEY_QUESTION, insert_passkey
-from engine.prompt import question_ids, tokenize_document
-from engine.session import ContextSession
+from engine.context.ingest import ingest_tokens
+from engine.context.session import ContextSession
+from engine.context.settings import ContextSettings
+from engine.methods import SPARSE_METHODS, build_order, make_method
+from engine.model.load import (
+    STEP_DEQUANTIZE,
+    STEP_DONE,
+    STEP_GGUF_TOKENIZER,
+    STEP_SAVE,
+    STEP_TOKENIZER,
+    STEP_WEIGHTS,
+)
+from engine.text.prompt import question_ids, tokenize_document
 from kernels.backend import REFERENCE
 
 pytestmark = pytest.mark.slow
@@ -28,7 +34,7 @@ DEPTHS = (0.1, 0.5, 0.9)
 # Every method with the index it ships with. Until session 18 squeeze and hsqueeze were tested with finer
 # clusters (10% centroids; hsqueeze's level 1 ruling out 30%): at the default 5% the key after the digit just read
 # (an induction head's) fell in a cluster scored too low in 7/30 (seed, depth) draws (engine/NOTES.md). The follow
-# rows (engine.follow) read that key by its token ids, and the question's rows the first digit's: 9/9 at the
+# rows (engine.attention.follow) read that key by its token ids, and the question's rows the first digit's: 9/9 at the
 # defaults (session 18).
 
 
@@ -48,7 +54,7 @@ def passkey_methods(names=SPARSE_METHODS) -> dict:
 def saap_partitions(real_lm):
     """Saap's partitions for the default settings' shapes (256 buckets, width 128), trained on 2 prompts of 1,024
     tokens for 200 steps (about 20 s on 2 cores; the default training reads 8x the text)."""
-    from engine.policies.saap import SaapPolicy, SaapSettings
+    from engine.methods.saap.policy import SaapPolicy, SaapSettings
 
     return SaapPolicy(SaapSettings(train_prompts=2, train_tokens=1024, train_steps=200)).prepare(real_lm)
 
@@ -84,9 +90,8 @@ def passkey_sessions(passkey_contexts):
 @pytest.mark.parametrize("budget", [0.15, 0.3])
 def test_budget_read_on_the_calibration_queries(passkey_contexts, method, budget):
     """On this context's calibration queries (its last 100 tokens) a decode step reads its KV budget within 0.03,
-    index and dense tail included (engine.policies.budget), for every method."""
-    from engine.ingest import global_scale
-    from engine.policies.budget import read_fraction
+    index and dense tail included (engine.attention.budget), for every method."""
+    from engine.model.prefill import global_scale
 
     session, queries = passkey_contexts[EVERY_METHOD_DEPTH]
     scale = global_scale(session.lm)
@@ -97,8 +102,8 @@ def test_budget_read_on_the_calibration_queries(passkey_contexts, method, budget
         index = session.cache.layers[i].indexes[method]
         for t in range(q.shape[1]):
             at = torch.tensor([index.num_keys - q.shape[1] + t])  # the calibration queries: the context's last
-            reads.append(read_fraction(policy.lookup(q[:, t : t + 1], index, plan, scale, REFERENCE, at),
-                                       q.shape[2], index.num_keys))
+            reads.append(policy.lookup(q[:, t : t + 1], index, plan, scale, REFERENCE, at).read_fraction(
+                q.shape[2], index.num_keys))
     assert abs(sum(reads) / len(reads) - budget) <= 0.03, f"{method} at {budget} read {sum(reads) / len(reads):.3f}"
 
 
@@ -186,7 +191,7 @@ def test_quest_retrieves_the_passkey_at_90_percent(answers_at_90, depth):
     """Quest's page bounds are loose on this model (head_dim 256, QK-normed and rotated keys): with the question's
     queries the passkey's page ranks 10th-118th of 248 by the group's summed bound where the exact q . k ranks it
     first or second (session 9), and alone it answered at a 40% budget only (session 16). With the follow rows
-    (engine.follow: the question's rows, read again by every decode step of the turn) it answers at 90% sparsity
+    (engine.attention.follow: the question's rows, read again by every decode step of the turn) it answers at 90% sparsity
     (a 10% KV budget: 6.25 points for the bounds, 0.8 for the tail): the answer's first digit comes from the decode
     step after "Answer: ", whose own recent tokens occur everywhere (session 18)."""
     answer = answers_at_90(depth, "quest")
@@ -205,7 +210,11 @@ def test_same_answer_at_zero_sparsity(passkey_sessions):
 def test_the_embedded_tokenizer_is_checked(real_lm):
     """The loaded tokenizer passes the probe; one that reads the GGUF as transformers 5.17 does (words in pieces)
     or 5.18-5.22 do (no BOS) is refused with the version to install."""
-    from engine.model import EMBEDDED_PROBE, ModelLoadError, check_embedded_tokenizer
+    from engine.model.load import (
+        EMBEDDED_PROBE,
+        ModelLoadError,
+        check_embedded_tokenizer,
+    )
 
     check_embedded_tokenizer(real_lm.tokenizer)
     text, expected = EMBEDDED_PROBE

@@ -10,15 +10,30 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import QUICK_TRAINING, make_tiny_model
 
-from engine.partitions import (EMPTY, PartitionTraining, Prompt, bucket_labels, bucket_targets, classify, init_weights,
-                               kl_loss, recent_window, train_partitions)
-from engine.policies.base import LayerIndex, LayerKeys
-from engine.policies.saap import LOOKUP_PARTS, SaapPolicy, SaapSettings, split_buckets
-from engine.rope import derope, rope_frequencies
+from engine.attention.method import LayerIndex, LayerKeys
+from engine.index.rope import derope, rope_frequencies
+from engine.methods.saap.partitions import (
+    EMPTY,
+    PartitionTraining,
+    Prompt,
+    bucket_labels,
+    bucket_targets,
+    classify,
+    init_weights,
+    kl_loss,
+    recent_window,
+    train_partitions,
+)
+from engine.methods.saap.policy import (
+    LOOKUP_PARTS,
+    SaapPolicy,
+    SaapSettings,
+    split_buckets,
+)
 from kernels.backend import REFERENCE, TRITON
 from kernels.reference.buckets import bucket_scores, ranking, take_best
-from tiny_models import QUICK_TRAINING, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,7 +44,7 @@ TEXT = "The keeper logged the weather every four hours, rang the bell at dawn an
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     return load_model(str(make_tiny_model(tmp_path_factory.mktemp("saap"), "llama_gqa")), device="cpu")
 
@@ -70,7 +85,7 @@ class _Measured(torch.nn.Module):
 
 def test_derope_of_a_gemma_global_layer_uses_its_own_frequencies(tmp_path):
     """Gemma 3's global layers have their own RoPE base: rope_frequencies reads the layer type's."""
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     lm = load_model(str(make_tiny_model(tmp_path, "gemma3_hybrid")), device="cpu")
     rotary = lm.model.model.rotary_emb
@@ -209,7 +224,7 @@ def test_targets_are_the_long_range_attention_per_bucket():
 def test_long_range_training_draws_only_usable_examples():
     """train_classifiers with `usable`: each unit learns its usable examples' targets (bucket 0) and never sees the
     others' (bucket 1); a unit with no usable example trains on all of them."""
-    from engine.partitions import train_classifiers
+    from engine.methods.saap.partitions import train_classifiers
 
     g = torch.Generator().manual_seed(8)
     units, examples, d, c = 2, 64, 8, 4
@@ -230,7 +245,7 @@ def test_a_size_prior_classifier_learns_the_weight_per_key():
     """Targets that are one density over the buckets (softmax of `a`) times each example's bucket sizes, the same
     query for every example: with the sizes as a prior (log_counts added before the softmax) the classifier fits
     them all, its logits' softmax the density within 0.02; without, one output cannot fit sizes that differ."""
-    from engine.partitions import log_counts, train_classifiers
+    from engine.methods.saap.partitions import log_counts, train_classifiers
 
     g = torch.Generator().manual_seed(9)
     units, examples, d, c = 1, 128, 8, 5
@@ -442,8 +457,8 @@ def test_saap_through_the_engine_trains_once_and_equals_full_attention_at_budget
     assert {n.split(".", 1)[1] for n in found} == {"centroids", "w1", "b1", "w2", "b2", "inv_freq"}
     doc = tmp_path / "doc.txt"
     doc.write_text(TEXT * 6)
-    context = engine.ingest(doc, methods=("saap",)).context_id
-    session = engine.session(context)
+    context = engine.context.ingest(doc, methods=("saap",)).context_id
+    session = engine.context.session(context)
     full = session.logits("Who rang the bell?", "full")
     torch.testing.assert_close(session.logits("Who rang the bell?", "saap", 0.0), full, atol=1e-4, rtol=1e-4)
     answer = engine.ask(context, "Who rang the bell?", "saap", 0.5, 4)  # layer 0 of the two reads everything

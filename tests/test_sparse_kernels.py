@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kernels.reference import sparse as reference
+from kernels.selection import Selection
 from kernels.sparse_ops import (
     DECODE_WORKERS_PER_SM,
     GATHER_MAX_BYTES,
@@ -27,7 +28,6 @@ from kernels.sparse_ops import (
     plan,
     sparse_attention,
 )
-from kernels.selection import Selection
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

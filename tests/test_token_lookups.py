@@ -1,4 +1,4 @@
-"""One lookup per question token (engine.attention.StepContext.token_lookups). Against references, for every method:
+"""One lookup per question token (engine.attention.function.StepContext.token_lookups). Against references, for every method:
 a layer's attention over the fixed context for several query tokens, each over the keys its own lookup (at the
 decode plan) selects, against masked softmax attention; a question's prefill against its tokens fed one call at a
 time; what the turn reports it read against the mean of those calls' reads; at budget one, full attention. Tiny
@@ -10,10 +10,10 @@ import pytest
 import torch
 from tiny_models import tiny_model_path  # noqa: F401 (fixture)
 
-from engine.follow import OFF
-from engine.generate import forward_step, full_logits
-from engine.prompt import question_ids
-from engine.stats import TurnRecorder
+from engine.attention.follow import OFF
+from engine.attention.stats import TurnRecorder
+from engine.model.generate import forward_step, full_logits
+from engine.text.prompt import question_ids
 
 METHODS = ["squeeze", "hsqueeze", "quest", "duo", "duo-squeeze", "saap"]
 SPARSITY = 0.8
@@ -27,10 +27,10 @@ def session(tiny_model_path):  # noqa: F811
     lookup alone)."""
     from test_engine_tiny import DOCUMENT, SETTINGS, all_methods, gates_for
 
-    from engine.ingest import ingest_tokens
-    from engine.model import load_model
-    from engine.prompt import tokenize_document
-    from engine.session import ContextSession
+    from engine.context.ingest import ingest_tokens
+    from engine.context.session import ContextSession
+    from engine.model.load import load_model
+    from engine.text.prompt import tokenize_document
     from kernels.backend import REFERENCE
 
     lm = load_model(str(tiny_model_path), device="cpu")
@@ -68,9 +68,9 @@ def _masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
 
 @pytest.mark.parametrize("method", METHODS)
 def test_a_layers_tokens_each_attend_to_their_own_selection(session, method):
-    """engine.attention's fixed-context part for 7 query tokens = per token, masked attention over what that
+    """engine.attention.function's fixed-context part for 7 query tokens = per token, masked attention over what that
     token's own lookup selects (its row's keys; every key where the layer is read densely)."""
-    from engine.attention import _fixed_part
+    from engine.attention.function import _fixed_part
 
     lm = session.lm
     torch.manual_seed(0)

@@ -2,7 +2,7 @@
 
 Each architecture is one the engine must serve: GQA (Llama), MHA (Qwen2) and a sliding-window hybrid
 (Gemma 3: five sliding layers, then one global). `make_tiny_model` saves weights and tokenizer into a
-directory, so the engine loads them through its real `--model PATH` route (`engine.model.load_model`).
+directory, so the engine loads them through its real `--model PATH` route (`engine.model.load.load_model`).
 
 Use the session-scoped fixtures from a test module::
 
@@ -93,7 +93,7 @@ def _config(arch: str, tokenizer: PreTrainedTokenizerFast):
 def gates_for(lm, methods) -> dict:
     """Untrained model-level artifacts for `methods` (Method.stand_in: DuoAttention's gates spread over [0, 1]): what
     a test of the mechanics gives a method that learns per model (tests/test_duo.py trains them)."""
-    from engine.policies import stand_ins
+    from engine.methods import stand_ins
 
     return stand_ins(methods, lm.global_layers, lm.num_kv_heads, lm.head_dim)
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from engine.ingest import prefill
-from engine.model import LoadedModel
+from engine.model.load import LoadedModel
+from engine.model.prefill import prefill
 from kernels.backend import REFERENCE
 
 
@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
 
-    from engine.model import load_model
+    from engine.model.load import load_model
 
     parser = argparse.ArgumentParser(prog="squeeze bench capture", description=__doc__.split("\n\n")[0])
     parser.add_argument("document", type=Path, help="a PDF, text or Markdown file (a real document)")

@@ -6,9 +6,9 @@
 
 A random-weight model of a named shape (SHAPES; bf16 on CUDA, fp32 on the CPU, seed 0) or a real one (`--model`)
 reads `--context` random token ids (or `--document`, tokenized with the model's tokenizer) through
-`engine.ingest.ingest_tokens`, timed by stage after an untimed ingest of its first WARMUP_CONTEXT tokens (Triton
-compiles and tunes there); `engine.session.ContextSession` opens the context; then each method answers turns
-through `engine.generate.generate_tokens` with the product's TurnRecorder on: short turns per question length (the
+`engine.context.ingest.ingest_tokens`, timed by stage after an untimed ingest of its first WARMUP_CONTEXT tokens (Triton
+compiles and tunes there); `engine.context.session.ContextSession` opens the context; then each method answers turns
+through `engine.model.generate.generate_tokens` with the product's TurnRecorder on: short turns per question length (the
 prefill's median) and one turn of `--steps` decode steps after the first length (the median step, the first
 WARMUP_STEPS left out). In the same run:
 - the peer (CUDA only): plain transformers with SDPA on the engine model's own tensors (shared, not copied), a
@@ -37,16 +37,24 @@ from dataclasses import fields
 
 import torch
 
-from engine.compiled import compile_layers
-from engine.config import ContextSettings
-from engine.follow import OFF, FollowSettings
-from engine.generate import generate_tokens
-from engine.ingest import IngestOutput, ingest_tokens
-from engine.model import LoadedModel, layer_devices, load_model
+from engine.attention.follow import OFF, FollowSettings
+from engine.attention.stats import TurnStats
 from engine.bench.settings import parse_settings
-from engine.policies import METHODS, REGISTRY, Method, Tensors, build_order, make_method, stand_ins
-from engine.session import ContextSession
-from engine.stats import TurnStats
+from engine.context.ingest import IngestOutput, ingest_tokens
+from engine.context.session import ContextSession
+from engine.context.settings import ContextSettings
+from engine.methods import (
+    METHODS,
+    REGISTRY,
+    Method,
+    Tensors,
+    build_order,
+    make_method,
+    stand_ins,
+)
+from engine.model.compiled import compile_layers
+from engine.model.generate import generate_tokens
+from engine.model.load import LoadedModel, layer_devices, load_model
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
 
@@ -184,7 +192,7 @@ def build_shape(name: str, device: str, gpus: int = 1) -> BenchModel:
     random."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from engine.attention import register
+    from engine.attention.function import register
 
     fields_ = dict(SHAPES[name])
     cfg = AutoConfig.for_model(fields_.pop("model_type"), **fields_, **_SHAPE_COMMON)
@@ -212,12 +220,12 @@ def open_model(shape: str | None, model: str | None, device: str, gpus: int = 1)
 
 
 def training_corpus(lm: LoadedModel, tokens: int) -> list[int]:
-    """`tokens` ids of training text: the corpus (engine.corpus) through the model's tokenizer, or random ids (seed
+    """`tokens` ids of training text: the corpus (engine.text.corpus) through the model's tokenizer, or random ids (seed
     0) for a random-weight shape, which has none (what its training learns means nothing; its time is measured)."""
     if lm.tokenizer is None:
         g = torch.Generator().manual_seed(0)
         return torch.randint(2, lm.model.config.vocab_size, (tokens,), generator=g).tolist()
-    from engine.corpus import corpus_ids
+    from engine.text.corpus import corpus_ids
 
     return corpus_ids(lm.tokenizer, tokens)
 
@@ -240,7 +248,7 @@ def context_ids(lm: LoadedModel, length: int, document: str | None) -> torch.Ten
     """[L] int64: the document's tokens (its first `length` at most) or `length` random ids (seed SEED)."""
     if document is None:
         return torch.randint(0, lm.config.vocab_size, (length,), generator=torch.Generator().manual_seed(SEED))
-    from engine.prompt import tokenize_document
+    from engine.text.prompt import tokenize_document
     from storage.documents import load_document
 
     ids = tokenize_document(lm.tokenizer, load_document(document).text, lm.max_context, truncate=True).ids
@@ -301,7 +309,7 @@ class StageClock:
 
 def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, backend: Backend,
                instances: list[Method], prepared: dict[str, Tensors]) -> tuple[IngestOutput | None, dict]:
-    """engine.ingest.ingest_tokens, timed; the report has the error (an OOM, say) and the peak memory either way."""
+    """engine.context.ingest.ingest_tokens, timed; the report has the error (an OOM, say) and the peak memory either way."""
     clock = StageClock(lm.device)
     reset_peaks(lm)
     report: dict = {}
@@ -560,8 +568,8 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
     question's prefill written there).
     graphs: the session replays decode steps from CUDA graphs where it can (False: every step eager); tag: a prefix
     of the profile's section titles; method_settings: method -> its settings (the others at their defaults);
-    follow: the session's follow rows (engine.follow; None: the defaults); token_lookups: a question's prefill looks
-    up each token on its own (engine.session.ContextSession).
+    follow: the session's follow rows (engine.attention.follow; None: the defaults); token_lookups: a question's prefill looks
+    up each token on its own (engine.context.session.ContextSession).
     Returns the report's "ingest", "session" and "methods"; the session and its K/V are freed before returning."""
     cuda = lm.device.type == "cuda"
     warmup = ids[:WARMUP_CONTEXT]
@@ -763,7 +771,7 @@ def run(args: argparse.Namespace) -> dict:
     add_ratios(out)
 
     if args.compile == "both":  # the same phases again with compiled layers, in this run (same-run ratios)
-        _log("compiling the decoder layers (engine.compiled); the engine's phases again")
+        _log("compiling the decoder layers (engine.model.compiled); the engine's phases again")
         compile_layers(lm)
         compiled = measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps,
                                   args.profile, args.graphs, tag="compiled ", method_settings=method_settings,
@@ -790,7 +798,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="squeeze bench e2e", description=__doc__.split("\n\n")[0])
     model = parser.add_mutually_exclusive_group()
     model.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b", help="random-weight shape")
-    model.add_argument("--model", default=None, help="a transformers model id or path (engine.model.load_model)")
+    model.add_argument("--model", default=None, help="a transformers model id or path (engine.model.load.load_model)")
     parser.add_argument("--context", type=int, default=131072, help="fixed-context tokens (random ids)")
     parser.add_argument("--document", default=None, help="with --model: read this file instead (its first "
                                                          "--context tokens)")
@@ -805,7 +813,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="replay decode steps from CUDA graphs where the model allows (one GPU)")
     parser.add_argument("--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
-                        help="torch.compile the decoder layers around the engine's attention (engine.compiled); "
+                        help="torch.compile the decoder layers around the engine's attention (engine.model.compiled); "
                              "'both': the engine's phases without, then with compiled layers, in one run")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time plain transformers (CUDA only)")
@@ -813,9 +821,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.SETTING=VALUE",
                         help="a method's setting (repeatable), e.g. --set saap.buckets=1024")
     parser.add_argument("--follow", action=argparse.BooleanOptionalAction, default=True,
-                        help="sparse steps also read the follow rows (engine.follow)")
+                        help="sparse steps also read the follow rows (engine.attention.follow)")
     parser.add_argument("--token-lookups", action="store_true",
-                        help="a question's prefill looks up each of its tokens' keys on its own (engine.attention)")
+                        help="a question's prefill looks up each of its tokens' keys on its own (engine.attention.function)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--profile", default=None, help="CUDA: append torch.profiler tables of each method's "
                                                         "decode steps and of its shortest question's prefill to this "

@@ -31,12 +31,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from engine.attention.follow import OFF, FollowSettings
 from engine.bench.needles import ANSWER_TOKENS as NEEDLE_TOKENS
 from engine.bench.needles import SHORT_ANSWER
 from engine.bench.oracle import OraclePolicy
 from engine.bench.settings import parse_follow, parse_settings
-from engine.config import ContextSettings
-from engine.follow import OFF, FollowSettings
+from engine.context.settings import ContextSettings
 
 PARTS = ("needles", "recall", "agreement")
 BUDGETS = "0.05,0.1,0.2,0.3"
@@ -128,12 +128,12 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
     context: how the documents become contexts (None: the defaults; e.g. another sink); prepared: method -> its
     model-level artifacts (needed by a method that learns per model: main gets them from the cache's store, training
     them first where they are missing); settings: method -> its settings (the others at their defaults); follow:
-    the follow rows every sparse step adds (engine.follow; None: the defaults); needle_tokens: a needle answer's
+    the follow rows every sparse step adds (engine.attention.follow; None: the defaults); needle_tokens: a needle answer's
     most tokens; document_tokens: the document placed in the middle of the essays, this many tokens in all (None:
     the document alone); token_lookups: a question's prefill looks up each of its tokens on its own, as decode steps
-    do (engine.session.ContextSession; the recall part's closed form keeps one lookup for the question)."""
+    do (engine.context.session.ContextSession; the recall part's closed form keeps one lookup for the question)."""
     from engine.bench import fidelity, needles
-    from engine.corpus import embedded, essays_dir
+    from engine.text.corpus import embedded, essays_dir
 
     start = time.monotonic()
     doc: dict = {"bench": "eval", "model": lm.model_id, "device": str(lm.device), "methods": methods,
@@ -175,8 +175,8 @@ def _floats(text: str) -> list[float]:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.bench.fidelity import ANSWER_TOKENS, DOCUMENT, QUESTIONS, load_questions
-    from engine.corpus import essays_dir
-    from engine.policies import SPARSE_METHODS, build_order
+    from engine.methods import SPARSE_METHODS, build_order
+    from engine.text.corpus import essays_dir
 
     parser = argparse.ArgumentParser(prog="squeeze eval", description=__doc__.split("\n\n")[0])
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
@@ -210,9 +210,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], metavar="METHOD.SETTING=VALUE",
                         help="a method's setting (repeatable), e.g. --set saap.hidden=32")
     parser.add_argument("--follow", action="append", default=[], metavar="SETTING=VALUE",
-                        help="a follow rows' setting (repeatable; engine.follow.FollowSettings), e.g. --follow lead=4")
+                        help="a follow rows' setting (repeatable; engine.attention.follow.FollowSettings), e.g. --follow lead=4")
     parser.add_argument("--no-follow", action="store_true",
-                        help="steps read no follow rows (engine.follow: the tokens after the document's occurrences "
+                        help="steps read no follow rows (engine.attention.follow: the tokens after the document's occurrences "
                              "of the step's own recent tokens)")
     parser.add_argument("--token-lookups", action="store_true",
                         help="a question's prefill looks up each of its tokens' keys on its own, as a decode step "

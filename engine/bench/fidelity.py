@@ -34,11 +34,11 @@ from pathlib import Path
 
 import torch
 
-from engine.attention import QueryCapture
+from engine.attention.function import QueryCapture
 from engine.bench.recall import full_probs, in_original_order
-from engine.generate import forward_step, full_logits, generate_tokens
-from engine.ingest import global_scale
-from engine.prompt import question_ids
+from engine.model.generate import forward_step, full_logits, generate_tokens
+from engine.model.prefill import global_scale
+from engine.text.prompt import question_ids
 from kernels.backend import REFERENCE
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
@@ -81,7 +81,7 @@ def reference_cases(session, questions: list[str], answer_tokens: int = ANSWER_T
 def forced_logits(session, method: str, sparsity: float, case: Case):
     """Teacher-forced next-token logits [n, V] float32 of `case.answer` under `method` at `sparsity`, as a turn
     computes them (the question's prefill, then one decode step per answer token but the last), and the turn's
-    statistics (engine.stats.TurnStats: what each phase read)."""
+    statistics (engine.attention.stats.TurnStats: what each phase read)."""
     lm = session.lm
     recorder = session.recorder()
     step = session.step_context(method, sparsity, recorder)
@@ -185,7 +185,7 @@ def method_mask(session, method: str, sparsity: float, layer_idx: int, q: torch.
     """What `method` attends to for queries q [Hq, T, D] at `positions` [T] at a layer, in original key order:
     [Hq, T, L] bool. One lookup over all T tokens when `pool_tokens` (a question's prefill), else one per token
     (decode steps). turn: (the question's prompt [Lq], the answer [n]), whose ids decide the follow rows a turn
-    adds (engine.follow) where the session has them; the T queries are those of the turn's tokens from position
+    adds (engine.attention.follow) where the session has them; the T queries are those of the turn's tokens from position
     positions[0] - fixed_len on."""
     m = session.method(method)
     layer = session.cache.layers[layer_idx]

@@ -1,4 +1,4 @@
-"""How long DuoAttention's gate training takes (engine.gates) on a model shape: `python -m engine.bench.gates
+"""How long DuoAttention's gate training takes (engine.methods.duo.gates) on a model shape: `python -m engine.bench.gates
 --shape llama3-8b --steps 8 --max-tokens 32768` prints JSON (seconds per step, peak memory).
 
 A random-weight shape (engine.bench.e2e.SHAPES) has no tokenizer: its sequences are made with a word-level stand-in
@@ -15,9 +15,17 @@ import zlib
 
 import torch
 
-from engine.bench.e2e import SHAPES, device_name, emit, open_model, peak_gib, reset_peaks, training_corpus
-from engine.gate_data import GateData
-from engine.gates import GateTraining, train_gates
+from engine.bench.e2e import (
+    SHAPES,
+    device_name,
+    emit,
+    open_model,
+    peak_gib,
+    reset_peaks,
+    training_corpus,
+)
+from engine.methods.duo.data import GateData
+from engine.methods.duo.gates import GateTraining, train_gates
 
 
 class WordIds:
@@ -36,7 +44,7 @@ class WordIds:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.bench.gates", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b")
-    parser.add_argument("--model", default=None, help="a real model instead (its corpus: engine.corpus)")
+    parser.add_argument("--model", default=None, help="a real model instead (its corpus: engine.text.corpus)")
     parser.add_argument("--steps", type=int, default=8, help="steps timed (after one untimed)")
     parser.add_argument("--min-tokens", type=int, default=1000)
     parser.add_argument("--max-tokens", type=int, default=32768)

@@ -4,7 +4,7 @@
 
 CPU is enough (the PyTorch reference backend; no attention is run, only the lookups). Keys and queries are the
 real ones of `squeeze bench capture`, extended as engine/bench/extend.py says (float32). The index is built as the
-engine builds it (each method through engine.ingest.build_methods; the last DENSE_TAIL keys stay dense) and calibrated
+engine builds it (each method through engine.context.ingest.build_methods; the last DENSE_TAIL keys stay dense) and calibrated
 on the DENSE_TAIL queries just before the question's tokens, as an ingest calibrates on the document's last tokens.
 Then, for each method and sparsity:
 - decode: every one of the last `--decode-tokens` query tokens looked up alone (Lq = 1), kept fraction averaged;
@@ -27,7 +27,7 @@ from dataclasses import replace
 import torch
 
 from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, build_indexes
-from engine.policies import SPARSE_METHODS, LayerIndex, Method, StepPlan
+from engine.methods import SPARSE_METHODS, LayerIndex, Method, StepPlan
 from kernels.backend import REFERENCE
 
 MODES = ("decode", "calibrated")  # the question prefill's thresholds: decode's, or calibrated on the prefill score

@@ -4,7 +4,7 @@ context, on a GPU, at equal budgets.
     python -m engine.bench.kernels --capture FILE [--lengths 32768,131072,524288] [--methods squeeze,quest] [--json]
 
 Keys, values and queries come from a real model reading a real document (engine.bench.capture), extended to each
-length (engine.bench.extend says how). Each method (engine.policies.REGISTRY) builds its index through the engine's
+length (engine.bench.extend says how). Each method (engine.methods.REGISTRY) builds its index through the engine's
 own `build_methods`; for each configuration its whole lookup (scores, selection, expansion into key positions) and
 the sparse attention over the K/V in the method's layout are timed from CUDA-graph replays (`triton.testing.do_bench_cudagraph`), beside
 `torch.nn.functional.scaled_dot_product_attention` over the whole fixed context (what the engine would do without
@@ -21,12 +21,20 @@ import time
 
 import torch
 
-from engine.artifacts import MethodArtifacts
-from engine.artifacts import parse as parse_artifacts
-from engine.ingest import build_methods
 from engine.bench.settings import parse_settings
-from engine.partitions import imbalance
-from engine.policies import SPARSE_METHODS, LayerIndex, Method, StepPlan, build_order, make_method, stand_ins
+from engine.context.ingest import build_methods
+from engine.index.artifacts import MethodArtifacts
+from engine.index.artifacts import parse as parse_artifacts
+from engine.methods import (
+    SPARSE_METHODS,
+    LayerIndex,
+    Method,
+    StepPlan,
+    build_order,
+    make_method,
+    stand_ins,
+)
+from engine.methods.saap.partitions import imbalance
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
 
@@ -102,7 +110,7 @@ def build_indexes(k: torch.Tensor, queries: torch.Tensor, names: list[str], scal
 
 def kmeans_seconds(k: torch.Tensor, ratio: float, iters: int) -> float:
     """Wall time of the ingest's k-means on k [Hkv, L, D] into ratio x L centroids, `iters` iterations."""
-    from engine.kmeans import spherical_kmeans
+    from engine.index.kmeans import spherical_kmeans
 
     spherical_kmeans(k[:, :4096], 64, iters=2)  # warm up kernels and allocator
     torch.cuda.synchronize()

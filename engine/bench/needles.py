@@ -18,10 +18,16 @@ import random
 
 import torch
 
-from engine.bench.fidelity import DECIDED_MARGIN, Case, forced_logits, mean_or_none, top_margin
+from engine.bench.fidelity import (
+    DECIDED_MARGIN,
+    Case,
+    forced_logits,
+    mean_or_none,
+    top_margin,
+)
 from engine.bench.passkey import PASSKEY_QUESTION, insert_passkey
-from engine.corpus import essays_dir, haystack
-from engine.prompt import prompt_format, turn_ids
+from engine.text.corpus import essays_dir, haystack
+from engine.text.prompt import prompt_format, turn_ids
 
 ANSWER_TOKENS = 64  # the app's default answer length (app.config.AppConfig.max_new_tokens)
 SHORT_ANSWER = 12  # the answer length of the runs before session 23: a five-digit key and a little more; it cuts
@@ -37,17 +43,17 @@ def passkeys(count: int, seed: int = 0) -> list[str]:
 def context_session(lm, text: str, methods: list[str], settings: dict[str, dict] | None = None, extra=(),
                     context=None, prepared: dict | None = None, follow=None, token_lookups: bool = False):
     """`text` prepared as a fixed context with every method of `methods` (and what they require) built, in memory
-    (nothing stored): an engine.session.ContextSession on the model's device. settings: method -> its settings
+    (nothing stored): an engine.context.session.ContextSession on the model's device. settings: method -> its settings
     (the others at their defaults); extra: more Method instances to build (not registered: the eval's oracle);
-    context: the engine.config.ContextSettings (None: the defaults); prepared: method -> its model-level artifacts
+    context: the engine.context.settings.ContextSettings (None: the defaults); prepared: method -> its model-level artifacts
     (Method.prepare: a method that learns per model, e.g. duo, cannot be built without them); follow: the
-    engine.follow.FollowSettings of its turns (None: the defaults); token_lookups: a question's prefill looks up each
-    token on its own (engine.session.ContextSession)."""
-    from engine.config import ContextSettings
-    from engine.ingest import ingest_tokens
-    from engine.policies import build_order, make_method
-    from engine.prompt import tokenize_document
-    from engine.session import ContextSession
+    engine.attention.follow.FollowSettings of its turns (None: the defaults); token_lookups: a question's prefill looks up each
+    token on its own (engine.context.session.ContextSession)."""
+    from engine.context.ingest import ingest_tokens
+    from engine.context.session import ContextSession
+    from engine.context.settings import ContextSettings
+    from engine.methods import build_order, make_method
+    from engine.text.prompt import tokenize_document
     from kernels.dispatch import backend_for
 
     backend = backend_for(lm.device)
@@ -77,7 +83,7 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
     `cells` (one per answer) and `summary` (per method and budget: the share found, full attention's share on
     the same contexts, the mean KV budget read in each phase). answer_tokens: the most tokens an answer has (it
     ends sooner at a stop string or once it has said the key); extra: more Method instances (not registered: the
-    eval's oracle) answered as the methods are; context: the engine.config.ContextSettings (None: the defaults);
+    eval's oracle) answered as the methods are; context: the engine.context.settings.ContextSettings (None: the defaults);
     prepared: method -> its model-level artifacts (context_session); settings: method -> its settings; follow: the
     follow rows' settings; token_lookups: one lookup per question token (both: context_session)."""
     folder = essays_dir()

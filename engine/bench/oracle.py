@@ -17,8 +17,16 @@ from typing import ClassVar
 
 import torch
 
+from engine.attention.method import (
+    LayerIndex,
+    LayerKeys,
+    Lookup,
+    Method,
+    StepPlan,
+    Tensors,
+    check_budget,
+)
 from engine.bench.recall import full_probs
-from engine.policies.base import LayerIndex, LayerKeys, Lookup, Method, StepPlan, Tensors, check_budget
 from kernels.backend import Backend
 
 

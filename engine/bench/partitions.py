@@ -1,9 +1,9 @@
-"""How long Saap's training takes (engine.partitions) on a model shape: `python -m engine.bench.partitions --shape
+"""How long Saap's training takes (engine.methods.saap.partitions) on a model shape: `python -m engine.bench.partitions --shape
 llama3-8b --prompts 2 --tokens 32768` prints JSON (seconds per stage, peak memory, the buckets' balance).
 
 A random-weight shape (engine.bench.e2e.SHAPES) reads random ids (no tokenizer), so the partitions it learns mean
 nothing; the time of each stage (the prompts' prefill, k-means per layer, the targets, the classifier's steps) is
-what is measured. `--model` trains a real model on the corpus (engine.corpus).
+what is measured. `--model` trains a real model on the corpus (engine.text.corpus).
 """
 
 from __future__ import annotations
@@ -13,16 +13,28 @@ import time
 
 import torch
 
-from engine.bench.e2e import SHAPES, device_name, emit, open_model, peak_gib, reset_peaks, training_corpus
-from engine.ingest import attention_scale
-from engine.partitions import PartitionTraining, imbalance, train_partitions
-from engine.rope import rope_frequencies
+from engine.bench.e2e import (
+    SHAPES,
+    device_name,
+    emit,
+    open_model,
+    peak_gib,
+    reset_peaks,
+    training_corpus,
+)
+from engine.index.rope import rope_frequencies
+from engine.methods.saap.partitions import (
+    PartitionTraining,
+    imbalance,
+    train_partitions,
+)
+from engine.model.prefill import attention_scale
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.bench.partitions", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=tuple(SHAPES), default="llama3-8b")
-    parser.add_argument("--model", default=None, help="a real model instead (its corpus: engine.corpus)")
+    parser.add_argument("--model", default=None, help="a real model instead (its corpus: engine.text.corpus)")
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=32768)
     parser.add_argument("--buckets", type=int, default=1024)
@@ -75,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def bucket_balance(found: dict[int, dict[str, torch.Tensor]]) -> dict:
-    """The training keys' spread over the buckets: the imbalance factor (engine.partitions.imbalance; 1 is even)
+    """The training keys' spread over the buckets: the imbalance factor (engine.methods.saap.partitions.imbalance; 1 is even)
     over all layers and heads, its worst layer, and the largest bucket over the mean."""
     per_layer = [imbalance(parts["sizes"]) for parts in found.values()]
     sizes = torch.stack([parts["sizes"] for parts in found.values()]).double()  # [layers, Hkv, C]

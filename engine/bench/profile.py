@@ -17,7 +17,7 @@ from collections import defaultdict
 import torch
 
 from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, build_indexes, kmeans_seconds
-from engine.policies import SPARSE_METHODS
+from engine.methods import SPARSE_METHODS
 from kernels.dispatch import backend_for
 
 STEPS = 50
@@ -43,7 +43,7 @@ def kernel_times(fn, steps: int = STEPS) -> dict[str, float]:
 
 def kmeans_profile(k: torch.Tensor, ratio: float, iters: int) -> dict:
     """Wall seconds of the ingest k-means on k [Hkv, L, D], and its kernels' times over the whole run."""
-    from engine.kmeans import spherical_kmeans
+    from engine.index.kmeans import spherical_kmeans
 
     clusters = max(1, round(k.shape[1] * ratio))
     seconds = kmeans_seconds(k, ratio, iters)

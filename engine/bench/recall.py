@@ -4,7 +4,7 @@
 
 CPU is enough (the PyTorch reference backend). Keys, values and queries are the real ones of `squeeze bench
 capture`, extended as engine/bench/extend.py says (float32). Each method's index is built as the engine builds it
-(engine.ingest.build_methods; the last DENSE_TAIL keys stay dense; selections are mapped back from the method's
+(engine.context.ingest.build_methods; the last DENSE_TAIL keys stay dense; selections are mapped back from the method's
 K/V layout) and calibrated on the DENSE_TAIL queries just before the evaluated ones, once per group mode, each on
 its own scores (the methods' `group` setting), as an ingest would. Modes:
 - kv:    one selection per KV head, from the mean over its query heads of S (eq. 1); every query head of the group
@@ -19,7 +19,7 @@ calibration ones) and, with `--prefill-tokens N`, one N-token question looked up
 - kept: selected keys / context length, mean over the selection's rows (and tokens);
 - bytes: K and V elements read per step (each key once per KV head: the "kv" selection, the group's union for
   "query" and "union") plus the index elements the lookup reads (Lookup.index_elements), over dense K and V: the
-  engine's kv_budget (engine/stats.py);
+  engine's kv_budget (engine/attention/stats.py);
 - err: relative L2 error of the attention output over the selected keys vs full attention, mean over (head, token).
 `equal_bytes` interpolates the "query" and "union" curves (over all measured sparsities) at each "kv" point's
 bytes. Ends with one JSON document on stdout.
@@ -37,7 +37,7 @@ import torch
 
 from engine.bench.kept import method_settings
 from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, build_indexes
-from engine.policies import SPARSE_METHODS, CalibrationSet
+from engine.methods import SPARSE_METHODS, CalibrationSet
 from kernels.backend import REFERENCE
 from kernels.layout import ClusterLayout
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 def parse_settings(items: list[str]) -> dict[str, dict]:
     """["quest.bounds=int8", ...] -> {"quest": {"bounds": "int8"}}, each value converted to the type of the
-    setting's default (engine.policies.REGISTRY)."""
+    setting's default (engine.methods.REGISTRY)."""
     import dataclasses
 
-    from engine.policies import REGISTRY
+    from engine.methods import REGISTRY
 
     out: dict[str, dict] = {}
     for item in items:
@@ -26,11 +26,11 @@ def parse_settings(items: list[str]) -> dict[str, dict]:
 
 
 def parse_follow(items: list[str]):
-    """["lead=4", "carry=false"] -> engine.follow.FollowSettings with those fields (the others at their defaults),
+    """["lead=4", "carry=false"] -> engine.attention.follow.FollowSettings with those fields (the others at their defaults),
     each value converted to its default's type; ValueError on an unknown setting or a bad value."""
     import dataclasses
 
-    from engine.follow import FollowSettings
+    from engine.attention.follow import FollowSettings
 
     defaults = FollowSettings()
     fields = [f.name for f in dataclasses.fields(FollowSettings)]

@@ -18,7 +18,7 @@ from dataclasses import replace
 import torch
 
 from engine.bench.kernels import DENSE_TAIL, HEAD_DIM, bench_graph, build_indexes
-from engine.policies.squeeze import code_step
+from engine.methods.squeeze import code_step
 from kernels import centroid_ops, sparse_ops
 from kernels.compact_ops import expand_groups
 

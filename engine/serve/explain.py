@@ -3,7 +3,7 @@ question and the answer, the document passages their keys come from (with page n
 a layer's keys.
 
 The app renders these; everything that touches tensors is here. A turn's report comes from what its own lookups
-scored (engine.session.Answer.unit_scores); the rest works from a context's stored artifacts alone, so a turn saved
+scored (engine.context.session.Answer.unit_scores); the rest works from a context's stored artifacts alone, so a turn saved
 in the chat history can be shown again after a restart without loading the model.
 """
 
@@ -16,12 +16,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine import artifacts as names
-from engine.config import ContextSettings
-from engine.fixed_rows import FixedRows
-from engine.policies import REGISTRY, LayerIndex, make_method
-from engine.policies.squeeze import float_centroids
-from engine.session import Answer
+from engine.attention.rows import FixedRows
+from engine.context.session import Answer
+from engine.context.settings import ContextSettings
+from engine.index import artifacts as names
+from engine.methods import REGISTRY, LayerIndex, make_method
+from engine.methods.squeeze import float_centroids
 from storage import Document, Store
 
 PASSAGE_CONTEXT_CHARS = 80  # text shown around a passage, each side
@@ -30,7 +30,7 @@ CACHED_CONTEXTS = 2  # contexts whose artifacts the inspector keeps in memory
 MAX_REPORTED = 200  # clusters saved per layer and row with a turn at most (best S first)
 PASSAGE_RADIUS = 14  # tokens each side of a strongly retrieved token that make up its passage
 MIN_MARK = 0.08  # highlight weight of a token whose cluster's S is just at the threshold
-MAX_FOLLOW = 4096  # follow rows saved with a turn at most (engine.follow: read in every layer and head)
+MAX_FOLLOW = 4096  # follow rows saved with a turn at most (engine.attention.follow: read in every layer and head)
 
 
 def retrieval_report(clusters: list[dict], scores: dict[int, dict[str, torch.Tensor]], counts: dict[int, torch.Tensor],
@@ -105,7 +105,7 @@ class ContextData:
 
     offsets: [L, 2] character span of each token in doc.text ((-1, -1) for specials)
     global_layers: the layers with an index; kv_heads: KV heads per layer; rows: which token each K/V row holds
-        (the indexed tokens, then the dense rows: the sink and the tail; engine.fixed_rows)
+        (the indexed tokens, then the dense rows: the sink and the tail; engine.attention.rows)
     units: (method, its build's time) -> global layer -> [Hkv, L - tail] unit (cluster, page) of each token before
         the dense tail (-1: a sink token, read by every step), filled on first use (ContextInspector.unit_labels)
     """

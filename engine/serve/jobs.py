@@ -24,9 +24,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
-from engine.config import ContextSettings
-from engine.prompt import DocumentTooLongError
+from engine.context.settings import ContextSettings
 from engine.serve.service import DEFAULT_METHODS, Engine
+from engine.text.prompt import DocumentTooLongError
 from storage import INTERRUPTED, DocumentError, load_document_bytes
 from storage.documents import DOC_ID_CHARS, safe_name
 
@@ -68,7 +68,7 @@ class JobView:
 
     status: "queued" | "running" | "done" | "failed"
     stage: LOADING, one of STAGES, or "queued"/"ready"/"failed"; done/total count the stage's units (while the
-    model loads: its load's steps, `detail` naming the one under way; engine.model.LoadStep)
+    model loads: its load's steps, `detail` naming the one under way; engine.model.load.LoadStep)
     error_kind: "document" (the file cannot be read), "too_long", or "internal"; error is one plain line
     """
 

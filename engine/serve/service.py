@@ -9,18 +9,33 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine import artifacts as names
-from engine.catalog import default_cache_dir
-from engine.compiled import compile_layers
-from engine.config import ContextSettings
-from engine.ingest import ingest_tokens
-from engine.model import EMBEDDED_MODEL, LoadedModel, LoadStep, ModelLoadError, load_model, model_id_for
-from engine.policies import REGISTRY, Method, MethodSettings, Preparation, Tensors, build_order, make_method
-from engine.policies.budget import CALIBRATION_VERSION
-from engine.prompt import Exchange, prompt_format, tokenize_document
-from engine.sampling import GenerationOptions
-from engine.session import Answer, ContextSession, Delta
+from engine.attention.budget import CALIBRATION_VERSION
+from engine.context.ingest import ingest_tokens
+from engine.context.session import Answer, ContextSession, Delta
+from engine.context.settings import ContextSettings
+from engine.index import artifacts as names
+from engine.methods import (
+    REGISTRY,
+    Method,
+    MethodSettings,
+    Preparation,
+    Tensors,
+    build_order,
+    make_method,
+)
+from engine.model.catalog import default_cache_dir
+from engine.model.compiled import compile_layers
+from engine.model.load import (
+    EMBEDDED_MODEL,
+    LoadedModel,
+    LoadStep,
+    ModelLoadError,
+    load_model,
+    model_id_for,
+)
+from engine.model.sampling import GenerationOptions
 from engine.serve.writer import ArtifactWriter
+from engine.text.prompt import Exchange, prompt_format, tokenize_document
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
 from storage import Document, Store, load_document
@@ -67,7 +82,7 @@ class Engine:
         self.store = Store(Path(cache_dir) if cache_dir else default_cache_dir())
         self.store.jobs.recover_interrupted()
         self.model_name, self.device_name, self.backend_name = model, device, backend
-        self.compile = compile  # torch.compile the decoder layers once loaded (engine.compiled)
+        self.compile = compile  # torch.compile the decoder layers once loaded (engine.model.compiled)
         self.model_id = lm.model_id if lm is not None else model_id_for(model)
         unknown = sorted(set(methods or {}) - set(REGISTRY))
         if unknown:
@@ -87,7 +102,7 @@ class Engine:
         return self._lm if self._lm is not None else self.load()
 
     def load(self) -> LoadedModel:
-        """The model, loaded now if it is not yet (the first time, a minute or more: see engine.model.load_model).
+        """The model, loaded now if it is not yet (the first time, a minute or more: see engine.model.load.load_model).
         While it loads, `load_step` says where it stands, and `load_progress` is told each step as (step, done,
         total)."""
         if self._lm is None:

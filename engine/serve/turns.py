@@ -7,13 +7,13 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from engine.policies import REGISTRY
+from engine.context.session import Answer, Delta
+from engine.methods import REGISTRY
+from engine.model.sampling import GenerationOptions
 from engine.serve.explain import explain_turn
 from engine.serve.jobs import plain_error
 from engine.serve.service import Engine
-from engine.prompt import Exchange
-from engine.sampling import GenerationOptions
-from engine.session import Answer, Delta
+from engine.text.prompt import Exchange
 
 STOPPED_MARK = " [stopped]"
 EMPTY_ANSWER = ("(The model gave no answer: it ended at once. Rephrase the question, allow more tokens, or try "
@@ -50,7 +50,7 @@ class Turns:
                compare: bool = False, stop: threading.Event | None = None,
                options: GenerationOptions | None = None) -> Iterator[Delta | RecordedTurn]:
         """Yield the answer's pieces, then the RecordedTurn. The chat's earlier turns are the model's input before
-        the question (engine.prompt: the latest that fit). `stop` set while it streams ends the answer there: what
+        the question (engine.text.prompt: the latest that fit). `stop` set while it streams ends the answer there: what
         was said is kept (marked as stopped, without statistics). sparsity: the turn's (0 for full attention);
         options: how tokens are chosen (None: greedy). An empty answer is recorded as EMPTY_ANSWER."""
         sparse = REGISTRY[method].sparse

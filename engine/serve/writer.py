@@ -1,6 +1,6 @@
 """Artifacts to disk while the ingest is still making the rest: one background writer per context.
 
-The ingest hands each tensor over as soon as it is final (engine.ingest.ingest_tokens' on_artifact: a global
+The ingest hands each tensor over as soon as it is final (engine.context.ingest.ingest_tokens' on_artifact: a global
 layer's K/V just before its clustering, its index after, the calibrations at the end); the writer copies it to the
 CPU on the caller's thread (so the GPU tensor may change or go as soon as `put` returns) and saves it through the
 store on its own thread, so disk writes overlap the clustering instead of following it. Host memory is bounded:

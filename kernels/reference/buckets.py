@@ -1,7 +1,7 @@
 """Reference of Saap's lookup kernels (kernels/jit/buckets.py): the queries' bucket scores (RoPE undone, each KV
 head's classifier, softmax over the buckets, summed over the group) and the best-buckets pick (a score threshold
 that reaches a number of keys). `derope` and `classify` are the engine's one implementation of both steps (its
-training and its index use them too: engine.rope, engine.partitions)."""
+training and its index use them too: engine.index.rope, engine.methods.saap.partitions)."""
 
 from __future__ import annotations
 

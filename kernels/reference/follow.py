@@ -1,7 +1,7 @@
 """Reference of the follow part of a step's attention (kernels/jit/follow.py): attention over the follow rows that a
 row's selection does not already hold, to be merged with the selection's own attention by log-sum-exp.
 
-The follow rows are token positions (engine.follow); a layer stores its indexed tokens first (row = position -
+The follow rows are token positions (engine.attention.follow); a layer stores its indexed tokens first (row = position -
 `first`, rows [0, indexed)) and a method may keep them in its own order (`order`: the row of each stored indexed
 row in the layout the K/V are in). Rows past the indexed ones (the dense rows) are read by every step already.
 """

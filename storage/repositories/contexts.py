@@ -12,16 +12,20 @@ A context becomes "ready" only once every artifact row's file is in place
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import hashlib
 import json
 from collections.abc import Iterable
 from pathlib import PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-
-from ..blobs import ARTIFACT_SUFFIX, artifact_path, check_artifact, check_artifact_file, read_artifact, write_artifact
+from ..blobs import (
+    ARTIFACT_SUFFIX,
+    artifact_path,
+    check_artifact,
+    check_artifact_file,
+    read_artifact,
+    write_artifact,
+)
 from ..database import BLOB_DIR, Database, canonical_json, first, now, require
 from ..errors import MissingArtifactError, NotFoundError
 

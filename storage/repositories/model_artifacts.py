@@ -12,13 +12,10 @@ checksum on load).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import hashlib
 import json
 from pathlib import PurePosixPath
-from typing import Any
-
+from typing import TYPE_CHECKING, Any
 
 from ..blobs import artifact_path, check_artifact, read_artifact, write_artifact
 from ..database import BLOB_DIR, Database, canonical_json, first

@@ -1,0 +1,61 @@
+"""The KV budget: the fraction of the fixed context's K and V bytes a step reads, index metadata included; one
+meaning for every method and for both phases (a decode step, a question's prefill).
+
+A method plans from key fractions (`Method.plan_keys`: the share of its indexed keys a step keeps, per phase). At
+calibration, engine.attention.curves measures what the method's own lookups read at every key fraction of
+KEYS_GRID (`read_fraction`, as engine.attention.stats counts a turn's kv_budget); the base `Method.plan` inverts
+those curves (`keys_for`), so that a budget of 0.1 reads about 10% of the bytes whatever the method's index costs
+(centroids, page bounds) and whatever the phase keeps (a prefill's union of tokens). A budget below what the index
+and the dense tail alone cost cannot be met: the plan keeps the fewest keys the grid has, and the turn's
+statistics show what was read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.selection import Selection
+
+# Key fractions measured, from 1 down to 0.01: denser than the thresholds' calibration grid (SPARSITY_GRID), whose
+# interpolated thresholds may read less between two of its points than a line between their reads (hsqueeze's two
+# levels: 0.46 of the bytes where a line through 0.5 and 0.4 of the keys said 0.5).
+KEYS_GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35, 0.3, 0.275, 0.25, 0.225, 0.2, 0.175, 0.15, 0.125,
+             0.1, 0.085, 0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01)
+# Bump when the calibrations change meaning: a build key that lacks it (engine.serve.service.Engine.build_key) is
+# stale, so old contexts rebuild their indexes and calibrations on their next question.
+CALIBRATION_VERSION = 2
+
+
+def read_fraction(selection: Selection | None, index_elements: torch.Tensor, head_dim: int, num_keys: int) -> float:
+    """The share of the fixed K/V bytes one step reads: each KV head's selected keys once (the union of its
+    selection rows; None: every key), K and V, plus the index elements it read ([Hkv]); over
+    Hkv x num_keys x 2 x head_dim."""
+    if selection is None:
+        return 1.0
+    hkv = index_elements.numel()
+    keys = selection.to_mask().reshape(hkv, selection.rows // hkv, -1).any(dim=1).sum()
+    return byte_share(float(keys), float(index_elements.double().sum()), hkv, num_keys, head_dim)
+
+
+def byte_share(keys: float, index_elements: float, hkv: int, num_keys: int, head_dim: int) -> float:
+    """The share of the fixed K/V bytes that `keys` keys (K and V, counted over the KV heads) and `index_elements`
+    index elements are: over Hkv x num_keys x 2 x head_dim."""
+    return (keys * 2 * head_dim + index_elements) / (hkv * num_keys * 2 * head_dim)
+
+
+def keys_for(curve: torch.Tensor, budget: float) -> float:
+    """The key fraction whose measured read (curve [len(KEYS_GRID)], at KEYS_GRID) is `budget`, interpolated
+    linearly between grid points; 1 where the budget covers the whole curve, the grid's fewest keys where it is below
+    what the fewest keys read (the index and the dense tail alone may cost more than a small budget)."""
+    reads = curve.double().tolist()
+    # KEYS_GRID falls; make the reads fall with it (a noisy point never lets more keys read less)
+    for i in range(len(reads) - 2, -1, -1):
+        reads[i] = max(reads[i], reads[i + 1])
+    if budget >= reads[0]:
+        return 1.0
+    for i in range(len(reads) - 1):
+        hi, lo = reads[i], reads[i + 1]
+        if lo <= budget <= hi:
+            t = 0.0 if hi == lo else (budget - lo) / (hi - lo)
+            return KEYS_GRID[i + 1] + t * (KEYS_GRID[i] - KEYS_GRID[i + 1])
+    return KEYS_GRID[-1]

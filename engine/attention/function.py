@@ -1,0 +1,200 @@
+"""The attention function registered with transformers: fixed context (sparse or dense) + new tokens, merged.
+
+Registered under ATTN_NAME through `AttentionInterface` (with a mask function that builds nothing: positions are
+enough to mask here). The per-call state arrives as the `squeeze_step` keyword, which transformers forwards
+from the model's forward call to every attention layer.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from engine.attention.cache import FixedContextCache, FixedContextLayer
+from engine.attention.follow import Follow, layout_order
+from engine.attention.method import Method, StepPlan
+from engine.attention.stats import TurnRecorder
+from kernels.backend import Backend
+
+ATTN_NAME = "squeeze"
+
+
+@dataclass
+class QueryCapture:
+    """Keeps the queries of positions >= `start` at global layers (the calibration queries of an ingest) and, when
+    `moments` is a dict, the sums of every query's unit outer product per global layer and query head (the second
+    moment a query-aware clustering weighs keys by: engine.index.kmeans.query_metric)."""
+
+    start: int
+    queries: dict[int, list[torch.Tensor]]  # layer -> chunks of [Hq, n, D]
+    moments: dict[int, torch.Tensor] | None = None  # layer -> [Hq, D, D] float32 sums over every position seen
+    seen: dict[int, int] = field(default_factory=dict)  # layer -> positions summed into its moments
+
+    def take(self, layer_idx: int, q: torch.Tensor, q_pos: torch.Tensor) -> None:
+        keep = q_pos >= self.start
+        if bool(keep.any()):
+            self.queries.setdefault(layer_idx, []).append(q[:, keep].detach().clone())
+        if self.moments is not None:
+            qn = torch.nn.functional.normalize(q.detach().float(), dim=-1)  # [Hq, n, D]
+            outer = qn.transpose(1, 2) @ qn  # [Hq, D, D]
+            self.moments[layer_idx] = self.moments[layer_idx] + outer if layer_idx in self.moments else outer
+            self.seen[layer_idx] = self.seen.get(layer_idx, 0) + q.shape[1]
+
+    def moment(self, layer_idx: int, kv_heads: int) -> torch.Tensor:
+        """A layer's second moment of the unit queries, per KV head (the mean over its group's query heads and every
+        position seen): [Hkv, D, D] float32."""
+        if self.moments is None or layer_idx not in self.moments:
+            raise KeyError(f"no query moments kept for layer {layer_idx}")
+        m = self.moments[layer_idx] / self.seen[layer_idx]  # [Hq, D, D]
+        return m.reshape(kv_heads, m.shape[0] // kv_heads, *m.shape[1:]).mean(dim=1)
+
+
+@dataclass
+class StepContext:
+    """Everything one forward call over new tokens needs; passed to the model as `squeeze_step=`.
+
+    positions: [Lq] int64 on the model's device, the call's query positions (the position_ids the model gets);
+        set by the caller before each call (a captured step reads them from this same buffer at every replay)
+    static: the call is being captured in a CUDA graph: attend over every new-token slot, masked by position
+    graphs: where greedy generation finds (or captures) its decode step; None runs every step eagerly
+    follow: the context's follow rows (engine.attention.follow), added to every sparse selection; None: none. The caller of
+    a forward call runs `follow.begin(ids)` before it (engine.model.generate, engine.model.graph)
+    token_lookups: a call over several tokens (a question's prefill) looks up each token's keys on its own, as a
+        decode step does (each at the decode plan), instead of one lookup whose selection all its tokens share (the
+        Squeezed Attention paper's prefill: S averaged over the tokens); engine/NOTES.md, "One lookup per question
+        token"
+    """
+
+    cache: FixedContextCache
+    method: Method | None  # None: every key of the fixed context, no index (an ingest's prefill)
+    plan: StepPlan | None
+    backend: Backend
+    recorder: TurnRecorder | None = None
+    capture: QueryCapture | None = None
+    positions: torch.Tensor | None = None
+    static: bool = False
+    graphs: object | None = None  # engine.model.graph.DecodeGraphs: decode steps replayed from CUDA graphs (None: eager)
+    follow: Follow | None = None
+    token_lookups: bool = False
+
+
+def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
+    """Attention of q over the layer's fixed context. Returns (out [Hq, Lq, D], lse [Hq, Lq]) float32."""
+    kf, vf = layer.fixed_keys, layer.fixed_values
+    if layer.sliding_window is not None:  # the last window of the document, dense, masked by distance
+        k_start = layer.fixed_len - kf.shape[1]
+        return step.backend.kernel("causal").causal_attention(q, kf, vf, scale, q_pos, k_start, layer.sliding_window)
+    method = step.method
+    if method is None:
+        return step.backend.kernel("sparse").attention_with_lse(q, kf, vf, scale)
+    index = layer.indexes.get(method.name)
+    if index is None and method.sparse:
+        raise RuntimeError(f"layer {layer.layer_idx} has no {method.name} index: build the method for this context")
+    lq = q.shape[1]
+    if not (step.token_lookups and method.sparse and lq > 1):
+        return _selected_part(layer, index, q, q_pos, scale, step)
+    if step.recorder is not None:
+        step.recorder.lookups_per_step(lq)
+    parts = [_selected_part(layer, index, q[:, t : t + 1], q_pos[t : t + 1], scale, step) for t in range(lq)]
+    return torch.cat([out for out, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=1)
+
+
+def _selected_part(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                   step: StepContext):
+    """One lookup for q's Lq tokens, then their attention over the keys it selected (and the follow rows).
+    Returns (out [Hq, Lq, D], lse [Hq, Lq]) float32."""
+    kf, vf = layer.fixed_keys, layer.fixed_values
+    recorder = step.recorder
+    timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
+    method = step.method
+    with timed("lookup"):
+        lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos)
+    if recorder is not None:
+        recorder.record(layer.layer_idx, lookup)
+    with timed("attention"):
+        if lookup.selection is None:
+            return step.backend.kernel("sparse").attention_with_lse(q, kf, vf, scale)
+        selected = step.backend.kernel("sparse").sparse_attention(q, kf, vf, lookup.selection, scale)
+        follow = step.follow
+        if follow is None or not follow.positions.numel():
+            return selected
+        rows = follow.fixed_rows
+        order = layout_order(method, index)
+        out, lse, fresh = step.backend.kernel("follow").follow_attention(  # merged with the selection's part
+            q, kf, vf, lookup.selection, follow.positions.to(q.device), rows.sink, rows.indexed, order, scale,
+            prior=selected)
+        if recorder is not None:
+            recorder.record_follow(layer.layer_idx, fresh)
+        return out, lse
+
+
+@torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.model.compiled): host logic, our own kernels
+def squeeze_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    squeeze_step: StepContext | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """query: [1, Hq, Lq, D] (the call's tokens; their K/V are already in the layer's new-token buffers).
+
+    Returns (out [1, Lq, Hq, D] in the query's dtype, None).
+    """
+    if squeeze_step is None:
+        raise RuntimeError(
+            f"attn_implementation={ATTN_NAME!r} needs a squeeze_step=StepContext(...) keyword in the model call; "
+            "use engine.context.session.Session to run the model"
+        )
+    if query.shape[0] != 1:
+        raise ValueError(f"the fixed-context engine runs batch 1, got batch {query.shape[0]}")
+    if softcap is not None or getattr(module, "attn_logit_softcapping", None):
+        raise NotImplementedError("attention logit soft-capping (e.g. Gemma 2) is not supported by the engine")
+    if squeeze_step.positions is None:
+        raise RuntimeError("StepContext.positions must hold the call's query positions")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    layer: FixedContextLayer = squeeze_step.cache.layers[module.layer_idx]
+    q = query[0]  # [Hq, Lq, D]
+    with _current_device(q.device):
+        q_pos = squeeze_step.positions.to(q.device)  # [Lq]; a no-op unless layers sit on several devices
+        k_new, v_new = layer.new_kv(squeeze_step.static)  # [Hkv, n, D], slot i at position fixed_len + i
+        parts = [squeeze_step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
+                                                       layer.sliding_window)]
+        if layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0:
+            parts.append(_fixed_part(layer, q, q_pos, scale, squeeze_step))
+        if squeeze_step.capture is not None and layer.sliding_window is None:
+            squeeze_step.capture.take(module.layer_idx, q, q_pos)
+        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], device=q.device, dtype=query.dtype)  # [Lq, Hq, D]
+        if len(parts) > 1:  # merged straight into the layout the model reads next
+            squeeze_step.backend.kernel("merge").merge_attention(parts, out.transpose(0, 1))
+        else:
+            out.transpose(0, 1).copy_(parts[0][0])
+    return out.unsqueeze(0), None
+
+
+def _current_device(device: torch.device):
+    """Make the layer's GPU the current CUDA device while it attends. Triton launches a kernel on the current device
+    and its current stream, not on its tensors' device; with device_map="auto" a layer may sit on another GPU than
+    cuda:0 (accelerate moves the tensors but never switches the current device)."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """Mask function for ATTN_NAME: the attention function masks by positions, so nothing is materialised."""
+    return None
+
+
+def register() -> str:
+    """Register the attention and mask functions (idempotent). Returns the attn_implementation name."""
+    AttentionInterface.register(ATTN_NAME, squeeze_attention)
+    AttentionMaskInterface.register(ATTN_NAME, _no_mask)
+    return ATTN_NAME

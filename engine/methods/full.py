@@ -1,0 +1,30 @@
+"""Full attention: every key of the fixed context, no index (the baseline every method is compared with)."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from engine.attention.method import LayerIndex, Lookup, Method, StepPlan, Tensors
+
+
+class FullPolicy(Method):
+    name: ClassVar[str] = "full"
+    sparse: ClassVar[bool] = False
+
+    def build(self, layer, required, prepared) -> Tensors:
+        return {}
+
+    def calibrate(self, layers, scale) -> Tensors:
+        return {}
+
+    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> StepPlan:
+        return StepPlan(budget=1.0)
+
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> StepPlan:
+        return StepPlan(budget=1.0)
+
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend,
+               positions: torch.Tensor | None = None) -> Lookup:
+        return Lookup(selection=None, index_elements=torch.zeros(1, device=q.device))

@@ -1,0 +1,135 @@
+"""Quest (Tang et al., 2024): pages of consecutive keys, each summarised by the element-wise minimum and maximum of
+its keys; a query's page score is the upper bound sum_i max(q_i min_i, q_i max_i) of q . k over the page; a step
+reads the top pages up to the plan's budget.
+
+GQA: group "kv" (default) sums the bounds of a KV head's query heads and keeps one set of pages per KV head (each
+page read once per group, as squeeze does); "query" keeps one set per query head (the union is what is read).
+Prefill (Quest is published for decode): a question's page score is max(the bound of its tokens' mean, the bound
+of its last token), summed over the row's heads, and the same number of pages is kept as at decode, so the
+budget holds in both phases (kernels/jit/pages.py computes both terms in one pass over the bounds).
+Bounds keep the keys' dtype; "int8" stores one byte each (rounded outwards, per KV head and dim over the context's
+range: still an upper bound, half the bytes a step reads for its scores, but looser).
+Pages are whole: a last partial page of the indexed keys is read at every step, like the dense tail, so that
+every row reads the same number of keys (the selection's offsets follow from the shapes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.method import (
+    LayerIndex,
+    LayerKeys,
+    Lookup,
+    Method,
+    MethodSettings,
+    StepPlan,
+    Tensors,
+    check_budget,
+    group_rows,
+)
+from kernels.backend import Backend
+from kernels.reference.pages import quantize_bounds
+
+GROUPS = ("kv", "query")
+BOUNDS = ("exact", "int8")
+
+
+@dataclass(frozen=True)
+class QuestSettings(MethodSettings):
+    """page_size: consecutive keys per page (Quest: 16); group: "kv" or "query" (see the module docstring);
+    bounds: "exact" (the keys' own dtype, as the paper) or "int8" (one byte per bound, rounded outwards:
+    kernels.reference.pages.quantize_bounds; half the bytes a step reads for its page scores, a looser bound)."""
+
+    page_size: int = 16
+    group: str = "kv"
+    bounds: str = "exact"
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {self.page_size}")
+        if self.group not in GROUPS:
+            raise ValueError(f"group must be one of {GROUPS}, got {self.group!r}")
+        if self.bounds not in BOUNDS:
+            raise ValueError(f"bounds must be one of {BOUNDS}, got {self.bounds!r}")
+
+
+@dataclass(frozen=True)
+class PagePlan(StepPlan):
+    """A top-K turn: each step reads the best `keys` fraction of the pages (at least one), in both phases (the
+    same pages read the same bytes in both)."""
+
+    keys: float = 1.0
+
+    def describe(self) -> str:
+        return f"top {self.keys:.1%} of the pages"
+
+    def pages(self, total: int) -> int:
+        """Pages a step keeps out of `total` (a static shape: no host synchronisation)."""
+        return 0 if total == 0 else max(1, min(total, round(self.keys * total)))
+
+
+def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys: [Hkv, L, D] -> (min [Hkv, P, D], max [Hkv, P, D]), P = ceil(L / page_size); the last page may be
+    shorter (its bounds cover its own keys only)."""
+    hkv, length, d = keys.shape
+    pages = -(-length // page_size)
+    pad = pages * page_size - length
+    lo = F.pad(keys, (0, 0, 0, pad), value=float("inf")).view(hkv, pages, page_size, d).amin(dim=2)
+    hi = F.pad(keys, (0, 0, 0, pad), value=float("-inf")).view(hkv, pages, page_size, d).amax(dim=2)
+    return lo, hi
+
+
+class QuestPolicy(Method):
+    name: ClassVar[str] = "quest"
+    Settings: ClassVar[type] = QuestSettings
+    unit: ClassVar[str] = "page"
+
+    def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
+        """The bounds of the full pages of the indexed keys (a last partial page is read at every step, as the
+        dense tail is: every row then reads the same number of keys)."""
+        page = self.settings.page_size
+        full = layer.keys.shape[1] // page * page
+        lo, hi = page_bounds(layer.keys[:, :full], page)
+        if self.settings.bounds == "int8":
+            return quantize_bounds(lo, hi)  # uint8 codes [Hkv, P, D], offset and step [Hkv, D]
+        return {"page_min": lo, "page_max": hi}  # [Hkv, P, D] each
+
+    def calibrate(self, layers, scale: float) -> Tensors:
+        return {}  # top-K: a key fraction is a number of pages (the engine measures what the pages and bounds read)
+
+    def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> PagePlan:
+        return PagePlan(budget=check_budget(budget), keys=check_budget(decode_keys))
+
+    def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: PagePlan, scale: float, backend: Backend,
+               positions: torch.Tensor | None = None) -> Lookup:
+        """Page scores (one kernel), then the top pages and their keys (one kernel: k is a static shape, and every
+        row reads the same number of keys)."""
+        lo, hi = layer["page_min"], layer["page_max"]
+        hkv, pages, d = lo.shape
+        page = self.settings.page_size
+        rows = group_rows(self.settings.group, q.shape[0], hkv)
+        kernel = backend.kernel("pages")
+        quant = "bound_offset" in layer
+        offset, step = (layer["bound_offset"], layer["bound_step"]) if quant else (None, None)
+        scores = kernel.page_scores(q, lo, hi, rows, offset, step)  # [rows, P]
+        keep, selection = kernel.select_pages(scores, plan.pages(pages), page, layer.num_keys)
+        # every page's two bounds (+ the offsets and steps), in elements of the keys' dtype: exact bounds have it;
+        # one-byte codes are counted against q's, which is the keys' dtype in the engine
+        key_size = q.element_size() if quant else lo.element_size()
+        elements = (pages * 2 * d * lo.element_size() + (2 * d * 4 if quant else 0)) / key_size
+        read = torch.full((hkv,), float(elements), device=q.device)
+        sizes = None  # the statistics list a question's units only: a decode step saves the launch
+        if q.shape[1] > 1:
+            sizes = torch.full((hkv, pages), page, dtype=torch.int64, device=q.device)
+        return Lookup(selection=selection, index_elements=read, units=keep, scores=scores, sizes=sizes)
+
+    def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
+        """Page of each indexed key; the keys of a last partial page (read at every step) get the id P."""
+        hkv, pages = layer["page_min"].shape[:2]
+        labels = torch.arange(layer.indexed, device=layer["page_min"].device) // self.settings.page_size
+        return labels.clamp(max=pages).expand(hkv, -1)

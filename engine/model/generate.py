@@ -1,0 +1,120 @@
+"""Streaming generation over a fixed-context cache: the question's prefill eagerly, then decode steps, each replayed
+from a CUDA graph where the step context has a graph cache (engine.model.graph), else run eagerly. Greedy, or each token
+chosen by an engine.model.sampling.Sampler from the step's logits (a replayed step then takes the chosen token as its
+successor's input)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from engine.attention.function import StepContext
+from engine.model.load import LoadedModel
+from engine.model.sampling import Sampler
+
+
+def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int) -> torch.Tensor:
+    """One eager call over ids [n] at positions start .. start + n - 1 (their K/V join the turn's new tokens).
+    Returns the last token's logits [1, V] on the device (not read back: the caller decides when to synchronise)."""
+    step.positions = torch.arange(start, start + ids.numel(), device=lm.device)
+    if step.follow is not None:
+        step.follow.begin(ids)
+    if step.recorder is not None:
+        step.recorder.begin_step()
+    out = lm.model(input_ids=ids[None], position_ids=step.positions[None], past_key_values=step.cache,
+                   use_cache=True, logits_to_keep=1, squeeze_step=step)
+    return out.logits[0, -1:]
+
+
+def _next(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int, sampler: Sampler | None) -> torch.Tensor:
+    """The token after ids [n] (greedy, or the sampler's): [1] int64 on the device."""
+    logits = forward_step(lm, step, ids, start)
+    return logits.argmax(dim=-1) if sampler is None else sampler.pick(logits)
+
+
+def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int,
+                    sampler: Sampler | None = None) -> Iterator[int]:
+    """Yield tokens one at a time (greedy, or chosen by `sampler`); the first forward is the question's prefill.
+    prompt: [Lq] int64.
+
+    Stops after an end-of-sequence token (which is yielded) or `max_new_tokens` tokens. The caller may stop early
+    by closing the generator (close it before reading the step's recorder: replayed steps' statistics are handed
+    to it when the generator ends). New tokens take positions after the fixed context. Inference mode is entered
+    around each step, never held across a yield: a caller may resume the generator from another thread (Gradio
+    does), and torch's inference mode is per thread.
+    """
+    cache = step.cache
+    eos = lm.eos_ids()
+    with torch.inference_mode():
+        cache.reset_dynamic()
+        cache.reserve(prompt.numel() + max_new_tokens)
+        position = cache.get_seq_length()
+        next_ids = _next(lm, step, prompt.to(lm.device), position, sampler)
+        token = int(next_ids)
+    position += prompt.numel()
+    yield token
+    if token in eos or max_new_tokens <= 1:
+        return
+    if step.graphs is not None:
+        yield from _replayed(step, next_ids, position, max_new_tokens - 1, eos, sampler)
+        return
+    for _ in range(max_new_tokens - 1):
+        with torch.inference_mode():
+            next_ids = _next(lm, step, next_ids, position, sampler)
+            token = int(next_ids)
+        position += 1
+        yield token
+        if token in eos:
+            return
+
+
+def _replayed(step: StepContext, token: torch.Tensor, position: int, steps: int, eos: set[int],
+              sampler: Sampler | None) -> Iterator[int]:
+    """Decode steps from the session's captured graph (captured on first use: one eager step, then the capture)."""
+    with torch.inference_mode():
+        graph, captured = step.graphs.get(step)
+        if graph.totals is not None:
+            graph.totals.reset()
+        graph.set_input(token, position)
+    done = 0
+    try:
+        while done < steps:
+            with torch.inference_mode():
+                if sampler is None:
+                    token_id = graph.replay() if captured else graph.warm_and_capture(step)
+                else:
+                    logits = graph.replay_logits() if captured else _warm_logits(graph, step)
+                    chosen = sampler.pick(logits)
+                    graph.feed(chosen)
+                    token_id = int(chosen)
+            captured = True
+            done += 1
+            yield token_id
+            if token_id in eos:
+                return
+    finally:
+        if step.recorder is not None and graph.totals is not None:
+            with torch.inference_mode():
+                step.recorder.add_decode(graph.totals, done)
+
+
+def _warm_logits(graph, step: StepContext) -> torch.Tensor:
+    graph.warm_and_capture(step)
+    return graph.warm_logits
+
+
+def full_logits(lm: LoadedModel, step: StepContext, prompt: torch.Tensor) -> torch.Tensor:
+    """Logits of every prompt token over the fixed context (for equivalence tests). prompt: [Lq] -> [Lq, V]."""
+    cache = step.cache
+    with torch.inference_mode():
+        cache.reset_dynamic()
+        cache.reserve(prompt.numel())
+        start = cache.get_seq_length()
+        step.positions = torch.arange(start, start + prompt.numel(), device=lm.device)
+        if step.follow is not None:
+            step.follow.begin(prompt.to(lm.device))
+        out = lm.model(input_ids=prompt.to(lm.device)[None], position_ids=step.positions[None], past_key_values=cache,
+                       use_cache=True, squeeze_step=step)
+    cache.reset_dynamic()
+    return out.logits[0].float()

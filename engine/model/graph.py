@@ -1,0 +1,136 @@
+"""A decode step captured once in a CUDA graph and replayed per token: no Python between its kernels.
+
+A captured step reads everything that changes between tokens from device buffers: its input token and position
+(`DecodeGraph.ids`, `.positions`, advanced by the step itself, so replays chain without the host), the new-token
+K/V slots and their count (engine.attention.cache), and it adds its statistics into device totals (engine.attention.stats).
+What a capture fixes: the method and its plan (a budget), whether statistics are recorded, and the
+new-token buffers; `DecodeGraphs` keeps the last few captures of a session and drops them when the buffers move.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import replace
+
+import torch
+
+from engine.attention.function import StepContext
+from engine.attention.stats import StepTotals
+from engine.model.load import LoadedModel
+
+MAX_GRAPHS = 2  # captures kept per session (each holds its own memory pool: lookups' scratch, selections)
+
+
+def graphs_supported(lm: LoadedModel) -> bool:
+    """A decode step can be captured: the whole model on one CUDA device."""
+    devices = {torch.device(d) for d in lm.layer_devices} | {lm.device}
+    return lm.device.type == "cuda" and len({(d.type, d.index or 0) for d in devices}) == 1
+
+
+class DecodeGraph:
+    """One captured decode step. ids: [1, 1] int64 the step's input token; positions: [1] int64 its position;
+    next_token: [1] int64 the greedy token it produced (also copied into ids; positions advance by one);
+    logits: [1, V] the last step's logits.
+
+    totals: where the step adds its statistics (None: recorded nothing); zeroed by the caller at a turn's start.
+    """
+
+    def __init__(self, lm: LoadedModel, step: StepContext):
+        self.lm = lm
+        self.ids = torch.zeros(1, 1, dtype=torch.int64, device=lm.device)
+        self.positions = torch.zeros(1, dtype=torch.int64, device=lm.device)
+        self.next_token = torch.zeros(1, dtype=torch.int64, device=lm.device)
+        self.logits: torch.Tensor | None = None
+        self.warm_logits: torch.Tensor | None = None
+        self.totals: StepTotals | None = None
+        if step.recorder is not None:  # the capture records statistics
+            self.totals = StepTotals.zeros(len(lm.global_layers), lm.num_heads, lm.device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.ready = False  # captured completely (a capture that raised is redone at the next turn)
+        self._stream = torch.cuda.Stream(device=lm.device)
+        self._step = replace(step, positions=self.positions, static=True, graphs=None)
+
+    def _forward(self, step: StepContext) -> None:
+        if step.follow is not None:
+            step.follow.begin(self.ids)
+        out = self.lm.model(input_ids=self.ids, position_ids=self.positions[None], past_key_values=step.cache,
+                            use_cache=True, logits_to_keep=1, squeeze_step=step)
+        self.logits = out.logits[0, -1:]  # [1, V]: after a replay, that step's logits (the capture's output buffer)
+        self.next_token.copy_(self.logits.argmax(dim=-1))
+        self.ids.copy_(self.next_token.view(1, 1))
+        self.positions.add_(1)
+
+    def set_input(self, token: torch.Tensor, position: int) -> None:
+        """token: [1] int64 on the device (no host round trip); position: the token's position."""
+        self.ids.copy_(token.view(1, 1))
+        self.positions.fill_(position)
+
+    def warm_and_capture(self, step: StepContext) -> int:
+        """Run one real decode step eagerly in the captured form (on the capture stream: it compiles the kernels
+        for these shapes and sets up the stream's handles), then capture the next one. Returns the warm step's
+        token; the inputs then hold it and its successor's position, ready for `replay`."""
+        recorder = step.recorder
+        warm = replace(self._step, recorder=recorder)
+        if recorder is not None:
+            recorder.current = self.totals
+            recorder.timing = False  # counted like the replays it stands for: not in the lookup/attention split
+        self._stream.wait_stream(torch.cuda.current_stream(self.lm.device))
+        with torch.cuda.stream(self._stream):
+            self._forward(warm)
+        torch.cuda.current_stream(self.lm.device).wait_stream(self._stream)
+        token = int(self.next_token)
+        self.warm_logits = self.logits  # the warm step's own (the capture below replaces self.logits)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, stream=self._stream):
+            self._forward(warm)  # recorded, not run: the inputs stay as the warm step left them
+        if recorder is not None:
+            recorder.current = None
+            recorder.timing = True
+        self._step = None  # the capture holds what it needs; drop the turn's recorder
+        self.ready = True
+        return token
+
+    def replay(self) -> int:
+        """One decode step; returns its token (the one host synchronisation of a step)."""
+        self.graph.replay()
+        return int(self.next_token)
+
+    def replay_logits(self) -> torch.Tensor:
+        """One decode step, its logits [1, V] (the capture's buffer, valid until the next replay); nothing is read
+        back. The step's greedy token is its successor's input unless `feed` replaces it."""
+        self.graph.replay()
+        return self.logits
+
+    def feed(self, token: torch.Tensor) -> None:
+        """token [1] int64 on the device: the next step's input instead of the greedy one (a sampled token)."""
+        self.ids.copy_(token.view(1, 1))
+
+
+class DecodeGraphs:
+    """The captured decode steps of one session, by (method, plan, recording), most recent last."""
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self._graphs: OrderedDict[tuple, DecodeGraph] = OrderedDict()
+        self._buffers: tuple[int, ...] = ()
+
+    def get(self, step: StepContext) -> tuple[DecodeGraph, bool]:
+        """The graph for `step`, and whether it is captured already (else the caller runs warm_and_capture)."""
+        buffers = tuple(layer.new_keys.data_ptr() if layer.new_keys is not None else 0 for layer in step.cache.layers)
+        if buffers != self._buffers:  # the new-token buffers were reallocated: every capture points at old ones
+            self._graphs.clear()
+            self._buffers = buffers
+        key = (step.method.name, step.plan, step.recorder is not None)
+        graph = self._graphs.get(key)
+        if graph is not None and graph.ready:
+            self._graphs.move_to_end(key)
+            return graph, True
+        self._graphs.pop(key, None)
+        while len(self._graphs) >= MAX_GRAPHS:
+            self._graphs.popitem(last=False)
+        graph = DecodeGraph(self.lm, step)
+        self._graphs[key] = graph
+        return graph, False
+
+    def clear(self) -> None:
+        self._graphs.clear()
