@@ -17,7 +17,7 @@ DEFAULT_CALIBRATION = 100  # last context tokens whose queries calibrate the met
 # First context tokens kept dense: the attention sink (engine.attention.rows). Off by default: one sink token improves
 # `squeeze eval` on the embedded model (KL to full attention at a 20% budget 0.110 -> 0.046 for squeeze, 0.125 -> 0.049
 # for hsqueeze; engine/bench/results/cpu-eval-sink1.json) but loses the shipped passkey at depth 0.1 with hsqueeze at
-# 85% and Quest at 60% (tests/test_real_model.py), and four tokens lost a 1K-token needle with hsqueeze and Quest.
+# 85% and Quest at 60% (tests/engine/test_real_model.py), and four tokens lost a 1K-token needle with hsqueeze and Quest.
 DEFAULT_SINK = 0
 PROMPT_VERSION = 2  # bump when the document/question template changes: old contexts are then not reused (2: a chat
 # template's head before the document when the tokenizer has one)

@@ -275,7 +275,7 @@ class SqueezePolicy(Method):
               positions: torch.Tensor | None = None) -> list[float]:
         """Method.reads with one scoring of q for every plan (a cluster's score does not depend on the threshold):
         the keys of the clusters any row of a KV head keeps, the dense tail once per KV head, and the centroids,
-        as read_fraction counts the lookup's selection (tests/test_budget.py holds it to the lookups')."""
+        as read_fraction counts the lookup's selection (tests/engine/test_budget.py holds it to the lookups')."""
         hq, hkv, d = q.shape[0], layer["counts"].shape[0], q.shape[2]
         rows = group_rows(self.settings.group, hq, hkv)
         counts = layer["counts"]  # [Hkv, C]

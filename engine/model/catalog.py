@@ -1,6 +1,6 @@
 """What the command line knows before anything heavy loads (torch, transformers: seconds): the embedded model's
 name, the cache directory, and the names of the registered methods (which are sparse, which learn once per model).
-tests/test_cli.py checks the names against the registry (engine.methods.REGISTRY), the one source of the methods."""
+tests/app/test_cli.py checks the names against the registry (engine.methods.REGISTRY), the one source of the methods."""
 
 from __future__ import annotations
 

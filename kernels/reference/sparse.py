@@ -21,7 +21,7 @@ def attention_with_lse(
     mask: [Lq, Lk] or [Hq, Lq, Lk] bool, True where the query may attend.
     Returns out [Hq, Lq, D] float32, lse [Hq, Lq] float32 (out 0, lse -inf for a query that sees no key).
     On the CPU through torch's fused flash attention (`_fused_cpu`: the engine's CPU path, no [Lq, Lk] score matrix
-    per head), elsewhere the explicit softmax (`_explicit`); tests/test_reference.py holds both to a naive one.
+    per head), elsewhere the explicit softmax (`_explicit`); tests/kernels/test_reference.py holds both to a naive one.
     """
     hq, lq, _ = q.shape
     hkv, lk, _ = k.shape

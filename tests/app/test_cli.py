@@ -1,0 +1,162 @@
+"""The command line on a tiny random-weight model (`--model PATH`): JSON shapes, errors, list and delete."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from app.cli import main
+from tests.support.tiny_models import make_tiny_model
+
+DOC = "The harbour wall was rebuilt after the storm. " * 30
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    (root / "doc.txt").write_text(DOC)
+    return make_tiny_model(root, "llama_gqa"), root
+
+
+def run(capsys, *argv) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_ingest_ask_list_delete(tiny, capsys):
+    model, root = tiny
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(root / "cache"), "--quiet"]
+    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), "--json", *common)
+    assert code == 0
+    ingest = json.loads(out)
+    assert set(ingest) >= {"doc_id", "context_id", "tokens", "pages", "seconds"}
+    assert ingest["tokens"] == len(DOC.strip()) + 1 and ingest["pages"] == 1  # byte tokenizer + BOS; text stripped
+    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), "--json", *common)
+    assert json.loads(out)["cached"] is True and json.loads(out)["context_id"] == ingest["context_id"]
+    code, out, _ = run(capsys, "ask", ingest["doc_id"], "What was rebuilt?", "--method", "hsqueeze",
+                       "--sparsity", "0.8", "--max-new-tokens", "4", "--json", *common)
+    assert code == 0
+    answer = json.loads(out)
+    assert set(answer) >= {"answer", "method", "sparsity", "kv_budget", "kept_fraction", "clusters", "timings"}
+    assert answer["method"] == "hsqueeze" and answer["sparsity"] == 0.8
+    assert len(answer["kept_fraction"]) == 2 and all(len(row) == 4 for row in answer["kept_fraction"])
+    assert 0 < answer["kv_budget"] < 1
+    # the document tokens the turn read as follow rows (engine.attention.follow): the byte tokenizer's repeats find some
+    assert answer["follow"] and all(0 <= p < ingest["tokens"] for p in answer["follow"])
+    sampled = ["ask", ingest["doc_id"], "What was rebuilt?", "--max-new-tokens", "6", "--temperature", "0.9",
+               "--top-p", "0.9", "--repetition-penalty", "1.3", "--seed", "3", "--json", *common]
+    first, again = (json.loads(run(capsys, *sampled)[1]) for _ in range(2))
+    assert first["answer"] == again["answer"] and first["extra"]["generation"]["seed"] == 3  # seeded: reproducible
+    code, out, err = run(capsys, *sampled[:-len(common) - 1], "--temperature", "-2", *common)
+    assert code == 1 and err.startswith("error: temperature must be in [0, 10]")
+    code, out, _ = run(capsys, "list", "--json", *common)
+    assert [d["id"] for d in json.loads(out)] == [ingest["doc_id"]]
+    code, out, _ = run(capsys, "delete", ingest["doc_id"], *common)
+    assert code == 0
+    code, out, _ = run(capsys, "list", "--json", *common)
+    assert json.loads(out) == []
+
+
+def test_progress_tells_the_model_load_then_the_ingest(tiny, capsys, tmp_path):
+    model, root = tiny
+    code, _, err = run(capsys, "ingest", str(root / "doc.txt"), "--model", str(model), "--device", "cpu",
+                       "--cache-dir", str(tmp_path / "cache"))
+    lines = [line.split("] ", 1)[1] for line in err.splitlines() if line.startswith("[")]
+    loading = [line for line in lines if line.startswith("loading model")]
+    assert code == 0 and loading == ["loading model: loading the tokenizer 0/2",
+                                     "loading model: loading the weights 1/2", "loading model: loaded 2/2"]
+    assert lines.index(loading[-1]) < lines.index(f"prefill 0/{len(DOC.strip()) + 1}")
+
+
+def test_errors_are_one_line(tiny, capsys, tmp_path):
+    model, root = tiny
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path), "--quiet"]
+    bad = tmp_path / "image.png"
+    bad.write_bytes(b"\x89PNG")
+    for argv in (["ingest", str(bad), *common], ["ask", "nosuchdoc", "q?", *common],
+                 ["ingest", str(tmp_path / "missing.txt"), *common]):
+        code, out, err = run(capsys, *argv)
+        assert code == 1 and out == ""
+        assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_method_options_build_that_index_once(tiny, capsys, tmp_path):
+    """`--{method}-{setting}` options (from the registry): the context is the same; the method's index is rebuilt
+    with the settings when they differ from the ones it was built with, and reused when they do not. A method not
+    built at ingest (`--methods`) is built at its first question."""
+    from storage import Store  # noqa: PLC0415
+
+    model, root = tiny
+    cache = tmp_path / "cache"
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(cache), "--quiet", "--json"]
+    ask = ["What was rebuilt?", "--max-new-tokens", "2", *common]
+    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), *common)
+    default = json.loads(out)
+    context = default["context_id"]
+
+    def built() -> dict:
+        with Store(cache) as store:
+            return {b["method"]: b["settings"][b["method"]] for b in store.methods.list(context)}
+
+    assert set(built()) == {"squeeze"} and built()["squeeze"]["centroid_ratio"] == 0.05
+    code, out, _ = run(capsys, "ask", default["doc_id"], *ask, "--centroid-ratio", "0.1",
+                       "--squeeze-prefill-threshold", "calibrated")
+    assert code == 0 and json.loads(out)["context_id"] == context
+    assert built()["squeeze"] == {**built()["squeeze"], "centroid_ratio": 0.1, "prefill_threshold": "calibrated"}
+    first = Store(cache)
+    stamp = first.methods.get(context, "squeeze")["built_at"]
+    first.close()
+    code, out, _ = run(capsys, "ask", str(root / "doc.txt"), *ask, "--squeeze-centroid-ratio", "0.1",
+                       "--squeeze-prefill-threshold", "calibrated")
+    assert code == 0 and json.loads(out)["context_id"] == context
+    with Store(cache) as store:
+        assert store.methods.get(context, "squeeze")["built_at"] == stamp  # the same settings: reused
+    code, out, _ = run(capsys, "ask", default["doc_id"], *ask, "--method", "quest", "--quest-page-size", "8")
+    assert code == 0 and json.loads(out)["method"] == "quest"
+    assert built()["quest"]["page_size"] == 8
+    code, _, err = run(capsys, "ask", default["doc_id"], *ask, "--quest-page-size", "6")
+    assert code == 1 and "page_size must be a power of two" in err
+    code, _, err = run(capsys, "ingest", str(root / "doc.txt"), *common, "--methods", "squeeze,nope")
+    assert code == 1 and "unknown method(s) nope" in err
+
+
+def test_compile_gives_the_same_answer(tiny, capsys, tmp_path):
+    """`--compile` (engine.model.compiled): the decoder layers under torch.compile answer as the eager model does."""
+    model, root = tiny
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path), "--quiet", "--json"]
+    ask = ["ask", str(root / "doc.txt"), "What was rebuilt?", "--method", "squeeze", "--sparsity", "0.5",
+           "--max-new-tokens", "4"]
+    code, eager, _ = run(capsys, *ask, *common)
+    assert code == 0
+    code, compiled, _ = run(capsys, *ask, *common, "--compile")
+    assert code == 0
+    assert json.loads(compiled)["answer"] == json.loads(eager)["answer"]
+
+
+def test_the_catalog_names_the_registered_methods():
+    """engine.model.catalog (what the command line knows without torch) agrees with the method registry."""
+    from engine.methods import REGISTRY
+    from engine.model.catalog import METHODS, SPARSE_METHODS, TRAINED_METHODS
+
+    assert METHODS == tuple(REGISTRY)
+    assert SPARSE_METHODS == tuple(n for n, cls in REGISTRY.items() if cls.sparse)
+    assert TRAINED_METHODS == tuple(n for n, cls in REGISTRY.items() if cls.learns_per_model())
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["list"], ["list", "--json"], ["delete", "nosuchdoc"]])
+def test_quick_commands_load_neither_torch_nor_transformers(argv, tmp_path):
+    """`squeeze --help`, `list` and `delete` answer without importing the model stack (seconds on these machines:
+    they take a fraction of one). In a fresh interpreter, as a user's shell runs them."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom app.cli import main\ntry:\n    main(sys.argv[1:])\nexcept SystemExit:\n    pass\n"
+            "print('LOADED', sorted(m for m in ('torch', 'transformers', 'gradio') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *argv, *([] if argv == ["--help"] else
+                                                              ["--cache-dir", str(tmp_path)])],
+                         capture_output=True, text=True, timeout=60)
+    assert "LOADED []" in out.stdout, out.stdout + out.stderr
+    if argv[0] == "delete":
+        assert "error: " in out.stderr and "nosuchdoc" in out.stderr  # a plain one-line refusal

@@ -1,0 +1,1 @@
+"""The benchmarks and `squeeze eval`, run small on the CPU."""

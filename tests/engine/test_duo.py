@@ -1,0 +1,357 @@
+"""DuoAttention (engine/methods/duo/policy.py, engine/methods/duo/gates.py, engine/methods/duo/data.py): the heads' selections against a mask
+built by hand, the budget a plan reads, the training attention against its two references, gate training on tiny
+models (deterministic, resumable, stored once per model), and the method end to end through the engine and the CLI.
+The method contract's own checks (tests/engine/test_methods_contract.py) run it too."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from engine.attention.method import CalibrationSet
+from engine.methods import LayerIndex, make_method
+from engine.methods.duo.data import GateData, training_sequence
+from engine.methods.duo.gates import (
+    GateMix,
+    GateTraining,
+    mixed_attention,
+    rank_heads,
+    train_gates,
+)
+from engine.methods.duo.policy import HeadPlan, Window, head_selection
+from tests.support.tiny_models import QUICK_TRAINING, byte_tokenizer, make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+INDEXED, TAIL = 200, 10
+SMALL = {"sink": 4, "recent": 30, **QUICK_TRAINING["duo"]}
+
+
+def expected_rows(rank: torch.Tensor, window: Window, plan: HeadPlan, num_keys: int) -> torch.Tensor:
+    """The keys each head must read, by hand: [Hkv, num_keys] bool."""
+    mask = torch.zeros(rank.numel(), num_keys, dtype=torch.bool)
+    for h, r in enumerate(rank.tolist()):
+        if r < plan.full:
+            mask[h] = True
+            continue
+        back = window.back + (plan.extra if r == plan.full else 0)
+        back = min(back, window.indexed - window.front)
+        mask[h, : window.front] = True
+        mask[h, window.indexed - back :] = True  # the last indexed keys, then the dense rows
+    return mask
+
+
+@pytest.mark.parametrize("full,extra", [(0, 0), (0, 7), (2, 0), (2, 50), (3, 0), (5, 0), (1, 1000)])
+def test_head_selection_is_the_window_or_every_key(full, extra):
+    rank = torch.tensor([3, 0, 4, 1, 2])
+    layer = LayerIndex(tensors={"rank": rank}, num_keys=INDEXED + TAIL, tail=TAIL)
+    window = Window(front=4, back=20, indexed=INDEXED)
+    sel = head_selection(layer, window, HeadPlan(budget=0.5, full=full, extra=extra), torch.device("cpu"))
+    assert torch.equal(sel.to_mask(), expected_rows(rank, window, HeadPlan(0.5, full, extra), INDEXED + TAIL))
+    for r in range(sel.rows):  # rows sorted, no repeats (the kernels' contract)
+        row = sel.indices[sel.indptr[r] : sel.indptr[r + 1]].long()
+        assert bool((row[1:] > row[:-1]).all())
+
+
+def test_window_keeps_the_sink_and_the_recent_keys_the_tail_lacks():
+    duo = make_method("duo", {"sink": 64, "recent": 256}).settings
+    assert Window.of(duo, 4000, 100) == Window(front=64, back=156, indexed=4000)
+    assert Window.of(duo, 150, 100) == Window(front=64, back=86, indexed=150)  # a short context: all of it
+    assert Window.of(duo, 4000, 300) == Window(front=64, back=0, indexed=4000)  # the tail holds the recent keys
+
+
+def calibrated(method, layers: int = 3, hkv: int = 2):
+    artifacts = method.stand_in(list(range(layers)), hkv, 8)
+    sets = [CalibrationSet(index=LayerIndex({"rank": artifacts[f"layer{i}.rank"]}, INDEXED + TAIL, TAIL),
+                           queries=torch.zeros(2 * hkv, 1, 8)) for i in range(layers)]
+    return artifacts, sets, method.calibrate(sets, 1.0)
+
+
+@pytest.mark.parametrize("budget", [0.3, 0.45, 0.6, 0.77, 0.9, 1.0])
+def test_a_budget_reads_what_it_says(budget):
+    """Every head's reads (indexed keys by the plan + the dense rows) over every head's K/V is the budget (a whole
+    number of keys off at most), in both phases; the heads that read everything are the highest gates."""
+    method = make_method("duo", {"sink": 4, "recent": 30})
+    artifacts, sets, calibration = calibrated(method)
+    plan = method.plan(calibration, budget)
+    read = 0
+    for i, s in enumerate(sets):
+        for q in (torch.zeros(4, 1, 8), torch.zeros(4, 5, 8)):
+            found = method.lookup(q, s.index, plan, 1.0, None)
+            if q.shape[1] == 1:
+                read += int(found.selection.counts().sum())
+            assert not bool(found.index_elements.any())
+        gates, rank = artifacts[f"layer{i}.gates"], artifacts[f"layer{i}.rank"]
+        counts = found.selection.counts()
+        assert all(counts[h] == INDEXED + TAIL for h in range(2) if rank[h] < plan.full)
+        assert all(bool(gates[h] >= g) for h in range(2) if rank[h] < plan.full for g in gates[rank >= plan.full])
+    assert abs(read / (6 * (INDEXED + TAIL)) - budget) <= 1.0 / (6 * (INDEXED + TAIL)) + 1e-9
+
+
+def test_below_the_floor_every_head_streams():
+    method = make_method("duo", {"sink": 4, "recent": 30})
+    _, sets, calibration = calibrated(method)
+    plan = method.plan(calibration, 0.05)  # the windows alone read (4 + 20 + 10) / 210
+    assert (plan.full, plan.extra) == (0, 0)
+    counts = method.lookup(torch.zeros(4, 1, 8), sets[0].index, plan, 1.0, None).selection.counts()
+    assert counts.tolist() == [34, 34]
+
+
+def test_the_selection_is_made_once_per_plan():
+    method = make_method("duo", {"sink": 4, "recent": 30})
+    _, sets, calibration = calibrated(method)
+    index = sets[0].index
+    a, b = (method.lookup(torch.zeros(4, 1, 8), index, method.plan(calibration, 0.5), 1.0, None) for _ in range(2))
+    assert a.selection is b.selection
+    other = method.lookup(torch.zeros(4, 1, 8), index, method.plan(calibration, 0.8), 1.0, None)
+    assert other.selection is not a.selection
+
+
+def test_rank_heads_orders_by_gate_then_position():
+    gates = torch.tensor([[0.5, 1.0], [1.0, 0.0]])
+    assert rank_heads(gates).tolist() == [[2, 0], [1, 3]]
+
+
+class _Module:
+    layer_idx = 3
+
+
+def _attention(q, k, v, allowed, scale):
+    s = (q @ k.transpose(-1, -2)) * scale
+    return torch.softmax(s.masked_fill(~allowed, float("-inf")), dim=-1) @ v
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 1.0])
+def test_mixed_attention_is_alpha_full_plus_streaming(alpha):
+    """Row 0 is full causal attention; row 1 alpha * full + (1 - alpha) * attention over the context's first `sink`
+    and last `recent` tokens and the new ones (reference: masked softmax written out)."""
+    g = torch.Generator().manual_seed(0)
+    hq, hkv, s, lq, d = 4, 2, 40, 5, 8
+    q = torch.randn(2, hq, lq, d, generator=g)
+    k = torch.randn(1, hkv, s, d, generator=g).expand(2, -1, -1, -1)
+    v = torch.randn(1, hkv, s, d, generator=g).expand(2, -1, -1, -1)
+    gates = torch.tensor([[alpha, 1.0 - alpha]])
+    mix = GateMix(gates=gates, rows={3: 0}, sink=3, recent=6, context_len=s - lq)
+    out, _ = mixed_attention(_Module(), q, k, v, None, scaling=d ** -0.5, duo_mix=mix)  # [2, Lq, Hq, D]
+    kr, vr = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    qpos, kpos = torch.arange(s - lq, s)[:, None], torch.arange(s)[None, :]
+    causal = kpos <= qpos
+    stream = causal & ((kpos < 3) | (kpos >= s - lq - 6))
+    full = _attention(q, kr, vr, causal, d ** -0.5)
+    streaming = _attention(q, kr, vr, stream, d ** -0.5)
+    a = torch.tensor([alpha, alpha, 1 - alpha, 1 - alpha])[None, :, None, None]
+    torch.testing.assert_close(out[0], full[0].transpose(0, 1), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1], (a * full + (1 - a) * streaming)[1].transpose(0, 1), atol=1e-5, rtol=1e-5)
+
+
+def test_training_sequences_are_a_function_of_seed_and_step():
+    tok = byte_tokenizer()
+    corpus = tok("lorem ipsum dolor sit amet " * 80, add_special_tokens=False)["input_ids"]
+    data = GateData(min_tokens=300, max_tokens=900, passkeys=3, words=4)
+    a, b = (training_sequence(tok, corpus, data, 0, 5, 2048) for _ in range(2))
+    assert a == b and a != training_sequence(tok, corpus, data, 0, 6, 2048)
+    text = tok.decode(a.context)
+    assert text.count("passkey to the vault:") == 3 and "</book>" in text
+    assert tok.decode(a.new).count("Passkey: ") == 3
+    assert len(a.context) + len(a.new) <= 2048
+    with pytest.raises(ValueError, match="does not fit"):
+        training_sequence(tok, corpus[:100], data, 0, 0, 2048)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory):
+    from engine.model.load import load_model
+
+    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("duo"), "gemma3_hybrid")), device="cpu")
+
+
+def _training(steps: int) -> GateTraining:
+    return GateTraining(steps=steps, sink=4, recent=16, data=GateData(min_tokens=120, max_tokens=200, passkeys=2,
+                                                                       words=3))
+
+
+def _corpus(lm) -> list[int]:
+    return lm.tokenizer("The keeper logged the weather every four hours and rang the bell. " * 40,
+                        add_special_tokens=False)["input_ids"]
+
+
+def test_gate_training_moves_the_gates_and_resumes_where_it_stopped(tiny_gemma):
+    """Gates start at 1 and move within [0, 1]; a run stopped at a checkpoint and resumed ends bit for bit where an
+    uninterrupted one does; the model is left as it was (attention implementation, no gradients)."""
+    lm = tiny_gemma
+    attn = lm.model.config._attn_implementation
+    saved = []
+    whole = train_gates(lm, _training(6), _corpus(lm), save=saved.append, checkpoint_every=2)
+    assert whole.shape == (len(lm.global_layers), lm.num_kv_heads)
+    assert bool(((whole >= 0) & (whole <= 1)).all()) and not bool((whole == 1).all())
+    assert [int(s["step"]) for s in saved] == [2, 4, 6]
+    resumed = train_gates(lm, _training(6), _corpus(lm), state=saved[1])
+    assert torch.equal(resumed, whole)
+    assert lm.model.config._attn_implementation == attn
+    assert not any(p.requires_grad for p in lm.model.parameters()) or all(
+        p.grad is None for p in lm.model.parameters())
+
+
+def test_engine_trains_once_stores_the_gates_and_drops_the_checkpoint(tiny_gemma, tmp_path):
+    """Engine.prepared: the gates are trained with progress, stored per model (keyed by the training settings
+    only), reused by a restarted engine; a checkpoint left by a stopped run is resumed from (here one at the last
+    step: its gates are the result) and removed once the gates are stored."""
+    from engine.serve.service import CHECKPOINT, Engine
+
+    engine = Engine(tmp_path / "cache", lm=tiny_gemma, methods={"duo": SMALL})
+    method = engine.method("duo")
+    key = method.prepare_key()
+    assert "sink" not in key and key["train_steps"] == 3
+    planted = torch.tensor([[0.25]])
+    state = {"gates": planted, "exp_avg": torch.zeros(1, 1), "exp_avg_sq": torch.zeros(1, 1),
+             "step": torch.tensor(3)}
+    for name, t in state.items():
+        engine.store.models.save(engine.model_id, "duo" + CHECKPOINT, key, name, t)
+    seen = []
+    found = engine.prepared("duo", lambda stage, done, total: seen.append((stage, done, total)))
+    layer = tiny_gemma.global_layers[0]
+    assert found[f"layer{layer}.gates"].tolist() == [0.25] and seen == []  # nothing left to train
+    assert engine.store.models.names(engine.model_id, "duo" + CHECKPOINT, key) == []
+    other = Engine(tmp_path / "cache2", lm=tiny_gemma, methods={"duo": {**SMALL, "seed": 1}})
+    trained = other.prepared("duo", lambda stage, done, total: seen.append((stage, done, total)))
+    assert [d for _, d, _ in seen] == [1, 2, 3] and seen[-1][0].startswith("training duo: step 3/3")
+    assert sorted(trained) == [f"layer{layer}.gates", f"layer{layer}.rank"]
+    restarted = Engine(tmp_path / "cache2", lm=tiny_gemma, methods={"duo": {**SMALL, "seed": 1, "sink": 8}})
+    assert torch.equal(restarted.prepared("duo")[f"layer{layer}.gates"], trained[f"layer{layer}.gates"])
+
+
+def test_duo_answers_through_the_engine_and_equals_full_attention_at_budget_1(tiny_gemma, tmp_path):
+    from engine.serve.service import Engine
+
+    engine = Engine(tmp_path / "cache", lm=tiny_gemma, methods={"duo": SMALL})
+    doc = tmp_path / "doc.txt"
+    doc.write_text("The lighthouse keeper rang the bell at dawn and logged the weather every four hours. " * 8)
+    context = engine.context.ingest(doc, methods=("duo",)).context_id
+    session = engine.context.session(context)
+    full = session.logits("Who rang the bell?", "full")
+    torch.testing.assert_close(session.logits("Who rang the bell?", "duo", 0.0), full, atol=1e-4, rtol=1e-4)
+    answer = engine.ask(context, "Who rang the bell?", "duo", 0.7, 4)
+    assert answer.stats.method == "duo" and 0.0 < answer.stats.kv_budget_decode <= 0.3 + 0.02
+
+
+def test_cli_trains_duo(tmp_path, capsys):
+    from app.cli import main
+
+    path = make_tiny_model(tmp_path, "gemma3_hybrid")
+    args = ["train", "duo", "--model", str(path), "--cache-dir", str(tmp_path / "c"), "--device", "cpu", "--json",
+            "--quiet"] + [a for k, v in SMALL.items() for a in (f"--duo-{k.replace('_', '-')}", str(v))]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["method"] == "duo" and len(out["artifacts"]) == 2
+    gates = next(v for k, v in out["artifacts"].items() if k.endswith(".gates"))
+    assert all(0.0 <= g <= 1.0 for g in gates) and not math.isnan(sum(gates))
+
+
+def test_replace_rows_equals_the_mask_by_hand():
+    from kernels.selection import Selection, replace_rows
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(4, 30, generator=g) < 0.3
+    fixed = torch.stack([torch.randperm(30, generator=g)[:6].sort().values for _ in range(4)]).to(torch.int32)
+    take = torch.tensor([True, False, False, True])
+    got = replace_rows(Selection.from_mask(mask), take, fixed)
+    want = mask.clone()
+    for r in (0, 3):
+        want[r] = False
+        want[r, fixed[r].long()] = True
+    assert torch.equal(got.to_mask(), want)
+    assert got.counts().tolist() == [6, int(mask[1].sum()), int(mask[2].sum()), 6]
+
+
+def test_duo_squeeze_streams_the_low_heads_and_looks_up_the_high_ones():
+    """duo-squeeze: the heads of rank >= its retrieval share read their window (the sink's and the recent tokens,
+    found in squeeze's layout, then the dense rows); the others exactly squeeze's selection at the plan's threshold."""
+    from engine.context.ingest import build_methods
+    from engine.methods import build_order, stand_ins
+    from kernels.backend import REFERENCE
+
+    g = torch.Generator().manual_seed(1)
+    hkv, hq, d, n = 2, 4, 8, INDEXED + TAIL
+    keys = {0: torch.randn(hkv, n, d, generator=g), 1: torch.randn(hkv, n, d, generator=g)}
+    queries = {i: torch.randn(hq, TAIL, d, generator=g) for i in keys}
+    methods = [make_method(m, {"sink": 4, "recent": 30} if m != "squeeze" else None)
+               for m in build_order(["duo-squeeze"])]
+    artifacts = build_methods(keys, queries, TAIL, methods, d ** -0.5, torch.device("cpu"),
+                              prepared=stand_ins(methods, [0, 1], hkv, d))
+    part = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.layer0.")}
+    calib = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.calib.")}
+    sq = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("squeeze.layer0.")}
+    method = methods[-1]
+    plan = method.plan(calib, 0.4)
+    assert plan.retrieval_heads == 2  # half of the model's four KV heads
+    index = LayerIndex(part, n, TAIL)
+    q = queries[0][:, -1:]
+    got = method.lookup(q, index, plan, d ** -0.5, REFERENCE).selection.to_mask()
+    squeeze = make_method("squeeze").lookup(q, LayerIndex(sq, n, TAIL), plan, d ** -0.5, REFERENCE).selection.to_mask()
+    order = method.layout(index).order  # original position of each place
+    for h in range(hkv):
+        if int(part["rank"][h]) < plan.retrieval_heads:
+            assert torch.equal(got[h], squeeze[h])
+        else:
+            tokens = set(order[h][got[h]].tolist())
+            assert tokens == set(range(4)) | set(range(INDEXED - 20, n))  # sink 4; recent 30 = 20 + the tail's 10
+
+
+def test_gate_training_bench_prints_its_json(capsys):
+    """engine.bench.gates on the tiny random shape (a word-level stand-in tokenizer): one JSON line, times > 0."""
+    from engine.bench.gates import main as bench
+
+    assert bench(["--shape", "tiny", "--steps", "2", "--min-tokens", "300", "--max-tokens", "400", "--device", "cpu",
+                  "--passkeys", "2", "--words", "3"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["bench"] == "gates" and doc["weights"] == "random" and doc["steps_timed"] == 2
+    assert doc["seconds_per_step"] > 0 and 0.0 <= doc["gates_mean"] <= 1.0
+
+
+def test_preparer_reports_progress_a_failure_once_then_retries():
+    """engine.serve.preparer.Preparer with a stand-in engine: a run reports its steps and an estimate of the time left;
+    a failure is shown once with its error, and the next start tries again; nothing to prepare gives None."""
+    import threading
+    import time
+
+    from engine.serve.preparer import Preparer
+
+    class FakeEngine:
+        def __init__(self):
+            self.calls, self.fail, self.done, self.gate = 0, True, False, threading.Event()
+
+        def needs_preparation(self, name):
+            return [] if self.done else ["duo"]
+
+        def prepared(self, name, progress):
+            self.calls += 1
+            progress("training duo: step 1/4", 1, 4)
+            time.sleep(0.01)
+            progress("training duo: step 2/4", 2, 4)
+            self.gate.wait(5)
+            if self.fail:
+                raise RuntimeError("out of memory\nmore lines")
+            self.done = True
+
+    engine = FakeEngine()
+    preparer = Preparer(engine)
+    first = preparer.start("duo")
+    assert first.state == "running"
+    deadline = time.monotonic() + 5
+    while preparer.view("duo").done < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    running = preparer.start("duo")  # under way: the same run, not a second one
+    assert running.state == "running" and running.done == 2 and running.seconds_left is not None
+    engine.gate.set()
+    while preparer.view("duo").state == "running" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    failed = preparer.start("duo")
+    assert (failed.state, failed.error, engine.calls) == ("failed", "out of memory", 1)
+    engine.fail = False
+    assert preparer.start("duo").state == "running" and engine.calls >= 1  # retried
+    while preparer.view("duo").state == "running" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert preparer.view("duo").state == "done" and engine.calls == 2 and preparer.start("duo") is None

@@ -1,0 +1,1 @@
+"""The store: SQLite and blobs, documents and their loaders, fuzzed inputs."""
