@@ -6,25 +6,16 @@ from __future__ import annotations
 import gradio as gr
 
 from app import render
-from app.config import (
-    CENTROID_RATIOS,
-    LEVEL1_RATIOS,
-    SPARSITY_MAX,
-    SPARSITY_MIN,
-    method_settings,
-)
+from app.config import CENTROID_RATIOS, LEVEL1_RATIOS, SPARSITY_MAX, SPARSITY_MIN, method_settings
 from app.services import Services, doc_choices, doc_status, library_rows
 from app.views import TurnViews
-from engine.context.session import Delta
-from engine.context.settings import ContextSettings
-from engine.methods import METHODS, REGISTRY, build_order
-from engine.model.sampling import GenerationOptions
-from engine.serve.jobs import plain_error
+from engine.serve import METHODS, REGISTRY, ContextSettings, Delta, GenerationOptions, build_order, plain_error
 from storage import NotFoundError, StorageError
 
 
 def new_state(config) -> dict:
-    """A browser session's state: the open document and chat, and the methods' settings the sliders ask for."""
+    """A browser session's state: the open document and chat, and the methods' settings its index sliders ask for
+    (this user's: they go with each of its requests, never into the engine's shared state)."""
     return {"doc_id": None, "chat_id": None, "centroid_ratio": config.centroid_ratio,
             "level1_ratio": config.level1_ratio, "library": None}
 
@@ -36,6 +27,11 @@ def turn_messages(turn: dict) -> list[dict]:
     if compare:
         out.append({"role": "assistant", "content": compare_message(compare)})
     return out
+
+
+def overrides(state: dict) -> dict:
+    """The methods' settings this browser session's index sliders ask for (app.config.method_settings)."""
+    return method_settings(state["centroid_ratio"], state["level1_ratio"])
 
 
 def has_setting(method: str, name: str) -> bool:
@@ -73,9 +69,9 @@ class ChatTab:
                     self.stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=70, elem_id="sq-stop")
                 with gr.Accordion("Method and sparsity", open=True):
                     self.method = gr.Radio(list(METHODS), value=cfg.method, label="Method", elem_id="sq-method")
-                    self.sparsity = gr.Slider(SPARSITY_MIN, SPARSITY_MAX, value=cfg.sparsity_pct, step=1,
-                                              label="Sparsity (%): 100 - the KV budget, the share of the "
-                                                    "document's K/V bytes a step reads, index included",
+                    self.sparsity = gr.Slider(SPARSITY_MIN, SPARSITY_MAX, value=cfg.sparsity, step=0.01,
+                                              label="Sparsity: the share of the document's K/V bytes a step skips "
+                                                    "(1 - the KV budget; index and follow rows inside the budget)",
                                               elem_id="sq-sparsity")
                     self.threshold = gr.Markdown("", elem_id="sq-threshold")
                     with gr.Row():
@@ -154,10 +150,10 @@ class ChatTab:
     # ------------------------------------------------------------------ opening a document
 
     def open_document(self, doc_id: str | None, state: dict, method: str | None = None,
-                      sparsity_pct: float | None = None) -> list:
+                      sparsity: float | None = None) -> list:
         """Show a document: its status, its latest chat, the views of its last turn."""
         cfg = self.services.config
-        method, sparsity_pct = method or cfg.method, sparsity_pct or cfg.sparsity_pct
+        method, sparsity = method or cfg.method, cfg.sparsity if sparsity is None else sparsity
         state = dict(state)
         store = self.services.store
         if not doc_id:
@@ -165,8 +161,7 @@ class ChatTab:
             return [state, gr.update(value=None), render.notice_html("No document open."), [],
                     gr.update(choices=[], value=None), "", *self.views.empty(), self.evaluation_html(), None,
                     gr.update(choices=[], value=None)]
-        self.services.engine.configure(method_settings(state["centroid_ratio"], state["level1_ratio"]))
-        status = doc_status(self.services, doc_id, method)
+        status = doc_status(self.services, doc_id, method, overrides(state))
         try:
             chats = store.chats.list(doc_id)
         except StorageError:
@@ -178,7 +173,7 @@ class ChatTab:
         return [state, gr.update(value=doc_id, choices=doc_choices(library_rows(self.services))),
                 self.status_html(status), history,
                 gr.update(choices=self.views.turn_choices(turns), value=last["idx"] if last else None),
-                self.threshold_text(state, method, sparsity_pct),
+                self.threshold_text(state, method, sparsity),
                 *self.views.show(last), self.evaluation_html(), doc_id, self.chat_choices(doc_id, state["chat_id"])]
 
     def evaluation_html(self) -> str:
@@ -201,7 +196,7 @@ class ChatTab:
 
     # ------------------------------------------------------------------ asking
 
-    def ask(self, question, history, state, method, sparsity_pct, centroid, level1, compare, max_new,
+    def ask(self, question, history, state, method, sparsity, centroid, level1, compare, max_new,
             temperature=0.0, top_p=1.0, repetition=1.0, request: gr.Request = None):
         """Stream an answer (the chat's earlier turns are its input too); then save the turn and show its views.
         Refuses, saying why, when it cannot answer."""
@@ -228,8 +223,8 @@ class ChatTab:
         except (TypeError, ValueError) as exc:
             yield refuse(f"Cannot answer with these settings: {exc}.")
             return
-        services.engine.configure(method_settings(centroid, level1))
-        status = doc_status(services, state["doc_id"], method)
+        asked = method_settings(centroid, level1)  # this user's index settings, for this request only
+        status = doc_status(services, state["doc_id"], method, asked)
         if status.state != "ready":
             if status.state == "preparing":
                 text = f"{status.name} is not ready yet: {status.message}. Ask again when it is ready."
@@ -238,7 +233,6 @@ class ChatTab:
             yield [*refuse(text)[:3], self.status_html(status), gr.skip(), *skip_views]
             return
         ctx = status.context_id
-        sparsity = sparsity_pct / 100.0 if REGISTRY[method].sparse else 0.0
         if state.get("chat_id") is None:
             state["chat_id"] = store.chats.create(state["doc_id"], ctx)
         stop = services.stops.flag(request.session_hash if request is not None else "-")
@@ -247,8 +241,8 @@ class ChatTab:
         yield [history, "", state, self.status_html(status), gr.skip(), *skip_views]
 
         text, recorded = "", None
-        turn = services.turns.answer(state["chat_id"], ctx, question, method, sparsity, int(max_new), compare, stop,
-                                     options)
+        turn = services.turns.answer(state["chat_id"], ctx, question, method, float(sparsity), int(max_new), compare,
+                                     stop, options, overrides=asked)
         try:
             for event in turn:
                 if isinstance(event, Delta):
@@ -265,7 +259,7 @@ class ChatTab:
             turn.close()
         history[-1:] = turn_messages(recorded.row)[1:]
         turns = store.chats.turns(state["chat_id"])
-        yield [history, gr.skip(), state, self.status_html(doc_status(services, state["doc_id"], method)),
+        yield [history, gr.skip(), state, self.status_html(doc_status(services, state["doc_id"], method, asked)),
                gr.update(choices=self.views.turn_choices(turns), value=recorded.row["idx"]),
                *self.views.show(recorded.row), self.chat_choices(state["doc_id"], state["chat_id"])]
 
@@ -330,25 +324,27 @@ class ChatTab:
         return self.views.projection_view(turn["stats"]["context_id"], turn["stats"].get("retrieval") or {},
                                           layer, int(head or 0))
 
-    def threshold_text(self, state: dict, method: str, sparsity_pct: float, centroid: float | None = None,
+    def threshold_text(self, state: dict, method: str, sparsity: float, centroid: float | None = None,
                        level1: float | None = None) -> str:
-        if not state.get("doc_id") or not REGISTRY[method].sparse:
-            return "Full attention reads every key." if state.get("doc_id") else ""
-        self.services.engine.configure(method_settings(centroid if centroid is not None else state["centroid_ratio"],
-                                                       level1 if level1 is not None else state["level1_ratio"]))
-        status = doc_status(self.services, state["doc_id"], method)
+        """What a turn of `method` at `sparsity` would run on the open document: the plan the turn itself runs
+        (Engine.plan), or when the index is built."""
+        if not state.get("doc_id"):
+            return ""
+        asked = method_settings(centroid if centroid is not None else state["centroid_ratio"],
+                                level1 if level1 is not None else state["level1_ratio"])
+        status = doc_status(self.services, state["doc_id"], method, asked)
         if status.context_id is None:
             return ""
-        if not status.exact:
-            return f"The {method} index is built at the first question (or in the background after a slider change)."
         try:
-            plan = self.services.inspector.plan_text(status.context_id, method, sparsity_pct / 100.0)
+            plan = self.services.engine.plan(status.context_id, method, float(sparsity), asked)
         except (StorageError, ValueError):
             return ""
-        return f"At {sparsity_pct:.0f}% sparsity, {method} uses: {plan}" if plan else ""
+        if plan is None:
+            return f"The {method} index is built at the first question (or in the background after a slider change)."
+        return f"At sparsity {float(sparsity):.2f}, {method} uses: {plan.describe()}"
 
-    def show_threshold(self, state, method, sparsity_pct, centroid, level1) -> str:
-        return self.threshold_text(state, method, sparsity_pct, centroid, level1)
+    def show_threshold(self, state, method, sparsity, centroid, level1) -> str:
+        return self.threshold_text(state, method, sparsity, centroid, level1)
 
     def reindex(self, state: dict, centroid: float, level1: float) -> list:
         """Apply the index sliders: the methods already built for the open document whose settings they change are
@@ -356,14 +352,14 @@ class ChatTab:
         state = {**state, "centroid_ratio": float(centroid), "level1_ratio": float(level1)}
         if not state.get("doc_id"):
             return [state, gr.skip()]
-        engine = self.services.engine
-        engine.configure(method_settings(centroid, level1))
+        engine, asked = self.services.engine, overrides(state)
         status = doc_status(self.services, state["doc_id"])
         if status.context_id is not None:
             built = [b["method"] for b in self.services.store.methods.list(status.context_id)]
-            stale = engine.stale_methods(status.context_id, built)
+            stale = engine.stale_methods(status.context_id, built, asked)
             job = status.job
             if stale and (job is None or job.status not in ("queued", "running")):
-                self.services.worker.submit_document(state["doc_id"], ContextSettings(), methods=tuple(stale))
-            status = doc_status(self.services, state["doc_id"], stale[-1] if stale else None)
+                self.services.worker.submit_document(state["doc_id"], ContextSettings(), methods=tuple(stale),
+                                                     overrides=asked)
+            status = doc_status(self.services, state["doc_id"], stale[-1] if stale else None, asked)
         return [state, self.status_html(status)]

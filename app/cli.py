@@ -8,13 +8,8 @@ import json
 import sys
 import time
 
-from engine.model.catalog import (
-    EMBEDDED_MODEL,
-    METHODS,
-    SPARSE_METHODS,
-    TRAINED_METHODS,
-    default_cache_dir,
-)
+from engine.model.catalog import (DEFAULT_METHOD, DEFAULT_SPARSITY, EMBEDDED_MODEL, MAX_SPARSITY, METHODS,
+                                  SPARSE_METHODS, TRAINED_METHODS, default_cache_dir)
 
 
 def _progress(enabled: bool):
@@ -38,7 +33,7 @@ SHOWN_VALUES = 64  # an artifact of at most this many values is printed whole by
 
 def _engine(args):
     """The engine of the command's cache and model (the model loads when first needed, each step on stderr)."""
-    from engine.serve.service import Engine  # noqa: PLC0415 - keep `squeeze --help` fast
+    from engine.serve import Engine  # noqa: PLC0415 - keep `squeeze --help` fast
 
     report = _progress(not args.quiet)
     return Engine(args.cache_dir, model=args.model, device=args.device, compile=args.compile,
@@ -57,7 +52,7 @@ def _dest(method: str, name: str) -> str:
 
 def _method_settings(args) -> dict[str, dict]:
     """Each method's settings named on the command line (method -> {field: value}); the others stay at defaults."""
-    from engine.methods import REGISTRY  # noqa: PLC0415
+    from engine.serve import REGISTRY  # noqa: PLC0415
 
     out: dict[str, dict] = {}
     for method, cls in REGISTRY.items():
@@ -71,7 +66,7 @@ def _method_settings(args) -> dict[str, dict]:
 def _method_options() -> argparse.ArgumentParser:
     """Every registered method's settings as options `--{method}-{setting}` (unset: the method's default); a
     method's index is built, or rebuilt, with them when a question asks for the method."""
-    from engine.methods import REGISTRY  # noqa: PLC0415
+    from engine.serve import REGISTRY  # noqa: PLC0415
 
     p = argparse.ArgumentParser(add_help=False)
     group = p.add_argument_group("method settings (each method's index is built with its own)")
@@ -92,7 +87,7 @@ def cmd_ingest(args) -> int:
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(SPARSE_METHODS)}")
     engine = _engine(args)
-    report = engine.context.ingest(args.path, truncate=args.truncate, progress=_progress(not args.quiet), methods=methods)
+    report = engine.ingest(args.path, truncate=args.truncate, progress=_progress(not args.quiet), methods=methods)
     out = report.to_json()
     print(json.dumps(out) if args.json else
           f"{out['doc_id']}  {out['tokens']} tokens, {out['pages']} page(s), context {out['context_id']}"
@@ -101,9 +96,7 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_ask(args) -> int:
-    from engine.context.session import Answer, Delta  # noqa: PLC0415
-    from engine.model.sampling import GenerationOptions  # noqa: PLC0415
-    from engine.serve.turns import EMPTY_ANSWER  # noqa: PLC0415
+    from engine.serve import EMPTY_ANSWER, Answer, Delta, GenerationOptions  # noqa: PLC0415
 
     options = GenerationOptions(temperature=args.temperature, top_p=args.top_p,  # (refused before the model loads)
                                 repetition_penalty=args.repetition_penalty, seed=args.seed)
@@ -212,8 +205,8 @@ def cmd_eval(args) -> int:
 
 def _sparsity(text: str) -> float:
     value = float(text)
-    if not 0.0 <= value <= 0.99:
-        raise argparse.ArgumentTypeError(f"sparsity must be between 0 and 0.99, got {value}")
+    if not 0.0 <= value <= MAX_SPARSITY:
+        raise argparse.ArgumentTypeError(f"sparsity must be between 0 and {MAX_SPARSITY}, got {value}")
     return value
 
 
@@ -226,7 +219,7 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
     common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     common.add_argument("--compile", action="store_true",
                         help="torch.compile the model's layers around the engine's attention: faster decode steps on "
-                             "a GPU after a one-time compilation at the first calls (engine/NOTES.md: End to end on a GPU)")
+                             "a GPU after a one-time compilation at the first calls (engine/bench/README.md: end to end on a GPU)")
     common.add_argument("--json", action="store_true", help="print one JSON object")
     common.add_argument("--quiet", action="store_true", help="no progress on stderr")
     common.add_argument("--debug", action="store_true", help="show tracebacks")
@@ -245,10 +238,12 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
                             "rebuilt when its settings differ)")
     p.add_argument("doc", metavar="DOC_ID_OR_PATH")
     p.add_argument("question")
-    p.add_argument("--method", choices=METHODS, default="squeeze")
-    p.add_argument("--sparsity", type=_sparsity, default=0.9,
+    p.add_argument("--method", choices=METHODS, default=DEFAULT_METHOD,
+                   help=f"the sparse-attention method, or full attention (default {DEFAULT_METHOD})")
+    p.add_argument("--sparsity", type=_sparsity, default=DEFAULT_SPARSITY,
                    help="1 - the KV budget: a step reads 1 - SPARSITY of the document's K/V bytes, its method's "
-                        "index included, in the question's prefill as in decoding (default 0.9)")
+                        f"index and follow rows included, in the question's prefill as in decoding (default "
+                        f"{DEFAULT_SPARSITY}; full attention reads every key whatever it is)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy; else sample")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens of this mass")

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.methods import make_method
-from engine.methods.hsqueeze import HierarchicalSettings
-from engine.methods.squeeze import SqueezeSettings
+from engine.serve import (
+    DEFAULT_METHOD,
+    DEFAULT_SPARSITY,
+    MAX_SPARSITY,
+    HierarchicalSettings,
+    SqueezeSettings,
+    make_method,
+)
 
-SPARSITY_MIN, SPARSITY_MAX = 50, 99  # the slider's range, in percent
+SPARSITY_MIN, SPARSITY_MAX = 0.5, MAX_SPARSITY  # the slider's range
 CENTROID_RATIOS = (0.01, 0.2)  # the centroid-ratio slider's range
 LEVEL1_RATIOS = (0.002, 0.05)  # the level-1 ratio slider's range (clamped to the centroid ratio)
 
@@ -22,10 +27,8 @@ class AppConfig:
     max_files: int = 10
     queue_size: int = 32
     poll_s: float = 1.0
-    method: str = "squeeze"
-    # a 25% KV budget, index included: squeeze agrees with full attention's next token 92-96% of the time at 20-30%
-    # (`squeeze eval`), 91% at 10%; the shipped passkey PDF answers at 90% too since session 18 (follow rows)
-    sparsity_pct: int = 75
+    method: str = DEFAULT_METHOD
+    sparsity: float = DEFAULT_SPARSITY  # the engine's and the command line's default
     max_new_tokens: int = 64
     max_new_tokens_limit: int = 512
     centroid_ratio: float = SqueezeSettings.centroid_ratio
@@ -41,8 +44,8 @@ class AppConfig:
             raise ValueError(f"queue_size must be at least 1, got {self.queue_size}")
         if self.poll_s <= 0:
             raise ValueError(f"poll_s must be positive, got {self.poll_s}")
-        if not SPARSITY_MIN <= self.sparsity_pct <= SPARSITY_MAX:
-            raise ValueError(f"sparsity_pct must be in [{SPARSITY_MIN}, {SPARSITY_MAX}], got {self.sparsity_pct}")
+        if not SPARSITY_MIN <= self.sparsity <= SPARSITY_MAX:
+            raise ValueError(f"sparsity must be in [{SPARSITY_MIN}, {SPARSITY_MAX}], got {self.sparsity}")
         if not 1 <= self.max_new_tokens <= self.max_new_tokens_limit:
             raise ValueError(f"max_new_tokens must be in [1, {self.max_new_tokens_limit}], got {self.max_new_tokens}")
         method_settings(self.centroid_ratio, self.level1_ratio)  # validates both
@@ -54,8 +57,8 @@ class AppConfig:
 
 
 def method_settings(centroid_ratio: float, level1_ratio: float) -> dict:
-    """The methods' settings the index sliders ask for (level 1 never above level 2; the rest at the defaults):
-    method name -> its settings, for Engine.configure."""
+    """The methods' settings a user's index sliders ask for (level 1 never above level 2; the rest at the
+    defaults): method name -> its settings, the `overrides` of that user's requests (Engine.stream)."""
     centroid_ratio = round(float(centroid_ratio), 4)
     level1 = min(round(float(level1_ratio), 4), centroid_ratio)
     return {"squeeze": SqueezeSettings(centroid_ratio=centroid_ratio),

@@ -10,9 +10,7 @@ from app.chat import ChatTab, new_state
 from app.config import AppConfig
 from app.library import LibraryTab
 from app.services import Services
-from engine.serve.explain import ContextInspector
-from engine.serve.jobs import IngestWorker
-from engine.serve.service import Engine
+from engine.serve import ContextInspector, Engine, IngestWorker
 from storage import Store
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "app.css"

@@ -10,16 +10,8 @@ import gradio as gr
 
 from app import render
 from app.chat import ChatTab
-from app.services import (
-    Services,
-    doc_choices,
-    doc_status,
-    error_text,
-    library_rows,
-    library_table,
-)
-from engine.context.settings import ContextSettings
-from engine.serve.jobs import document_id
+from app.services import Services, doc_choices, doc_status, error_text, library_rows, library_table
+from engine.serve import ContextSettings, document_id
 from storage import NotFoundError
 from storage.documents import KIND_BY_SUFFIX, UnsupportedTypeError, document_kind
 
@@ -126,17 +118,17 @@ class LibraryTab:
         message = "".join(render.notice_html(text, kind) for text, kind in lines)
         return [message, None, state, *self.refresh(state)[:-1]]
 
-    def _open_pending(self, state: dict, method: str, sparsity_pct: float) -> list:
+    def _open_pending(self, state: dict, method: str, sparsity: float) -> list:
         doc_id = state.get("pending_open")
         if not doc_id:
             return [gr.skip()] * (len(self.chat.open_outputs) + 1)
         state = {**state, "pending_open": None}
-        return [*self.chat.open_document(doc_id, state, method, sparsity_pct), gr.Tabs(selected="chat")]
+        return [*self.chat.open_document(doc_id, state, method, sparsity), gr.Tabs(selected="chat")]
 
-    def open(self, doc_id: str | None, state: dict, method: str, sparsity_pct: float) -> list:
+    def open(self, doc_id: str | None, state: dict, method: str, sparsity: float) -> list:
         if not doc_id:
             return [gr.skip()] * (len(self.chat.open_outputs) + 1)
-        return [*self.chat.open_document(doc_id, state, method, sparsity_pct), gr.Tabs(selected="chat")]
+        return [*self.chat.open_document(doc_id, state, method, sparsity), gr.Tabs(selected="chat")]
 
     def pick_row(self, rows, evt: gr.SelectData):
         try:
@@ -177,10 +169,10 @@ class LibraryTab:
         refreshed[2] = gr.update(choices=doc_choices(library_rows(self.services)), value=None)
         return [render.notice_html(f"Deleted {name} and its chats.", "ok"), *refreshed[:-1], state]
 
-    def _reopen_after_delete(self, state: dict, method: str, sparsity_pct: float) -> list:
+    def _reopen_after_delete(self, state: dict, method: str, sparsity: float) -> list:
         if not state.get("reopen"):
             return [gr.skip()] * len(self.chat.open_outputs)
-        return self.chat.open_document(None, {**state, "reopen": False}, method, sparsity_pct)
+        return self.chat.open_document(None, {**state, "reopen": False}, method, sparsity)
 
     def poll(self, state: dict) -> list:
         """The progress and the library as they are now (unchanged parts are skipped)."""

@@ -11,8 +11,7 @@ import math
 from collections.abc import Sequence
 from datetime import datetime
 
-from engine.bench.evaluate import full_attention_found
-from engine.serve.jobs import LOADING, STAGES
+from engine.serve import LOADING, STAGES, full_attention_found
 
 STAGE_LABELS = {
     LOADING: "loading model",

@@ -11,7 +11,7 @@ def serve(host: str = "127.0.0.1", port: int = 7860, model: str | None = None, c
           device: str = "auto", config: AppConfig | None = None, compile: bool = False) -> None:
     """Build the engine and its ingest worker (which loads the model in the background), then serve until Ctrl-C."""
     from app.demo import build_demo, launch_kwargs  # noqa: PLC0415 - gradio is slow to import
-    from engine.serve.service import Engine  # noqa: PLC0415
+    from engine.serve import Engine  # noqa: PLC0415
 
     config = config or AppConfig()
     engine = Engine(cache_dir, model=model, device=device, compile=compile)

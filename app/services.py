@@ -8,12 +8,7 @@ from dataclasses import dataclass, field
 
 from app.config import AppConfig
 from app.render import format_date, stage_text, time_left
-from engine.context.settings import ContextSettings
-from engine.serve.explain import ContextInspector
-from engine.serve.jobs import IngestWorker, JobView
-from engine.serve.preparer import Preparer
-from engine.serve.service import Engine
-from engine.serve.turns import Turns
+from engine.serve import ContextInspector, ContextSettings, Engine, IngestWorker, JobView, Overrides, Preparer, Turns
 from storage import NotFoundError, Store
 
 STATUS_CHARS = 60  # a library row's status is cut to this
@@ -63,7 +58,7 @@ class DocStatus:
 
     state: "ready" | "preparing" | "failed" | "unknown"
     context_id: the ready context that answers (None while there is none)
-    exact: the context has the asked method's index with the engine's settings
+    exact: the context has the asked method's index with the settings asked for
     job: the newest job of the document, if the worker knows one
     """
 
@@ -87,9 +82,11 @@ def model_contexts(services: Services, doc_id: str) -> list[dict]:
     return [c for c in services.store.contexts.list(doc_id) if c["model"] == services.model_id]
 
 
-def doc_status(services: Services, doc_id: str, method: str | None = None) -> DocStatus:
+def doc_status(services: Services, doc_id: str, method: str | None = None,
+               overrides: Overrides | None = None) -> DocStatus:
     """Which context answers a question about `doc_id` now, or why none does and how long is left. `exact`: the
-    context has `method`'s index with the engine's settings (else the first question builds it)."""
+    context has `method`'s index with the settings asked for (`overrides`: the user's, else the engine's; without
+    it the first question builds it)."""
     try:
         name = services.store.documents.find(doc_id)["name"]
         contexts = model_contexts(services, doc_id)
@@ -111,7 +108,7 @@ def doc_status(services: Services, doc_id: str, method: str | None = None) -> Do
             return DocStatus(doc_id, name, "failed", ready["id"], False, job,
                              f"{method} could not learn what it needs: {training.error}; ask again to retry")
     if ready is not None:
-        stale = services.engine.stale_methods(ready["id"], [method]) if method else []
+        stale = services.engine.stale_methods(ready["id"], [method], overrides) if method else []
         if not stale:
             return DocStatus(doc_id, name, "ready", ready["id"], True, job, "ready")
         indexes = f"the {' and '.join(stale)} index{'es' if len(stale) > 1 else ''}"

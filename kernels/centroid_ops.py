@@ -29,11 +29,7 @@ import triton
 
 from kernels.checks import LOG2E
 from kernels.compact_ops import expand_block_sums
-from kernels.jit.centroid import (
-    centroid_denominator_kernel,
-    centroid_score_kernel,
-    centroid_score_prefill_kernel,
-)
+from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel, centroid_score_prefill_kernel
 
 # no kernels of their own (the calibration and the explanations use them): the backend's op names, from the reference
 from kernels.reference.centroid import (  # noqa: F401

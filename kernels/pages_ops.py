@@ -6,15 +6,8 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.jit.pages import (
-    page_scores_kernel,
-    page_threshold_kernel,
-    page_write_kernel,
-)
-from kernels.reference.pages import (  # the one-byte format: torch on both backends
-    dequantize_bounds,
-    quantize_bounds,
-)
+from kernels.jit.pages import page_scores_kernel, page_threshold_kernel, page_write_kernel
+from kernels.reference.pages import dequantize_bounds, quantize_bounds  # the one-byte format: torch on both backends
 from kernels.selection import Selection
 
 BLOCK_P = 64  # pages per program

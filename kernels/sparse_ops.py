@@ -30,11 +30,7 @@ import torch
 import triton
 
 from kernels.checks import LOG2E, check_qkv
-from kernels.jit.sparse import (
-    gather_selected_kernel,
-    sparse_attn_fwd_kernel,
-    sparse_attn_merge_kernel,
-)
+from kernels.jit.sparse import gather_selected_kernel, sparse_attn_fwd_kernel, sparse_attn_merge_kernel
 from kernels.reference import sparse as reference
 from kernels.selection import Selection
 

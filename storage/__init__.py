@@ -20,13 +20,7 @@ from .documents import (
     load_document,
     load_document_bytes,
 )
-from .errors import (
-    AmbiguousIdError,
-    DamagedArtifactError,
-    MissingArtifactError,
-    NotFoundError,
-    StorageError,
-)
+from .errors import AmbiguousIdError, DamagedArtifactError, MissingArtifactError, NotFoundError, StorageError
 from .repositories.jobs import INTERRUPTED
 from .store import Store
 

@@ -180,5 +180,11 @@ CREATE TABLE evals (
 CREATE INDEX evals_model ON evals(model, id);
 """
 
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4))
+# 5: a job carries the settings of the methods it builds that its requester asked for (a user's index settings,
+# which are that user's own, not the engine's); '{}' for the engine's defaults.
+_V5 = """
+ALTER TABLE jobs ADD COLUMN method_settings TEXT NOT NULL DEFAULT '{}';  -- JSON object: method -> its settings
+"""
+
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4), (5, _V5))
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -25,16 +25,7 @@ from pathlib import Path
 import sqlite_utils
 
 from .database import Database
-from .repositories import (
-    Artifacts,
-    Chats,
-    Contexts,
-    Documents,
-    Evals,
-    Jobs,
-    MethodBuilds,
-    ModelArtifacts,
-)
+from .repositories import Artifacts, Chats, Contexts, Documents, Evals, Jobs, MethodBuilds, ModelArtifacts
 
 
 class Store:

@@ -92,6 +92,10 @@ class FollowSettings:
         """Rows of the question's that each decode step reads again."""
         return self.question_rows if self.carry else 0
 
+    def reserve(self, num_keys: int) -> tuple[float, float]:
+        """(decode, prefill): the share of a global layer's `num_keys` fixed K/V rows each phase's rows may read."""
+        return (self.decode + self.carried_rows) / num_keys, self.question_rows / num_keys
+
 
 OFF = FollowSettings(decode=0, prefill=0)
 
@@ -125,11 +129,6 @@ class Follow:
         # an occurrence counts where the token after it is indexed: the dense rows (the sink and the last tokens)
         # are read by every step anyway, and a document's end that repeats the question would take every row
         self.indexed_next = self.stored_rows(self.position + 1)[1]
-
-    def reserve(self, num_keys: int) -> tuple[float, float]:
-        """(decode, prefill): the share of a global layer's `num_keys` fixed K/V rows each phase's rows may read."""
-        s = self.settings
-        return (s.decode + s.carried_rows) / num_keys, s.question_rows / num_keys
 
     def begin(self, ids: torch.Tensor) -> None:
         """ids: [n] int64 on the device, the tokens of the next forward call (n > 1: a question's prefill, which

@@ -43,15 +43,7 @@ from engine.bench.settings import parse_settings
 from engine.context.ingest import IngestOutput, ingest_tokens
 from engine.context.session import ContextSession
 from engine.context.settings import ContextSettings
-from engine.methods import (
-    METHODS,
-    REGISTRY,
-    Method,
-    Tensors,
-    build_order,
-    make_method,
-    stand_ins,
-)
+from engine.methods import METHODS, REGISTRY, Method, Tensors, build_order, make_method, stand_ins
 from engine.model.compiled import compile_layers
 from engine.model.generate import generate_tokens
 from engine.model.load import LoadedModel, layer_devices, load_model

@@ -37,6 +37,7 @@ from engine.bench.needles import SHORT_ANSWER
 from engine.bench.oracle import OraclePolicy
 from engine.bench.settings import parse_follow, parse_settings
 from engine.context.settings import ContextSettings
+from engine.serve.evals import full_attention_found
 
 PARTS = ("needles", "recall", "agreement")
 BUDGETS = "0.05,0.1,0.2,0.3"
@@ -77,17 +78,6 @@ def summarize(doc: dict) -> list[dict]:
             r[name] = round(sum(values) / len(values), 4) if values else None
         out.append(r)
     return out
-
-
-def full_attention_found(full: dict) -> str:
-    """The needles full attention found, as the table's and the app's captions say it ("" without a needles
-    part): full is a document's "full" entry (needles_found, needles_cells, needles_decided)."""
-    if "needles_found" not in full or "needles_cells" not in full:
-        return ""
-    line = f"full attention found {full['needles_found']}/{full['needles_cells']} needles"
-    if isinstance(full.get("needles_decided"), int):
-        line += f", {full['needles_decided']} with no near-tie"
-    return line
 
 
 def table(doc: dict) -> str:

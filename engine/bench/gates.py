@@ -15,15 +15,7 @@ import zlib
 
 import torch
 
-from engine.bench.e2e import (
-    SHAPES,
-    device_name,
-    emit,
-    open_model,
-    peak_gib,
-    reset_peaks,
-    training_corpus,
-)
+from engine.bench.e2e import SHAPES, device_name, emit, open_model, peak_gib, reset_peaks, training_corpus
 from engine.methods.duo.data import GateData
 from engine.methods.duo.gates import GateTraining, train_gates
 

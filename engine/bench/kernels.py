@@ -25,15 +25,7 @@ from engine.bench.settings import parse_settings
 from engine.context.ingest import build_methods
 from engine.index.artifacts import MethodArtifacts
 from engine.index.artifacts import parse as parse_artifacts
-from engine.methods import (
-    SPARSE_METHODS,
-    LayerIndex,
-    Method,
-    StepPlan,
-    build_order,
-    make_method,
-    stand_ins,
-)
+from engine.methods import SPARSE_METHODS, LayerIndex, Method, StepPlan, build_order, make_method, stand_ins
 from engine.methods.saap.partitions import imbalance
 from kernels.backend import Backend
 from kernels.dispatch import backend_for

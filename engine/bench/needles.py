@@ -18,13 +18,7 @@ import random
 
 import torch
 
-from engine.bench.fidelity import (
-    DECIDED_MARGIN,
-    Case,
-    forced_logits,
-    mean_or_none,
-    top_margin,
-)
+from engine.bench.fidelity import DECIDED_MARGIN, Case, forced_logits, mean_or_none, top_margin
 from engine.bench.passkey import PASSKEY_QUESTION, insert_passkey
 from engine.text.corpus import essays_dir, haystack
 from engine.text.prompt import prompt_format, turn_ids

@@ -17,15 +17,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.method import (
-    LayerIndex,
-    LayerKeys,
-    Lookup,
-    Method,
-    StepPlan,
-    Tensors,
-    check_budget,
-)
+from engine.attention.method import LayerIndex, LayerKeys, Lookup, Method, StepPlan, Tensors, check_budget
 from engine.bench.recall import full_probs
 from kernels.backend import Backend
 

@@ -13,21 +13,9 @@ import time
 
 import torch
 
-from engine.bench.e2e import (
-    SHAPES,
-    device_name,
-    emit,
-    open_model,
-    peak_gib,
-    reset_peaks,
-    training_corpus,
-)
+from engine.bench.e2e import SHAPES, device_name, emit, open_model, peak_gib, reset_peaks, training_corpus
 from engine.index.rope import rope_frequencies
-from engine.methods.saap.partitions import (
-    PartitionTraining,
-    imbalance,
-    train_partitions,
-)
+from engine.methods.saap.partitions import PartitionTraining, imbalance, train_partitions
 from engine.model.prefill import attention_scale
 
 

@@ -8,15 +8,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention.curves import budget_curves
 from engine.attention.cache import FixedContextLayer
-from engine.attention.method import (
-    CalibrationSet,
-    LayerIndex,
-    LayerKeys,
-    Method,
-    Tensors,
-)
+from engine.attention.curves import budget_curves
+from engine.attention.method import CalibrationSet, LayerIndex, LayerKeys, Method, Tensors
 from engine.attention.rows import FixedRows
 from engine.context.settings import ContextSettings
 from engine.index import artifacts as names

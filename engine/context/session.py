@@ -14,30 +14,17 @@ from engine.attention.follow import Follow, FollowSettings
 from engine.attention.function import StepContext
 from engine.attention.stats import TurnRecorder, TurnStats
 from engine.context.ingest import build_methods
+from engine.context.plan import follows, turn_plan
 from engine.context.settings import ContextSettings
 from engine.index import artifacts as names
-from engine.methods import (
-    REGISTRY,
-    LayerIndex,
-    Method,
-    StepPlan,
-    Tensors,
-    build_order,
-    make_method,
-)
+from engine.methods import REGISTRY, LayerIndex, Method, StepPlan, Tensors, build_order, make_method
+from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY
 from engine.model.generate import full_logits, generate_tokens
 from engine.model.graph import DecodeGraphs, graphs_supported
 from engine.model.load import LoadedModel
 from engine.model.prefill import Progress, global_scale, no_progress
 from engine.model.sampling import GenerationOptions, Sampler
-from engine.text.prompt import (
-    HISTORY_TOKENS,
-    Exchange,
-    cut_at_stop,
-    held_back,
-    prompt_format,
-    turn_ids,
-)
+from engine.text.prompt import HISTORY_TOKENS, Exchange, cut_at_stop, held_back, prompt_format, turn_ids
 from kernels.backend import Backend
 
 
@@ -116,6 +103,7 @@ class ContextSession:
                 self.add_method(methods[name] if methods is not None else make_method(name), part,
                                 (prepared or {}).get(name))
         follow = FollowSettings() if follow is None else follow
+        self.follow_settings = follow
         self.follow = Follow(self.tokens.to(lm.device), self.rows, follow) if follow.on else None
         self.graphs = DecodeGraphs(lm) if graphs and backend.name == "triton" and graphs_supported(lm) else None
 
@@ -161,15 +149,14 @@ class ContextSession:
             raise ValueError(f"{name} is not built for this context (built: {', '.join(self.methods)})")
         return self.methods[name]
 
-    def plan(self, method: str, sparsity: float):
-        """The typed plan of a turn with `method` at `sparsity` (budget 1 - sparsity): engine.methods.StepPlan."""
-        m = self.method(method)
-        reserve = self.follow.reserve(self.rows.tokens) if self.follows(m) else (0.0, 0.0)
-        return m.plan(self.calibration[method], 1.0 - sparsity, reserve)
+    def plan(self, method: str, sparsity: float) -> StepPlan:
+        """The plan of a turn with `method` at `sparsity` (engine.context.plan.turn_plan)."""
+        return turn_plan(self.method(method), self.calibration[method], sparsity, self.follow_settings,
+                         self.rows.tokens)
 
     def follows(self, method: Method) -> bool:
-        """Whether `method`'s steps read the follow rows (engine.attention.follow): a sparse method's, where they are on."""
-        return self.follow is not None and method.sparse and method.follows
+        """Whether `method`'s steps read the follow rows (engine.attention.follow)."""
+        return self.follow is not None and follows(method, self.follow_settings)
 
     def arrange(self, method: Method | None) -> None:
         """Put every global layer's fixed K/V in `method`'s layout (None: as stored, engine.attention.rows), in place: the tensors
@@ -212,7 +199,8 @@ class ContextSession:
         prompt = turn_ids(self.lm.tokenizer, prompt_format(self.lm.tokenizer), question).ids
         return full_logits(self.lm, self.step_context(method, sparsity, None), prompt)
 
-    def stream(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64,
+    def stream(self, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
+               max_new_tokens: int = 64,
                history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
                history_tokens: int = HISTORY_TOKENS, until: Callable[[str], bool] | None = None,
                ) -> Iterator[Delta | Answer]:
@@ -267,7 +255,7 @@ class ContextSession:
             "total_s": round(total, 6),
             "tokens_per_s": round((len(generated) - 1) / decode_s, 3) if len(generated) > 1 else 0.0,
         }
-        stats = recorder.finish(method, sparsity if step.method.sparse else 0.0, len(generated), timings)
+        stats = recorder.finish(method, round(1.0 - step.plan.budget, 6), len(generated), timings)  # the plan's
         stats.extra.update(unit=step.method.unit, plan=step.plan.describe(), history=turn.history,
                            generation=opts.to_json())
         follow = []
@@ -277,7 +265,8 @@ class ContextSession:
         yield Answer(text=text.strip(), stats=stats, plan=step.plan, unit_scores=recorder.unit_scores(),
                      history=turn.history, follow=follow, tokens=generated)
 
-    def ask(self, question: str, method: str = "squeeze", sparsity: float = 0.9, max_new_tokens: int = 64,
+    def ask(self, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
+            max_new_tokens: int = 64,
             history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
             until: Callable[[str], bool] | None = None) -> Answer:
         """The whole answer at once (until: stream's)."""

@@ -19,9 +19,7 @@ import math
 
 import torch
 
-from kernels.reference.buckets import (
-    derope,  # the one implementation (also the lookup kernel's reference)
-)
+from kernels.reference.buckets import derope  # the one implementation (also the lookup kernel's reference)
 
 __all__ = ["derope", "rope_frequencies"]
 

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
 from engine.attention.method import LayerIndex, Lookup, Method, StepPlan, Tensors
+
+
+@dataclass(frozen=True)
+class EveryKey(StepPlan):
+    """Full attention's plan: every key, whatever the budget asked."""
+
+    budget: float = 1.0
+
+    def describe(self) -> str:
+        return "every key of the document (full attention)"
 
 
 class FullPolicy(Method):
@@ -20,10 +31,10 @@ class FullPolicy(Method):
         return {}
 
     def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> StepPlan:
-        return StepPlan(budget=1.0)
+        return EveryKey()
 
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> StepPlan:
-        return StepPlan(budget=1.0)
+        return EveryKey()
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend,
                positions: torch.Tensor | None = None) -> Lookup:

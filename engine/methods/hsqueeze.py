@@ -17,12 +17,7 @@ from engine.attention.method import (
     Tensors,
     group_rows,
 )
-from engine.index.thresholds import (
-    SPARSITY_GRID,
-    pooled_thresholds,
-    prefill_windows,
-    window_scores,
-)
+from engine.index.thresholds import SPARSITY_GRID, pooled_thresholds, prefill_windows, window_scores
 from engine.methods.squeeze import (
     ThresholdPlan,
     centroid_elements,

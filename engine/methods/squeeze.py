@@ -20,27 +20,11 @@ from engine.attention.method import (
     check_budget,
     group_rows,
 )
-from engine.index.kmeans import (
-    KMeansResult,
-    metric_kmeans,
-    query_metric,
-    spherical_kmeans,
-)
-from engine.index.thresholds import (
-    SPARSITY_GRID,
-    pooled_thresholds,
-    prefill_windows,
-    threshold_at,
-    window_scores,
-)
+from engine.index.kmeans import KMeansResult, metric_kmeans, query_metric, spherical_kmeans
+from engine.index.thresholds import SPARSITY_GRID, pooled_thresholds, prefill_windows, threshold_at, window_scores
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
-from kernels.reference.centroid import (
-    dequantize_centroids,
-    quantize_centroids,
-    row_scores,
-    select_clusters,
-)
+from kernels.reference.centroid import dequantize_centroids, quantize_centroids, row_scores, select_clusters
 
 GROUPS = ("kv", "query")
 CENTROIDS = ("exact", "int8")

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 from engine.context.settings import ContextSettings
-from engine.serve.service import DEFAULT_METHODS, Engine
+from engine.serve.service import DEFAULT_METHODS, Engine, Overrides
 from engine.text.prompt import DocumentTooLongError
 from storage import INTERRUPTED, DocumentError, load_document_bytes
 from storage.documents import DOC_ID_CHARS, safe_name
@@ -184,20 +184,22 @@ class IngestWorker:
         return self._submit(name, document_id(data), settings or ContextSettings(), truncate, data, tuple(methods))
 
     def submit_document(self, doc_id: str, settings: ContextSettings, truncate: bool = True,
-                        methods: Sequence[str] = DEFAULT_METHODS) -> JobView:
-        """Queue a stored document with (new) settings, or methods to index (e.g. another centroid ratio).
+                        methods: Sequence[str] = DEFAULT_METHODS, overrides: Overrides | None = None) -> JobView:
+        """Queue a stored document with (new) settings, or methods to index (e.g. with another centroid ratio:
+        `overrides`, the requester's settings of some methods, Engine.ingest's).
 
         truncate=True by default: the document was ingested before, so it either fits or was truncated then.
         """
         doc = self.store.documents.find(doc_id)
-        return self._submit(doc["name"], doc["id"], settings, truncate, None, tuple(methods))
+        return self._submit(doc["name"], doc["id"], settings, truncate, None, tuple(methods), overrides)
 
     def _submit(self, name: str, doc_id: str, settings: ContextSettings, truncate: bool, data: bytes | None,
-                methods: tuple[str, ...]) -> JobView:
+                methods: tuple[str, ...], overrides: Overrides | None = None) -> JobView:
         name = safe_name(name)  # a label only (hostile paths, control characters, lone surrogates, any length)
+        asked = {n: self.engine.method(n, overrides).settings.as_dict() for n in sorted(overrides or {})}
         with self._cv:
             job_id, created = self.store.jobs.submit(doc_id, name, self.engine.model_id, settings.as_dict(),
-                                                     methods=methods, truncate=truncate)
+                                                     methods=methods, truncate=truncate, method_settings=asked)
             if created:  # else the same work is already waiting or running
                 self._timing[job_id] = _Timing(submitted=self.clock())
                 if data is not None:
@@ -218,7 +220,8 @@ class IngestWorker:
                 if ctx["status"] == "pending" or (ctx["status"] == "failed" and ctx["error"] == INTERRUPTED):
                     last = self.store.jobs.latest(context_id=ctx["id"])
                     asked = {} if last is None else {"truncate": last["truncate"],
-                                                     "methods": last["methods"] or DEFAULT_METHODS}
+                                                     "methods": last["methods"] or DEFAULT_METHODS,
+                                                     "overrides": last["method_settings"]}
                     jobs.append(self.submit_document(doc["id"], ContextSettings.from_dict(ctx["settings"]), **asked))
         return jobs
 
@@ -420,7 +423,8 @@ class IngestWorker:
                 self._uploads.pop(job_id, None)  # extracted: the estimate goes by the text's length now
             self._stage(job_id, "extracting", 1, 1)
             report = self.engine.ingest(doc, settings, truncate=job["truncate"], methods=tuple(job["methods"]),
-                                        progress=lambda stage, done, total: self._progress(job_id, stage), job=job_id)
+                                        progress=lambda stage, done, total: self._progress(job_id, stage), job=job_id,
+                                        overrides=job["method_settings"])
         except JobCancelled:
             self._finished(job_id)
             self.store.jobs.cancel(job_id, CANCELLED)

@@ -10,29 +10,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.attention.budget import CALIBRATION_VERSION
+from engine.attention.follow import FollowSettings
 from engine.context.ingest import ingest_tokens
+from engine.context.plan import check_sparsity, turn_plan
 from engine.context.session import Answer, ContextSession, Delta
 from engine.context.settings import ContextSettings
 from engine.index import artifacts as names
-from engine.methods import (
-    REGISTRY,
-    Method,
-    MethodSettings,
-    Preparation,
-    Tensors,
-    build_order,
-    make_method,
-)
-from engine.model.catalog import default_cache_dir
+from engine.methods import REGISTRY, Method, MethodSettings, Preparation, StepPlan, Tensors, build_order, make_method
+from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY, default_cache_dir
 from engine.model.compiled import compile_layers
-from engine.model.load import (
-    EMBEDDED_MODEL,
-    LoadedModel,
-    LoadStep,
-    ModelLoadError,
-    load_model,
-    model_id_for,
-)
+from engine.model.load import EMBEDDED_MODEL, LoadedModel, LoadStep, ModelLoadError, load_model, model_id_for
 from engine.model.sampling import GenerationOptions
 from engine.serve.writer import ArtifactWriter
 from engine.text.prompt import Exchange, prompt_format, tokenize_document
@@ -42,6 +29,7 @@ from storage import Document, Store, load_document
 
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
 Progress = Callable[[str, int, int], None]
+Overrides = Mapping[str, "MethodSettings | dict"]  # a request's settings of some methods (the rest: the engine's)
 CHECKPOINT = ":checkpoint"  # a preparation's checkpoint in store.models: under the method's name with this suffix
 DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
 # `squeeze eval` of the embedded model as shipped (read-only): what `latest_eval` shows until one is recorded
@@ -70,24 +58,27 @@ class Engine:
     """Owns the model (loaded on first use), the store, and the open context.
 
     cache_dir: where the SQLite index and the tensors live; model: None for the embedded Gemma 3 270M;
-    methods: each method's settings (its Settings or a dict of their fields; the others at their defaults): a
-    method's index of a context is (re)built with these when it is missing or was built with others;
+    methods: each method's default settings (its Settings or a dict of their fields; the others at their
+    defaults), fixed for the engine's life. A request may ask for others (`overrides`: method name -> settings, for
+    that request only); a method's index of a context is (re)built with the settings a request asks for when it is
+    missing or was built with others;
+    follow: the follow rows every sparse step adds (engine.attention.follow; None: the defaults);
     load_progress: told each step of the model's load as (step, done, total) (the CLI prints them; the app's jobs
     read `load_step`).
     """
 
     def __init__(self, cache_dir: str | Path | None = None, model: str | None = None, device: str = "auto",
                  backend: str | None = None, lm: LoadedModel | None = None, compile: bool = False,
-                 methods: Mapping[str, MethodSettings | dict] | None = None, load_progress: Progress | None = None):
+                 methods: Overrides | None = None, follow: FollowSettings | None = None,
+                 load_progress: Progress | None = None):
         self.store = Store(Path(cache_dir) if cache_dir else default_cache_dir())
         self.store.jobs.recover_interrupted()
         self.model_name, self.device_name, self.backend_name = model, device, backend
         self.compile = compile  # torch.compile the decoder layers once loaded (engine.model.compiled)
         self.model_id = lm.model_id if lm is not None else model_id_for(model)
-        unknown = sorted(set(methods or {}) - set(REGISTRY))
-        if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(REGISTRY)}")
+        _check_names(methods)
         self.method_settings = {name: make_method(name, (methods or {}).get(name)).settings for name in REGISTRY}
+        self.follow = FollowSettings() if follow is None else follow
         self._prepared: dict[tuple, Tensors] = {}  # (method, settings) -> its model-level artifacts, once loaded
         self._stored: set[tuple] = set()  # keys of _prepared seen in the store (a status poll asks once)
         self._lm = lm
@@ -132,27 +123,19 @@ class Engine:
     def backend(self) -> Backend:
         return backend_for(self.lm.device, self.backend_name)
 
-    def configure(self, methods: Mapping[str, MethodSettings | dict]) -> None:
-        """Change some methods' settings: their indexes are rebuilt with them when next asked for (ensure_methods)."""
-        unknown = sorted(set(methods) - set(REGISTRY))
-        if unknown:
-            raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(REGISTRY)}")
-        made = {name: make_method(name, value).settings for name, value in methods.items()}  # all valid, or none
-        with self._device_lock:
-            self.method_settings.update(made)
-
-    def method(self, name: str) -> Method:
-        """Method `name` with this engine's settings for it."""
+    def method(self, name: str, overrides: Overrides | None = None) -> Method:
+        """Method `name` with the settings `overrides` asks for it, else this engine's."""
         if name not in self.method_settings:
             raise ValueError(f"unknown method {name!r}; choose one of {', '.join(self.method_settings)}")
-        return make_method(name, self.method_settings[name])
+        _check_names(overrides)
+        return make_method(name, (overrides or {}).get(name, self.method_settings[name]))
 
-    def needs_preparation(self, name: str) -> list[str]:
+    def needs_preparation(self, name: str, overrides: Overrides | None = None) -> list[str]:
         """The methods among `name` and what it requires that learn something per model not made yet (neither
         loaded nor stored), in build order; [] when none."""
         out = []
         for n in build_order([name]):
-            method = self.method(n)
+            method = self.method(n, overrides)
             key = _prepared_key(method)
             if not method.learns_per_model() or key in self._prepared or key in self._stored:
                 continue
@@ -162,15 +145,20 @@ class Engine:
                 out.append(n)
         return out
 
-    def prepared(self, name: str, progress: Progress | None = None) -> Tensors:
+    def prepared(self, name: str, progress: Progress | None = None, overrides: Overrides | None = None) -> Tensors:
         """Method `name`'s model-level artifacts (learned once per model: `Method.prepare`), from the store, or made
         now and stored (apart from documents: `store.models`); {} for a method that learns nothing per model.
+        overrides: the settings asked for (else the engine's); `prepared_for` takes the method itself.
 
         Making them (e.g. DuoAttention's gates, minutes) holds the device (nothing else runs the model meanwhile),
         reports each step to `progress` as (f"training {name}: ...", done, total), and keeps a checkpoint in the store
         (method f"{name}{CHECKPOINT}") that a stopped preparation resumes from; it is dropped once the artifacts are
         stored."""
-        method = self.method(name)
+        return self.prepared_for(self.method(name, overrides), progress)
+
+    def prepared_for(self, method: Method, progress: Progress | None = None) -> Tensors:
+        """`prepared` of a method with its settings as they are."""
+        name = method.name
         if not method.learns_per_model():
             return {}
         settings, key = method.prepare_key(), _prepared_key(method)
@@ -199,27 +187,29 @@ class Engine:
         self.store.models.remove(self.model_id, checkpoint, settings)  # other settings' runs keep theirs
         return found
 
-    def build_key(self, name: str) -> dict:
-        """What a build of `name` depends on: its settings and those of the methods it requires (the cache key of
-        its index within a context)."""
-        return {"calibration": CALIBRATION_VERSION, **{n: self.method_settings[n].as_dict() for n in build_order([name])}}
+    def build_key(self, name: str, overrides: Overrides | None = None) -> dict:
+        """What a build of `name` depends on: its settings and those of the methods it requires, as `overrides` asks
+        (else the engine's): the cache key of its index within a context."""
+        return {"calibration": CALIBRATION_VERSION,
+                **{n: self.method(n, overrides).settings.as_dict() for n in build_order([name])}}
 
-    def stale_methods(self, context_id: str, methods: Sequence[str]) -> list[str]:
+    def stale_methods(self, context_id: str, methods: Sequence[str], overrides: Overrides | None = None) -> list[str]:
         """The sparse methods among `methods` (and what they require), in build order, whose index of the context
-        is missing or was built with other settings than this engine's."""
+        is missing or was built with other settings than those asked for (`overrides`, else the engine's)."""
         out = []
         for name in build_order(methods):
             built = self.store.methods.get(context_id, name)
-            if built is None or built["settings"] != self.build_key(name) or any(r in out for r in
-                                                                                  self.method(name).requires):
+            if built is None or built["settings"] != self.build_key(name, overrides) or \
+                    any(r in out for r in self.method(name).requires):
                 out.append(name)
         return out
 
     def ingest(self, source: str | Path | Document, settings: ContextSettings | None = None, truncate: bool = False,
                progress: Progress | None = None, methods: Sequence[str] = DEFAULT_METHODS,
-               job: int | None = None) -> IngestReport:
+               job: int | None = None, overrides: Overrides | None = None) -> IngestReport:
         """Cache a document's context (a hit when the same bytes, model and settings were ingested before) with the
-        indexes of `methods` (built now if missing, also for a cached context).
+        indexes of `methods` (built now if missing, also for a cached context), with the settings `overrides` asks
+        for (else the engine's).
 
         job: a job of the store's (`store.jobs`) to record the progress in; whoever created it finishes it (the
         ingest worker). None: the ingest records its own job, from start to finish, unless the context is cached."""
@@ -239,7 +229,7 @@ class Engine:
         if job is not None:
             self.store.jobs.update(job, context_id=ctx["id"])
         if ctx["status"] == "ready":
-            self.ensure_methods(ctx["id"], methods, tracked)
+            self.ensure_methods(ctx["id"], methods, tracked, overrides)
             return IngestReport(doc_id, ctx["id"], ctx["tokens"], doc.pages, time.perf_counter() - start, cached=True)
         own = job is None
         if own:
@@ -256,11 +246,12 @@ class Engine:
             built = build_order(methods)
             with ArtifactWriter(self.store.artifacts, ctx["id"]) as writer:  # saves each artifact while the rest is made
                 writer.put(names.OFFSETS, fixed.offsets)
-                out = ingest_tokens(lm, fixed.ids, settings, self.backend, [self.method(n) for n in built], tracked,
-                                    on_artifact=writer.put, prepared={n: self.prepared(n, tracked) for n in built})
+                out = ingest_tokens(lm, fixed.ids, settings, self.backend, [self.method(n, overrides) for n in built],
+                                    tracked, on_artifact=writer.put,
+                                    prepared={n: self.prepared(n, tracked, overrides) for n in built})
                 writer.close(lambda written, handed: tracked("saving", written, handed))
             for name in built:
-                self.store.methods.mark_built(ctx["id"], name, self.build_key(name))
+                self.store.methods.mark_built(ctx["id"], name, self.build_key(name, overrides))
             self.store.contexts.mark_ready(ctx["id"], out.tokens)
             if own:
                 self.store.jobs.finish(job, context_id=ctx["id"], tokens=out.tokens)
@@ -273,19 +264,22 @@ class Engine:
         return IngestReport(doc_id, ctx["id"], out.tokens, doc.pages, time.perf_counter() - start, cached=False,
                             truncated=fixed.truncated)
 
-    def ensure_methods(self, context_id: str, methods: Sequence[str], progress: Progress | None = None) -> list[str]:
-        """Build the indexes of `methods` that the context lacks (or has with other settings) from its stored K/V,
-        save them and open them in the session. Returns the methods built (in build order)."""
+    def ensure_methods(self, context_id: str, methods: Sequence[str], progress: Progress | None = None,
+                       overrides: Overrides | None = None) -> list[str]:
+        """Build the indexes of `methods` that the context lacks (or has with other settings than `overrides` asks
+        for, else the engine's) from its stored K/V, save them and open them in the session. Returns the methods
+        built (in build order)."""
         with self._device_lock:
-            todo = self.stale_methods(context_id, methods)
+            todo = self.stale_methods(context_id, methods, overrides)
             if not todo:
                 return []
             session = self.session(context_id)
             for name in todo:
                 self.store.methods.remove(context_id, name)
-                for artifact, tensor in session.build(self.method(name), progress, self.prepared(name, progress)).items():
+                method = self.method(name, overrides)
+                for artifact, tensor in session.build(method, progress, self.prepared_for(method, progress)).items():
                     self.store.artifacts.save(context_id, artifact, tensor.cpu())
-                self.store.methods.mark_built(context_id, name, self.build_key(name))
+                self.store.methods.mark_built(context_id, name, self.build_key(name, overrides))
             return todo
 
     def resolve(self, doc_or_path: str, truncate: bool = False, progress: Progress | None = None,
@@ -305,38 +299,72 @@ class Engine:
                 return ctx["id"]
         raise ValueError(f"document {doc['id']} has no ready context for model {self.model_id}; ingest it first")
 
+    def built_methods(self, context_id: str) -> dict[str, Method]:
+        """The methods whose index the context has, each with the settings it was built with (a build of an older
+        calibration, or of settings this code no longer reads, is left out: the next request rebuilds it)."""
+        out = {}
+        for build in self.store.methods.list(context_id):
+            name, stored = build["method"], build["settings"]
+            if name not in REGISTRY or not isinstance(stored, dict):
+                continue
+            try:
+                overrides = {n: stored[n] for n in build_order([name])}
+                if self.build_key(name, overrides) == stored:
+                    out[name] = self.method(name, overrides)
+            except (KeyError, TypeError, ValueError):
+                continue
+        return out
+
     def session(self, context_id: str) -> ContextSession:
-        """The context on the model's device (the last one opened stays open), with the methods built for it with
-        this engine's settings (ensure_methods builds the others)."""
+        """The context on the model's device (the last one opened stays open), with every method built for it, each
+        with the settings it was built with (ensure_methods builds the others)."""
         with self._device_lock:
             if self._session is None or self._session[0] != context_id:
                 self._session = None  # free the previous context before loading the next
                 ctx = self.store.contexts.get(context_id)
-                current = {b["method"]: self.method(b["method"]) for b in self.store.methods.list(context_id)
-                           if b["method"] in REGISTRY and b["settings"] == self.build_key(b["method"])}
+                current = self.built_methods(context_id)
                 wanted = [r["name"] for r in self.store.artifacts.list(context_id)
                           if names.namespace(r["name"], tuple(REGISTRY)) in (None, *current)]
                 artifacts = self.store.artifacts.load(context_id, wanted)
                 session = ContextSession(self.lm, artifacts, ContextSettings.from_dict(ctx["settings"]), self.backend,
-                                         methods=current, prepared={n: self.prepared(n) for n in current})
+                                         methods=current, prepared={n: self.prepared_for(m) for n, m in current.items()},
+                                         follow=self.follow)
                 self._session = (context_id, session)
             return self._session[1]
 
-    def stream(self, context_id: str, question: str, method: str = "squeeze", sparsity: float = 0.9,
+    def plan(self, context_id: str, method: str, sparsity: float = DEFAULT_SPARSITY,
+             overrides: Overrides | None = None) -> StepPlan | None:
+        """The plan a turn of `method` at `sparsity` runs on the context (engine.context.plan.turn_plan, as the
+        session calls it), from the stored calibration: no model loads. None while the method is not built with the
+        settings asked for (`overrides`, else the engine's): its first turn builds it."""
+        if self.stale_methods(context_id, [method], overrides):
+            return None
+        built = self.method(method, overrides)
+        prefix = names.method_calib_name(method, "")
+        wanted = [a["name"] for a in self.store.artifacts.list(context_id) if a["name"].startswith(prefix)]
+        calibration = {n[len(prefix):]: t for n, t in self.store.artifacts.load(context_id, wanted).items()}
+        ctx = self.store.contexts.get(context_id)
+        rows = ContextSettings.from_dict(ctx["settings"]).rows(int(ctx["tokens"]))
+        return turn_plan(built, calibration, sparsity, self.follow, rows.tokens)
+
+    def stream(self, context_id: str, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
                max_new_tokens: int = 64, progress: Progress | None = None, history: Sequence[Exchange] = (),
-               options: GenerationOptions | None = None) -> Iterator[Delta | Answer]:
-        """The answer's pieces, then the Answer; the method's index is built first if the context lacks it.
-        history, options: ContextSession.stream's (the chat's earlier exchanges; how tokens are chosen)."""
+               options: GenerationOptions | None = None, overrides: Overrides | None = None,
+               ) -> Iterator[Delta | Answer]:
+        """The answer's pieces, then the Answer; the method's index is built first if the context lacks it with the
+        settings asked for (`overrides`: this request's, else the engine's). history, options: ContextSession.stream's
+        (the chat's earlier exchanges; how tokens are chosen)."""
+        check_sparsity(sparsity)
         with self._device_lock:
-            self.ensure_methods(context_id, [method], progress)
+            self.ensure_methods(context_id, [method], progress, overrides)
             session = self.session(context_id)
         yield from session.stream(question, method, sparsity, max_new_tokens, history, options)
 
-    def ask(self, context_id: str, question: str, method: str = "squeeze", sparsity: float = 0.9,
-            max_new_tokens: int = 64, history: Sequence[Exchange] = (),
-            options: GenerationOptions | None = None) -> Answer:
+    def ask(self, context_id: str, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
+            max_new_tokens: int = 64, history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
+            overrides: Overrides | None = None) -> Answer:
         for event in self.stream(context_id, question, method, sparsity, max_new_tokens, history=history,
-                                 options=options):
+                                 options=options, overrides=overrides):
             if isinstance(event, Answer):
                 return event
         raise AssertionError("stream ended without an answer")
@@ -371,6 +399,13 @@ class Engine:
         self._session = None
         self.store.documents.delete(doc["id"])
         return doc["id"]
+
+
+def _check_names(overrides: Overrides | None) -> None:
+    """ValueError for a method name that is not registered."""
+    unknown = sorted(set(overrides or {}) - set(REGISTRY))
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(REGISTRY)}")
 
 
 def _prepared_key(method: Method) -> tuple:

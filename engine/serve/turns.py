@@ -12,7 +12,7 @@ from engine.methods import REGISTRY
 from engine.model.sampling import GenerationOptions
 from engine.serve.explain import explain_turn
 from engine.serve.jobs import plain_error
-from engine.serve.service import Engine
+from engine.serve.service import Engine, Overrides
 from engine.text.prompt import Exchange
 
 STOPPED_MARK = " [stopped]"
@@ -47,18 +47,18 @@ class Turns:
                 for t in self.store.chats.turns(chat_id)]
 
     def answer(self, chat_id: int, context_id: str, question: str, method: str, sparsity: float, max_new_tokens: int,
-               compare: bool = False, stop: threading.Event | None = None,
-               options: GenerationOptions | None = None) -> Iterator[Delta | RecordedTurn]:
+               compare: bool = False, stop: threading.Event | None = None, options: GenerationOptions | None = None,
+               overrides: Overrides | None = None) -> Iterator[Delta | RecordedTurn]:
         """Yield the answer's pieces, then the RecordedTurn. The chat's earlier turns are the model's input before
-        the question (engine.text.prompt: the latest that fit). `stop` set while it streams ends the answer there: what
-        was said is kept (marked as stopped, without statistics). sparsity: the turn's (0 for full attention);
-        options: how tokens are chosen (None: greedy). An empty answer is recorded as EMPTY_ANSWER."""
-        sparse = REGISTRY[method].sparse
-        sparsity = sparsity if sparse else 0.0
+        the question (engine.text.prompt: the latest that fit). `stop` set while it streams ends the answer there:
+        what was said is kept (marked as stopped, without statistics). sparsity: as the user set it (the method's
+        plan says what it means: full attention reads everything); options: how tokens are chosen (None: greedy);
+        overrides: this user's settings of some methods (Engine.stream). An empty answer is recorded as
+        EMPTY_ANSWER; the turn records the sparsity of the plan it ran."""
         answer, text, stopped = None, "", False
         history = self.history(chat_id)
         stream = self.engine.stream(context_id, question, method, sparsity, max_new_tokens, history=history,
-                                    options=options)
+                                    options=options, overrides=overrides)
         try:
             for event in stream:
                 if isinstance(event, Delta):
@@ -73,16 +73,17 @@ class Turns:
             stream.close()
         if stopped:
             text = text.strip()
-            stats = {"stopped": True, "context_id": context_id, "method": method, "sparsity": sparsity}
-            self.store.chats.add_turn(chat_id, question, text + STOPPED_MARK, method, sparsity, stats)
+            ran = round(1.0 - self.engine.session(context_id).plan(method, sparsity).budget, 6)
+            stats = {"stopped": True, "context_id": context_id, "method": method, "sparsity": ran}
+            self.store.chats.add_turn(chat_id, question, text + STOPPED_MARK, method, ran, stats)
         else:
             stats = self.statistics(context_id, answer, method)
-            if compare and sparse:
+            if compare and REGISTRY[method].sparse:
                 stats["compare"] = self.compare(context_id, question, answer, max_new_tokens, history, options)
             said = answer.text if not answer.empty else EMPTY_ANSWER
             if answer.empty:
                 stats["empty"] = True
-            self.store.chats.add_turn(chat_id, question, said, method, sparsity, stats)
+            self.store.chats.add_turn(chat_id, question, said, method, answer.stats.sparsity, stats)
         yield RecordedTurn(row=self.store.chats.turns(chat_id)[-1], stopped=stopped)
 
     def statistics(self, context_id: str, answer: Answer, method: str) -> dict:
@@ -102,7 +103,7 @@ class Turns:
                 history: list[Exchange] | None = None, options: GenerationOptions | None = None) -> dict:
         """Full attention's answer to the same question (after the same history, chosen the same way), and whether
         it says the same."""
-        full = self.engine.ask(context_id, question, "full", 0.0, max_new_tokens, history=history or [],
+        full = self.engine.ask(context_id, question, "full", max_new_tokens=max_new_tokens, history=history or [],
                                options=options)
         return {"answer": full.text, "agree": same_answer(full.text, answer.text),
                 "total_s": full.stats.timings.get("total_s", 0.0),

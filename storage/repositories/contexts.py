@@ -18,14 +18,7 @@ from collections.abc import Iterable
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
-from ..blobs import (
-    ARTIFACT_SUFFIX,
-    artifact_path,
-    check_artifact,
-    check_artifact_file,
-    read_artifact,
-    write_artifact,
-)
+from ..blobs import ARTIFACT_SUFFIX, artifact_path, check_artifact, check_artifact_file, read_artifact, write_artifact
 from ..database import BLOB_DIR, Database, canonical_json, first, now, require
 from ..errors import MissingArtifactError, NotFoundError
 

@@ -12,7 +12,7 @@ done/total units of the stage, what is known about the document) ->
 :meth:`Jobs.finish` or :meth:`Jobs.fail`.  A process that dies leaves its jobs
 active; :meth:`Jobs.recover_interrupted` fails them.
 
-Rows come back as dicts with ``settings`` and ``methods`` decoded and
+Rows come back as dicts with ``settings``, ``methods`` and ``method_settings`` decoded and
 ``truncate``/``cached`` as bools.
 """
 
@@ -54,14 +54,17 @@ class Jobs:
         methods: Sequence[str] = (),
         truncate: bool = False,
         context_id: str | None = None,
+        method_settings: dict[str, Any] | None = None,
     ) -> int:
         """A new "queued" job, owned by this process; returns its id.
 
         ``settings``: the context settings asked for; ``methods``: the methods
-        whose indexes the job builds; ``context_id``: when the context exists already.
+        whose indexes the job builds; ``method_settings``: the settings of some
+        of them that the requester asked for (method -> its settings as a dict;
+        the others: the engine's); ``context_id``: when the context exists already.
         """
         with self.database.transaction() as db:
-            return self._insert(db, doc_id, name, model, settings, methods, truncate, context_id)
+            return self._insert(db, doc_id, name, model, settings, methods, truncate, context_id, method_settings)
 
     def submit(
         self,
@@ -73,21 +76,25 @@ class Jobs:
         methods: Sequence[str] = (),
         truncate: bool = False,
         context_id: str | None = None,
+        method_settings: dict[str, Any] | None = None,
     ) -> tuple[int, bool]:
-        """The active job that does the same work (document, model, settings, methods), or a new one as
-        :meth:`create` makes; returns ``(job_id, created)``."""
-        same = ("doc_id = ? AND model = ? AND settings = ? AND methods = ?"
+        """The active job that does the same work (document, model, settings, methods and their settings), or a
+        new one as :meth:`create` makes; returns ``(job_id, created)``."""
+        same = ("doc_id = ? AND model = ? AND settings = ? AND methods = ? AND method_settings = ?"
                 f" AND {_ACTIVE_SQL} ORDER BY id LIMIT 1")
-        args = [doc_id, model, canonical_json(settings), canonical_json(list(methods))]
+        args = [doc_id, model, canonical_json(settings), canonical_json(list(methods)),
+                canonical_json(method_settings or {})]
         with self.database.transaction() as db:
             existing = first(db, f"SELECT id FROM jobs WHERE {same}", args)
             if existing is not None:
                 return int(existing["id"]), False
-            return self._insert(db, doc_id, name, model, settings, methods, truncate, context_id), True
+            return self._insert(db, doc_id, name, model, settings, methods, truncate, context_id,
+                                method_settings), True
 
     @staticmethod
     def _insert(db: sqlite_utils.Database, doc_id: str, name: str, model: str, settings: dict[str, Any],
-                methods: Sequence[str], truncate: bool, context_id: str | None) -> int:
+                methods: Sequence[str], truncate: bool, context_id: str | None,
+                method_settings: dict[str, Any] | None = None) -> int:
         if context_id is not None:
             require(db, "contexts", context_id, "context")
         stamp = now()
@@ -98,6 +105,7 @@ class Jobs:
                 "model": model,
                 "settings": canonical_json(settings),
                 "methods": canonical_json(list(methods)),
+                "method_settings": canonical_json(method_settings or {}),
                 "truncate": bool(truncate),
                 "context_id": context_id,
                 "status": "queued",
@@ -270,6 +278,7 @@ def _filters(**given: Any) -> tuple[str, list]:
 
 def _job_dict(row: dict[str, Any]) -> dict[str, Any]:
     return {**row, "settings": json.loads(row["settings"]), "methods": json.loads(row["methods"]),
+            "method_settings": json.loads(row.get("method_settings") or "{}"),
             "truncate": bool(row["truncate"]), "cached": bool(row["cached"])}
 
 

@@ -43,7 +43,7 @@ def test_a_full_disk_during_an_ingest_leaves_no_half_written_context(tiny_lm, tm
 
     monkeypatch.setattr(contexts_repository, "write_artifact", fills_up)
     with pytest.raises(Exception) as failed:  # noqa: PT011 - the writer's error, caused by the OSError
-        engine.context.ingest(path)
+        engine.ingest(path)
     assert plain_error(failed.value) == "the disk is full: free some space, then prepare the document again"
     doc_id = engine.store.documents.find("ferry.txt")["id"]
     (ctx,) = engine.store.contexts.list(doc_id)
@@ -78,7 +78,7 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path, monkeypatch):
     docs = {}
     for name, text in (("ferry.txt", DOC), ("lighthouse.txt", "Callow Head Light was first lit in 1847. " * 12)):
         (tmp_path / name).write_text(text)
-        docs[name] = engine.context.ingest(tmp_path / name).doc_id
+        docs[name] = engine.ingest(tmp_path / name).doc_id
     gate, real_answer = threading.Event(), Turns.answer
 
     def held_answer(self, *args, **kwargs):  # a turn starts answering once the test lets it
@@ -152,7 +152,7 @@ def test_an_answer_abandoned_mid_stream_leaves_the_chat_consistent(tiny_lm, tmp_
     path = tmp_path / "ferry.txt"
     path.write_text(DOC)
     engine = Engine(tmp_path / "cache", lm=tiny_lm)
-    report = engine.context.ingest(path)
+    report = engine.ingest(path)
     turns = Turns(engine)
     chat = engine.store.chats.create(report.doc_id, report.context_id)
     stream = turns.answer(chat, report.context_id, "When does the ferry leave?", "squeeze", 0.5, 16)

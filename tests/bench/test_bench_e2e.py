@@ -12,14 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.bench.e2e import (
-    SHAPES,
-    build_shape,
-    even_device_map,
-    main,
-    measure_peer,
-    peer_model,
-)
+from engine.bench.e2e import SHAPES, build_shape, even_device_map, main, measure_peer, peer_model
 from engine.context.ingest import ingest_tokens
 from engine.context.session import ContextSession
 from engine.context.settings import ContextSettings

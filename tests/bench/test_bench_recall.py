@@ -11,14 +11,7 @@ import pytest
 import torch
 
 from engine.bench.kept import method_settings
-from engine.bench.recall import (
-    full_probs,
-    head_masks,
-    in_original_order,
-    main,
-    recall_and_error,
-    run,
-)
+from engine.bench.recall import full_probs, head_masks, in_original_order, main, recall_and_error, run
 from engine.methods import REGISTRY, SPARSE_METHODS
 from kernels.layout import ClusterLayout
 from kernels.reference.sparse import attention_with_lse, sparse_attention

@@ -6,11 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.cache import (
-    MIN_NEW_CAPACITY,
-    FixedContextCache,
-    FixedContextLayer,
-)
+from engine.attention.cache import MIN_NEW_CAPACITY, FixedContextCache, FixedContextLayer
 from engine.attention.method import Lookup
 from engine.attention.stats import StepTotals, TurnRecorder
 from kernels.selection import Selection

@@ -14,15 +14,7 @@ from engine.context.settings import ContextSettings
 from engine.methods import make_method
 from engine.model.load import load_model
 from engine.model.sampling import GenerationOptions, Sampler, top_p_filter
-from engine.text.prompt import (
-    BasePrompt,
-    ChatPrompt,
-    Exchange,
-    cut_at_stop,
-    prompt_format,
-    tokenize_document,
-    turn_ids,
-)
+from engine.text.prompt import BasePrompt, ChatPrompt, Exchange, cut_at_stop, prompt_format, tokenize_document, turn_ids
 from kernels.backend import REFERENCE
 from tests.engine.test_engine_tiny import plain_greedy
 from tests.support.tiny_models import CHAT_TEMPLATE, byte_tokenizer, make_tiny_model

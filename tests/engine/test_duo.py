@@ -14,13 +14,7 @@ import torch
 from engine.attention.method import CalibrationSet
 from engine.methods import LayerIndex, make_method
 from engine.methods.duo.data import GateData, training_sequence
-from engine.methods.duo.gates import (
-    GateMix,
-    GateTraining,
-    mixed_attention,
-    rank_heads,
-    train_gates,
-)
+from engine.methods.duo.gates import GateMix, GateTraining, mixed_attention, rank_heads, train_gates
 from engine.methods.duo.policy import HeadPlan, Window, head_selection
 from tests.support.tiny_models import QUICK_TRAINING, byte_tokenizer, make_tiny_model
 
@@ -229,8 +223,8 @@ def test_duo_answers_through_the_engine_and_equals_full_attention_at_budget_1(ti
     engine = Engine(tmp_path / "cache", lm=tiny_gemma, methods={"duo": SMALL})
     doc = tmp_path / "doc.txt"
     doc.write_text("The lighthouse keeper rang the bell at dawn and logged the weather every four hours. " * 8)
-    context = engine.context.ingest(doc, methods=("duo",)).context_id
-    session = engine.context.session(context)
+    context = engine.ingest(doc, methods=("duo",)).context_id
+    session = engine.session(context)
     full = session.logits("Who rang the bell?", "full")
     torch.testing.assert_close(session.logits("Who rang the bell?", "duo", 0.0), full, atol=1e-4, rtol=1e-4)
     answer = engine.ask(context, "Who rang the bell?", "duo", 0.7, 4)

@@ -22,20 +22,9 @@ from engine.methods import METHODS, SPARSE_METHODS, build_order, make_method
 from engine.model.generate import generate_tokens
 from engine.model.load import LoadedModel, load_model
 from engine.model.prefill import prefill
-from engine.text.prompt import (
-    ANSWER_RESERVE,
-    STOP_STRINGS,
-    DocumentTooLongError,
-    question_ids,
-    tokenize_document,
-)
+from engine.text.prompt import ANSWER_RESERVE, STOP_STRINGS, DocumentTooLongError, question_ids, tokenize_document
 from kernels.backend import REFERENCE
-from tests.support.tiny_models import (
-    GEMMA_SLIDING_WINDOW,
-    SMALL_SAAP,
-    byte_tokenizer,
-    gates_for,
-)
+from tests.support.tiny_models import GEMMA_SLIDING_WINDOW, SMALL_SAAP, byte_tokenizer, gates_for
 
 # ~600 characters of varied text: digits, punctuation, capitals, one non-ASCII word (several bytes per char).
 DOCUMENT = (

@@ -9,13 +9,7 @@ import random
 import pytest
 import torch
 
-from engine.attention.follow import (
-    OFF,
-    Follow,
-    FollowSettings,
-    inverse_order,
-    layout_order,
-)
+from engine.attention.follow import OFF, Follow, FollowSettings, inverse_order, layout_order
 from engine.attention.rows import FixedRows
 from kernels.reference.follow import follow_attention, follow_rows
 from kernels.selection import Selection, contains

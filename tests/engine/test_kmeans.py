@@ -6,14 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.index.kmeans import (
-    QUERY_RIDGE,
-    metric_kmeans,
-    query_metric,
-    query_moment,
-    segment_sum,
-    spherical_kmeans,
-)
+from engine.index.kmeans import QUERY_RIDGE, metric_kmeans, query_metric, query_moment, segment_sum, spherical_kmeans
 
 # Centroids are float64 segment sums cast to float32 and divided by the (exact, integer-valued or float64) weight: a
 # couple of float32 roundings of values of magnitude ~1, i.e. ~1e-7 relative. 1e-5 leaves margin and still catches any

@@ -17,13 +17,7 @@ from engine.index.thresholds import SPARSITY_GRID, prefill_windows, weighted_thr
 from engine.methods import CalibrationSet, LayerIndex, make_method
 from engine.methods.full import FullPolicy
 from engine.methods.hsqueeze import HierarchicalSettings, HierarchicalSqueezePolicy
-from engine.methods.squeeze import (
-    SqueezePolicy,
-    SqueezeSettings,
-    num_centroids,
-    per_token_scores,
-    weighted_samples,
-)
+from engine.methods.squeeze import SqueezePolicy, SqueezeSettings, num_centroids, per_token_scores, weighted_samples
 from kernels.backend import REFERENCE
 from kernels.layout import ClusterLayout
 from kernels.reference.centroid import centroid_log_scores, reduce_scores
@@ -453,12 +447,7 @@ def test_squeeze_clusters_under_the_calibration_queries_metric():
     "cosine", or a build without a moment, clusters spherically; hsqueeze's level 1 follows its own setting the
     same way (over squeeze's centroids, weighted by their sizes)."""
     from engine.attention.method import LayerKeys
-    from engine.index.kmeans import (
-        metric_kmeans,
-        query_metric,
-        query_moment,
-        spherical_kmeans,
-    )
+    from engine.index.kmeans import metric_kmeans, query_metric, query_moment, spherical_kmeans
 
     g = torch.Generator().manual_seed(7)
     keys, queries = torch.randn(HKV, LC, D, generator=g), torch.randn(HQ, CALIB_TOKENS, D, generator=g)

@@ -18,13 +18,7 @@ import pytest
 import torch
 
 from engine.context.ingest import build_methods
-from engine.methods import (
-    REGISTRY,
-    SPARSE_METHODS,
-    LayerIndex,
-    build_order,
-    make_method,
-)
+from engine.methods import REGISTRY, SPARSE_METHODS, LayerIndex, build_order, make_method
 from engine.methods.quest import QuestPolicy
 from kernels.backend import REFERENCE, TRITON
 
@@ -247,7 +241,7 @@ def test_model_level_artifacts_are_made_once_and_stored_apart(tmp_path, monkeypa
     doc = tmp_path / "doc.txt"
     doc.write_text("The lighthouse keeper rang the bell at dawn and logged the weather every four hours. " * 6)
     engine = Engine(tmp_path / "cache", lm=lm)
-    report = engine.context.ingest(doc, methods=("squeeze", "probe"))
+    report = engine.ingest(doc, methods=("squeeze", "probe"))
     assert Probe.prepared_calls == 1
     names = engine.store.models.names(lm.model_id, "probe", engine.method("probe").settings.as_dict())
     assert names == sorted(f"layer{i}.learned" for i in lm.global_layers)
@@ -255,6 +249,7 @@ def test_model_level_artifacts_are_made_once_and_stored_apart(tmp_path, monkeypa
     assert engine.ask(report.context_id, "Who rang the bell?", "probe", 0.5, 2).text is not None
     restarted = Engine(tmp_path / "cache", lm=lm)  # a new process: read back from the store, not made again
     assert restarted.ask(report.context_id, "Who rang the bell?", "probe", 0.5, 2).stats.method == "probe"
-    restarted.configure({"probe": {"page_size": 8}})  # other settings: rebuilt on demand, prepared for them
-    assert restarted.ask(report.context_id, "Who rang the bell?", "probe", 0.5, 2).stats.method == "probe"
+    other = {"probe": {"page_size": 8}}  # a request's own settings: rebuilt on demand, prepared for them
+    assert restarted.ask(report.context_id, "Who rang the bell?", "probe", 0.5, 2, overrides=other).stats.method == "probe"
     assert Probe.prepared_calls == 2
+    assert restarted.method_settings["probe"] == Probe.Settings()  # the engine's own settings are untouched

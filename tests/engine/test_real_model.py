@@ -15,14 +15,7 @@ from engine.context.ingest import ingest_tokens
 from engine.context.session import ContextSession
 from engine.context.settings import ContextSettings
 from engine.methods import SPARSE_METHODS, build_order, make_method
-from engine.model.load import (
-    STEP_DEQUANTIZE,
-    STEP_DONE,
-    STEP_GGUF_TOKENIZER,
-    STEP_SAVE,
-    STEP_TOKENIZER,
-    STEP_WEIGHTS,
-)
+from engine.model.load import STEP_DEQUANTIZE, STEP_DONE, STEP_GGUF_TOKENIZER, STEP_SAVE, STEP_TOKENIZER, STEP_WEIGHTS
 from engine.text.prompt import question_ids, tokenize_document
 from kernels.backend import REFERENCE
 from tests.support.tiny_models import gates_for
@@ -210,11 +203,7 @@ def test_same_answer_at_zero_sparsity(passkey_sessions):
 def test_the_embedded_tokenizer_is_checked(real_lm):
     """The loaded tokenizer passes the probe; one that reads the GGUF as transformers 5.17 does (words in pieces)
     or 5.18-5.22 do (no BOS) is refused with the version to install."""
-    from engine.model.load import (
-        EMBEDDED_PROBE,
-        ModelLoadError,
-        check_embedded_tokenizer,
-    )
+    from engine.model.load import EMBEDDED_PROBE, ModelLoadError, check_embedded_tokenizer
 
     check_embedded_tokenizer(real_lm.tokenizer)
     text, expected = EMBEDDED_PROBE

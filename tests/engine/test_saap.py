@@ -25,12 +25,7 @@ from engine.methods.saap.partitions import (
     recent_window,
     train_partitions,
 )
-from engine.methods.saap.policy import (
-    LOOKUP_PARTS,
-    SaapPolicy,
-    SaapSettings,
-    split_buckets,
-)
+from engine.methods.saap.policy import LOOKUP_PARTS, SaapPolicy, SaapSettings, split_buckets
 from kernels.backend import REFERENCE, TRITON
 from kernels.reference.buckets import bucket_scores, ranking, take_best
 from tests.support.tiny_models import QUICK_TRAINING, make_tiny_model
@@ -457,8 +452,8 @@ def test_saap_through_the_engine_trains_once_and_equals_full_attention_at_budget
     assert {n.split(".", 1)[1] for n in found} == {"centroids", "w1", "b1", "w2", "b2", "inv_freq"}
     doc = tmp_path / "doc.txt"
     doc.write_text(TEXT * 6)
-    context = engine.context.ingest(doc, methods=("saap",)).context_id
-    session = engine.context.session(context)
+    context = engine.ingest(doc, methods=("saap",)).context_id
+    session = engine.session(context)
     full = session.logits("Who rang the bell?", "full")
     torch.testing.assert_close(session.logits("Who rang the bell?", "saap", 0.0), full, atol=1e-4, rtol=1e-4)
     answer = engine.ask(context, "Who rang the bell?", "saap", 0.5, 4)  # layer 0 of the two reads everything

@@ -12,12 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.index.kmeans import (
-    metric_kmeans,
-    query_metric,
-    query_moment,
-    spherical_kmeans,
-)
+from engine.index.kmeans import metric_kmeans, query_metric, query_moment, spherical_kmeans
 from kernels import assign_ops
 from kernels.reference import assign as reference
 

@@ -22,9 +22,7 @@ import torch
 
 from kernels.causal_ops import causal_attention
 from kernels.reference import causal as reference
-from tests.kernels.test_sparse_kernels import (
-    make_qkv,  # the same inputs: q scaled up so that a wrong key shows
-)
+from tests.kernels.test_sparse_kernels import make_qkv  # the same inputs: q scaled up so that a wrong key shows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

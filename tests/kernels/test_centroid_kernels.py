@@ -15,12 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kernels.centroid_ops import (
-    LookupConfig,
-    cluster_keep,
-    cluster_keep_list,
-    cluster_select,
-)
+from kernels.centroid_ops import LookupConfig, cluster_keep, cluster_keep_list, cluster_select
 from kernels.layout import group_starts
 from kernels.reference import centroid as reference
 from kernels.reference.compact import expand_groups

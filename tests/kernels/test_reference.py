@@ -12,20 +12,10 @@ import pytest
 import torch
 
 from kernels.layout import ClusterLayout
-from kernels.reference.centroid import (
-    centroid_log_scores,
-    reduce_scores,
-    row_scores,
-    select_clusters,
-)
+from kernels.reference.centroid import centroid_log_scores, reduce_scores, row_scores, select_clusters
 from kernels.reference.compact import expand_groups
 from kernels.reference.merge import merge_attention
-from kernels.reference.sparse import (
-    _explicit,
-    _fused_cpu,
-    attention_with_lse,
-    sparse_attention,
-)
+from kernels.reference.sparse import _explicit, _fused_cpu, attention_with_lse, sparse_attention
 from kernels.selection import Selection
 
 # The code under test computes in float32 from the (exactly upcast) inputs; the references compute in float64 from the

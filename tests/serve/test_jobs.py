@@ -10,14 +10,7 @@ import pytest
 
 from engine.context.settings import ContextSettings
 from engine.model.load import STEP_TOKENIZER, STEP_WEIGHTS, LoadStep
-from engine.serve.jobs import (
-    CANCELLED,
-    DEFAULT_STAGE_SHARE,
-    LOADING,
-    STAGES,
-    IngestWorker,
-    document_id,
-)
+from engine.serve.jobs import CANCELLED, DEFAULT_STAGE_SHARE, LOADING, STAGES, IngestWorker, document_id
 from engine.serve.service import IngestReport
 from engine.text.prompt import DocumentTooLongError
 from storage import Store
@@ -68,7 +61,7 @@ class ScriptedEngine:
         self.model_loaded = True
         return object()
 
-    def ingest(self, doc, settings, truncate=False, progress=None, methods=(), job=None):
+    def ingest(self, doc, settings, truncate=False, progress=None, methods=(), job=None, overrides=None):
         """As Engine.ingest: the progress goes into the given job's row (the worker finishes the job)."""
 
         def report(stage, done, total):

@@ -35,9 +35,7 @@ from engine.index.kmeans import spherical_kmeans
 from engine.index.rope import derope
 from engine.model.prefill import prefill
 from kernels.dispatch import backend_for
-from kernels.reference.buckets import (
-    classify,  # the one implementation (also the lookup kernel's reference)
-)
+from kernels.reference.buckets import classify  # the one implementation (also the lookup kernel's reference)
 
 PARAMS = ("w1", "b1", "w2", "b2")  # a classifier's weights (per unit: [D, H], [H], [H, C], [C])
 
