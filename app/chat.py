@@ -341,7 +341,7 @@ class ChatTab:
             return ""
         if plan is None:
             return f"The {method} index is built at the first question (or in the background after a slider change)."
-        return f"At sparsity {float(sparsity):.2f}, {method} uses: {plan.describe()}"
+        return f"At {float(sparsity):.0%} sparsity, {method} uses: {plan.describe()}"
 
     def show_threshold(self, state, method, sparsity, centroid, level1) -> str:
         return self.threshold_text(state, method, sparsity, centroid, level1)

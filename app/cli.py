@@ -8,8 +8,16 @@ import json
 import sys
 import time
 
-from engine.model.catalog import (DEFAULT_METHOD, DEFAULT_SPARSITY, EMBEDDED_MODEL, MAX_SPARSITY, METHODS,
-                                  SPARSE_METHODS, TRAINED_METHODS, default_cache_dir)
+from engine.model.catalog import (
+    DEFAULT_METHOD,
+    DEFAULT_SPARSITY,
+    EMBEDDED_MODEL,
+    MAX_SPARSITY,
+    METHODS,
+    SPARSE_METHODS,
+    TRAINED_METHODS,
+    default_cache_dir,
+)
 
 
 def _progress(enabled: bool):
@@ -191,7 +199,7 @@ def cmd_bench(args) -> int:
     if args.which == "kernels":
         from engine.bench.kernels import main as bench_main  # noqa: PLC0415
     elif args.which == "e2e":
-        from engine.bench.e2e import main as bench_main  # noqa: PLC0415
+        from engine.bench.e2e.report import main as bench_main  # noqa: PLC0415
     else:
         from engine.bench.capture import main as bench_main  # noqa: PLC0415
     return bench_main(args.rest)

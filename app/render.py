@@ -139,7 +139,7 @@ def budget_html(stats: dict) -> str:
     decode = stats.get("kv_budget_decode")  # absent from turns recorded before it was counted
     method = stats.get("method", "?")
     sparsity = stats.get("sparsity", 0.0)
-    plan = (stats.get("extra") or {}).get("plan", "") if sparsity else ""
+    plan = (stats.get("extra") or {}).get("plan", "")  # the plan the turn ran, in its own words
     return (
         '<div class="sq-budget" id="sq-budget">'
         f'<div class="sq-row"><b>{esc(method)}</b>{f" at {100 * sparsity:.0f}% sparsity" if sparsity else ""}'

@@ -142,7 +142,7 @@ def default_config(device: torch.device, lq: int, head_dim: int, dtype: torch.dt
         score_c = 64 if units * triton.cdiv(num_centroids, 64) >= _sm_count(device) else 32
         return LookupConfig(block_m=64, block_c=32, num_warps=8, num_stages=2, target_programs=target,
                             score_block_m=32, score_block_c=score_c, score_warps=8, score_stages=2)
-    # H200, 128K tokens (6.5K centroids), 32/8 heads, 1024 tokens (engine/bench results, session 4), whole lookup:
+    # H200, 128K tokens (6.5K centroids), 32/8 heads, 1024 tokens (engine/bench/tune.py), whole lookup:
     # score pass 128 centroids x 128 query rows on 4 warps, 2 stages 0.48 ms, 128 x 64 0.53, 64 x 32 0.54;
     # denominator pass 64 query rows x 128 centroids, 3 stages 0.48 ms, 128 x 64 0.53.
     score_c = 128 if units * triton.cdiv(num_centroids, 128) >= _sm_count(device) else 64

@@ -10,15 +10,15 @@ from kernels.selection import Fixed, Selection
 
 BLOCK_G = 256  # groups (clusters) per program of the standalone expansion
 # Write tiles of the expansion: a step writes SUB_G groups x BLOCK_K positions, up to the longest of its SUB_G groups.
-# H200, 512K tokens, 8 rows, 26K clusters of ~20 keys (engine/bench results, session 4): SUB_G 128 x BLOCK_K 8
-# 8.9 us, 256 x 8 9.2, 32 x 32 (the former setting) 20.2. Wide, short steps: the time goes to each step's loads of
+# H200, 512K tokens, 8 rows, 26K clusters of ~20 keys (engine/bench/tune.py): SUB_G 128 x BLOCK_K 8
+# 8.9 us, 256 x 8 9.2, 32 x 32 20.2. Wide, short steps: the time goes to each step's loads of
 # keep/starts, which wait on the stores before them, not to the masked lanes.
 BLOCK_K = 8
 SUB_G = 128
 LARGE_GROUP = 64  # mean positions per group from which the large-group tiles are used
 # Large groups (Saap's buckets, hundreds of keys): one group at a time, 512 positions per step, so that a program's
-# steps are those of its kept groups only. H100, 128K tokens, 8 rows, 10% kept (session 14): 256 buckets 5.2 us
-# (16 groups x 64 positions, the former tiles: 10.9), 1024 buckets 5.9 (7.3).
+# steps are those of its kept groups only. H100, 128K tokens, 8 rows, 10% kept: 256 buckets 5.2 us
+# (16 groups x 64 positions, the small-group tiles: 10.9), 1024 buckets 5.9 (7.3).
 LARGE_BLOCK_G = 16
 LARGE_SUB_G = 1
 LARGE_BLOCK_K = 512

@@ -50,7 +50,7 @@ DECODE_STAGES = 3
 # 4 warps, BLOCK_N 64, D 128): a worker that waits for a free slot finishes a whole share late.
 DECODE_WORKERS_PER_SM = 3  # H200, 128K, 32/8, 90%: 3 workers/SM with 256-key items 16.8 us, 2/SM with 64: 29.8 us
 # Keys per work item: a multiple of the key block in [MIN, MAX] that cuts a row's expected keys into as many items
-# as the row's share of the workers, times ITEMS_PER_WORKER, so that the items end in one wave. (Session 9, H100,
+# as the row's share of the workers, times ITEMS_PER_WORKER, so that the items end in one wave. (H100,
 # Quest's 10% at 128K/512K, 32/8: rounding the chunk down to a power of two made 416 items for 396 workers, a second
 # wave for 20 of them: 31.6/101 us; one wave of 392 items: 26.9/82.5 us. Two items per worker: 28.7/84.5 us.)
 DECODE_ITEMS_PER_WORKER = 1
@@ -61,9 +61,9 @@ DECODE_MIN_CHUNK = 64
 DECODE_MAX_CHUNK = 8192
 PREFILL_BLOCK_N = 128  # a quarter for D = 256 (shared memory; see plan)
 # Prefill copies the selected K/V into packed buffers first (config.gather): Triton pipelines contiguous loads into
-# shared memory, not the index-dependent ones. H200, 128K, 32/8 heads, 1024 new tokens, 16% kept (engine/bench,
-# session 4): gathered 64 x 128 tiles on 4 warps, 3 stages, 0.91 ms with the copy; indexed loads 1.28-1.41 ms.
-# (Session 5: 128 x 128 tiles on 8 warps through tensor descriptors, 0.73 ms; see plan.)
+# shared memory, not the index-dependent ones. H200, 128K, 32/8 heads, 1024 new tokens, 16% kept (engine/bench/tune.py):
+# gathered 64 x 128 tiles on 4 warps, 3 stages, 0.91 ms with the copy; indexed loads 1.28-1.41 ms.
+# 128 x 128 tiles on 8 warps through tensor descriptors: 0.73 ms (see plan).
 # The selection's size is known on the device only, so the buffers hold the worst case (the capacity of the index
 # list) up to this many bytes (K and V): a selection that outgrows them packs its first entries, and the rows past
 # them read through the indices (decided per row on the device).
@@ -156,7 +156,7 @@ def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num
         workers = max(1, min(max_items(capacity, rows, num_keys, chunk), target_workers))
         return SparseAttentionConfig(split=True, block_m=16, block_n=block_n, num_warps=DECODE_WARPS,
                                      num_stages=DECODE_STAGES, chunk=chunk, workers=workers)
-    # H200, 128K, 32/8, 1024 new tokens, 16% kept, packed K/V, copy included (engine/bench/tune.py, session 5):
+    # H200, 128K, 32/8, 1024 new tokens, 16% kept, packed K/V, copy included (engine/bench/tune.py):
     # 128 x 128 tiles on 8 warps, 3 stages: 0.73 ms through tensor descriptors, 0.77 ms through plain loads;
     # 64 x 128 on 4 warps 0.84 ms (the 64-row tiles read every key block from L2 twice as often). Head dim 256:
     # 64 x 32 tiles on 4 warps, 2 stages (untimed): the kernel holds pipeline buffers for the packed and the indexed

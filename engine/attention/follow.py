@@ -6,7 +6,7 @@ it, or of its last few tokens: a key that the token ids alone locate. A lookup t
 common (a cluster's centroid, a page's bounds, a bucket) ranks that one key poorly, since its cluster also holds
 keys that follow other tokens. On the embedded model at a 10% budget this is where squeeze loses needles: with
 teacher-forced answers, the question's prefill misses the key's first digit and the first decode step its second
-(engine/NOTES.md, "Follow rows"). So every sparse step of every method also reads, in every global layer and KV
+(engine/bench/README.md, "Follow rows"). So every sparse step of every method also reads, in every global layer and KV
 head, the rows of
 - a decode step: the tokens that follow the document's occurrences of its last tokens, the longest suffix first (up
   to `ngram` tokens), then shorter ones, the latest occurrences first; at most `decode` rows (an occurrence counts
@@ -15,7 +15,7 @@ head, the rows of
   `lead`, the tokens up to it), the bigrams rarest in the document first; at most `prefill` rows;
 - and, with `carry`, every decode step of the turn the question's rows again: an answer's first token is often a
   space or a quote whose own occurrences say nothing (the key's first digit then comes from a step whose recent
-  tokens are "Answer: "), while the place the question points at does (engine/NOTES.md, "Follow rows").
+  tokens are "Answer: "), while the place the question points at does (engine/bench/README.md, "Follow rows").
 Their bytes are reserved in the plan of every turn (engine.attention.method.Method.plan's `reserve`), found or not,
 so a budget still means the share of the fixed K/V bytes a step reads. Everything here runs on the device with
 static shapes and no host synchronisation: a captured decode step finds its rows from its own input token.
@@ -40,9 +40,9 @@ class FollowSettings:
     """decode: most rows a decode step adds (0: none); prefill: most rows a question's prefill adds (0: none);
     window: rows after each occurrence of a question bigram; lead: rows up to it (its own two tokens and those
     before them; off by default: on the embedded model at a 10% budget 8 won saap the two 16K needles it lost and
-    cost it three of the 30-cell grid, squeeze one, and 2 cost every method 4K depth 0.7: engine/NOTES.md, "The
-    lead, again"); leads: how many of the occurrences (the best first) take the lead (0: every one; the rows in all
-    stay `prefill`); ngram: the longest suffix of the recent tokens a decode step matches; carry: whether each
+    cost it three of the 30-cell grid, squeeze one, and 2 cost every method 4K depth 0.7: engine/bench/README.md,
+    "A lead before the question's word pairs: off"); leads: how many of the occurrences (the best first) take the
+    lead (0: every one; the rows in all stay `prefill`); ngram: the longest suffix of the recent tokens a decode step matches; carry: whether each
     decode step also reads the question's rows (the prefill's)."""
 
     decode: int = 8

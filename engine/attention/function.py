@@ -65,8 +65,8 @@ class StepContext:
     a forward call runs `follow.begin(ids)` before it (engine.model.generate, engine.model.graph)
     token_lookups: a call over several tokens (a question's prefill) looks up each token's keys on its own, as a
         decode step does (each at the decode plan), instead of one lookup whose selection all its tokens share (the
-        Squeezed Attention paper's prefill: S averaged over the tokens); engine/NOTES.md, "One lookup per question
-        token"
+        Squeezed Attention paper's prefill: S averaged over the tokens); engine/bench/README.md, "One lookup per
+        question token"
     """
 
     cache: FixedContextCache

@@ -1,4 +1,4 @@
-"""`squeeze eval`: every registered sparse method beside full attention at equal KV budgets, on one model (issue 13).
+"""`squeeze eval`: every registered sparse method beside full attention at equal KV budgets, on one model.
 
     squeeze eval [--parts needles,recall,agreement] [--budgets 0.05,0.1,0.2,0.3] [--lengths 2048,4096]
                  [--depths 0.1,0.3,0.5,0.7,0.9] [--keys 1] [--needle-tokens 64] [--document FILE]

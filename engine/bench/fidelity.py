@@ -1,4 +1,4 @@
-"""Attention recall against the oracle, and agreement with full attention: two parts of `squeeze eval` (issue 13).
+"""Attention recall against the oracle, and agreement with full attention: two parts of `squeeze eval`.
 
 One document (by default the shipped `assets/sample.md`) and a fixed set of questions about it (by default
 `assets/sample_facts.json`). Full attention answers each question greedily (up to `answer_tokens` tokens, no stop
@@ -98,7 +98,7 @@ def forced_logits(session, method: str, sparsity: float, case: Case):
             position += 1
         logits = torch.cat(out).float().cpu()
     cache.reset_dynamic()
-    stats = recorder.finish(method, sparsity if step.method.sparse else 0.0, case.answer.numel(), {})
+    stats = recorder.finish(method, round(1.0 - step.plan.budget, 6), case.answer.numel(), {})
     return logits, stats
 
 

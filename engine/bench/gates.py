@@ -1,7 +1,7 @@
 """How long DuoAttention's gate training takes (engine.methods.duo.gates) on a model shape: `python -m engine.bench.gates
 --shape llama3-8b --steps 8 --max-tokens 32768` prints JSON (seconds per step, peak memory).
 
-A random-weight shape (engine.bench.e2e.SHAPES) has no tokenizer: its sequences are made with a word-level stand-in
+A random-weight shape (engine.bench.e2e.models.SHAPES) has no tokenizer: its sequences are made with a word-level stand-in
 (each word one id) over random ids for the haystack, so the gates it learns mean nothing; the time of a step
 (the context's prefill, a batch of two over the new tokens with the mix in every global layer, the backward pass
 through the layers after the first global one) is what is measured. `--model` times a real model on the corpus.
@@ -15,7 +15,8 @@ import zlib
 
 import torch
 
-from engine.bench.e2e import SHAPES, device_name, emit, open_model, peak_gib, reset_peaks, training_corpus
+from engine.bench.e2e.models import SHAPES, device_name, open_model, peak_gib, reset_peaks, training_corpus
+from engine.bench.e2e.report import emit
 from engine.methods.duo.data import GateData
 from engine.methods.duo.gates import GateTraining, train_gates
 

@@ -24,7 +24,7 @@ from engine.text.corpus import essays_dir, haystack
 from engine.text.prompt import prompt_format, turn_ids
 
 ANSWER_TOKENS = 64  # the app's default answer length (app.config.AppConfig.max_new_tokens)
-SHORT_ANSWER = 12  # the answer length of the runs before session 23: a five-digit key and a little more; it cuts
+SHORT_ANSWER = 12  # a five-digit key and a little more (the eval also reports needles found this early); it cuts
 # answers that restate the question first ("1. The secret passkey is 6049"), which the app shows whole
 
 

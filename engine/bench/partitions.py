@@ -1,7 +1,7 @@
 """How long Saap's training takes (engine.methods.saap.partitions) on a model shape: `python -m engine.bench.partitions --shape
 llama3-8b --prompts 2 --tokens 32768` prints JSON (seconds per stage, peak memory, the buckets' balance).
 
-A random-weight shape (engine.bench.e2e.SHAPES) reads random ids (no tokenizer), so the partitions it learns mean
+A random-weight shape (engine.bench.e2e.models.SHAPES) reads random ids (no tokenizer), so the partitions it learns mean
 nothing; the time of each stage (the prompts' prefill, k-means per layer, the targets, the classifier's steps) is
 what is measured. `--model` trains a real model on the corpus (engine.text.corpus).
 """
@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from engine.bench.e2e import SHAPES, device_name, emit, open_model, peak_gib, reset_peaks, training_corpus
+from engine.bench.e2e.models import SHAPES, device_name, open_model, peak_gib, reset_peaks, training_corpus
+from engine.bench.e2e.report import emit
 from engine.index.rope import rope_frequencies
 from engine.methods.saap.partitions import PartitionTraining, imbalance, train_partitions
 from engine.model.prefill import attention_scale

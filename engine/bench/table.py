@@ -1,6 +1,6 @@
 """The README's kernel table, from the benchmark's JSON files (later files override earlier ones per configuration).
 
-    python -m engine.bench.table [--sparsity 0.9] [--heads 32/8] engine/bench/results/h200-run{A,B,C}.json
+    python -m engine.bench.table [--sparsity 0.9] [--heads 32/8] engine/bench/results/h200-run{J,K,L}.json
 """
 
 from __future__ import annotations

@@ -151,8 +151,8 @@ class ContextSession:
 
     def plan(self, method: str, sparsity: float) -> StepPlan:
         """The plan of a turn with `method` at `sparsity` (engine.context.plan.turn_plan)."""
-        return turn_plan(self.method(method), self.calibration[method], sparsity, self.follow_settings,
-                         self.rows.tokens)
+        follow = self.follow_settings if self.follow is not None else None  # (None: the session reads none)
+        return turn_plan(self.method(method), self.calibration[method], sparsity, follow, self.rows.tokens)
 
     def follows(self, method: Method) -> bool:
         """Whether `method`'s steps read the follow rows (engine.attention.follow)."""

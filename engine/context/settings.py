@@ -11,7 +11,7 @@ from engine.attention.rows import FixedRows
 # a tail of 100 took 2.5-5 points of a 10% budget; at 32 `squeeze eval` on the embedded model agrees better with full
 # attention at 10% (squeeze: top-1 83% -> 89%, KL 0.21 -> 0.15, recall 0.737 -> 0.759, needles 20% -> 30%) and
 # the shipped passkey holds (10/12 cells, 9/12 at 100); 16 found more needles (60%) but lost the passkey in 5/12
-# cells (engine/NOTES.md, "The dense tail").
+# cells (engine/bench/README.md, "The dense tail").
 DEFAULT_DENSE_TAIL = 32
 DEFAULT_CALIBRATION = 100  # last context tokens whose queries calibrate the methods (the paper's app. C)
 # First context tokens kept dense: the attention sink (engine.attention.rows). Off by default: one sink token improves

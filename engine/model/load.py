@@ -122,7 +122,7 @@ EMBEDDED_PROBE = ("The secret passkey is", [2, 818, 6789, 1786, 2478, 563])  # B
 def check_embedded_tokenizer(tokenizer) -> None:
     """Raise ModelLoadError unless `tokenizer` (read from the embedded GGUF, or saved from it) gives the embedded
     model's known ids for a probe. transformers before 5.23 reads this GGUF's tokenizer wrongly (5.17 splits words
-    into pieces; 5.18-5.22 leave out the BOS token), and the model then answers nonsense (engine/NOTES.md)."""
+    into pieces; 5.18-5.22 leave out the BOS token), and the model then answers nonsense (engine/README.md, "The embedded model's tokenizer")."""
     text, expected = EMBEDDED_PROBE
     got = list(tokenizer(text)["input_ids"])
     if got != expected:

@@ -110,7 +110,7 @@ def poll(client: Client) -> dict:
 
 
 def open_doc(client: Client, doc_id: str) -> dict:
-    out = client.predict(doc_id, "squeeze", 80, api_name="/open_document")
+    out = client.predict(doc_id, "squeeze", 0.8, api_name="/open_document")
     names = ["doc", "status", "chat", "turn", "threshold", "heatmap", "budget", "compare", "clusters", "passages",
              "document", "layer", "head", "projection", "evaluation", "last_doc", "chats"]
     assert len(out) == len(names)
@@ -121,7 +121,7 @@ ASK_NAMES = ["chat", "question", "status", "turn", "heatmap", "budget", "compare
              "layer", "head", "projection", "chats"]
 
 
-def ask(client: Client, question: str, method="squeeze", sparsity=80, centroid=0.05, level1=0.01, compare=False,
+def ask(client: Client, question: str, method="squeeze", sparsity=0.8, centroid=0.05, level1=0.01, compare=False,
         max_new=16, wait=True, temperature=0.0, top_p=1.0, repetition=1.0):
     job = client.submit(question, [], method, sparsity, centroid, level1, compare, max_new, temperature, top_p,
                         repetition, api_name="/ask")
@@ -232,18 +232,18 @@ def test_every_method_answers_and_full_reads_everything(app, ready_doc):
     client = app.client()
     open_doc(client, ready_doc)
     # The sparsity slider shows the plan it maps to: a calibrated threshold, higher for a higher sparsity.
-    low, high = (client.predict("squeeze", pct, 0.05, 0.01, api_name="/threshold") for pct in (60, 95))
+    low, high = (client.predict("squeeze", pct, 0.05, 0.01, api_name="/threshold") for pct in (0.6, 0.95))
     assert float(low.split("threshold ")[1].split()[0]) < float(high.split("threshold ")[1].split()[0])
     # A method not built for the document yet says so; its first question builds it (then its plan is shown).
-    assert "built at the first question" in client.predict("quest", 90, 0.05, 0.01, api_name="/threshold")
-    out, _ = ask(client, "How many steps?", method="quest", sparsity=90)
+    assert "built at the first question" in client.predict("quest", 0.9, 0.05, 0.01, api_name="/threshold")
+    out, _ = ask(client, "How many steps?", method="quest", sparsity=0.9)
     # at a 10% KV budget the bounds (1/16) and the dense tail leave Quest ~1% of the pages on this short document
     assert re.search(r"top [0-9.]+% of the pages", out["budget"])
     pages = out["clusters"]["data"]  # the pages the question kept, with their text: units of 16 keys
     assert pages and all(row[3] == 16 for row in pages) and 'class="sq-passages"' in out["passages"]
     assert re.fullmatch(r"At 90% sparsity, quest uses: top [0-9.]+% of the pages",
-                        client.predict("quest", 90, 0.05, 0.01, api_name="/threshold"))
-    out, _ = ask(client, "How many steps?", method="hsqueeze", sparsity=90)
+                        client.predict("quest", 0.9, 0.05, 0.01, api_name="/threshold"))
+    out, _ = ask(client, "How many steps?", method="hsqueeze", sparsity=0.9)
     assert re.search(r"threshold [0-9.e-]+, [0-9.e-]+", out["budget"])
     out, _ = ask(client, "How many steps?", method="full")
     assert "KV budget <b class=\"sq-kv\">100.0%</b>" in out["budget"]
@@ -342,6 +342,32 @@ def test_changing_the_centroid_ratio_reindexes_in_the_background(app, ready_doc)
     assert turn["stats"]["context_id"] == context
     client.predict(0.05, 0.01, api_name="/reindex")  # back to the default for the other tests
     assert app.worker.wait_idle(WAIT_S)
+
+
+def test_a_users_sliders_change_that_users_turns_only(app, ready_doc):
+    """Two browsers on one document: one moves the centroid ratio, the other keeps the default. Each one's turns
+    are built with its own settings, the engine's settings never change, and each one's preview of the plan is the
+    plan its next turn runs."""
+    engine_settings = dict(app.engine.method_settings)
+    first, second = app.client(), app.client()
+    open_doc(first, ready_doc)
+    open_doc(second, ready_doc)
+    context = app.store.contexts.list(ready_doc)[0]["id"]
+    first.predict(0.1, 0.01, api_name="/reindex")
+    assert app.worker.wait_idle(WAIT_S)
+    assert app.store.methods.get(context, "squeeze")["settings"]["squeeze"]["centroid_ratio"] == 0.1
+    # the second browser's preview is its own: its settings (0.05) are not the index's now
+    assert "built at the first question" in second.predict("squeeze", 0.8, 0.05, 0.01, api_name="/threshold")
+    preview = first.predict("squeeze", 0.8, 0.1, 0.01, api_name="/threshold")
+    ask(first, "Who kept the light?", centroid=0.1)
+    turns = lambda: app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])  # noqa: E731 (newest chat)
+    assert preview == f"At 80% sparsity, squeeze uses: {turns()[-1]['stats']['extra']['plan']}"
+    assert app.store.methods.get(context, "squeeze")["settings"]["squeeze"]["centroid_ratio"] == 0.1
+    ask(second, "Who kept the light?")  # the default ratio: the index is built again with it for this turn
+    assert app.store.methods.get(context, "squeeze")["settings"]["squeeze"]["centroid_ratio"] == 0.05
+    preview = second.predict("squeeze", 0.8, 0.05, 0.01, api_name="/threshold")
+    assert preview == f"At 80% sparsity, squeeze uses: {turns()[-1]['stats']['extra']['plan']}"
+    assert app.engine.method_settings == engine_settings
 
 
 def test_errors_and_limits_are_told_in_plain_words(app, tmp_path):

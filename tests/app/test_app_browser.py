@@ -144,7 +144,7 @@ def test_upload_prepare_ask_and_see_what_attention_retrieved(served, page, tmp_p
 
 
 def test_quest_answers_the_shipped_passkey_at_90_percent_in_the_app(served):
-    """Issue 12's line: Quest, picked in the app at 90% sparsity (a 10% KV budget, its page bounds included), answers
+    """Quest, picked in the app at 90% sparsity (a 10% KV budget, its page bounds included), answers
     the shipped passkey PDF, through the app's own handlers (gradio_client). The first test uploads it; here it is
     uploaded again where that test did not run (the store keeps one copy)."""
     from gradio_client import Client
@@ -158,7 +158,7 @@ def test_quest_answers_the_shipped_passkey_at_90_percent_in_the_app(served):
         upload(client, str(PDF))
     assert worker.wait_idle(PREPARE_MS / 1000)
     open_doc(client, store.documents.find(PDF.name)["id"])
-    answer, _ = ask(client, PASSKEY_QUESTION, method="quest", sparsity=90)
+    answer, _ = ask(client, PASSKEY_QUESTION, method="quest", sparsity=0.9)
     said = answer["chat"][-1]["content"]
     said = said[0]["text"] if isinstance(said, list) else said
     assert KEY in said, said

@@ -184,7 +184,9 @@ def test_heatmap_figure_and_budget_markup():
     assert "lookup and attention timed over 2 of 5 steps; the 3 replayed from a CUDA graph" in render.budget_html(replayed)
     assert "top 10% of the pages" in render.budget_html({**stats, "method": "quest",
                                                           "extra": {"plan": "top 10% of the pages"}})
-    assert "threshold" not in render.budget_html({**stats, "sparsity": 0.0, "method": "full"})
+    full = render.budget_html({**stats, "sparsity": 0.0, "method": "full",
+                               "extra": {"plan": "every key of the document (full attention)"}})
+    assert "threshold" not in full and "sparsity" not in full and "every key of the document" in full
     one_token = figures.heatmap_figure({**stats, "kept_fraction_decode": []})
     assert len(one_token.data) == 1 and any("no steps" in a.text for a in one_token.layout.annotations)
     assert not any("retrieval head" in (a.text or "") for a in fig.layout.annotations)

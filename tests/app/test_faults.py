@@ -93,12 +93,12 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path, monkeypatch):
     plan = [("ferry.txt", "When does it leave?"), ("ferry.txt", "How much is a ticket?"),
             ("lighthouse.txt", "When was it lit?"), ("lighthouse.txt", "Who built it?")]
     errors, chats, jobs = [], {}, {}
-    ask = ("squeeze", 80, 0.05, 0.01, False, 8, 0.0, 1.0, 1.0)
+    ask = ("squeeze", 0.8, 0.05, 0.01, False, 8, 0.0, 1.0, 1.0)
 
     def session(i: int, name: str, question: str) -> None:
         try:
             client = Client(url, verbose=False)
-            client.predict(docs[name], "squeeze", 80, api_name="/open_document")
+            client.predict(docs[name], "squeeze", 0.8, api_name="/open_document")
             client.predict(api_name="/new_chat")
             jobs[i] = client.submit(question, [], *ask, api_name="/ask")
             jobs[i].result(timeout=300)

@@ -12,7 +12,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine.bench.e2e import SHAPES, build_shape, even_device_map, main, measure_peer, peer_model
+from engine.bench.e2e.models import SHAPES, build_shape, even_device_map
+from engine.bench.e2e.peer import measure_peer, peer_model
+from engine.bench.e2e.report import main
 from engine.context.ingest import ingest_tokens
 from engine.context.session import ContextSession
 from engine.context.settings import ContextSettings

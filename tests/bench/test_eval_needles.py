@@ -126,7 +126,7 @@ def test_haystack_is_cut_at_the_asked_tokens(real_lm):
 # Keys found at a 50% budget in a 1K-token haystack at depths 0.25/0.5/0.75, below which a method fails the tiny grid.
 # hsqueeze misses one: its question's prefill reads 0.35-0.41 when asked 0.5 on so short a context (calibrated on the
 # context's last tokens, not on this question), and at depth 0.5 it answers "The secret passkey is 100%". Measured
-# over depths 0.1-0.9 (session 15): hsqueeze 4/5 with the dense tail at 32 tokens, 3/5 at 100, 2/5 at 16; squeeze
+# over depths 0.1-0.9: hsqueeze 4/5 with the dense tail at 32 tokens, 3/5 at 100, 2/5 at 16; squeeze
 # and Quest 5/5.
 FOUND_AT_LEAST = {"hsqueeze": 2}
 
@@ -146,11 +146,10 @@ def test_a_tiny_grid_through_the_real_model(real_lm):
     assert len(doc["cells"]) == len(methods) * len(depths)
     for cell in doc["cells"]:
         assert cell["full_found"], f"full attention missed the key: {cell}"
-        # calibrated on the context's last tokens, not on this question: measured 0.35-0.57 (hsqueeze) and 0.46-0.53
-        # (squeeze) on these three haystacks with one-byte centroids (session 16), Quest 0.497; with query-aware
-        # clusters and follow rows (session 19) squeeze 0.33-0.44, hsqueeze 0.36-0.39, Quest 0.455-0.46: the follow
-        # rows' reserve (64 rows of ~1K, charged in full) is mostly inside the selection (without follow rows squeeze
-        # 0.41-0.52, hsqueeze 0.30-0.44: the calibration's own spread on 1K-token contexts)
+        # calibrated on the context's last tokens, not on this question: measured on these three haystacks squeeze
+        # 0.33-0.44, hsqueeze 0.36-0.39, Quest 0.455-0.46: the follow rows' reserve (64 rows of ~1K, charged in full)
+        # is mostly inside the selection (without follow rows squeeze 0.41-0.52, hsqueeze 0.30-0.44: the
+        # calibration's own spread on 1K-token contexts)
         assert abs(cell["kv_budget_prefill"] - 0.5) <= 0.2
         assert cell["full_margin"] >= 0.0  # full attention's greedy answer: its own top token at every position
     for method in methods:
@@ -161,10 +160,10 @@ def test_a_tiny_grid_through_the_real_model(real_lm):
 
 @pytest.mark.slow
 def test_follow_rows_find_needles_the_lookups_lose(real_lm):
-    """At a 10% budget, 2K-token haystacks, depths 0.3 and 0.5: without follow rows squeeze missed both keys of the
-    30-cell grid at these depths (session 16), losing the key's first digit in the question's prefill and its second
-    at the first decode step; with them (the default) squeeze, hsqueeze and Quest answer (engine/NOTES.md, "Follow
-    rows"). Full attention answers too, and each turn reads about its budget."""
+    """At a 10% budget, 2K-token haystacks, depths 0.3 and 0.5: without follow rows squeeze misses both keys of the
+    30-cell grid at these depths, losing the key's first digit in the question's prefill and its second
+    at the first decode step; with them (the default) squeeze, hsqueeze and Quest answer (engine/bench/README.md,
+    follow rows). Full attention answers too, and each turn reads about its budget."""
     methods = ["squeeze", "hsqueeze", "quest"]
     doc = run(real_lm, [2048], [0.3, 0.5], [0.1], methods, answer_tokens=SHORT_ANSWER)
     for cell in doc["cells"]:

@@ -91,7 +91,7 @@ class CheckedLookups:
 
 
 # In the interpreter every kernel program runs as Python, and the MHA model (a KV head per query head) cost ~150 of
-# this file's ~290 s on 2 loaded cores (session 31). On the CPU the engine is checked on the GQA and hybrid models;
+# this file's ~290 s on 2 loaded cores. On the CPU the engine is checked on the GQA and hybrid models;
 # the G = 1 case is in the kernels' own tests (the GQA lists of tests/kernels/test_causal_kernels.py and
 # test_sparse_kernels.py) and in the reference-backend engine tests (tests/engine/test_engine_tiny.py). On a GPU: all three.
 INTERPRETER_SKIPS = ("qwen2_mha",)

@@ -30,7 +30,7 @@ SCALE = 1.0 / math.sqrt(D)
 LAYERS = (1, 3)
 # Attention of the same keys through the reference and through the kernels: float32 sums in another order.
 ATOL = 2e-5
-# A budget's measured read over the calibration queries, within this much of it (issue 13): the reads are
+# A budget's measured read over the calibration queries, within this much of it: the reads are
 # calibrated on these very queries, at grid points between which the plan interpolates (a threshold keeps a
 # different share of the keys at each step; a top-K method rounds to whole pages).
 BUDGET_TOL = 0.03

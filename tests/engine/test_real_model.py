@@ -24,16 +24,15 @@ pytestmark = pytest.mark.slow
 SAMPLE = Path(__file__).resolve().parents[2] / "assets" / "sample.md"
 KEY = "48213"
 DEPTHS = (0.1, 0.5, 0.9)
-# Every method with the index it ships with. Until session 18 squeeze and hsqueeze were tested with finer
-# clusters (10% centroids; hsqueeze's level 1 ruling out 30%): at the default 5% the key after the digit just read
-# (an induction head's) fell in a cluster scored too low in 7/30 (seed, depth) draws (engine/NOTES.md). The follow
-# rows (engine.attention.follow) read that key by its token ids, and the question's rows the first digit's: 9/9 at the
-# defaults (session 18).
+# Every method with the index it ships with. Without the follow rows, at the default 5% centroids the key after the
+# digit just read (an induction head's) fell in a cluster scored too low in 7/30 (seed, depth) draws; the follow rows
+# (engine.attention.follow) read that key by its token ids, and the question's rows the first digit's: 9/9 at the
+# defaults (engine/bench/README.md).
 
 
 # The depth whose context has every method (the budget and zero-sparsity tests); the others have the methods the
 # retrieval tests ask at every depth (DEPTHS_METHODS): saap's and duo-squeeze's calibrations take ~5 s each on two
-# free cores (session 30), twice that beside another worker.
+# free cores, twice that beside another worker.
 EVERY_METHOD_DEPTH = 0.5
 DEPTHS_METHODS = ("squeeze", "hsqueeze", "quest")
 
@@ -100,7 +99,7 @@ def test_budget_read_on_the_calibration_queries(passkey_contexts, method, budget
     assert abs(sum(reads) / len(reads) - budget) <= 0.03, f"{method} at {budget} read {sum(reads) / len(reads):.3f}"
 
 
-# The knob is a KV budget (issue 13): sparsity 0.9 reads 10% of the K/V bytes, centroids and dense tail included.
+# The knob: sparsity 0.9 reads 10% of the K/V bytes, centroids, dense tail and follow rows included.
 SPARSITY = 0.9
 
 
@@ -161,7 +160,7 @@ def test_passkey_retrieved_by_full_attention(passkey_sessions, depth):
 def test_kv_budget_at_90_percent(answers_at_90, depth, method):
     """The question's prefill reads its budget, 10% of the global layers' K/V bytes, within 0.03 (the reads are
     calibrated on the context's last tokens); the answer's decode steps read a little less (they are sharper than
-    the calibration tokens). Measured (session 18, default index, follow rows): prefill 0.078-0.106, decode
+    the calibration tokens). Measured (default index, follow rows): prefill 0.078-0.106, decode
     0.072-0.093."""
     stats = answers_at_90(depth, method).stats
     assert abs(stats.kv_budget_prefill - (1 - SPARSITY)) <= 0.03
@@ -173,8 +172,8 @@ def test_kv_budget_at_90_percent(answers_at_90, depth, method):
 @pytest.mark.parametrize("method", ["squeeze", "hsqueeze"])
 def test_passkey_retrieved_at_90_percent(answers_at_90, depth, method):
     """At 90% (a 10% KV budget, of which the one-byte centroids take about 0.7 points, the dense tail 0.8 and the
-    follow rows' reserve 1.6 in a prefill, 1.8 in a decode step) with the default index: 6/6 since session 18 (the
-    follow rows; session 16 needed 10% centroids for it)."""
+    follow rows' reserve 1.6 in a prefill, 1.8 in a decode step) with the default index: 6/6 (without the
+    follow rows it takes 10% centroids)."""
     answer = answers_at_90(depth, method)
     assert KEY in answer.text, f"{method}@{SPARSITY} at depth {depth} answered {answer.text!r}"
 
@@ -183,10 +182,10 @@ def test_passkey_retrieved_at_90_percent(answers_at_90, depth, method):
 def test_quest_retrieves_the_passkey_at_90_percent(answers_at_90, depth):
     """Quest's page bounds are loose on this model (head_dim 256, QK-normed and rotated keys): with the question's
     queries the passkey's page ranks 10th-118th of 248 by the group's summed bound where the exact q . k ranks it
-    first or second (session 9), and alone it answered at a 40% budget only (session 16). With the follow rows
+    first or second, and alone it answers at a 40% budget only. With the follow rows
     (engine.attention.follow: the question's rows, read again by every decode step of the turn) it answers at 90% sparsity
     (a 10% KV budget: 6.25 points for the bounds, 0.8 for the tail): the answer's first digit comes from the decode
-    step after "Answer: ", whose own recent tokens occur everywhere (session 18)."""
+    step after "Answer: ", whose own recent tokens occur everywhere."""
     answer = answers_at_90(depth, "quest")
     assert KEY in answer.text, f"quest@{SPARSITY} at depth {depth} answered {answer.text!r}"
     assert abs(answer.stats.kv_budget_prefill - (1 - SPARSITY)) <= 0.03

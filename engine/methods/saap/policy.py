@@ -71,18 +71,18 @@ class SaapSettings(MethodSettings):
     dense_first_layer: the model's layer 0 reads every key when it is a global layer (the paper's choice);
     rank: what the buckets are taken best first by until the budget: "per_key" (default), the score over the
     bucket's keys in the document (the predicted weight a key of the budget buys), or "mass", the classifier's
-    score alone (the paper's top buckets, whose buckets are balanced; ours are not: engine/NOTES.md, "Saap's
-    buckets ranked per key");
+    score alone (the paper's top buckets, whose buckets are balanced; ours are not: engine/bench/README.md,
+    "Ranking buckets per key");
     size_prior: the classifier's softmax over its logits plus log n_b, n_b the keys in bucket b (the training
     prompt's long-range ones in training, the document's at ingest, folded into the index's copy of b2): its
     logits are a bucket's weight per key, whatever the sizes of the buckets in the training text
-    (engine.methods.saap.partitions, PartitionTraining.size_prior; engine/NOTES.md, "Saap's classifier with the buckets'
-    sizes");
+    (engine.methods.saap.partitions, PartitionTraining.size_prior; engine/bench/README.md, "The classifier's
+    size prior");
     max_bucket: with rank "per_key", a bucket holding more than this many times the document's mean of indexed keys
     per bucket is cut at ingest into chunks of consecutive keys, each at most that size, each a bucket of the index
     with the bucket's classifier column and its share of the score (split_buckets: per key every chunk ranks as its
     bucket did), so that the bucket crossing the budget, read whole, overshoots it by one chunk at most; 0: never
-    (engine/NOTES.md, "Saap's big buckets cut at ingest");
+    (engine/bench/README.md, "Big buckets cut at ingest");
     train_*: engine.methods.saap.partitions.PartitionTraining (prompts x tokens of text, sampled queries per prompt and head,
     k-means iterations, Adam steps, batch, learning rate, long-range queries only); seed: the training's. All but
     dense_first_layer, rank and max_bucket are the key of the stored partitions."""
