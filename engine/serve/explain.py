@@ -263,17 +263,6 @@ class ContextInspector:
             data.units[key] = out
         return out
 
-    def plan_text(self, context_id: str, method: str, sparsity: float) -> str | None:
-        """What a turn of `method` at `sparsity` would do (the plan's description), or None when the method is not
-        built for the context."""
-        built = self._built(context_id, method)
-        if built is None:
-            return None
-        prefix = names.method_calib_name(method, "")
-        wanted = [a["name"] for a in self.store.artifacts.list(context_id) if a["name"].startswith(prefix)]
-        calib = {n[len(prefix):]: t for n, t in self.store.artifacts.load(context_id, wanted).items()}
-        return built.plan(calib, 1.0 - sparsity).describe()
-
     # ------------------------------------------------------------------ passages
 
     def token_weights(self, context_id: str, report: dict, layer: int | None = None,

@@ -145,6 +145,22 @@ def test_the_catalog_names_the_registered_methods():
     assert TRAINED_METHODS == tuple(n for n, cls in REGISTRY.items() if cls.learns_per_model())
 
 
+def test_one_default_turn_everywhere():
+    """The command line, the app and the engine start a turn with the same method and sparsity (the catalog's)."""
+    import inspect
+
+    from app.cli import build_parser
+    from app.config import AppConfig
+    from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY
+    from engine.serve import Engine
+
+    args = build_parser(quick=True).parse_args(["ask", "doc.txt", "What was rebuilt?"])
+    assert (args.method, args.sparsity) == (DEFAULT_METHOD, DEFAULT_SPARSITY)
+    assert (AppConfig().method, AppConfig().sparsity) == (DEFAULT_METHOD, DEFAULT_SPARSITY)
+    stream = inspect.signature(Engine.stream).parameters
+    assert (stream["method"].default, stream["sparsity"].default) == (DEFAULT_METHOD, DEFAULT_SPARSITY)
+
+
 @pytest.mark.parametrize("argv", [["--help"], ["list"], ["list", "--json"], ["delete", "nosuchdoc"]])
 def test_quick_commands_load_neither_torch_nor_transformers(argv, tmp_path):
     """`squeeze --help`, `list` and `delete` answer without importing the model stack (seconds on these machines:
