@@ -18,13 +18,12 @@ from gradio_client import Client, handle_file
 from app.config import AppConfig
 from app.demo import build_demo, launch_kwargs
 from engine.methods import SPARSE_METHODS
-from engine.model.load import load_model
 from engine.serve.jobs import IngestWorker
 from engine.serve.service import Engine
 from engine.serve.turns import EMPTY_ANSWER, Turns, same_answer
 from engine.text.prompt import ANSWER_RESERVE, Exchange
 from storage import NotFoundError
-from tests.support.tiny_models import QUICK_TRAINING, make_tiny_model
+from tests.support.tiny_models import QUICK_TRAINING
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -75,11 +74,6 @@ def launch(engine: Engine, worker: IngestWorker | None = None, **config) -> Runn
     _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
                             **launch_kwargs(cfg))
     return RunningApp(url, demo, engine)
-
-
-@pytest.fixture(scope="module")
-def tiny_lm(tmp_path_factory):
-    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama_gqa")), "cpu")
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,8 @@ import time
 import pytest
 
 import storage.repositories.contexts as contexts_repository
-from engine.model.load import load_model
 from engine.serve.jobs import plain_error
 from engine.serve.service import Engine
-from tests.support.tiny_models import make_tiny_model
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -22,11 +20,6 @@ pytestmark = [
 ]
 
 DOC = "The ferry to Orsa leaves at 7:40 from pier 3. Tickets cost 12 crowns; bicycles travel free. " * 6
-
-
-@pytest.fixture(scope="module")
-def tiny_lm(tmp_path_factory):
-    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("faults"), "llama_gqa")), "cpu")
 
 
 def test_a_full_disk_during_an_ingest_leaves_no_half_written_context(tiny_lm, tmp_path, monkeypatch):
