@@ -225,9 +225,10 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
     common.add_argument("--cache-dir", default=None, help="where contexts are cached (default: $SQUEEZE_CACHE_DIR or ~/.cache/squeeze)")
     common.add_argument("--model", default=EMBEDDED_MODEL, help="transformers model id or local path (default: the embedded Gemma 3 270M)")
     common.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    common.add_argument("--compile", action="store_true",
-                        help="torch.compile the model's layers around the engine's attention: faster decode steps on "
-                             "a GPU after a one-time compilation at the first calls (engine/bench/README.md: end to end on a GPU)")
+    common.add_argument("--compile", nargs="?", const="on", default="auto", choices=("auto", "on", "off"),
+                        help="torch.compile the model's layers around the engine's attention, compiled once per "
+                             "process as a stage of the model's load: 'auto' (the default) on one GPU, 'on' (or "
+                             "--compile alone) anywhere, 'off' never")
     common.add_argument("--json", action="store_true", help="print one JSON object")
     common.add_argument("--quiet", action="store_true", help="no progress on stderr")
     common.add_argument("--debug", action="store_true", help="show tracebacks")

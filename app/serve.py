@@ -8,7 +8,7 @@ from app.config import AppConfig
 
 
 def serve(host: str = "127.0.0.1", port: int = 7860, model: str | None = None, cache_dir: str | Path | None = None,
-          device: str = "auto", config: AppConfig | None = None, compile: bool = False) -> None:
+          device: str = "auto", config: AppConfig | None = None, compile: str = "auto") -> None:
     """Build the engine and its ingest worker (which loads the model in the background), then serve until Ctrl-C."""
     from app.demo import build_demo, launch_kwargs  # noqa: PLC0415 - gradio is slow to import
     from engine.serve import Engine  # noqa: PLC0415

@@ -1,27 +1,54 @@
-"""Decoder layers compiled by torch.compile around the engine's own attention (opt-in; `squeeze bench e2e
---compile`).
+"""Decoder layers compiled by torch.compile around the engine's own attention: the default on one CUDA device
+(`compile="auto"`), on request elsewhere (`"on"`), off with `"off"`.
 
 Each decoder layer's forward goes through `nn.Module.compile()` (PyTorch's per-instance API; no transformers code is
 replaced). The engine's attention function and its cache update are `torch.compiler.disable`d, so dynamo compiles
 what lies between them: the norms, the projections, RoPE, the MLP and the residual adds become a few fused
 inductor kernels per layer instead of ~50 eager ones, and the engine's kernels run as they are. Compiled code is
-captured by engine.model.graph's CUDA graphs like eager code: the warm step before each capture compiles the decode
-shapes. Layers share their compiled code (dynamo passes a module's parameters as inputs); so that the layer index
-each layer hands to the cache does not specialise one compilation per layer (and exhaust dynamo's recompile limit
-after 8), dynamo is told to treat integer module attributes as inputs (`allow_unspec_int_on_nn_module`, a
-process-wide dynamo setting).
+captured by engine.model.graph's CUDA graphs like eager code. Layers share their compiled code (dynamo passes a
+module's parameters as inputs); so that the layer index each layer hands to the cache does not specialise one
+compilation per layer (and exhaust dynamo's recompile limit after 8), dynamo is told to treat integer module
+attributes as inputs (`allow_unspec_int_on_nn_module`, a process-wide dynamo setting).
+
+Compilation happens at a layer's first call per input shape. `warm_up` pays it once per process, when the model is
+loaded (a stage of the load the app and the command line show): calls of three lengths over a small random context,
+so that a question's prefill (any length: the second length makes dynamo compile the token dimension as dynamic),
+a decode step (one token, which dynamo specialises) and an ingest's chunks find their code compiled.
 """
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from engine.model.load import LoadedModel
+from engine.model.prefill import prefill
+from kernels.backend import Backend
+
+COMPILE_MODES = ("auto", "on", "off")
+# The warm-up's calls, in tokens: a first length (compiled for its static shape), a second one (the token dimension
+# compiled as dynamic: every later length of two or more tokens), then one token (a decode step's specialisation).
+WARM_UP_LENGTHS = (40, 24, 1)
+
+
+def wants_compile(mode: str | bool, lm: LoadedModel) -> bool:
+    """Whether `mode` compiles the layers of `lm`: "on" (or True) always, "off" (or False) never, "auto" where the
+    whole model sits on one CUDA device (torch.compile's gain there: decode steps 1.15-1.2x on an H200 at 128K;
+    engine/bench/README.md)."""
+    if isinstance(mode, bool):
+        return mode
+    if mode not in COMPILE_MODES:
+        raise ValueError(f"compile must be one of {', '.join(COMPILE_MODES)}, got {mode!r}")
+    if mode != "auto":
+        return mode == "on"
+    devices = {(torch.device(d).type, torch.device(d).index or 0) for d in [lm.device, *lm.layer_devices]}
+    return lm.device.type == "cuda" and len(devices) == 1
 
 
 def compile_layers(lm: LoadedModel) -> int:
     """Compile every decoder layer of lm.model in place (idempotent). Returns how many layers were compiled now.
-    Compilation itself happens at each layer's first call per input shape (seconds to a minute on a GPU)."""
+    Compilation itself happens at each layer's first call per input shape (seconds to a minute on a GPU): warm_up."""
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     compiled = 0
     for layer in lm.model.get_decoder().layers:
@@ -29,6 +56,20 @@ def compile_layers(lm: LoadedModel) -> int:
             layer.compile()
             compiled += 1
     return compiled
+
+
+def warm_up(lm: LoadedModel, backend: Backend) -> float:
+    """Run the compiled layers once at each of WARM_UP_LENGTHS (dense attention over a small random context: the
+    engine's own prefill path), so that their compilation is paid here rather than by a user's first question.
+    Returns the seconds it took."""
+    start = time.perf_counter()
+    gen = torch.Generator().manual_seed(0)
+    for length in WARM_UP_LENGTHS:
+        ids = torch.randint(0, lm.config.vocab_size, (length,), generator=gen)
+        prefill(lm, ids, 1, backend, chunk=length)
+    if lm.device.type == "cuda":
+        torch.cuda.synchronize(lm.device)
+    return time.perf_counter() - start
 
 
 def layers_compiled(lm: LoadedModel) -> bool:

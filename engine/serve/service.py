@@ -18,8 +18,8 @@ from engine.context.settings import ContextSettings
 from engine.index import artifacts as names
 from engine.methods import REGISTRY, Method, MethodSettings, Preparation, StepPlan, Tensors, build_order, make_method
 from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY, default_cache_dir
-from engine.model.compiled import compile_layers
-from engine.model.load import EMBEDDED_MODEL, LoadedModel, LoadStep, ModelLoadError, load_model, model_id_for
+from engine.model.compiled import compile_layers, wants_compile, warm_up
+from engine.model.load import EMBEDDED_MODEL, STEP_DONE, LoadedModel, LoadStep, ModelLoadError, load_model, model_id_for
 from engine.model.sampling import GenerationOptions
 from engine.serve.writer import ArtifactWriter
 from engine.text.prompt import Exchange, prompt_format, tokenize_document
@@ -28,6 +28,7 @@ from kernels.dispatch import backend_for
 from storage import Document, Store, load_document
 
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
+STEP_COMPILE = "compiling the model's layers for this GPU (once per process)"  # a load step after the weights
 Progress = Callable[[str, int, int], None]
 Overrides = Mapping[str, "MethodSettings | dict"]  # a request's settings of some methods (the rest: the engine's)
 CHECKPOINT = ":checkpoint"  # a preparation's checkpoint in store.models: under the method's name with this suffix
@@ -68,13 +69,14 @@ class Engine:
     """
 
     def __init__(self, cache_dir: str | Path | None = None, model: str | None = None, device: str = "auto",
-                 backend: str | None = None, lm: LoadedModel | None = None, compile: bool = False,
+                 backend: str | None = None, lm: LoadedModel | None = None, compile: str | bool = "auto",
                  methods: Overrides | None = None, follow: FollowSettings | None = None,
                  load_progress: Progress | None = None):
         self.store = Store(Path(cache_dir) if cache_dir else default_cache_dir())
         self.store.jobs.recover_interrupted()
         self.model_name, self.device_name, self.backend_name = model, device, backend
-        self.compile = compile  # torch.compile the decoder layers once loaded (engine.model.compiled)
+        self.compile = compile  # torch.compile the decoder layers once loaded: "auto", "on", "off" (engine.model.compiled)
+        self.compile_seconds: float | None = None  # the load's warm-up of the compiled layers, when they were compiled
         self.model_id = lm.model_id if lm is not None else model_id_for(model)
         _check_names(methods)
         self.method_settings = {name: make_method(name, (methods or {}).get(name)).settings for name in REGISTRY}
@@ -104,11 +106,24 @@ class Engine:
                         if self.load_progress is not None:
                             self.load_progress(step, done, total)
 
+                    steps: list[tuple[str, int, int]] = []
+
+                    def loading(step: str, done: int, total: int) -> None:
+                        if step == STEP_DONE:  # the compiled layers' warm-up may come after the weights
+                            steps.append((step, done, total))
+                        else:
+                            report(step, done, total)
+
                     try:
                         lm = load_model(self.model_name, self.device_name, convert_dir=self.store.root / "models",
-                                        progress=report)
-                        if self.compile:
+                                        progress=loading)
+                        total = steps[-1][2] if steps else 0
+                        if wants_compile(self.compile, lm):
+                            report(STEP_COMPILE, total, total + 1)
                             compile_layers(lm)
+                            self.compile_seconds = warm_up(lm, backend_for(lm.device, self.backend_name))
+                            total += 1
+                        report(STEP_DONE, total, total)
                         self._lm = lm
                     finally:
                         self.load_step = None

@@ -66,3 +66,23 @@ def test_compiled_ingest_matches_eager(sessions, tiny_model_path):
     for i in range(eager.lm.num_layers):
         torch.testing.assert_close(got[f"layer{i}.keys"], want[f"layer{i}.keys"], **TOL)
         torch.testing.assert_close(got[f"layer{i}.values"], want[f"layer{i}.values"], **TOL)
+
+
+def test_the_warm_up_compiles_what_a_turn_needs(tiny_model_path):
+    """After engine.model.compiled.warm_up (the load's compile stage), an ingest of another length, a question's
+    prefill and its decode steps compile nothing more: a user's first question pays no compilation."""
+    from torch._dynamo.utils import counters
+
+    from engine.model.compiled import warm_up
+
+    torch._dynamo.reset()  # (other tests' compilations would hide this one's)
+    lm = load_model(str(tiny_model_path), device="cpu")
+    compile_layers(lm)
+    assert warm_up(lm, REFERENCE) > 0
+    compiled = sum(counters["stats"].values())
+    ids = tokenize_document(lm.tokenizer, DOCUMENT, lm.max_context).ids
+    session = ContextSession(lm, ingest_tokens(lm, ids, SETTINGS, REFERENCE, all_methods(),
+                                               prepared=gates_for(lm, all_methods())).artifacts, SETTINGS, REFERENCE)
+    prompt = question_ids(lm.tokenizer, QUESTION)
+    assert len(list(generate_tokens(lm, session.step_context("squeeze", 0.7), prompt, STEPS))) == STEPS
+    assert sum(counters["stats"].values()) == compiled, dict(counters["stats"])

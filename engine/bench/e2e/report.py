@@ -20,7 +20,7 @@ from engine.bench.settings import parse_settings
 from engine.context.settings import ContextSettings
 from engine.methods import METHODS, REGISTRY, build_order, make_method
 from engine.model.catalog import DEFAULT_SPARSITY
-from engine.model.compiled import compile_layers
+from engine.model.compiled import compile_layers, wants_compile, warm_up
 from kernels.dispatch import backend_for
 
 
@@ -75,8 +75,10 @@ def run(args: argparse.Namespace) -> dict:
                  "follow": args.follow, "token_lookups": args.token_lookups}
     log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
     lm = open_model(args.shape, args.model, args.device, args.gpus)
-    if args.compile == "on":
-        compile_layers(lm)  # each shape compiles at its first call: in the warm-up ingest and the untimed turns
+    compiled_first = args.compile == "on" or (args.compile == "auto" and wants_compile("auto", lm))
+    if compiled_first:  # as the product does by default on one GPU: compiled, then warmed up, once per process
+        compile_layers(lm)
+        out["compile_warm_up_s"] = round(warm_up(lm, backend_for(lm.device)), 3)
     backend = backend_for(lm.device)
     ids = context_ids(lm, args.context, args.document)
     fixed_len = int(ids.numel())
@@ -124,9 +126,11 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()
     add_ratios(out)
 
+    out["compiled_layers"] = compiled_first
     if args.compile == "both":  # the same phases again with compiled layers, in this run (same-run ratios)
         log("compiling the decoder layers (engine.model.compiled); the engine's phases again")
         compile_layers(lm)
+        out["compile_warm_up_s"] = round(warm_up(lm, backend_for(lm.device)), 3)
         compiled = measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps,
                                   args.profile, args.graphs, tag="compiled ", method_settings=method_settings,
                                   follow=follow, token_lookups=args.token_lookups)
@@ -165,9 +169,10 @@ def main(argv: list[str] | None = None) -> int:
                                                             "GPUs with accelerate (as --device auto does)")
     parser.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=True,
                         help="replay decode steps from CUDA graphs where the model allows (one GPU)")
-    parser.add_argument("--compile", nargs="?", const="on", default="off", choices=("off", "on", "both"),
-                        help="torch.compile the decoder layers around the engine's attention (engine.model.compiled); "
-                             "'both': the engine's phases without, then with compiled layers, in one run")
+    parser.add_argument("--compile", nargs="?", const="on", default="auto", choices=("auto", "off", "on", "both"),
+                        help="torch.compile the decoder layers around the engine's attention (engine.model.compiled): "
+                             "'auto' (the product's default) on one GPU; 'both': the engine's phases without, then "
+                             "with compiled layers, in one run")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time plain transformers (CUDA only)")
     parser.add_argument("--chunk", type=int, default=4096, help="the peer's prefill chunk")
