@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from kernels.checks import check_valid
 from kernels.jit.buckets import logits_kernel, pick_kernel, take_best_kernel
 from kernels.reference import buckets as reference
 from kernels.reference.buckets import classify, derope, ranking
@@ -25,13 +26,16 @@ def precision(device: torch.device) -> str:
 
 
 def bucket_scores(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
-                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
-    return best_buckets(q, positions, inv_freq, w1, b1, w2, b2, None, 0.0)[0]
+                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
+                  valid: torch.Tensor | None = None) -> torch.Tensor:
+    return best_buckets(q, positions, inv_freq, w1, b1, w2, b2, None, 0.0, valid=valid)[0]
 
 
 def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, sizes: torch.Tensor | None,
-                 budget: float, per_key: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 budget: float, per_key: bool = False,
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    check_valid(valid, q.device)
     hq, lq, d = q.shape
     hkv, _, hidden = w1.shape
     c = w2.shape[-1]
@@ -39,8 +43,9 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
         raise ValueError(f"q {tuple(q.shape)}, inv_freq {tuple(inv_freq.shape)}, w1 {tuple(w1.shape)}, "
                          f"w2 {tuple(w2.shape)} do not fit together")
     rows = (hq // hkv) * lq
-    if rows > DECODE_ROWS or not c:  # a prefill's scores: torch's batched products (cuBLAS) beat a kernel here
-        score = reference.bucket_scores(q, positions, inv_freq, w1, b1, w2, b2)
+    # a prefill's scores (a padded question's too): torch's batched products (cuBLAS) beat a kernel here
+    if rows > DECODE_ROWS or not c or valid is not None:
+        score = reference.bucket_scores(q, positions, inv_freq, w1, b1, w2, b2, valid)
         return score, None if sizes is None else take_best(ranking(score, sizes, per_key), sizes, budget)
     params = [t.to(device=q.device, dtype=torch.float32).contiguous() for t in (inv_freq, w1, b1, w2, b2)]
     if q.stride(-1) != 1:

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import triton
 
-from kernels.checks import LOG2E
+from kernels.checks import LOG2E, check_valid
 from kernels.compact_ops import expand_block_sums
 from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel, centroid_score_prefill_kernel
 
@@ -149,7 +149,7 @@ def default_config(device: torch.device, lq: int, head_dim: int, dtype: torch.dt
     return LookupConfig(block_m=64, block_c=128, num_warps=4, num_stages=3, target_programs=target,
                         score_block_m=128, score_block_c=score_c, score_warps=4, score_stages=2)
 
-def _check_common(q, centroids, counts, rows, step=None):
+def _check_common(q, centroids, counts, rows, step=None, valid=None):
     if q.dim() != 3 or centroids.dim() != 3:
         raise ValueError(
             f"q must be [Hq, Lq, D] and centroids [Hkv, C, D]; got {tuple(q.shape)}, {tuple(centroids.shape)}"
@@ -172,6 +172,7 @@ def _check_common(q, centroids, counts, rows, step=None):
     for name, t in (("centroids", centroids), ("counts", counts)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
+    check_valid(valid, q.device)
     if step is not None and (centroids.dtype != torch.uint8 or tuple(step.shape) != (hkv, d)
                              or step.dtype != torch.float32 or step.device != q.device):
         raise ValueError(f"step goes with uint8 centroids and must be a float32 [Hkv, D] = [{hkv}, {d}] tensor on "
@@ -191,11 +192,12 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config,
-            starts=None, block_sums=None, step=None):
+            starts=None, block_sums=None, step=None, valid=None):
     """Both passes. allowed: [rows, C] bool or None; indptr/idx: CSR candidates or None (dense); keep/score: the
     [rows, C] outputs (for lists, already zeroed: only candidate entries are written); starts / block_sums: the
     clusters' key ranges [Hkv, C + 1] and the kept keys per (row, score block) [rows, NB] out (dense only); step:
-    the one-byte centroids' step [Hkv, D] (the kernels scale q by it as they load it), or None."""
+    the one-byte centroids' step [Hkv, D] (the kernels scale q by it as they load it), or None; valid: [1] int64, the
+    real tokens of Lq (the first ones), or None (all)."""
     hq, lq, d = q.shape
     hkv, c, _ = centroids.shape
     use_list = indptr is not None
@@ -225,6 +227,7 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     indptr = indptr if use_list else counts  # dummies: never read unless USE_LIST
     idx = idx if use_list else counts
     step_arg = step.contiguous() if step is not None else part_max  # dummy unless SCALED
+    valid_arg = valid if valid is not None else counts  # dummy unless HAS_VALID
 
     common = dict(
         D=d,
@@ -253,22 +256,23 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
         centroid_score_prefill_kernel[(units, score_blocks)](
             q, centroids, counts, allowed_u8, step_arg, part_max, part_sum, keep.view(torch.uint8), score,
             starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-            float(scale) * LOG2E, keep_threshold, lq, c, g, hpr, nsplit, score_blocks,
+            valid_arg, float(scale) * LOG2E, keep_threshold, lq, c, g, hpr, nsplit, score_blocks,
             q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
             allowed_u8.stride(0), keep.stride(0), score.stride(0),
             D=d, BLOCK_D=common["BLOCK_D"], BLOCK_M=score_m, BLOCK_C=score_c,
             BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(hpr)), BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)),
             HAS_ALLOWED=allowed is not None, HAS_STARTS=has_starts, DOT_PRECISION=common["DOT_PRECISION"],
-            SCALED=common["SCALED"], CODES16=common["CODES16"], num_warps=score_warps, num_stages=score_stages,
+            SCALED=common["SCALED"], CODES16=common["CODES16"], HAS_VALID=valid is not None, num_warps=score_warps,
+            num_stages=score_stages,
         )
         return
     centroid_score_kernel[(units, score_blocks)](
         *inputs, part_max, part_sum, s_cache, keep.view(torch.uint8), score,
         starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-        float(scale) * LOG2E, keep_threshold, lq, c, capacity, g, gh, hpr, nsplit, score_blocks, score_blocks,
-        *strides, keep.stride(0), score.stride(0),
+        valid_arg, float(scale) * LOG2E, keep_threshold, lq, c, capacity, g, gh, hpr, nsplit, score_blocks,
+        score_blocks, *strides, keep.stride(0), score.stride(0),
         BLOCK_M=score_m, BLOCK_C=score_c, BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)), LOAD_S=cache_s,
-        HAS_STARTS=has_starts, num_warps=score_warps, num_stages=score_stages, **common,
+        HAS_STARTS=has_starts, HAS_VALID=valid is not None, num_warps=score_warps, num_stages=score_stages, **common,
     )
 
 
@@ -282,6 +286,7 @@ def cluster_keep(
     allowed: torch.Tensor | None = None,
     *,
     step: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The centroid lookup of one step over every centroid: `kernels.reference.centroid.cluster_keep` on the GPU.
@@ -291,12 +296,13 @@ def cluster_keep(
        kernels.reference.centroid.quantize_centroids); counts: [Hkv, C] int (0 = empty)
     rows: Hq or Hkv; row r reads KV head r * Hkv // rows and averages S over its Hq // rows query heads
     allowed: optional [rows, C] bool; only allowed clusters enter the denominator, are scored and kept
+    valid: optional [1] int64 on q's device: only the first valid[0] of the Lq tokens count (a padded question)
     config: launch parameters (default: default_config)
     Returns keep [rows, C] bool (score > T, or every cluster when T <= 0; and count > 0 and allowed) and
     score [rows, C] float32: max(mean over tokens, last token) of S averaged over the row's heads, 0 where not
     allowed; +inf where a row's denominator is empty (every allowed cluster empty), as in the reference.
     """
-    _check_common(q, centroids, counts, rows, step)
+    _check_common(q, centroids, counts, rows, step, valid)
     _check_scalars(scale, threshold)
     c = centroids.shape[1]
     if allowed is not None:
@@ -304,7 +310,8 @@ def cluster_keep(
             raise ValueError(f"allowed must be a bool [rows, C] = [{rows}, {c}] tensor on {q.device}")
     keep = torch.empty(rows, c, dtype=torch.bool, device=q.device)
     score = torch.empty(rows, c, dtype=torch.float32, device=q.device)
-    _launch(q, centroids, counts, scale, threshold, rows, allowed, None, None, keep, score, config, step=step)
+    _launch(q, centroids, counts, scale, threshold, rows, allowed, None, None, keep, score, config, step=step,
+            valid=valid)
     return keep, score
 
 
@@ -321,19 +328,20 @@ def cluster_select(
     *,
     fixed: Fixed | None = None,
     step: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """The lookup and the expansion of its kept clusters into key positions, in three launches: the denominator
     pass, the score pass (which also sums the kept keys per block of centroids), the expansion.
 
-    q, centroids, counts, scale, threshold, rows, step: as cluster_keep; starts: [Hkv, C + 1] int64, cluster c of head h
-    holds positions [starts[h, c], starts[h, c + 1]); total: starts[h, C] (the same for every head); tail: dense
+    q, centroids, counts, scale, threshold, rows, step, valid: as cluster_keep; starts: [Hkv, C + 1] int64, cluster c of
+    head h holds positions [starts[h, c], starts[h, c + 1]); total: starts[h, C] (the same for every head); tail: dense
     positions total .. total + tail - 1 that every row keeps; fixed: the rows of the heads it marks read its lists
     instead of their clusters and the tail (written by the expansion: no extra launch).
     Returns keep, score (as cluster_keep) and the Selection of `kernels.layout.expand_groups(keep, starts, total,
     tail)`; no host synchronisation.
     """
-    _check_common(q, centroids, counts, rows, step)
+    _check_common(q, centroids, counts, rows, step, valid)
     _check_scalars(scale, threshold)
     hkv, c = counts.shape
     if tuple(starts.shape) != (hkv, c + 1) or starts.dtype != torch.int64 or starts.device != q.device:
@@ -345,7 +353,7 @@ def cluster_select(
     block_sums = torch.empty(rows, max(1, triton.cdiv(c, score_c)), dtype=torch.int64, device=q.device)  # all written
     starts = starts.contiguous()
     _launch(q, centroids, counts, scale, threshold, rows, None, None, None, keep, score, cfg, starts, block_sums,
-            step)
+            step, valid)
     return keep, score, expand_block_sums(keep, starts, block_sums, score_c, total, tail, fixed=fixed)
 
 
@@ -362,6 +370,7 @@ def cluster_keep_list(
     out_score: torch.Tensor | None = None,
     *,
     step: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The level-2 lookup over each row's candidate clusters only: `reference.cluster_keep(..., allowed=A)` with
@@ -371,11 +380,11 @@ def cluster_keep_list(
     cand_idx: [capacity] int32/int64 centroid ids, sorted and distinct within a row; entries at positions
               >= cand_indptr[-1] are ignored, and so are ids outside [0, C)
     out_keep / out_score: optional [rows, C] bool / float32 outputs to reuse; they are zeroed here (asynchronously)
-    step: as cluster_keep
+    step, valid: as cluster_keep
     Returns keep [rows, C] bool and score [rows, C] float32 as cluster_keep (0 / False off the candidates).
     No host synchronisation: the grid depends on (Hq, Lq, C, capacity) only.
     """
-    _check_common(q, centroids, counts, rows, step)
+    _check_common(q, centroids, counts, rows, step, valid)
     _check_scalars(scale, threshold)
     c = centroids.shape[1]
     if cand_indptr.shape != (rows + 1,) or cand_idx.dim() != 1:
@@ -387,7 +396,7 @@ def cluster_keep_list(
     keep = _output(out_keep, "out_keep", (rows, c), torch.bool, q.device)
     score = _output(out_score, "out_score", (rows, c), torch.float32, q.device)
     _launch(q, centroids, counts, scale, threshold, rows, None, cand_indptr.contiguous(), cand_idx.contiguous(),
-            keep, score, config, step=step)
+            keep, score, config, step=step, valid=valid)
     return keep, score
 
 
@@ -403,8 +412,8 @@ __all__ = ["LookupConfig", "cluster_keep", "cluster_keep_list", "cluster_select"
 
 
 def cluster_keep_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scale: float, threshold: float,
-                       rows: int, candidates: Selection, *,
-                       step: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       rows: int, candidates: Selection, *, step: torch.Tensor | None = None,
+                       valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`kernels.reference.centroid.cluster_keep_among` on the GPU: `cluster_keep_list` over the candidates' lists."""
     return cluster_keep_list(q, centroids, counts, scale, threshold, rows, candidates.indptr, candidates.indices,
-                             step=step)
+                             step=step, valid=valid)

@@ -1,4 +1,4 @@
-"""Input checks shared by the attention wrappers (kernels/sparse_ops.py, kernels/causal_ops.py)."""
+"""Input checks shared by the wrappers (kernels/sparse_ops.py, kernels/causal_ops.py, the lookups' `valid` counts)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,12 @@ def check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     hq, hkv = q.shape[0], k.shape[0]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"Hq={hq} must be a multiple of Hkv={hkv}")
+
+
+def check_valid(valid: torch.Tensor | None, device: torch.device) -> None:
+    """A pooled lookup's count of real tokens: None (every token), or an int64 [1] tensor on `device` (the first
+    valid[0] tokens are real, the rest padding; its value is never read on the host)."""
+    if valid is not None and (not isinstance(valid, torch.Tensor) or valid.shape != (1,) or valid.dtype != torch.int64
+                              or valid.device != device):
+        got = (valid.dtype, tuple(valid.shape), valid.device) if isinstance(valid, torch.Tensor) else valid
+        raise ValueError(f"valid must be an int64 [1] tensor on {device} (the real tokens), got {got}")

@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 import triton
 
+from kernels.checks import check_valid
 from kernels.jit.pages import page_scores_kernel, page_threshold_kernel, page_write_kernel
+from kernels.reference._common import token_mean_and_last
 from kernels.reference.pages import dequantize_bounds, quantize_bounds  # the one-byte format: torch on both backends
 from kernels.selection import Selection
 
@@ -34,18 +36,21 @@ def _check(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, rows
         raise ValueError(f"q on {q.device}, bounds on {page_min.device} / {page_max.device}")
 
 
-def reduced_queries(q: torch.Tensor, rows: int) -> torch.Tensor:
+def reduced_queries(q: torch.Tensor, rows: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Hq, Lq, D] -> [rows, 4, D] float32: per row, the sum over its query heads of q+ and q- averaged over the
-    tokens, then of the last token's (the bound is linear in them: kernels/jit/pages.py)."""
+    tokens, then of the last token's (the bound is linear in them: kernels/jit/pages.py); valid: the real tokens
+    (kernels.reference._common.token_mean_and_last)."""
     hq, _, d = q.shape
     qf = q.float()
-    pos, neg = qf.clamp(min=0), qf.clamp(max=0)
-    parts = torch.stack([pos.mean(dim=1), neg.mean(dim=1), pos[:, -1], neg[:, -1]], dim=1)  # [Hq, 4, D]
+    (pos_mean, pos_last), (neg_mean, neg_last) = (token_mean_and_last(x, valid)
+                                                  for x in (qf.clamp(min=0), qf.clamp(max=0)))
+    parts = torch.stack([pos_mean, neg_mean, pos_last, neg_last], dim=1)  # [Hq, 4, D]
     return parts.view(rows, hq // rows, 4, d).sum(dim=1).contiguous()
 
 
 def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, rows: int,
-                offset: torch.Tensor | None = None, step: torch.Tensor | None = None) -> torch.Tensor:
+                offset: torch.Tensor | None = None, step: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Hq, Lq, D]; page_min, page_max: [Hkv, P, D] bounds, or uint8 codes with offset and step [Hkv, D]
     (kernels.reference.pages.quantize_bounds: half the bytes); rows: Hkv (each row sums its query heads' bounds)
     or Hq.
@@ -53,9 +58,11 @@ def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
     Returns [rows, P] float32: per page, max(the bound of the tokens' mean, the bound of the last token), where a
     token's bound is sum_i max(q_i min_i, q_i max_i) summed over the row's query heads (kernels.reference.pages).
     A decode step (Lq = 1) is one launch; a question's tokens are first reduced to four vectors per row (a few
-    small torch ops), so the kernel reads four vectors per row whatever Lq is.
+    small torch ops), so the kernel reads four vectors per row whatever Lq is. valid: [1] int64, the real tokens of
+    Lq (the first ones; None: all).
     """
     _check(q, page_min, page_max, rows)
+    check_valid(valid, q.device)
     quant = offset is not None
     if quant != (step is not None) or quant != (page_min.dtype == torch.uint8 == page_max.dtype):
         raise ValueError("uint8 codes need offset and step [Hkv, D]; bounds of the keys' dtype need neither")
@@ -65,7 +72,7 @@ def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
     if rows == 0 or pages == 0:
         return out
     reduced = lq > 1
-    pre = reduced_queries(q, rows) if reduced else out  # `out` stands in for the unused pointer
+    pre = reduced_queries(q, rows, valid) if reduced else out  # `out` stands in for the unused pointer
     q = q if q.stride(2) == 1 else q.contiguous()
     page_min, page_max = page_min.contiguous(), page_max.contiguous()
     if quant:

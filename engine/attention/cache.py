@@ -175,6 +175,16 @@ class FixedContextCache(Cache):
         for layer in self.layers:
             layer.reset_dynamic()
 
+    def keep_new(self, count: torch.Tensor, n: int | None = None) -> None:
+        """Keep only the first count[0] of the new tokens written (count: [1] int64 on the device: a padded call's real
+        tokens; the padding's slots are written over by the next tokens, and masked by position until then); n: the
+        same count on the host (None while a CUDA graph is being captured: the caller sets it after each replay)."""
+        for layer in self.layers:
+            if layer.new_len is not None:
+                layer.new_len.copy_(count)
+                if n is not None:
+                    layer.host_new = n
+
     def reserve(self, slots: int) -> None:
         """Room for `slots` new tokens in every layer that holds a fixed part (a turn over a ready context)."""
         for layer in self.layers:

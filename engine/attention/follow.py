@@ -42,8 +42,8 @@ class FollowSettings:
     before them; off by default: on the embedded model at a 10% budget 8 won saap the two 16K needles it lost and
     cost it three of the 30-cell grid, squeeze one, and 2 cost every method 4K depth 0.7: engine/bench/README.md,
     "A lead before the question's word pairs: off"); leads: how many of the occurrences (the best first) take the
-    lead (0: every one; the rows in all stay `prefill`); ngram: the longest suffix of the recent tokens a decode step matches; carry: whether each
-    decode step also reads the question's rows (the prefill's)."""
+    lead (0: every one; the rows in all stay `prefill`); ngram: the longest suffix of the recent tokens a decode
+    step matches; carry: whether each decode step also reads the question's rows (the prefill's)."""
 
     decode: int = 8
     prefill: int = 64
@@ -130,15 +130,16 @@ class Follow:
         # are read by every step anyway, and a document's end that repeats the question would take every row
         self.indexed_next = self.stored_rows(self.position + 1)[1]
 
-    def begin(self, ids: torch.Tensor) -> None:
+    def begin(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """ids: [n] int64 on the device, the tokens of the next forward call (n > 1: a question's prefill, which
-        also starts the turn's recent tokens)."""
+        also starts the turn's recent tokens); valid: [1] int64, how many of them are real (the first ones: a
+        question padded to a captured length), None: all."""
         ids = ids.reshape(-1).to(torch.int64)
         s = self.settings
         if ids.numel() > 1:
-            self.positions = self._prefill(ids) if s.prefill > 0 else self.positions[:0]
+            self.positions = self._prefill(ids, valid) if s.prefill > 0 else self.positions[:0]
             # in place: a captured decode step reads these buffers
-            _last_tokens(ids, self.recent)
+            _last_tokens(ids, self.recent, valid)
             self.question.copy_(self.positions[: self.question.numel()])
             return
         self.recent.copy_(torch.cat([self.recent[1:], ids]))
@@ -195,12 +196,16 @@ class Follow:
         score = torch.where((length > 0) & self.indexed_next, length * (n + 1) + self.position, -1)
         return _after(score, self.settings.decode, 1, n)
 
-    def _prefill(self, ids: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """[question_rows] the `window` tokens after each of the `windows` occurrences of a bigram of `ids`, the
-        rarest bigrams first, then the latest, and the `lead` tokens up to each of the first `led`."""
+        rarest bigrams first, then the latest, and the `lead` tokens up to each of the first `led` (valid: the real
+        tokens of ids, the first ones; a bigram with a padding token in it is none)."""
         n = self.ids.numel()
         s = self.settings
-        asked, _ = _bigram_codes(ids[:-1], ids[1:]).sort()  # (torch.isin would synchronise with the host)
+        first = ids[:-1]
+        if valid is not None:
+            first = torch.where(torch.arange(1, ids.numel(), device=ids.device) < valid, first, -1)
+        asked, _ = _bigram_codes(first, ids[1:]).sort()  # (torch.isin would synchronise with the host)
         at = torch.searchsorted(asked, self.bigrams).clamp(max=asked.numel() - 1)
         found = (asked[at] == self.bigrams) & (self.bigrams >= 0) & self.indexed_next
         score = torch.where(found, (n + 1 - self.rarity) * (n + 1) + self.position, -1)  # rarest, then latest
@@ -232,8 +237,13 @@ def inverse_order(order: torch.Tensor, indexed: int) -> torch.Tensor:
     return inv[:, :indexed].contiguous()
 
 
-def _last_tokens(tokens: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out [ngram] (written in place and returned): the last ngram of `tokens`, -1 in front where there are fewer."""
+def _last_tokens(tokens: torch.Tensor, out: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """out [ngram] (written in place and returned): the last ngram of `tokens` (of its first valid[0] when valid, a
+    [1] int64 tensor, is given), -1 in front where there are fewer."""
+    if valid is not None:  # on the device: the real tokens' end is not known on the host
+        at = valid - out.numel() + torch.arange(out.numel(), device=tokens.device)
+        out.copy_(torch.where(at >= 0, tokens[at.clamp(min=0)], -1))
+        return out
     tail = tokens[-out.numel():]
     out.fill_(-1)
     out[out.numel() - tail.numel():] = tail

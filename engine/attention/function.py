@@ -63,6 +63,9 @@ class StepContext:
     graphs: where greedy generation finds (or captures) its decode step; None runs every step eagerly
     follow: the context's follow rows (engine.attention.follow), added to every sparse selection; None: none. The caller of
     a forward call runs `follow.begin(ids)` before it (engine.model.generate, engine.model.graph)
+    valid: [1] int64 on the model's device, how many of the call's tokens are real (the first ones: a question
+        padded to a captured length, engine.model.graph.PrefillGraph); each pooled lookup counts those only; None:
+        every token
     token_lookups: a call over several tokens (a question's prefill) looks up each token's keys on its own, as a
         decode step does (each at the decode plan), instead of one lookup whose selection all its tokens share (the
         Squeezed Attention paper's prefill: S averaged over the tokens); engine/bench/README.md, "One lookup per
@@ -77,9 +80,10 @@ class StepContext:
     capture: QueryCapture | None = None
     positions: torch.Tensor | None = None
     static: bool = False
-    graphs: object | None = None  # engine.model.graph.DecodeGraphs: decode steps replayed from CUDA graphs (None: eager)
+    graphs: object | None = None  # engine.model.graph.StepGraphs: prefills and decode steps replayed from CUDA graphs
     follow: Follow | None = None
     token_lookups: bool = False
+    valid: torch.Tensor | None = None
 
 
 def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
@@ -112,7 +116,7 @@ def _selected_part(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torc
     timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
     method = step.method
     with timed("lookup"):
-        lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos)
+        lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos, step.valid)
     if recorder is not None:
         recorder.record(layer.layer_idx, lookup)
     with timed("attention"):

@@ -231,10 +231,12 @@ class Method(ABC):
 
     @abstractmethod
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
         """q: [Hq, Lq, D] the step's queries (Lq > 1: the question's prefill), RoPE applied; positions: [Lq] int64
         on q's device, their positions (a method that works on de-RoPE'd queries needs them; the engine always
-        passes them). No host synchronisation."""
+        passes them); valid: [1] int64 on q's device, how many of the Lq tokens are real, the first ones (a question
+        padded to a captured length: a score pooled over the step's tokens must count the real ones only; None:
+        all of them). No host synchronisation."""
 
     def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[StepPlan], scale: float,
               positions: torch.Tensor | None = None) -> list[float]:

@@ -62,10 +62,14 @@ class StepTotals:
     dense: set[int] = field(default_factory=set)
     steps: int = 0
     unit_max: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [rows, U] the steps' best unit scores
+    prefill: bool = False  # a question's prefill: its lookups' kept units are listed (clusters), not maxed
+    # layer -> (kept [rows, U], sizes [Hkv, U], scores [rows, U] or None) of the question's prefill
+    clusters: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
 
     @classmethod
-    def zeros(cls, layers: int, hq: int, device: torch.device) -> "StepTotals":
-        return cls(kept=torch.zeros(layers, hq, device=device), read=torch.zeros(layers, device=device))
+    def zeros(cls, layers: int, hq: int, device: torch.device, prefill: bool = False) -> "StepTotals":
+        return cls(kept=torch.zeros(layers, hq, device=device), read=torch.zeros(layers, device=device),
+                   prefill=prefill)
 
     def reset(self) -> None:
         self.kept.zero_()
@@ -91,9 +95,7 @@ class TurnRecorder:
         self._index = {layer: i for i, layer in enumerate(self.global_layers)}
         self.prefill: StepTotals | None = None
         self.decode: StepTotals | None = None
-        self.current: StepTotals | None = None  # where record() adds (a decode graph points it at its own totals)
-        # layer -> (kept [rows, U], sizes [Hkv, U], scores [rows, U] or None) of the question's prefill
-        self.prefill_clusters: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
+        self.current: StepTotals | None = None  # where record() adds (a captured step points it at its own totals)
         self.seconds = {"lookup": 0.0, "attention": 0.0}
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._step = -1
@@ -101,9 +103,26 @@ class TurnRecorder:
         self.timing = True  # time lookup and attention (off for steps that are not counted in timed_steps)
         self.timed_steps = 0  # eager steps whose lookup and attention were timed (replayed ones cannot be)
 
-    def totals(self, device: torch.device) -> StepTotals:
+    def totals(self, device: torch.device, prefill: bool = False) -> StepTotals:
         """Fresh totals for a phase on `device`."""
-        return StepTotals.zeros(len(self.global_layers), self.hq, device)
+        return StepTotals.zeros(len(self.global_layers), self.hq, device, prefill)
+
+    @property
+    def prefill_clusters(self) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+        """The question's prefill's kept units per global layer (StepTotals.clusters)."""
+        return self.prefill.clusters if self.prefill is not None else {}
+
+    def add_prefill(self, totals: StepTotals) -> None:
+        """A question's prefill replayed from a CUDA graph, whose statistics are in `totals` (the graph's own
+        buffers, overwritten by its next replay): copied, as the turn's prefill phase (device copies, no sync)."""
+        if self._step >= 0:
+            raise RuntimeError("a replayed prefill is the turn's first step")
+        self._step = 0
+        self.prefill = StepTotals(kept=totals.kept.clone(), read=totals.read.clone(), rows=dict(totals.rows),
+                                  dense=set(totals.dense), steps=self._prefill_lookups, prefill=True,
+                                  clusters={layer: tuple(t.clone() if t is not None else None for t in entry)
+                                            for layer, entry in totals.clusters.items()})
+        self.current = None
 
     def begin_step(self) -> None:
         """Called by the host before each eager step (replayed steps are handed over with add_decode)."""
@@ -159,7 +178,7 @@ class TurnRecorder:
         if self.current is None:
             if self._step <= 0:
                 if self.prefill is None:
-                    self.prefill = self.totals(device)
+                    self.prefill = self.totals(device, prefill=True)
                     self.prefill.steps = self._prefill_lookups
                 self.current = self.prefill
             else:
@@ -184,9 +203,10 @@ class TurnRecorder:
             union = sel.to_mask().reshape(self.hkv, sel.rows // self.hkv, -1).any(dim=1).sum()
             index = index + union * (2 * self.head_dim)
         totals.read[i] += index.to(totals.read.device)
-        if totals is self.prefill and lookup.units is not None and lookup.sizes is not None:
-            self.prefill_clusters[layer_idx] = (lookup.units, lookup.sizes, lookup.scores)
-        elif totals is not self.prefill and lookup.scores is not None:  # a decode step: its units' best scores
+        if totals.prefill:
+            if lookup.units is not None and lookup.sizes is not None:
+                totals.clusters[layer_idx] = (lookup.units, lookup.sizes, lookup.scores)
+        elif lookup.scores is not None:  # a decode step: its units' best scores
             best = totals.unit_max.get(layer_idx)
             if best is None:  # the first (eager or warm-up) step; a captured step finds the buffer and adds in place
                 totals.unit_max[layer_idx] = lookup.scores.detach().float().clone()

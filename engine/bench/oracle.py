@@ -50,11 +50,13 @@ class OraclePolicy(Method):
         return KeysPlan(budget=check_budget(budget), keys=check_budget(decode_keys))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: KeysPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
         """q: [Hq, Lq, D] -> the selection of the heaviest keys per KV head (one for the step's Lq tokens)."""
         keys = layer["keys"]
         hkv, indexed = keys.shape[:2]
-        # [Hq, Lq, Lc] -> [Hkv, Lc]: the group's and the step's weight on each key
-        weight = full_probs(q, keys, scale).reshape(hkv, -1, indexed).sum(dim=1)
+        probs = full_probs(q, keys, scale)  # [Hq, Lq, Lc]
+        if valid is not None:  # a padded question: its real tokens' weight only
+            probs = probs * (torch.arange(q.shape[1], device=q.device) < valid)[None, :, None].to(probs.dtype)
+        weight = probs.reshape(hkv, -1, indexed).sum(dim=1)  # [Hkv, Lc]: the group's and the step's weight on each key
         _, selection = backend.kernel("pages").select_pages(weight, plan.count(indexed), 1, layer.num_keys)
         return Lookup(selection=selection, index_elements=torch.zeros(hkv, device=q.device))

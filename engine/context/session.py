@@ -20,7 +20,7 @@ from engine.index import artifacts as names
 from engine.methods import REGISTRY, LayerIndex, Method, StepPlan, Tensors, build_order, make_method
 from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY
 from engine.model.generate import full_logits, generate_tokens
-from engine.model.graph import DecodeGraphs, graphs_supported
+from engine.model.graph import StepGraphs, graphs_supported
 from engine.model.load import LoadedModel
 from engine.model.prefill import Progress, global_scale, no_progress
 from engine.model.sampling import GenerationOptions, Sampler
@@ -105,7 +105,7 @@ class ContextSession:
         follow = FollowSettings() if follow is None else follow
         self.follow_settings = follow
         self.follow = Follow(self.tokens.to(lm.device), self.rows, follow) if follow.on else None
-        self.graphs = DecodeGraphs(lm) if graphs and backend.name == "triton" and graphs_supported(lm) else None
+        self.graphs = StepGraphs(lm) if graphs and backend.name == "triton" and graphs_supported(lm) else None
 
     def add_method(self, method: Method, part: names.MethodArtifacts, prepared: Tensors | None = None) -> None:
         """Make a method's index (per global layer, with its model-level artifacts of the layer) and calibration

@@ -99,7 +99,7 @@ class DuoSqueezePolicy(Method):
                                  retrieval_heads=retrieval)
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadThresholdPlan, scale: float,
-               backend: Backend, positions: torch.Tensor | None = None) -> Lookup:
+               backend: Backend, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
         """squeeze's lookup for every KV head (one row each), the streaming heads' rows their windows instead
         (written by the lookup's expansion)."""
         hkv = layer["counts"].shape[0]
@@ -108,7 +108,7 @@ class DuoSqueezePolicy(Method):
                                       lambda: streaming_heads(layer, plan.retrieval_heads, q.device))
         keep, score, selection = backend.kernel("centroid").cluster_select(
             q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
-            layer.tail, fixed=fixed, step=code_step(layer))
+            layer.tail, fixed=fixed, step=code_step(layer), valid=valid)
         # every head's centroids are scored (q has the keys' dtype in the engine)
         read = torch.full((hkv,), float(centroid_elements(layer, q.element_size())), device=q.device)
         return Lookup(selection=selection, index_elements=read, units=keep & retrieval, scores=score,

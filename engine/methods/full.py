@@ -37,5 +37,5 @@ class FullPolicy(Method):
         return EveryKey()
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend,
-               positions: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
         return Lookup(selection=None, index_elements=torch.zeros(1, device=q.device))

@@ -202,7 +202,7 @@ class HierarchicalSqueezePolicy(Method):
         return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold_l1", "threshold_l2"))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
         """Level 1 over all C1 centroids; level 2 only over the kept level-1 clusters' children (eq. 3); the
         layer's K/V are stored permuted by cluster (`layout`), layer["key_starts"] says where."""
         hq, hkv = q.shape[0], layer["counts"].shape[0]
@@ -212,9 +212,9 @@ class HierarchicalSqueezePolicy(Method):
         centroid = backend.kernel("centroid")
         _, _, candidates = centroid.cluster_select(q, layer["l1_centroids"], layer["l1_counts"], scale, t1, rows,
                                                    layer["l1_child_starts"], c2,
-                                                   step=code_step(layer, "l1_"))  # level-2 ids, per row
+                                                   step=code_step(layer, "l1_"), valid=valid)  # level-2 ids, per row
         keep, score = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale, t2, rows, candidates,
-                                                  step=code_step(layer))
+                                                  step=code_step(layer), valid=valid)
         survivors = candidates.counts().reshape(hkv, rows // hkv).sum(dim=1).float()  # [Hkv] level-2 centroids read
         selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
         key_size = q.element_size()  # q has the keys' dtype in the engine

@@ -106,7 +106,7 @@ class QuestPolicy(Method):
         return PagePlan(budget=check_budget(budget), keys=check_budget(decode_keys))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: PagePlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
         """Page scores (one kernel), then the top pages and their keys (one kernel: k is a static shape, and every
         row reads the same number of keys)."""
         lo, hi = layer["page_min"], layer["page_max"]
@@ -116,7 +116,7 @@ class QuestPolicy(Method):
         kernel = backend.kernel("pages")
         quant = "bound_offset" in layer
         offset, step = (layer["bound_offset"], layer["bound_step"]) if quant else (None, None)
-        scores = kernel.page_scores(q, lo, hi, rows, offset, step)  # [rows, P]
+        scores = kernel.page_scores(q, lo, hi, rows, offset, step, valid)  # [rows, P]
         keep, selection = kernel.select_pages(scores, plan.pages(pages), page, layer.num_keys)
         # every page's two bounds (+ the offsets and steps), in elements of the keys' dtype: exact bounds have it;
         # one-byte codes are counted against q's, which is the keys' dtype in the engine

@@ -242,7 +242,7 @@ class SqueezePolicy(Method):
         return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold",))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
         """The selection is of positions in the layer's K/V stored permuted by cluster (`layout`);
         layer["key_starts"] says where each cluster lies."""
         hq, hkv = q.shape[0], layer["counts"].shape[0]
@@ -250,7 +250,7 @@ class SqueezePolicy(Method):
         (threshold,) = plan.at(q.shape[1])
         keep, score, selection = backend.kernel("centroid").cluster_select(
             q, layer["centroids"], layer["counts"], scale, threshold, rows, layer["key_starts"], layer.indexed,
-            layer.tail, step=code_step(layer))
+            layer.tail, step=code_step(layer), valid=valid)
         # every centroid and its count (q has the keys' dtype in the engine)
         read = torch.full((hkv,), float(centroid_elements(layer, q.element_size())), device=q.device)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])

@@ -1,7 +1,9 @@
-"""Streaming generation over a fixed-context cache: the question's prefill eagerly, then decode steps, each replayed
-from a CUDA graph where the step context has a graph cache (engine.model.graph), else run eagerly. Greedy, or each token
-chosen by an engine.model.sampling.Sampler from the step's logits (a replayed step then takes the chosen token as its
-successor's input)."""
+"""Streaming generation over a fixed-context cache: the question's prefill, then decode steps. Where the step context
+has a graph cache (engine.model.graph), a question of up to PREFILL_LENGTHS[-1] tokens is padded to the next of
+PREFILL_LENGTHS and its prefill replayed from a CUDA graph (the real tokens' attention is exactly the unpadded one's:
+the padding comes after them, and every pooled lookup counts the real tokens only), and every decode step is replayed
+from one; elsewhere each call runs eagerly. Greedy, or each token chosen by an engine.model.sampling.Sampler from the
+step's logits (a replayed step then takes the chosen token as its successor's input)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,48 @@ import torch
 from engine.attention.function import StepContext
 from engine.model.load import LoadedModel
 from engine.model.sampling import Sampler
+
+# A captured prefill's lengths: a question of n tokens (2 <= n <= the last) is padded to the first that holds it.
+PREFILL_LENGTHS = (16, 32, 64, 128, 256)
+
+
+def padded_length(tokens: int) -> int | None:
+    """The captured length a question of `tokens` tokens is padded to, or None (one token, or longer than the last:
+    an eager prefill; at a few hundred tokens the GPU's work outweighs the host's launches)."""
+    if tokens < 2:
+        return None
+    return next((n for n in PREFILL_LENGTHS if n >= tokens), None)
+
+
+def padded_forward(lm: LoadedModel, step: StepContext, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One call over ids [P] (the first valid[0] real, the rest padding) at `step.positions` [P], with `step.valid`
+    as it is (both set by the caller: a captured call reads them from its buffers). Returns the last real token's
+    logits [1, V]; the caller then forgets the padding's new-token slots (FixedContextCache.keep_new)."""
+    if step.follow is not None:
+        step.follow.begin(ids, valid)
+    out = lm.model(input_ids=ids[None], position_ids=step.positions[None], past_key_values=step.cache,
+                   use_cache=True, logits_to_keep=valid - 1, squeeze_step=step)
+    return out.logits[0, -1:]
+
+
+def forward_padded(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, start: int, length: int) -> torch.Tensor:
+    """The question's prefill, eagerly, padded to `length` tokens: padded_forward on this call's own buffers (what a
+    replayed prefill computes; engine.model.graph.PrefillGraph). prompt: [n] int64, n <= length. Returns the last
+    real token's logits [1, V]; the cache then holds the n real tokens' K/V."""
+    n = prompt.numel()
+    ids = torch.zeros(length, dtype=torch.int64, device=lm.device)
+    ids[:n] = prompt.to(lm.device)
+    valid = torch.full((1,), n, dtype=torch.int64, device=lm.device)
+    step.positions = torch.arange(start, start + length, device=lm.device)
+    step.valid = valid
+    if step.recorder is not None:
+        step.recorder.begin_step()
+    try:
+        logits = padded_forward(lm, step, ids, valid)
+    finally:
+        step.valid = None
+    step.cache.keep_new(valid, n)
+    return logits
 
 
 def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int) -> torch.Tensor:
@@ -46,11 +90,16 @@ def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, ma
     """
     cache = step.cache
     eos = lm.eos_ids()
+    length = padded_length(prompt.numel()) if step.graphs is not None and not step.token_lookups else None
     with torch.inference_mode():
         cache.reset_dynamic()
-        cache.reserve(prompt.numel() + max_new_tokens)
+        cache.reserve(max(prompt.numel() + max_new_tokens, length or 0))
         position = cache.get_seq_length()
-        next_ids = _next(lm, step, prompt.to(lm.device), position, sampler)
+        if length is None:
+            next_ids = _next(lm, step, prompt.to(lm.device), position, sampler)
+        else:
+            logits = step.graphs.prefill(step, prompt.to(lm.device), position, length)
+            next_ids = logits.argmax(dim=-1) if sampler is None else sampler.pick(logits)
         token = int(next_ids)
     position += prompt.numel()
     yield token

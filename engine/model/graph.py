@@ -1,10 +1,14 @@
-"""A decode step captured once in a CUDA graph and replayed per token: no Python between its kernels.
+"""A decode step, and a question's prefill at a padded length, captured once in a CUDA graph and replayed: no Python
+between their kernels.
 
-A captured step reads everything that changes between tokens from device buffers: its input token and position
-(`DecodeGraph.ids`, `.positions`, advanced by the step itself, so replays chain without the host), the new-token
-K/V slots and their count (engine.attention.cache), and it adds its statistics into device totals (engine.attention.stats).
-What a capture fixes: the method and its plan (a budget), whether statistics are recorded, and the
-new-token buffers; `DecodeGraphs` keeps the last few captures of a session and drops them when the buffers move.
+A captured decode step reads everything that changes between tokens from device buffers: its input token and
+position (`DecodeGraph.ids`, `.positions`, advanced by the step itself, so replays chain without the host), the
+new-token K/V slots and their count (engine.attention.cache), and it adds its statistics into device totals
+(engine.attention.stats). A captured prefill (`PrefillGraph`) reads the question's tokens padded to its length and
+the count of the real ones (`ids`, `valid`): every pooled lookup counts those only (engine.methods' `valid`), the
+padding's attention is masked by position from theirs, and the cache keeps the real tokens' K/V only. What a capture
+fixes: the method and its plan (a budget), whether statistics are recorded, the prefill's length, and the new-token
+buffers; `StepGraphs` keeps the last few captures of each kind for a session and drops them when the buffers move.
 """
 
 from __future__ import annotations
@@ -16,9 +20,11 @@ import torch
 
 from engine.attention.function import StepContext
 from engine.attention.stats import StepTotals
+from engine.model.generate import padded_forward
 from engine.model.load import LoadedModel
 
-MAX_GRAPHS = 2  # captures kept per session (each holds its own memory pool: lookups' scratch, selections)
+MAX_GRAPHS = 2  # decode captures kept per session (each holds its own memory pool: lookups' scratch, selections)
+MAX_PREFILL_GRAPHS = 3  # prefill captures kept per session (one per padded length in use)
 
 
 def graphs_supported(lm: LoadedModel) -> bool:
@@ -106,20 +112,131 @@ class DecodeGraph:
         self.ids.copy_(token.view(1, 1))
 
 
-class DecodeGraphs:
-    """The captured decode steps of one session, by (method, plan, recording), most recent last."""
+class PrefillGraph:
+    """A question's prefill at one padded length, captured once: ids [length] int64 the question's tokens then
+    padding, valid [1] int64 how many are real, positions [length] int64; logits [1, V] the last real token's.
+
+    totals: the prefill's statistics (None: recorded nothing), handed to each turn's recorder after a replay."""
+
+    def __init__(self, lm: LoadedModel, step: StepContext, length: int):
+        self.lm, self.length = lm, length
+        self.ids = torch.zeros(length, dtype=torch.int64, device=lm.device)
+        self.valid = torch.ones(1, dtype=torch.int64, device=lm.device)
+        self.positions = torch.zeros(length, dtype=torch.int64, device=lm.device)
+        self.logits: torch.Tensor | None = None
+        self.totals: StepTotals | None = None
+        if step.recorder is not None:
+            self.totals = StepTotals.zeros(len(lm.global_layers), lm.num_heads, lm.device, prefill=True)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._stream = torch.cuda.Stream(device=lm.device)
+        self._step = replace(step, positions=self.positions, valid=self.valid, static=True, graphs=None)
+
+    def _forward(self, step: StepContext) -> None:
+        self.logits = padded_forward(self.lm, step, self.ids, self.valid)
+        step.cache.keep_new(self.valid)
+
+    def set_input(self, prompt: torch.Tensor, start: int) -> None:
+        """prompt: [n] int64 on the device (n <= length); start: its first position."""
+        n = prompt.numel()
+        self.ids[:n].copy_(prompt)
+        self.ids[n:].zero_()
+        self.valid.fill_(n)
+        torch.arange(start, start + self.length, device=self.lm.device, out=self.positions)
+
+    def run(self, step: StepContext, prompt: torch.Tensor, start: int) -> torch.Tensor:
+        """The prefill of `prompt` at positions start..: replayed, or (the first time) run eagerly in the captured
+        form on the capture stream, then captured for the next questions. Returns the last real token's logits
+        [1, V] (the graph's buffer: valid until its next replay); the recorder, if any, gets the statistics."""
+        recorder = step.recorder
+        self.set_input(prompt, start)
+        if self.totals is not None:
+            self.totals.reset()
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._warm_and_capture(step)
+        step.cache.keep_new(self.valid, prompt.numel())
+        if recorder is not None and self.totals is not None:
+            recorder.add_prefill(self.totals)
+        return self.logits
+
+    def _warm_and_capture(self, step: StepContext) -> None:
+        """The question's prefill eagerly in the captured form (it compiles the kernels for these shapes and sets up
+        the stream's handles), then the capture of the same call, which is recorded, not run: the inputs, the
+        caches' counts and the statistics stay as the warm call left them."""
+        recorder = step.recorder
+        warm = replace(self._step, recorder=recorder)
+        if recorder is not None:
+            recorder.current = self.totals
+            recorder.timing = False
+        device = self.lm.device
+        self._stream.wait_stream(torch.cuda.current_stream(device))
+        try:
+            with torch.cuda.stream(self._stream):
+                self._forward(warm)
+            torch.cuda.current_stream(device).wait_stream(self._stream)
+            warm.cache.reset_dynamic()  # the capture records the call as a turn's first (run() then keeps the real
+            # tokens' count); the warm call's K/V stay in the buffers
+            warm_logits = self.logits.clone()
+            graph = torch.cuda.CUDAGraph()
+            kept = self.totals.kept.clone() if self.totals is not None else None
+            read = self.totals.read.clone() if self.totals is not None else None
+            warm_clusters = {} if self.totals is None else {
+                layer: tuple(t.clone() if t is not None else None for t in entry)
+                for layer, entry in self.totals.clusters.items()}
+            with torch.cuda.graph(graph, stream=self._stream):
+                self._forward(warm)
+            if self.totals is not None:  # the warm call's statistics are this question's (the capture ran nothing)
+                self.totals.kept.copy_(kept)
+                self.totals.read.copy_(read)
+                for layer, entry in self.totals.clusters.items():
+                    for buffer, value in zip(entry, warm_clusters[layer]):
+                        if buffer is not None:
+                            buffer.copy_(value)
+            self.logits.copy_(warm_logits)
+            self.graph = graph
+        finally:
+            if recorder is not None:
+                recorder.current = None
+                recorder.timing = True
+        self._step = None
+
+
+class StepGraphs:
+    """The captured decode steps of one session, by (method, plan, recording), and its captured prefills, by
+    (method, plan, recording, length); most recent last."""
 
     def __init__(self, lm: LoadedModel):
         self.lm = lm
         self._graphs: OrderedDict[tuple, DecodeGraph] = OrderedDict()
+        self._prefills: OrderedDict[tuple, PrefillGraph] = OrderedDict()
         self._buffers: tuple[int, ...] = ()
 
-    def get(self, step: StepContext) -> tuple[DecodeGraph, bool]:
-        """The graph for `step`, and whether it is captured already (else the caller runs warm_and_capture)."""
+    def _check_buffers(self, step: StepContext) -> None:
         buffers = tuple(layer.new_keys.data_ptr() if layer.new_keys is not None else 0 for layer in step.cache.layers)
         if buffers != self._buffers:  # the new-token buffers were reallocated: every capture points at old ones
             self._graphs.clear()
+            self._prefills.clear()
             self._buffers = buffers
+
+    def prefill(self, step: StepContext, prompt: torch.Tensor, start: int, length: int) -> torch.Tensor:
+        """The question's prefill padded to `length` (PrefillGraph.run): the last real token's logits [1, V]."""
+        self._check_buffers(step)
+        key = (step.method.name, step.plan, step.recorder is not None, length)
+        graph = self._prefills.get(key)
+        if graph is None or graph.graph is None:
+            self._prefills.pop(key, None)
+            while len(self._prefills) >= MAX_PREFILL_GRAPHS:
+                self._prefills.popitem(last=False)
+            graph = PrefillGraph(self.lm, step, length)
+            self._prefills[key] = graph
+        self._prefills.move_to_end(key)
+        return graph.run(step, prompt, start)
+
+    def get(self, step: StepContext) -> tuple[DecodeGraph, bool]:
+        """The decode graph for `step`, and whether it is captured already (else the caller runs
+        warm_and_capture)."""
+        self._check_buffers(step)
         key = (step.method.name, step.plan, step.recorder is not None)
         graph = self._graphs.get(key)
         if graph is not None and graph.ready:
@@ -134,3 +251,4 @@ class DecodeGraphs:
 
     def clear(self) -> None:
         self._graphs.clear()
+        self._prefills.clear()

@@ -206,6 +206,7 @@ def centroid_score_kernel(
     part_max_ptr, part_sum_ptr, s_ptr,  # the denominator pass's outputs
     keep_ptr, score_ptr,  # outputs [rows, C]: keep uint8 (a bool view), score float32; written at the unit's ids
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
+    valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     scale2, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
@@ -220,6 +221,7 @@ def centroid_score_kernel(
     DOT_PRECISION: tl.constexpr,
     SCALED: tl.constexpr,
     CODES16: tl.constexpr,
+    HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
     sums S = exp(s - log D) over them (mean over heads and tokens) and over its heads' last tokens, and writes
@@ -236,6 +238,9 @@ def centroid_score_kernel(
     row0 = h0 // HPR
     rows_here = GH // HPR  # G rows of one query head when a dense unit (a KV head) serves rows == Hq, else 1
     m_row = HPR * Lq  # stacked query rows of one row
+    n_tok = Lq
+    if HAS_VALID:
+        n_tok = tl.load(valid_ptr).to(tl.int32)
     offs_d = tl.arange(0, BLOCK_D)
 
     start, n = _span(indptr_ptr, unit, C, USE_LIST)
@@ -264,22 +269,23 @@ def centroid_score_kernel(
                     qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED,
                                        CODES16)
                     s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale2
-                p = tl.where(m_ok[:, None] & c_ok[None, :], tl.exp2(s - log2_d[:, None]), 0.0)  # S [BLOCK_M, BLOCK_C]
+                real = m_ok & (tok < n_tok)
+                p = tl.where(real[:, None] & c_ok[None, :], tl.exp2(s - log2_d[:, None]), 0.0)  # S [BLOCK_M, BLOCK_C]
                 total += tl.sum(p, axis=0)
-                last += tl.sum(tl.where((tok == Lq - 1)[:, None], p, 0.0), axis=0)
-            _decide(tl.maximum(total / m_row, last / HPR), threshold, cnt, cid, c_ok, row, h0 // G, blk, C, NB,
+                last += tl.sum(tl.where((tok == n_tok - 1)[:, None], p, 0.0), axis=0)
+            _decide(tl.maximum(total / (HPR * n_tok), last / HPR), threshold, cnt, cid, c_ok, row, h0 // G, blk, C, NB,
                     allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, stride_ar, stride_kr, stride_or,
                     HAS_ALLOWED, HAS_STARTS)
 
 
 @triton.jit
-def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, row, scale2, Lq, HPR, NSPLIT, offs_d, D,
+def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR, NSPLIT, offs_d, D,
                 stride_qh, stride_qt, step_ptr, BLOCK_M: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
                 DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr, CODES16: tl.constexpr):
     """Sum of S = 2^(s2 - log2 D) over the stacked query rows m0 .. m0 + BLOCK_M - 1 of `row` (MASKED: those below
-    m_row only), per centroid of cent [BLOCK_C, BLOCK_D]: [BLOCK_C]."""
+    m_row whose token is one of the first n_tok only), per centroid of cent [BLOCK_C, BLOCK_D]: [BLOCK_C]."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < m_row
+    m_ok = (offs_m < m_row) & (offs_m % Lq < n_tok)
     head = row * HPR + offs_m // Lq
     tok = offs_m % Lq
     log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head * Lq + tok, m_ok, NSPLIT, BLOCK_SPLIT)
@@ -298,6 +304,7 @@ def centroid_score_prefill_kernel(
     part_max_ptr, part_sum_ptr,  # the denominator pass's partials [Hq * Lq, NSPLIT]
     keep_ptr, score_ptr,  # outputs [rows, C]
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
+    valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     scale2, threshold, Lq, C, G, HPR, NSPLIT, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_kr, stride_or,
     D: tl.constexpr,
@@ -311,6 +318,7 @@ def centroid_score_prefill_kernel(
     DOT_PRECISION: tl.constexpr,
     SCALED: tl.constexpr,
     CODES16: tl.constexpr,
+    HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
 ):
     """Pass 2 of a dense lookup over Lq > 1 tokens (the question's prefill), grid (KV head, centroid block): the
     same outputs as centroid_score_kernel, computed centroid-major. The program keeps its BLOCK_C centroids and
@@ -332,27 +340,36 @@ def centroid_score_prefill_kernel(
     cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
     rows_here = G // HPR
     m_row = HPR * Lq
+    n_tok = Lq
+    if HAS_VALID:
+        n_tok = tl.load(valid_ptr).to(tl.int32)
     for rr in range(0, rows_here):
         row = unit * rows_here + rr
         total = tl.zeros([BLOCK_C], tl.float32)
-        full_end = m_row // BLOCK_M * BLOCK_M
-        for m0 in range(0, full_end, BLOCK_M):  # whole blocks of query rows: no masks
-            total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, row, scale2, Lq, HPR, NSPLIT,
-                                 offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION, False,
-                                 SCALED, CODES16)
-        if full_end < m_row:
-            total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, full_end, m_row, row, scale2, Lq, HPR,
-                                 NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION,
-                                 True, SCALED, CODES16)
+        if HAS_VALID:  # padded tokens: every block masked
+            for m0 in range(0, m_row, BLOCK_M):
+                total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR,
+                                     NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT,
+                                     DOT_PRECISION, True, SCALED, CODES16)
+        else:
+            full_end = m_row // BLOCK_M * BLOCK_M
+            for m0 in range(0, full_end, BLOCK_M):  # whole blocks of query rows: no masks
+                total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR,
+                                     NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT,
+                                     DOT_PRECISION, False, SCALED, CODES16)
+            if full_end < m_row:
+                total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, full_end, m_row, n_tok, row, scale2, Lq,
+                                     HPR, NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT,
+                                     DOT_PRECISION, True, SCALED, CODES16)
         offs_h = tl.arange(0, BLOCK_H)  # the last token of each of the row's heads
         h_ok = offs_h < HPR
         head = row * HPR + offs_h
-        last_tok = tl.zeros([BLOCK_H], tl.int32) + (Lq - 1)
+        last_tok = tl.zeros([BLOCK_H], tl.int32) + (n_tok - 1)
         log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head * Lq + last_tok, h_ok, NSPLIT, BLOCK_SPLIT)
         qb = _load_queries(q_ptr, head, last_tok, h_ok, offs_d, D, stride_qh, stride_qt, step_ptr,
                            SCALED, CODES16)  # [BLOCK_H, BLOCK_D]
         st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_H]
         last = tl.sum(tl.where(h_ok[None, :], tl.exp2(st * scale2 - log2_d[None, :]), 0.0), axis=1)
-        _decide(tl.maximum(total / m_row, last / HPR), threshold, cnt, cid, c_ok, row, unit, cb, C, NB,
+        _decide(tl.maximum(total / (HPR * n_tok), last / HPR), threshold, cnt, cid, c_ok, row, unit, cb, C, NB,
                 allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, stride_ar, stride_kr, stride_or,
                 HAS_ALLOWED, HAS_STARTS)

@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.reference._common import token_mean_and_last
+
 
 def derope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     """x: [..., L, D] rotated by rotate-half RoPE at `positions` [L] (int64, on x's device), one angle per position
@@ -32,11 +34,12 @@ def classify(x: torch.Tensor, weights: dict[str, torch.Tensor]) -> torch.Tensor:
 
 
 def bucket_scores(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
-                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor) -> torch.Tensor:
+                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor,
+                  valid: torch.Tensor | None = None) -> torch.Tensor:
     """q [Hq, Lq, D] at positions [Lq] (int64), inv_freq [D / 2], one classifier per KV head (w1 [Hkv, D, H],
     b1 [Hkv, H], w2 [Hkv, H, C], b2 [Hkv, C]) -> [Hkv, C] float32: each query head's softmax over its KV head's
     buckets (of its query de-RoPE'd and normalised), summed over the KV head's query heads, averaged over the
-    tokens."""
+    tokens (valid: [1] int64, the real ones, the first of Lq; None: all)."""
     hkv = w1.shape[0]
     hq, lq, d = q.shape
     if hq % hkv:
@@ -46,16 +49,17 @@ def bucket_scores(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tens
     weights = {"w1": w1, "b1": b1, "w2": w2, "b2": b2}
     probs = torch.softmax(classify(x, {n: t.to(device=q.device, dtype=torch.float32) for n, t in weights.items()}),
                           dim=-1)  # [Hkv, G * Lq, C]
-    return probs.reshape(hkv, hq // hkv, lq, -1).sum(1).mean(1)
+    return token_mean_and_last(probs.reshape(hkv, hq // hkv, lq, -1).sum(1), valid)[0]
 
 
 def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, sizes: torch.Tensor | None,
-                 budget: float, per_key: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 budget: float, per_key: bool = False,
+                 valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A lookup's two steps at once: (bucket_scores [Hkv, C] of the arguments as bucket_scores', take_best with
     sizes [Hkv, C] int64 and `budget` [Hkv, C] bool of the scores, or with `per_key` of the scores per key
     (`ranking`); None where sizes is None)."""
-    score = bucket_scores(q, positions, inv_freq, w1, b1, w2, b2)
+    score = bucket_scores(q, positions, inv_freq, w1, b1, w2, b2, valid)
     return score, None if sizes is None else take_best(ranking(score, sizes, per_key), sizes, budget)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference._common import CODES, NEG_INF, _grouped, _ungrouped, dequantize
+from kernels.reference._common import CODES, NEG_INF, _grouped, _ungrouped, dequantize, token_mean_and_last
 from kernels.reference.compact import expand_groups
 from kernels.selection import Fixed, Selection
 
@@ -78,16 +78,18 @@ def row_scores(log_scores: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.exp(log_scores).reshape(rows, hq // rows, lq, c).mean(dim=1)
 
 
-def reduce_scores(log_scores: torch.Tensor, rows: int) -> torch.Tensor:
+def reduce_scores(log_scores: torch.Tensor, rows: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """A row's cluster scores for one step: S averaged over the query heads that share the row, then over the
     step's tokens (eq. 1 averaged over the question, as in the paper's prefill), except that the last token's own
     score counts too: the last prompt token is the one that produces the first answer token, so it keeps the
     clusters a decode step would. (A cluster is kept if either score passes the threshold.)
 
     log_scores: [Hq, Lq, C] -> [rows, C] float32: max(mean over tokens, last token). Lq == 1 is the decode lookup.
+    valid: [1] int64 on the scores' device, how many of the Lq tokens are real (the first ones; the padding after
+    them, a question padded to a captured length, counts in no score); None: all of them.
     """
-    per_token = row_scores(log_scores, rows)  # [rows, Lq, C]
-    return torch.maximum(per_token.mean(dim=1), per_token[:, -1])
+    mean, last = token_mean_and_last(row_scores(log_scores, rows), valid)  # [rows, Lq, C] -> [rows, C] twice
+    return torch.maximum(mean, last)
 
 
 def select_clusters(mean_scores: torch.Tensor, threshold: float) -> torch.Tensor:
@@ -106,6 +108,7 @@ def cluster_keep(
     allowed: torch.Tensor | None = None,
     *,
     step: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The whole centroid lookup of one step: eq. 1 (eq. 3 under `allowed`), reduced per row, against T.
 
@@ -115,11 +118,12 @@ def cluster_keep(
              denominator, and the others are neither scored nor kept.
     Returns keep [rows, C] bool (S > T, or every non-empty candidate when T <= 0) and score [rows, C] float32
     (reduce_scores: max of the token mean and the last token of S averaged over the row's query heads; 0 where
-    not allowed).
+    not allowed); valid: the real tokens of Lq (reduce_scores).
     """
     hq = q.shape[0]
     allowed_hq = None if allowed is None else allowed.repeat_interleave(hq // rows, dim=0)
-    score = reduce_scores(centroid_log_scores(q, centroids, counts, scale, allowed=allowed_hq, step=step), rows)
+    score = reduce_scores(centroid_log_scores(q, centroids, counts, scale, allowed=allowed_hq, step=step), rows,
+                          valid)
     keep = select_clusters(score, threshold) & (counts.repeat_interleave(rows // counts.shape[0], dim=0) > 0)
     if allowed is not None:
         keep &= allowed
@@ -136,10 +140,12 @@ def cluster_keep_among(
     candidates: Selection,
     *,
     step: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`cluster_keep` restricted to each row's candidate clusters (a Selection over cluster ids, num_keys = C):
     the hierarchical level 2, whose denominator runs over the candidates only (eq. 3)."""
-    return cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask(), step=step)
+    return cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask(), step=step,
+                        valid=valid)
 
 
 def cluster_select(
@@ -155,9 +161,10 @@ def cluster_select(
     *,
     fixed: Fixed | None = None,
     step: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """`cluster_keep`, then the kept clusters' key positions (`kernels.layout.expand_groups(keep, starts, total,
     tail, fixed=fixed)`: starts [Hkv, C + 1] where each cluster's keys lie; fixed: heads whose rows read a fixed
     list instead). Returns (keep, score, Selection)."""
-    keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows, step=step)
+    keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows, step=step, valid=valid)
     return keep, score, expand_groups(keep, starts, total, tail, fixed=fixed)

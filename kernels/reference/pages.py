@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference._common import CODES, dequantize
+from kernels.reference._common import CODES, dequantize, token_mean_and_last
 from kernels.selection import Selection
 
 
@@ -39,9 +39,11 @@ def dequantize_bounds(codes: torch.Tensor, offset: torch.Tensor, step: torch.Ten
 
 
 def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor, rows: int,
-                offset: torch.Tensor | None = None, step: torch.Tensor | None = None) -> torch.Tensor:
+                offset: torch.Tensor | None = None, step: torch.Tensor | None = None,
+                valid: torch.Tensor | None = None) -> torch.Tensor:
     """q: [Hq, Lq, D]; page_min, page_max: [Hkv, P, D] bounds, or uint8 codes with offset and step [Hkv, D]
-    (quantize_bounds); rows: Hkv or Hq. Returns [rows, P] float32."""
+    (quantize_bounds); rows: Hkv or Hq; valid: [1] int64, the real tokens of Lq (the first ones; None: all).
+    Returns [rows, P] float32."""
     hq, lq, _ = q.shape
     hkv = page_min.shape[0]
     if hkv == 0 or hq % hkv or rows not in (hq, hkv):
@@ -54,7 +56,7 @@ def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
     qf = q.float()
     bound = qf.clamp(min=0) @ hi.transpose(1, 2) + qf.clamp(max=0) @ lo.transpose(1, 2)  # [Hq, Lq, P]
     bound = bound.reshape(rows, hq // rows, lq, -1).sum(dim=1)  # [rows, Lq, P]
-    return torch.maximum(bound.mean(dim=1), bound[:, -1])
+    return torch.maximum(*token_mean_and_last(bound, valid))
 
 
 def _top_pages(scores: torch.Tensor, k: int) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""The GPU decode path: a decode step replayed from a CUDA graph against the same step run eagerly, no host
-synchronisation inside a step, and the turn's statistics from replayed steps against eager ones (tiny models on
-CUDA, Triton backend, bf16). On the CPU the graph path does not exist: these tests are skipped there, and the
-static new-token buffers they rely on are covered by every engine test (the eager path uses them too).
+"""The GPU path: a decode step, and a question's prefill padded to a captured length, replayed from CUDA graphs
+against the same calls run eagerly, no host synchronisation inside a step or a replayed prefill, and the turn's
+statistics from replayed steps against eager ones (tiny models on CUDA, Triton backend, bf16). On the CPU the graph
+path does not exist: these tests are skipped there, and the static new-token buffers they rely on are covered by
+every engine test (the eager path uses them too; the padded prefill eagerly: tests/engine/test_padded_prefill.py).
 """
 
 from __future__ import annotations
@@ -182,6 +183,49 @@ def test_replayed_statistics_match_eager(session, method, sparsity):
     assert replayed.kv_budget_prefill == pytest.approx(eager.kv_budget_prefill, rel=1e-6)
     if not REGISTRY[method].sparse:
         assert replayed.kv_budget == pytest.approx(1.0, abs=1e-6)
+
+
+SECOND_QUESTION = "What did the stray dog do in the fog, and how many steps does the staircase have?"
+
+
+@pytest.mark.parametrize("method,sparsity", CASES)
+def test_replayed_prefill_matches_eager(session, method, sparsity):
+    """A question's prefill padded to its captured length (engine.model.graph.PrefillGraph): the first question runs
+    it in the captured form then captures it, the next of the same length replays it; each gives its eager, unpadded
+    prefill's logits (bf16 tolerance, or a tie) and reads what it read; the replay launches everything without
+    waiting for the GPU."""
+    from engine.model.generate import padded_length
+
+    lm, cache = session.lm, session.cache
+    prompts = [question_ids(lm.tokenizer, q).to(lm.device) for q in (QUESTION, SECOND_QUESTION)]
+    length = padded_length(prompts[0].numel())
+    assert padded_length(prompts[1].numel()) == length and prompts[0].numel() != prompts[1].numel()
+    for i, prompt in enumerate(prompts):
+        got, want = {}, {}
+        for graphs in (True, False):
+            recorder = session.recorder(sync_cuda=False)
+            step = session.step_context(method, sparsity, recorder)
+            with torch.inference_mode():
+                cache.reset_dynamic()
+                cache.reserve(length)
+                torch.cuda.synchronize()
+                if graphs:
+                    torch.cuda.set_sync_debug_mode("error" if i == 1 else "default")  # the replay
+                    try:
+                        logits = session.graphs.prefill(step, prompt, cache.fixed_len, length).float().clone()
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
+                    assert cache.layers[0].host_new == prompt.numel()
+                    assert int(cache.layers[0].new_len) == prompt.numel()
+                else:
+                    logits = forward_step(lm, replace(step, graphs=None), prompt, cache.fixed_len).float()
+            (got if graphs else want)["logits"] = logits
+            (got if graphs else want)["stats"] = recorder.finish(method, sparsity, 1, {})
+        torch.testing.assert_close(got["logits"], want["logits"], **LOGIT_TOL)
+        assert int(got["logits"].argmax()) == int(want["logits"].argmax()) or _tie(want["logits"],
+                                                                                  int(got["logits"].argmax()))
+        assert got["stats"].kv_budget_prefill == pytest.approx(want["stats"].kv_budget_prefill, rel=0.02, abs=1e-4)
+    cache.reset_dynamic()
 
 
 @pytest.mark.parametrize("method,sparsity", [("full", 0.0), ("squeeze", 0.7)])

@@ -167,6 +167,25 @@ def test_bucket_scores_kernel_equals_the_reference(hq, hkv, d, hidden, c, lq):
         assert torch.equal(keep.cpu(), take_best(ranking(score.cpu(), sizes, per_key), sizes, budget)), budget
 
 
+@pytest.mark.parametrize("lq,pad", [(1, 5), (6, 10)])
+def test_bucket_scores_of_a_padded_question_count_its_real_tokens(lq, pad):
+    """With `valid`, the bucket scores (reference and wrapper) of a question padded after its real tokens equal its
+    real tokens' alone; the padding would move them."""
+    g = torch.Generator().manual_seed(lq)
+    hq, hkv, d, hidden, c = 4, 2, 16, 12, 8
+    weights = {n: w + 0.1 * torch.randn(w.shape, generator=g) for n, w in init_weights(hkv, d, hidden, c, 5, "cpu").items()}
+    args = (500000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d), weights["w1"], weights["b1"], weights["w2"],
+            weights["b2"])
+    q = torch.randn(hq, lq + pad, d, generator=g)
+    pos = torch.arange(1000, 1000 + lq + pad)
+    valid = torch.tensor([lq])
+    want = bucket_scores(q[:, :lq], pos[:lq], *args)
+    assert not torch.allclose(bucket_scores(q, pos, *args), want)
+    torch.testing.assert_close(bucket_scores(q, pos, *args, valid), want)
+    got = TRITON.kernel("buckets").bucket_scores(*(t.to(DEVICE) for t in (q, pos, *args)), valid=valid.to(DEVICE))
+    torch.testing.assert_close(got.cpu(), want, rtol=0, atol=2e-5 * (hq // hkv))
+
+
 def test_ranking_per_key_takes_the_most_score_for_the_keys():
     """A big bucket with the most score and small ones with less: by mass the big one is taken first and fills a
     small budget; per key the small ones that score more for each key they cost are, and the big one only when the

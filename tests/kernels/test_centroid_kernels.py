@@ -154,6 +154,42 @@ def check_select(hq, hkv, rows, lq, config=None, seed=0, tail=3):
             assert_same_selection(sel, want[2])
 
 
+def padded(q, pad, seed):
+    """q [Hq, Lq, D] with `pad` random tokens after its own (a question padded to a captured length), and the count of
+    its real tokens ([1] int64, on q's device)."""
+    g = torch.Generator().manual_seed(seed)
+    extra = (3 * torch.randn(q.shape[0], pad, q.shape[2], generator=g)).to(q.dtype).to(q.device)
+    return torch.cat([q, extra], dim=1), torch.tensor([q.shape[1]], dtype=torch.int64, device=q.device)
+
+
+@pytest.mark.parametrize("hq,hkv,rows", GROUPS)
+@pytest.mark.parametrize("lq,pad", [(1, 6), (7, 9), (33, 31)])
+def test_padded_tokens_count_in_no_score(hq, hkv, rows, lq, pad):
+    """With `valid`, the lookup over a padded question (real tokens first) keeps and scores what the lookup over the
+    real tokens alone does: the reference, the dense kernels (both score passes), the candidate lists, and the fused
+    selection; the padding's strong queries would move every score if they counted."""
+    q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, seed=3)
+    lc = 150
+    counts, starts = clustered_counts(hkv, lc, C, seed=4)
+    q_pad, valid = padded(q, pad, seed=5)
+    allowed = random_allowed(rows, C, seed=6)
+    indptr, idx = to_csr(allowed)
+    _, ref_score = reference.cluster_keep(q, centroids, counts, scale, 0.0, rows)
+    threshold = selective_threshold(ref_score)
+    want = reference.cluster_keep(q, centroids, counts, scale, threshold, rows)
+    assert not torch.allclose(reference.cluster_keep(q_pad, centroids, counts, scale, threshold, rows)[1], want[1])
+    ref_padded = reference.cluster_keep(q_pad, centroids, counts, scale, threshold, rows, valid=valid)
+    assert_matches(ref_padded, want, threshold, TOL[torch.float32])
+    assert_matches(cluster_keep(q_pad, centroids, counts, scale, threshold, rows, valid=valid), want, threshold,
+                   TOL[torch.float32])
+    want_list = reference.cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=allowed)
+    got_list = cluster_keep_list(q_pad, centroids, counts, scale, threshold, rows, indptr, idx, valid=valid)
+    assert_matches(got_list, want_list, threshold, TOL[torch.float32])
+    keep, score, sel = cluster_select(q_pad, centroids, counts, scale, threshold, rows, starts, lc, 3, valid=valid)
+    assert_matches((keep, score), want, threshold, TOL[torch.float32])
+    assert_same_selection(sel, expand_groups(keep, starts, lc, 3))
+
+
 @pytest.mark.parametrize("hq,hkv,rows", GROUPS)
 @pytest.mark.parametrize("lq", [1, 7])
 def test_cluster_select(hq, hkv, rows, lq):

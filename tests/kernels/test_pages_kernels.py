@@ -84,6 +84,31 @@ def test_kernel_matches_reference(hq, hkv, rows, lq, pages, dtype):
     torch.testing.assert_close(page_scores(q, lo, hi, rows), reference_scores(q, lo, hi, rows), **TOL)
 
 
+@pytest.mark.parametrize("hq,hkv,rows", GROUPS)
+@pytest.mark.parametrize("lq,pad", [(1, 4), (5, 11)])
+@pytest.mark.parametrize("int8", [False, True])
+def test_padded_tokens_count_in_no_score(hq, hkv, rows, lq, pad, int8):
+    """With `valid`, a question padded after its real tokens scores the pages as its real tokens alone do (the
+    reference and the kernel, bounds of the keys' dtype and one-byte codes); the padding would move them."""
+    from kernels.pages_ops import page_scores
+    from kernels.reference.pages import quantize_bounds
+
+    lo, hi = make_bounds(hkv, 37, 16)
+    codes = {}
+    if int8:
+        packed = quantize_bounds(lo, hi)
+        lo, hi = packed["page_min"].to(DEVICE), packed["page_max"].to(DEVICE)
+        codes = {"offset": packed["bound_offset"].to(DEVICE), "step": packed["bound_step"].to(DEVICE)}
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(hq, lq, 16, generator=g).to(DEVICE)
+    q_pad = torch.cat([q, 3 * torch.randn(hq, pad, 16, generator=g).to(DEVICE)], dim=1)
+    valid = torch.tensor([lq], dtype=torch.int64, device=DEVICE)
+    want = reference_scores(q, lo, hi, rows, **codes)
+    assert not torch.allclose(reference_scores(q_pad, lo, hi, rows, **codes), want)
+    torch.testing.assert_close(reference_scores(q_pad, lo, hi, rows, **codes, valid=valid), want, **TOL)
+    torch.testing.assert_close(page_scores(q_pad, lo, hi, rows, **codes, valid=valid), want, **TOL)
+
+
 def test_int8_bounds_round_outwards():
     """One-byte bounds still bound every key: a code's value is at or below the minimum, at or above the maximum,
     and within about one step (1/255 of the dim's range over the context) of it."""

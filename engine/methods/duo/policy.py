@@ -175,7 +175,7 @@ class DuoPolicy(Method):
         return HeadPlan(budget=check_budget(budget), full=full, extra=min(extra, cost))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
         """One row per KV head; the same selection at every step of the plan (made at the first)."""
         selection = layer.memo(("duo", plan.full, plan.extra, q.device),
                                lambda: head_selection(layer, Window.of(self.settings, layer.indexed, layer.tail),

@@ -243,7 +243,7 @@ class SaapPolicy(Method):
                           prefill=check_budget(prefill_keys))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: BucketPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
         """One selection row per KV head: its query heads' bucket scores summed, the best buckets up to the plan's
         keys, the dense part, every bucket in a dense layer."""
         if positions is None:
@@ -252,7 +252,8 @@ class SaapPolicy(Method):
         budget = float("inf") if parts.whole else plan.at(q.shape[1]) * float(layer.indexed)  # inf: every bucket
         score, keep = backend.kernel("buckets").best_buckets(q, positions, *(layer[n] for n in LOOKUP_PARTS),
                                                              parts.sizes, budget,
-                                                             per_key=self.settings.rank == "per_key")  # [Hkv, C] each
+                                                             per_key=self.settings.rank == "per_key",
+                                                             valid=valid)  # [Hkv, C] each
         # the dense part, the same keys in every KV head and the last group of the layout, is read with the tail
         selection = backend.kernel("compact").expand_groups(keep, parts.starts, layer.indexed - parts.dense,
                                                             layer.tail + parts.dense)
