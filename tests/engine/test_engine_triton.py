@@ -75,17 +75,18 @@ class CheckedLookups:
             self.score_rtol = max(self.score_rtol, float(rel.max()))
 
     def cluster_select(self, q, centroids, counts, scale, threshold, rows, starts, total, tail=0, *, fixed=None,
-                       step=None):
+                       step=None, valid=None):
         keep, score, sel = self._triton.cluster_select(q, centroids, counts, scale, threshold, rows, starts, total, tail,
-                                                       fixed=fixed, step=step)
-        ref = reference.cluster_keep(q, centroids, counts, scale, threshold, rows, step=step)
+                                                       fixed=fixed, step=step, valid=valid)
+        ref = reference.cluster_keep(q, centroids, counts, scale, threshold, rows, step=step, valid=valid)
         self._compare(keep, score, *ref, threshold)
         return keep, score, sel
 
-    def cluster_keep_among(self, q, centroids, counts, scale, threshold, rows, candidates, *, step=None):
+    def cluster_keep_among(self, q, centroids, counts, scale, threshold, rows, candidates, *, step=None, valid=None):
         keep, score = self._triton.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates,
-                                                      step=step)
-        ref = reference.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates, step=step)
+                                                      step=step, valid=valid)
+        ref = reference.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates, step=step,
+                                           valid=valid)
         self._compare(keep, score, *ref, threshold)
         return keep, score
 
