@@ -177,22 +177,17 @@ class PrefillGraph:
             torch.cuda.current_stream(device).wait_stream(self._stream)
             warm.cache.reset_dynamic()  # the capture records the call as a turn's first (run() then keeps the real
             # tokens' count); the warm call's K/V stay in the buffers
-            warm_logits = self.logits.clone()
+            # The capture runs nothing: the totals' sums stay the warm call's, but its logits and its kept units become
+            # the graph's own (unwritten) buffers, into which the warm call's, this question's, are copied.
+            warm_logits = self.logits
+            warm_clusters = dict(self.totals.clusters) if self.totals is not None else {}
             graph = torch.cuda.CUDAGraph()
-            kept = self.totals.kept.clone() if self.totals is not None else None
-            read = self.totals.read.clone() if self.totals is not None else None
-            warm_clusters = {} if self.totals is None else {
-                layer: tuple(t.clone() if t is not None else None for t in entry)
-                for layer, entry in self.totals.clusters.items()}
             with torch.cuda.graph(graph, stream=self._stream):
                 self._forward(warm)
-            if self.totals is not None:  # the warm call's statistics are this question's (the capture ran nothing)
-                self.totals.kept.copy_(kept)
-                self.totals.read.copy_(read)
-                for layer, entry in self.totals.clusters.items():
-                    for buffer, value in zip(entry, warm_clusters[layer]):
-                        if buffer is not None:
-                            buffer.copy_(value)
+            for layer, entry in warm_clusters.items():
+                for buffer, value in zip(self.totals.clusters[layer], entry):
+                    if buffer is not None:
+                        buffer.copy_(value)
             self.logits.copy_(warm_logits)
             self.graph = graph
         finally:

@@ -285,9 +285,9 @@ def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, 
     """Sum of S = 2^(s2 - log2 D) over the stacked query rows m0 .. m0 + BLOCK_M - 1 of `row` (MASKED: those below
     m_row whose token is one of the first n_tok only), per centroid of cent [BLOCK_C, BLOCK_D]: [BLOCK_C]."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    m_ok = (offs_m < m_row) & (offs_m % Lq < n_tok)
     head = row * HPR + offs_m // Lq
     tok = offs_m % Lq
+    m_ok = (offs_m < m_row) & (tok < n_tok)
     log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head * Lq + tok, m_ok, NSPLIT, BLOCK_SPLIT)
     # [BLOCK_M, BLOCK_D]
     qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED, CODES16)

@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
                  "follow": args.follow, "token_lookups": args.token_lookups}
     log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
     lm = open_model(args.shape, args.model, args.device, args.gpus)
-    compiled_first = args.compile == "on" or (args.compile == "auto" and wants_compile("auto", lm))
+    compiled_first = args.compile in ("auto", "on") and wants_compile(args.compile, lm)
     if compiled_first:  # as the product does by default on one GPU: compiled, then warmed up, once per process
         compile_layers(lm)
         out["compile_warm_up_s"] = round(warm_up(lm, backend_for(lm.device)), 3)
