@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from kernels.dispatch import backend_for
+
 MIN_NEW_CAPACITY = 64  # new-token slots allocated at least (a turn that needs more grows them before it starts)
 
 
@@ -52,7 +54,6 @@ class FixedContextLayer(DynamicLayer):
         self.new_keys: torch.Tensor | None = None
         self.new_values: torch.Tensor | None = None
         self.new_len: torch.Tensor | None = None
-        self._slots: torch.Tensor | None = None
         self.host_new = 0  # slots written, as the host knows it (eager calls only; a graph replay does not move it)
 
     # ------------------------------------------------------------------------------------------- the new tokens
@@ -71,7 +72,6 @@ class FixedContextLayer(DynamicLayer):
             keys[:, : self.host_new] = self.new_keys[:, : self.host_new]
             values[:, : self.host_new] = self.new_values[:, : self.host_new]
         self.new_keys, self.new_values = keys, values
-        self._slots = torch.arange(cap, device=like.device)  # [capacity]: slot offsets of a call's tokens
         if self.new_len is None:
             self.new_len = torch.zeros(1, dtype=torch.int64, device=like.device)
         self.is_initialized = True
@@ -81,10 +81,8 @@ class FixedContextLayer(DynamicLayer):
         the attention function reads the layer's buffers itself."""
         n = key_states.shape[-2]
         self.reserve(key_states[0], self.host_new + n)
-        slots = self._slots[:n] + self.new_len  # [n]
-        self.new_keys.index_copy_(1, slots, key_states[0].to(self.new_keys.dtype))
-        self.new_values.index_copy_(1, slots, value_states[0].to(self.new_values.dtype))
-        self.new_len.add_(n)
+        backend_for(self.new_keys.device).kernel("append").append_tokens(  # one launch on a GPU
+            key_states[0], value_states[0], self.new_keys, self.new_values, self.new_len)
         if not capturing():
             self.host_new += n
         return key_states, value_states
@@ -142,7 +140,7 @@ class FixedContextLayer(DynamicLayer):
 
     def release_new(self) -> None:
         """Free the new-token buffers (the end of an ingest: the session allocates its own)."""
-        self.new_keys = self.new_values = self.new_len = self._slots = None
+        self.new_keys = self.new_values = self.new_len = None
         self.host_new = 0
 
 

@@ -117,23 +117,22 @@ def _selected_part(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torc
     method = step.method
     with timed("lookup"):
         lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos, step.valid)
-    if recorder is not None:
-        recorder.record(layer.layer_idx, lookup)
+    fresh = None
     with timed("attention"):
         if lookup.selection is None:
-            return step.backend.kernel("sparse").attention_with_lse(q, kf, vf, scale)
-        selected = step.backend.kernel("sparse").sparse_attention(q, kf, vf, lookup.selection, scale)
-        follow = step.follow
-        if follow is None or not follow.positions.numel():
-            return selected
-        rows = follow.fixed_rows
-        order = layout_order(method, index)
-        out, lse, fresh = step.backend.kernel("follow").follow_attention(  # merged with the selection's part
-            q, kf, vf, lookup.selection, follow.positions.to(q.device), rows.sink, rows.indexed, order, scale,
-            prior=selected)
-        if recorder is not None:
-            recorder.record_follow(layer.layer_idx, fresh)
-        return out, lse
+            out, lse = step.backend.kernel("sparse").attention_with_lse(q, kf, vf, scale)
+        else:
+            out, lse = step.backend.kernel("sparse").sparse_attention(q, kf, vf, lookup.selection, scale)
+            follow = step.follow
+            if follow is not None and follow.positions.numel():
+                rows = follow.fixed_rows
+                order = layout_order(method, index)
+                out, lse, fresh = step.backend.kernel("follow").follow_attention(  # merged with the selection's part
+                    q, kf, vf, lookup.selection, follow.positions.to(q.device), rows.sink, rows.indexed, order, scale,
+                    prior=(out, lse))
+    if recorder is not None:
+        recorder.record(layer.layer_idx, lookup, step.backend, fresh)
+    return out, lse
 
 
 @torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.model.compiled): host logic, our own kernels

@@ -88,6 +88,12 @@ class LayerIndex:
             self.derived[key] = make()
         return self.derived[key]
 
+    def elements(self, heads: int, count: float, device: torch.device) -> torch.Tensor:
+        """[heads] float32, each `count`: a lookup's index elements read per KV head where they are the same at
+        every step (Lookup.index_elements; made once: no launch per step)."""
+        return self.memo(("elements", heads, float(count), device),
+                         lambda: torch.full((heads,), float(count), device=device))
+
     @property
     def indexed(self) -> int:
         """Rows of the fixed K/V that the index covers (the first ones: tokens sink .. L - dense tail, in order)."""

@@ -10,6 +10,7 @@ import torch
 
 from engine.attention.cache import capturing
 from engine.attention.method import Lookup
+from kernels.backend import REFERENCE, Backend
 
 
 @dataclass
@@ -80,8 +81,8 @@ class StepTotals:
 
 
 class TurnRecorder:
-    """Collects per-step statistics into device buffers without host synchronisation (two or three small kernels
-    per layer and step); `finish()` reads them once and turns them into a TurnStats. The first step is the
+    """Collects per-step statistics into device buffers without host synchronisation (one launch of the tally kernel
+    per global layer and step); `finish()` reads them once and turns them into a TurnStats. The first step is the
     question's prefill, the others decode steps.
 
     global_layers: indices of the layers that attend to the whole fixed context
@@ -188,8 +189,12 @@ class TurnRecorder:
                 self.current = self.decode
         return self.current
 
-    def record(self, layer_idx: int, lookup: Lookup) -> None:
-        """One global layer's lookup at the current step (the prefill's kept units and their sizes are listed)."""
+    def record(self, layer_idx: int, lookup: Lookup, backend: Backend = REFERENCE,
+               fresh: torch.Tensor | None = None) -> None:
+        """One global layer's lookup at the current step (the prefill's kept units and their sizes are listed), and
+        fresh [rows, M] bool: the follow rows (engine.attention.follow) each selection row read besides its
+        selection, or None. Where the rows are the KV heads and the sums sit on the lookup's device, one launch of
+        `backend`'s tally kernel adds it all (a replayed decode step pays it per global layer)."""
         totals = self._phase_totals(lookup.index_elements.device)
         i = self._index[layer_idx]
         sel = lookup.selection
@@ -197,27 +202,34 @@ class TurnRecorder:
             totals.dense.add(layer_idx)
             return
         totals.rows[layer_idx] = sel.rows
-        totals.kept[i, : sel.rows] += (sel.indptr[1:] - sel.indptr[:-1]).to(totals.kept.device)
-        index = lookup.index_elements.float().sum()
-        if sel.rows != self.hkv:  # a key selected by several query heads of a group is read once
-            union = sel.to_mask().reshape(self.hkv, sel.rows // self.hkv, -1).any(dim=1).sum()
-            index = index + union * (2 * self.head_dim)
-        totals.read[i] += index.to(totals.read.device)
+        scores = best = None
         if totals.prefill:
             if lookup.units is not None and lookup.sizes is not None:
                 totals.clusters[layer_idx] = (lookup.units, lookup.sizes, lookup.scores)
         elif lookup.scores is not None:  # a decode step: its units' best scores
             best = totals.unit_max.get(layer_idx)
             if best is None:  # the first (eager or warm-up) step; a captured step finds the buffer and adds in place
-                totals.unit_max[layer_idx] = lookup.scores.detach().float().clone()
+                totals.unit_max[layer_idx] = lookup.scores.detach().float().contiguous().clone()
             else:
-                torch.maximum(best, lookup.scores.float(), out=best)
+                scores = lookup.scores if lookup.scores.stride(-1) == 1 else lookup.scores.contiguous()
+        if sel.rows == self.hkv and totals.kept.device == sel.indptr.device:
+            tally = backend.kernel("tally").tally_step
+            tally(sel.indptr, lookup.index_elements.contiguous(), totals.kept[i, : sel.rows], totals.read[i : i + 1],
+                  fresh, scores, best)
+            return
+        # one row per query head: a key several heads of a group selected (or followed) is read once
+        totals.kept[i, : sel.rows] += (sel.indptr[1:] - sel.indptr[:-1]).to(totals.kept.device)
+        index = lookup.index_elements.float().sum()
+        if sel.rows != self.hkv:
+            union = sel.to_mask().reshape(self.hkv, sel.rows // self.hkv, -1).any(dim=1).sum()
+            index = index + union * (2 * self.head_dim)
+        totals.read[i] += index.to(totals.read.device)
+        if scores is not None:
+            torch.maximum(best, scores.float().to(best.device), out=best)
+        if fresh is not None:
+            self._record_follow(totals, i, fresh)
 
-    def record_follow(self, layer_idx: int, fresh: torch.Tensor) -> None:
-        """The follow rows a global layer's step read besides its selection (engine.attention.follow): fresh [rows, M] bool,
-        each selection row's (recorded after the layer's lookup, in the same step)."""
-        totals = self._phase_totals(fresh.device)
-        i = self._index[layer_idx]
+    def _record_follow(self, totals: StepTotals, i: int, fresh: torch.Tensor) -> None:
         rows = fresh.shape[0]
         totals.kept[i, :rows] += fresh.sum(dim=1).to(totals.kept.device)
         if rows != self.hkv:  # (one row per KV head: its kept keys are its reads, _per_layer) read once per KV head

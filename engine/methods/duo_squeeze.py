@@ -110,7 +110,7 @@ class DuoSqueezePolicy(Method):
             q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
             layer.tail, fixed=fixed, step=code_step(layer), valid=valid)
         # every head's centroids are scored (q has the keys' dtype in the engine)
-        read = torch.full((hkv,), float(centroid_elements(layer, q.element_size())), device=q.device)
+        read = layer.elements(hkv, centroid_elements(layer, q.element_size()), q.device)
         return Lookup(selection=selection, index_elements=read, units=keep & retrieval, scores=score,
                       sizes=layer["counts"])
 

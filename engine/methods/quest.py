@@ -122,7 +122,7 @@ class QuestPolicy(Method):
         # one-byte codes are counted against q's, which is the keys' dtype in the engine
         key_size = q.element_size() if quant else lo.element_size()
         elements = (pages * 2 * d * lo.element_size() + (2 * d * 4 if quant else 0)) / key_size
-        read = torch.full((hkv,), float(elements), device=q.device)
+        read = layer.elements(hkv, elements, q.device)
         sizes = None  # the statistics list a question's units only: a decode step saves the launch
         if q.shape[1] > 1:
             sizes = torch.full((hkv, pages), page, dtype=torch.int64, device=q.device)

@@ -252,7 +252,7 @@ class SqueezePolicy(Method):
             q, layer["centroids"], layer["counts"], scale, threshold, rows, layer["key_starts"], layer.indexed,
             layer.tail, step=code_step(layer), valid=valid)
         # every centroid and its count (q has the keys' dtype in the engine)
-        read = torch.full((hkv,), float(centroid_elements(layer, q.element_size())), device=q.device)
+        read = layer.elements(hkv, centroid_elements(layer, q.element_size()), q.device)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 
     def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[ThresholdPlan], scale: float,

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from engine.attention.function import register
 from engine.model.catalog import EMBEDDED_MODEL  # noqa: F401 - (re-exported: its home before the catalog)
+from engine.model.fused import fuse_projections
 
 DEVICES = ("auto", "cpu", "cuda")
 # The steps of a load, as reported to `load_model(progress=)`: (step, steps done, steps in all), before each step.
@@ -261,6 +262,9 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
         steps(STEP_TO_GPU)
         model = model.to("cuda")
     model.eval()
+    devices = layer_devices(model)
+    if len(set(devices)) == 1:  # (layers spread by accelerate keep their hooks' modules as they are)
+        fuse_projections(model)
     if progress is not None:
         progress(STEP_DONE, len(steps.names), len(steps.names))
     return LoadedModel(
@@ -269,5 +273,5 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
         model_id=model_id,
         device=model.get_input_embeddings().weight.device,
         dtype=dtype,
-        layer_devices=layer_devices(model),
+        layer_devices=devices,
     )

@@ -7,6 +7,7 @@ from dataclasses import fields
 
 import torch
 
+from engine.model.fused import fuse_projections
 from engine.model.load import LoadedModel, layer_devices, load_model
 
 GiB = 1 << 30
@@ -113,6 +114,7 @@ def build_shape(name: str, device: str, gpus: int = 1) -> BenchModel:
     torch.manual_seed(SEED)
     with torch.device(device if gpus == 1 else "cuda:0"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    fuse_projections(model)
     if gpus > 1:
         spread(model, gpus)
     return BenchModel(model=model, tokenizer=None, model_id=f"random-{name}",

@@ -12,6 +12,7 @@ import torch
 
 from engine.bench.e2e.models import peak_gib, reset_peaks
 from engine.bench.e2e.timing import error_text, log, median_ms, synchronize
+from engine.model.fused import unfused_state_dict
 from engine.model.load import LoadedModel
 
 PEER_WARMUP_STEPS = 3  # peer decode steps left out: torch.compile traces at the first, records CUDA graphs after
@@ -24,12 +25,13 @@ CUDAGRAPH_OPTIONS = {"triton.cudagraph_skip_dynamic_graphs": True}
 
 def peer_model(lm: LoadedModel) -> torch.nn.Module:
     """Plain transformers with SDPA: the engine model's class and config, its very parameters and buffers (shared,
-    not copied: a second 16 GB copy of an 8B model would not fit beside the K/V)."""
+    not copied: a second 16 GB copy of an 8B model would not fit beside the K/V), its fused projections
+    (engine.model.fused) seen as the separate ones the class defines."""
     cfg = copy.deepcopy(lm.model.config)
     cfg._attn_implementation = "sdpa"
     with torch.device("meta"):
         peer = type(lm.model)(cfg)
-    peer.load_state_dict(lm.model.state_dict(), assign=True)
+    peer.load_state_dict(unfused_state_dict(lm.model), assign=True)
     for name, buffer in lm.model.named_buffers():  # non-persistent ones (RoPE frequencies) are not in the state dict
         owner, _, attr = name.rpartition(".")
         setattr(peer.get_submodule(owner), attr, buffer)

@@ -181,7 +181,7 @@ class DuoPolicy(Method):
                                lambda: head_selection(layer, Window.of(self.settings, layer.indexed, layer.tail),
                                                       plan, q.device))
         hkv = layer["rank"].numel()
-        return Lookup(selection=selection, index_elements=torch.zeros(hkv, device=q.device))
+        return Lookup(selection=selection, index_elements=layer.elements(hkv, 0.0, q.device))
 
 
 def gate_artifacts(layers: list[int], gates: torch.Tensor) -> Tensors:

@@ -1,0 +1,44 @@
+"""A step's statistics added into a turn's sums: the @triton.jit kernel (wrapper: kernels/tally_ops.py)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def tally_step_kernel(
+    indptr_ptr, elements_ptr, kept_ptr, read_ptr, fresh_ptr, scores_ptr, best_ptr,
+    n_elements, n_fresh, stride_fresh, n_units, stride_scores, stride_best,
+    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_U: tl.constexpr, HAS_FRESH: tl.constexpr, HAS_SCORES: tl.constexpr,
+):
+    """Program 0 adds each row's kept keys (indptr [ROWS + 1], plus its fresh follow rows [ROWS, n_fresh] int8)
+    into kept [ROWS] fp32 and the elements [n_elements] into read [1] fp32; program (p, r) takes the running max of
+    units p * BLOCK_U ... of row r: best [ROWS, n_units] fp32 = max(best, scores [ROWS, n_units])."""
+    pid = tl.program_id(0)
+    if pid == 0 and tl.program_id(1) == 0:
+        r = tl.arange(0, BLOCK_R)
+        ok = r < ROWS
+        lo = tl.load(indptr_ptr + r, mask=ok, other=0)
+        hi = tl.load(indptr_ptr + r + 1, mask=ok, other=0)
+        count = (hi - lo).to(tl.float32)
+        if HAS_FRESH:
+            for m0 in range(0, n_fresh, BLOCK_M):
+                m = m0 + tl.arange(0, BLOCK_M)
+                f = tl.load(fresh_ptr + r[:, None] * stride_fresh + m[None, :],
+                            mask=ok[:, None] & (m < n_fresh)[None, :], other=0)
+                count += tl.sum(f.to(tl.float32), axis=1)
+        tl.store(kept_ptr + r, tl.load(kept_ptr + r, mask=ok, other=0.0) + count, mask=ok)
+        total = tl.zeros([BLOCK_E], dtype=tl.float32)
+        for e0 in range(0, n_elements, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            total += tl.load(elements_ptr + e, mask=e < n_elements, other=0.0).to(tl.float32)
+        tl.store(read_ptr, tl.load(read_ptr) + tl.sum(total, axis=0))
+    if HAS_SCORES:
+        u = pid * BLOCK_U + tl.arange(0, BLOCK_U)
+        row = tl.program_id(1).to(tl.int64)
+        ok_u = u < n_units
+        s = tl.load(scores_ptr + row * stride_scores + u, mask=ok_u, other=float("-inf")).to(tl.float32)
+        b = tl.load(best_ptr + row * stride_best + u, mask=ok_u, other=float("-inf"))
+        tl.store(best_ptr + row * stride_best + u, tl.maximum(b, s), mask=ok_u)
