@@ -76,9 +76,12 @@ def causal_attention(
     q_pos: torch.Tensor,
     k_start: int,
     window: int | None = None,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention over keys at consecutive positions, causal and optionally within a sliding window; see
-    kernels.reference.causal.causal_attention.
+    kernels.reference.causal.causal_attention. The merge with `prior` and the write into `out` happen in the same
+    launch (an engine layer's fixed part and its new tokens: no merge kernel).
 
     q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] (fp16, bf16 or fp32, any strides; q is cast to k's dtype when it differs);
     q_pos: [Lq] int32/int64 on q's device, any stride; key j sits at position k_start + j. Keys past the newest
@@ -91,20 +94,32 @@ def causal_attention(
     hkv, lk = k.shape[:2]
     group = hq // hkv
     num_m = group * lq  # query rows per KV head
-    if lk == 0:
-        return (torch.zeros(hq, lq, d, device=q.device, dtype=torch.float32),
-                torch.full((hq, lq), float("-inf"), device=q.device, dtype=torch.float32))
-    out = torch.empty(hq, lq, d, device=q.device, dtype=torch.float32)  # flat: [Hkv, M, D]
+    if prior is not None and (prior[0].shape != (hq, lq, d) or prior[1].shape != (hq, lq)
+                              or prior[0].dtype != torch.float32 or prior[1].dtype != torch.float32):
+        raise ValueError(f"prior must be float32 out [{hq}, {lq}, {d}] and lse [{hq}, {lq}]")
+    if out is not None and (out.shape != (hq, lq, d) or out.stride(-1) != 1):
+        raise ValueError(f"out must be [{hq}, {lq}, {d}] with a unit stride in D; got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+    if lk == 0 or d & (d - 1):  # (the kernel's tiles need a power-of-two head dim)
+        from kernels.reference import causal as reference  # noqa: PLC0415
+        return reference.causal_attention(q, k, v, scale, q_pos, k_start, window, prior, out)
+    if out is None:
+        out = torch.empty(hq, lq, d, device=q.device, dtype=torch.float32)
     lse = torch.empty(hq, lq, device=q.device, dtype=torch.float32)  # flat: [Hkv, M]
     if out.numel() == 0:
         return out, lse
+    prior_out, prior_lse = prior if prior is not None else (out, lse)  # dummies unless HAS_PRIOR
+    if prior is not None:
+        prior_out = prior_out if prior_out.stride(-1) == 1 else prior_out.contiguous()
+        prior_lse = prior_lse.contiguous()
     block_m, block_n = _blocks(num_m, d, k.element_size())
     causal_attn_fwd_kernel[(triton.cdiv(num_m, block_m), hkv)](
-        q, k, v, q_pos, out, lse,
+        q, k, v, q_pos, out, lse, prior_out, prior_lse,
         *q.stride(), *k.stride(), *v.stride(), q_pos.stride(0),
+        out.stride(0), out.stride(1), prior_out.stride(0), prior_out.stride(1),
         group, lq, lk, int(k_start), 0 if window is None else int(window), scale * LOG2E,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=window is not None,
-        EXACT_FP32=q.dtype == torch.float32, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        EXACT_FP32=q.dtype == torch.float32, HAS_PRIOR=prior is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )
     return out, lse
 

@@ -228,12 +228,11 @@ def dense_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: fl
     q: [Hq, Lq, D]; k, v: [Hkv, Lk, D] (any strides). Returns out [Hq, Lq, D] fp32 and lse [Hq, Lq] fp32.
     """
     hkv, lk = k.shape[0], k.shape[1]
-    indptr = torch.arange(hkv + 1, device=k.device, dtype=torch.int64) * lk  # [Hkv + 1]: row r = KV head r
-    selection = Selection(indptr=indptr, indices=indptr[:1], num_keys=lk)  # indices are not read (DENSE)
-    _check(q, k, v, selection)
+    check_qkv(q, k, v)
     if config is not None and config.gather:
         raise ValueError("dense_attention reads K/V in place: config.gather must be False")
-    return _launch(q, k, v, indptr, selection.indices, hkv * lk, lk, scale, config, dense=True)
+    # row r = KV head r, keys r * lk ..: the kernels read neither indptr nor indices (DENSE), so k stands in for both
+    return _launch(q, k, v, k, k, hkv * lk, lk, scale, config, dense=True)
 
 
 def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -248,11 +247,12 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float,
             config: SparseAttentionConfig | None, dense: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Plan and run the kernels over a checked selection (indptr [rows + 1], indices with `capacity` entries, or
-    DENSE: the whole KV head per row). Returns out [Hq, Lq, D], lse [Hq, Lq] fp32."""
+    DENSE: the whole KV head per row, num_keys each; indptr and indices are not read). Returns out [Hq, Lq, D], lse
+    [Hq, Lq] fp32."""
     q = q.to(k.dtype)  # no-op when they match
     hq, lq, d = q.shape
     hkv = k.shape[0]
-    rows = indptr.numel() - 1
+    rows = hkv if dense else indptr.numel() - 1
     group = hq // rows
     num_m = group * lq  # query rows per selection row
     out = torch.empty(hq, lq, d, device=q.device, dtype=torch.float32)  # flat: [rows, num_m, D]
@@ -268,6 +268,7 @@ def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float
     common = dict(
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=cfg.split,
         EXACT_FP32=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, DENSE=dense,
+        dense_len=num_keys if dense else 0,
     )
     qk_scale = scale * LOG2E
     if cfg.gather:  # packed copies of the first `entries` selected K/V, in selection order
@@ -302,7 +303,7 @@ def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float
     sparse_attn_merge_kernel[(triton.cdiv(num_m, merge_block_m), rows, d // block_d)](
         part_out, part_lse, indptr, out, lse, rows, num_m, cfg.chunk,
         HEAD_DIM=d, BLOCK_M=merge_block_m, BLOCK_I=cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
-        num_warps=MERGE_WARPS,
+        num_warps=MERGE_WARPS, DENSE=dense, dense_len=num_keys if dense else 0,
     )
     return out, lse
 

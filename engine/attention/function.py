@@ -170,17 +170,16 @@ def squeeze_attention(
     with _current_device(q.device):
         q_pos = squeeze_step.positions.to(q.device)  # [Lq]; a no-op unless layers sit on several devices
         k_new, v_new = layer.new_kv(squeeze_step.static)  # [Hkv, n, D], slot i at position fixed_len + i
-        parts = [squeeze_step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
-                                                       layer.sliding_window)]
+        fixed = None
         if layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0:
-            parts.append(_fixed_part(layer, q, q_pos, scale, squeeze_step))
+            fixed = _fixed_part(layer, q, q_pos, scale, squeeze_step)
         if squeeze_step.capture is not None and layer.sliding_window is None:
             squeeze_step.capture.take(module.layer_idx, q, q_pos)
         out = torch.empty(q.shape[1], q.shape[0], q.shape[2], device=q.device, dtype=query.dtype)  # [Lq, Hq, D]
-        if len(parts) > 1:  # merged straight into the layout the model reads next
-            squeeze_step.backend.kernel("merge").merge_attention(parts, out.transpose(0, 1))
-        else:
-            out.transpose(0, 1).copy_(parts[0][0])
+        # the new tokens' part, merged with the fixed part's straight into the layout the model reads next
+        squeeze_step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
+                                                               layer.sliding_window, prior=fixed,
+                                                               out=out.transpose(0, 1))
     return out.unsqueeze(0), None
 
 

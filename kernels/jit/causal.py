@@ -22,25 +22,29 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 @triton.jit
 def causal_attn_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, q_pos_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, q_pos_ptr, out_ptr, lse_ptr, prior_out_ptr, prior_lse_ptr,
     stride_qh, stride_ql, stride_qd,
     stride_kh, stride_kn, stride_kd,
     stride_vh, stride_vn, stride_vd,
     stride_p,
+    stride_oh, stride_ol, stride_ph, stride_pl,
     group, lq, lk, k_start, window, qk_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
     EXACT_FP32: tl.constexpr,
+    HAS_PRIOR: tl.constexpr = False,
 ):
     """Attention of BLOCK_M query rows of one KV head over the keys their positions can see. Grid
     (cdiv(M, BLOCK_M), Hkv).
 
     q [Hq, Lq, HEAD_DIM], k / v [Hkv, Lk, HEAD_DIM] (any strides); q_pos [Lq] int32/int64 (stride stride_p);
     qk_scale = scale * log2(e); window must be 0 without WINDOW (it also bounds the clamp of the positions).
-    Writes out [Hq * Lq, HEAD_DIM] fp32 (normalised) and lse [Hq * Lq] fp32 (natural log; 0 and -inf for a row that
-    sees no key).
+    Writes out [Hq, Lq, HEAD_DIM] (strides stride_oh, stride_ol, unit in D; any float dtype) and lse [Hq * Lq] fp32
+    (natural log; 0 and -inf for a row that sees no key). HAS_PRIOR: merged first with the attention over other keys
+    given as prior_out [Hq, Lq, HEAD_DIM] fp32 (strides stride_ph, stride_pl, unit in D) and prior_lse [Hq * Lq] fp32
+    (natural log, -inf for none): the stored out and lse are those of the union.
 
     Only the key blocks that some row of the tile can see are visited: up to hi = min(Lk, max position - k_start + 1)
     and, with WINDOW, from the block holding min position - window + 1 - k_start. Keys at or past hi are never read
@@ -105,6 +109,21 @@ def causal_attn_fwd_kernel(
     empty = l_i == 0.0  # a row that saw a key has l_i >= 1 (its max contributes exp2(0))
     l_safe = tl.where(empty, 1.0, l_i)
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2)
-    flat = kv_head * num_m + offs_m  # [BLOCK_M] rows of out [Hq * Lq, HEAD_DIM]: head * Lq + token
-    tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=m_valid[:, None])
+    o = acc / l_safe[:, None]
+    flat = kv_head * num_m + offs_m  # [BLOCK_M] rows of lse [Hq * Lq]: head * Lq + token
+    tok64 = tok.to(tl.int64)
+    if HAS_PRIOR:  # log-sum-exp merge with the other keys' attention (as kernels/jit/merge.py)
+        p_lse = tl.load(prior_lse_ptr + flat, mask=m_valid, other=float("-inf"))
+        p_out = tl.load(prior_out_ptr + head[:, None] * stride_ph + tok64[:, None] * stride_pl + offs_d[None, :],
+                        mask=m_valid[:, None], other=0.0)
+        m = tl.maximum(lse, p_lse)
+        m_safe = tl.where(m == float("-inf"), 0.0, m)
+        w_own = tl.exp(lse - m_safe)  # 0 for an empty part
+        w_prior = tl.exp(p_lse - m_safe)
+        total = w_own + w_prior
+        inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+        o = (w_own[:, None] * o + w_prior[:, None] * p_out) * inv[:, None]
+        lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    tl.store(out_ptr + head[:, None] * stride_oh + tok64[:, None] * stride_ol + offs_d[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
     tl.store(lse_ptr + flat, lse, mask=m_valid)

@@ -22,19 +22,31 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _item_plan(indptr_ptr, rows, chunk, BLOCK_R: tl.constexpr):
-    """Work items per row from indptr [rows + 1].
+def _item_plan(indptr_ptr, rows, chunk, BLOCK_R: tl.constexpr, DENSE: tl.constexpr = False, dense_len=0):
+    """Work items per row from indptr [rows + 1] (DENSE: row r is keys r * dense_len .. (r + 1) * dense_len - 1,
+    indptr is not read).
 
     Returns first [BLOCK_R] (exclusive prefix sum of the items per row), n_items [BLOCK_R] (0 past `rows`) and the
     total number of items (a scalar).
     """
     r = tl.arange(0, BLOCK_R)
     in_range = r < rows
-    lo = tl.load(indptr_ptr + r, mask=in_range, other=0).to(tl.int64)
-    hi = tl.load(indptr_ptr + r + 1, mask=in_range, other=0).to(tl.int64)
+    lo, hi = _bounds(indptr_ptr, r, in_range, DENSE, dense_len)
     n_items = (hi - lo + chunk - 1) // chunk
     inclusive = tl.cumsum(n_items, 0)
     return inclusive - n_items, n_items, tl.sum(n_items, 0)
+
+
+@triton.jit
+def _bounds(indptr_ptr, r, ok, DENSE: tl.constexpr, dense_len):
+    """Entries lo .. hi - 1 of rows r (0, 0 where not ok): from indptr, or DENSE rows of dense_len keys each."""
+    if DENSE:
+        lo = tl.where(ok, r.to(tl.int64) * dense_len, 0)
+        hi = tl.where(ok, lo + dense_len, 0)
+    else:
+        lo = tl.load(indptr_ptr + r, mask=ok, other=0).to(tl.int64)
+        hi = tl.load(indptr_ptr + r + 1, mask=ok, other=0).to(tl.int64)
+    return lo, hi
 
 
 @triton.jit
@@ -231,6 +243,7 @@ def sparse_attn_fwd_kernel(
     v_desc=None,
     TMA: tl.constexpr = False,
     DENSE: tl.constexpr = False,
+    dense_len=0,
 ):
     """Sparse attention forward. Grid axis 0: blocks of BLOCK_M query rows (of M = group * lq).
 
@@ -242,20 +255,21 @@ def sparse_attn_fwd_kernel(
         out [items, M, HEAD_DIM] and its base-2 lse into lse [items, M]; sparse_attn_merge_kernel combines them.
     PACKED: kp / vp [packed_cap, HEAD_DIM] hold the first packed_cap entries of the key list (see _attend); TMA:
     k_desc / v_desc describe them. DENSE: row r's entries indptr[r] .. indptr[r + 1] - 1 are the keys 0 .. of its
-    KV head in order; indices is not read.
+    KV head in order; indices is not read, nor indptr: row r's entries are r * dense_len .. (r + 1) * dense_len - 1.
     """
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     num_m = group * lq
     m_valid = offs_m < num_m
     if SPLIT:
-        first, n_items, total = _item_plan(indptr_ptr, rows, chunk, BLOCK_R)
+        first, n_items, total = _item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
         r_ids = tl.arange(0, BLOCK_R)
         for item in range(tl.program_id(1), total, tl.num_programs(1)):
             row = tl.sum((first + n_items <= item).to(tl.int32), 0)  # rows whose items all precede this one
             local = item - tl.sum(tl.where(r_ids == row, first, 0), 0)
-            start = tl.load(indptr_ptr + row).to(tl.int64) + local * chunk
-            end = tl.minimum(start + chunk, tl.load(indptr_ptr + row + 1).to(tl.int64))
+            row_lo, row_hi = _bounds(indptr_ptr, row, True, DENSE, dense_len)
+            start = row_lo + local * chunk
+            end = tl.minimum(start + chunk, row_hi)
             acc, m_i, l_i = _attend(
                 q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
                 stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
@@ -267,9 +281,11 @@ def sparse_attn_fwd_kernel(
             tl.store(out_ptr + flat[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=m_valid[:, None])
             tl.store(lse_ptr + flat, m_i + tl.log2(l_i), mask=m_valid)  # l_i > 0: an item holds >= 1 key
     else:
-        row = _heaviest_first(indptr_ptr, rows, tl.program_id(1), BLOCK_R)
-        start = tl.load(indptr_ptr + row).to(tl.int64)
-        end = tl.load(indptr_ptr + row + 1).to(tl.int64)
+        if DENSE:  # every row holds dense_len keys: grid order is as good as any
+            row = tl.program_id(1)
+        else:
+            row = _heaviest_first(indptr_ptr, rows, tl.program_id(1), BLOCK_R)
+        start, end = _bounds(indptr_ptr, row, True, DENSE, dense_len)
         acc, m_i, l_i = _attend(
             q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
             stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
@@ -321,6 +337,8 @@ def sparse_attn_merge_kernel(
     BLOCK_I: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    DENSE: tl.constexpr = False,
+    dense_len=0,
 ):
     """Log-sum-exp merge of the split-KV partials. Grid (cdiv(num_m, BLOCK_M), rows, HEAD_DIM // BLOCK_D): BLOCK_M
     query rows of one row and one slice of the head dimension per program; the row's partials are read BLOCK_I at
@@ -330,7 +348,7 @@ def sparse_attn_merge_kernel(
     out [rows * num_m, HEAD_DIM] fp32, lse [rows * num_m] fp32 (natural log; 0 and -inf for a row with no keys).
     """
     row = tl.program_id(1)
-    first, n_items, _ = _item_plan(indptr_ptr, rows, chunk, BLOCK_R)
+    first, n_items, _ = _item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
     r_ids = tl.arange(0, BLOCK_R)
     row_first = tl.sum(tl.where(r_ids == row, first, 0), 0)
     row_items = tl.sum(tl.where(r_ids == row, n_items, 0), 0)

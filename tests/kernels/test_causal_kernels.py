@@ -22,6 +22,7 @@ import torch
 
 from kernels.causal_ops import causal_attention
 from kernels.reference import causal as reference
+from kernels.reference import merge as merge_reference
 from tests.kernels.test_sparse_kernels import make_qkv  # the same inputs: q scaled up so that a wrong key shows
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -307,3 +308,28 @@ def test_gpu_cuda_graph_replay_with_new_positions(lq, window):
         ref_out, ref_lse = reference.causal_attention(q, k, v, 0.1, q_pos, k_start, window)
         torch.testing.assert_close(out, ref_out, **BF16)
         torch.testing.assert_close(lse, ref_lse, **BF16)
+
+
+@pytest.mark.parametrize("lq,hq,hkv", [(1, 8, 2), (5, 4, 2), (37, 2, 2)])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.float16])
+def test_merged_with_a_prior_into_the_callers_layout(lq, hq, hkv, out_dtype):
+    """With prior (another key set's attention, some rows empty) and out (the engine's [Lq, Hq, D] output in the
+    model's dtype, seen as [Hq, Lq, D]): the union's attention, as the reference's causal part merged with the prior."""
+    q, k, v = make_qkv(hq, hkv, lq, 64, 32, torch.float32, seed=3)
+    q_pos, k_start = layout("new-tokens", lq, k, v)
+    g = torch.Generator().manual_seed(7)
+    prior = (torch.randn(hq, lq, 32, generator=g).to(DEVICE), (3 * torch.randn(hq, lq, generator=g)).to(DEVICE))
+    prior[1][0, 0] = float("-inf")  # a row the other keys leave empty
+    prior[0][0, 0] = 0.0
+    scale = 32 ** -0.5
+    out = torch.empty(lq, hq, 32, device=DEVICE, dtype=out_dtype)
+    got, lse = causal_attention(q, k, v, scale, q_pos, k_start, None, prior=prior, out=out.transpose(0, 1))
+    assert got.data_ptr() == out.data_ptr()
+    own = reference.causal_attention(q, k, v, scale, q_pos, k_start, None)
+    want, want_lse = merge_reference.merge_attention([prior, own])
+    tol = TOL[torch.float32] if out_dtype == torch.float32 else TOL[torch.float16]
+    torch.testing.assert_close(out.transpose(0, 1).float(), want, **tol)
+    torch.testing.assert_close(lse, want_lse, **TOL[torch.float32])
+    ref_out = torch.empty_like(out)
+    reference.causal_attention(q, k, v, scale, q_pos, k_start, None, prior=prior, out=ref_out.transpose(0, 1))
+    torch.testing.assert_close(ref_out.float(), out.float(), **tol)
