@@ -29,7 +29,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.attention.rows import FixedRows
+from kernels.dispatch import backend_for
 from kernels.reference.follow import follow_rows
+from kernels.reference.suffix import shifted, suffix_scores, unique_rows
 
 if TYPE_CHECKING:
     from engine.attention.method import LayerIndex, Method
@@ -117,14 +119,16 @@ class Follow:
         self.fixed_rows = rows
         self.ids = ids.to(torch.int64)
         n = self.ids.numel()
-        # the tokens before each position (-1 before the first): a suffix match compares shifted copies
-        self.before = [_shifted(self.ids, j) for j in range(1, settings.ngram)]
-        self.bigrams = _bigram_codes(_shifted(self.ids, 1), self.ids)  # [L]: -1 at position 0
+        self.bigrams = _bigram_codes(shifted(self.ids, 1), self.ids)  # [L]: -1 at position 0
         _, inverse, counts = torch.unique(self.bigrams, return_inverse=True, return_counts=True)
         self.rarity = counts[inverse]  # [L]: how often each position's bigram occurs in the document
         self.recent = torch.full((settings.ngram,), -1, dtype=torch.int64, device=self.ids.device)
         self.question = torch.full((settings.carried_rows,), -1, dtype=torch.int64, device=self.ids.device)
         self.positions = torch.full((0,), -1, dtype=torch.int64, device=self.ids.device)
+        # a decode step's rows, written in place (a captured step reads this buffer)
+        self.step_rows = torch.full((settings.decode + settings.carried_rows,), -1, dtype=torch.int64,
+                                    device=self.ids.device)
+        self.backend = backend_for(self.ids.device)
         self.position = torch.arange(n, device=self.ids.device)
         # an occurrence counts where the token after it is indexed: the dense rows (the sink and the last tokens)
         # are read by every step anyway, and a document's end that repeats the question would take every row
@@ -141,6 +145,10 @@ class Follow:
             # in place: a captured decode step reads these buffers
             _last_tokens(ids, self.recent, valid)
             self.question.copy_(self.positions[: self.question.numel()])
+            return
+        if s.decode > 0 and self.question.numel():  # one or two launches (kernels/suffix_ops.py)
+            self.positions = self.backend.kernel("suffix").follow_step(self.ids, self.indexed_next, self.recent, ids,
+                                                                      self.question, self.step_rows)
             return
         self.recent.copy_(torch.cat([self.recent[1:], ids]))
         self.positions = self._step(self.recent, self.question)
@@ -183,18 +191,11 @@ class Follow:
         mine = self._decode(recent) if self.settings.decode > 0 else self.positions[:0]
         if not question.numel():
             return mine
-        return _unique(torch.cat([mine, question]))
+        return unique_rows(torch.cat([mine, question]))
 
     def _decode(self, recent: torch.Tensor) -> torch.Tensor:
         """[decode] the tokens after the latest occurrences of the longest suffixes of `recent` [ngram]."""
-        n = self.ids.numel()
-        match = self.ids == recent[-1]
-        length = match.to(torch.int64)
-        for j, before in enumerate(self.before):  # the token j + 1 back must match too
-            match = match & (before == recent[-2 - j])
-            length = length + match.to(torch.int64)
-        score = torch.where((length > 0) & self.indexed_next, length * (n + 1) + self.position, -1)
-        return _after(score, self.settings.decode, 1, n)
+        return _after(suffix_scores(self.ids, self.indexed_next, recent), self.settings.decode, 1, self.ids.numel())
 
     def _prefill(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
         """[question_rows] the `window` tokens after each of the `windows` occurrences of a bigram of `ids`, the
@@ -250,14 +251,6 @@ def _last_tokens(tokens: torch.Tensor, out: torch.Tensor, valid: torch.Tensor | 
     return out
 
 
-def _shifted(x: torch.Tensor, j: int) -> torch.Tensor:
-    """x shifted right by j, -1 in front."""
-    out = torch.full_like(x, -1)
-    if j < x.numel():
-        out[j:] = x[: x.numel() - j]
-    return out
-
-
 def _bigram_codes(first: torch.Tensor, second: torch.Tensor) -> torch.Tensor:
     """One int64 per (first, second) token pair (token ids < 2**31); -1 where `first` is -1."""
     return torch.where(first >= 0, first * (1 << 31) + second, -1)
@@ -281,11 +274,4 @@ def _after(score: torch.Tensor, starts: int, window: int, n: int, lead: int = 0,
             ok = (best[rows, None] >= 0) & (pos >= 0) & (pos < n)
             parts.append(torch.where(ok, pos, -1).reshape(-1))
     out = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return _unique(out) if lead + window > 1 else out  # windows may overlap
-
-
-def _unique(positions: torch.Tensor) -> torch.Tensor:
-    """positions [M] int64 sorted, each once (-1 for a repeat): the attention reads a row once."""
-    out, _ = positions.sort()
-    out[1:] = torch.where(out[1:] == out[:-1], -1, out[1:])
-    return out
+    return unique_rows(out) if lead + window > 1 else out  # windows may overlap

@@ -125,7 +125,8 @@ class Lookup:
     """What a lookup decided for one layer and one step.
 
     selection: keys of the fixed K/V to attend to (positions in the method's layout); None only for full attention
-    index_elements: [Hkv] elements of index metadata read per KV head (centroids, counts, bounds)
+    index_elements: [Hkv] elements of index metadata read per KV head (centroids, counts, bounds); [0] for full
+        attention
     units: [rows, U] bool the retrieval units kept (clusters, pages), or None
     scores: [rows, U] float32 the units' scores (reduced over the step), or None
     sizes: [Hkv, U] keys in each unit (the retrieved-units report), or None

@@ -38,4 +38,4 @@ class FullPolicy(Method):
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend,
                positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
-        return Lookup(selection=None, index_elements=torch.zeros(1, device=q.device))
+        return Lookup(selection=None, index_elements=q.new_zeros(0))  # no index read (and no launch: empty)

@@ -1,0 +1,112 @@
+"""A decoder layer's matrix-vector products at batch 1, as separate projections and as the engine fuses them.
+
+    python -m engine.bench.gemv [--shape llama3-8b] [--out FILE]
+
+Builds every layer's projection weights of the shape (random, bf16, on the GPU: a copy per layer, so nothing is
+served from L2), then times one token through all layers' products in a CUDA graph, the products as transformers
+defines them (q, k, v, o, gate, up, down) and as engine.model.fused runs them (q/k/v and gate/up each one product
+over the concatenated rows), and each projection on its own; each beside its byte bound at the copy bandwidth
+measured in the same run (engine.bench.e2e.bound). Prints one JSON document (ms per token through all layers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+from torch.nn import functional as F
+
+from engine.bench.e2e.bound import copy_bandwidth
+from engine.bench.e2e.models import SHAPES
+
+REPLAYS = 20  # graph replays timed; the median is reported
+
+
+def layer_weights(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    """Per layer: {q, k, v, o, gate, up, down} [out, in] and the fused {qkv, gate_up}."""
+    hidden, inter = shape["hidden_size"], shape["intermediate_size"]
+    heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    sizes = {"q": (heads * head_dim, hidden), "k": (kv_heads * head_dim, hidden), "v": (kv_heads * head_dim, hidden),
+             "o": (hidden, heads * head_dim), "gate": (inter, hidden), "up": (inter, hidden), "down": (hidden, inter)}
+    gen = torch.Generator(device=device).manual_seed(seed)
+    layers = []
+    for _ in range(shape["num_hidden_layers"]):
+        w = {name: torch.randn(*size, generator=gen, device=device, dtype=dtype) * 0.02 for name, size in sizes.items()}
+        w["qkv"] = torch.cat([w.pop("q"), w.pop("k"), w.pop("v")])
+        w["gate_up"] = torch.cat([w.pop("gate"), w.pop("up")])
+        rows = sizes["q"][0], sizes["k"][0]
+        w["q"], w["k"], w["v"] = w["qkv"][: rows[0]], w["qkv"][rows[0] : rows[0] + rows[1]], w["qkv"][rows[0] + rows[1] :]
+        w["gate"], w["up"] = w["gate_up"][:inter], w["gate_up"][inter:]
+        layers.append(w)
+    return layers
+
+
+def graph_ms(fn) -> float:
+    """Median milliseconds of fn() replayed from a CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(REPLAYS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.gemv", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="llama3-8b")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("engine.bench.gemv needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    shape = SHAPES[args.shape]
+    layers = layer_weights(shape, device, torch.bfloat16)
+    x = torch.randn(1, shape["hidden_size"], device=device, dtype=torch.bfloat16)
+    m = torch.randn(1, shape["intermediate_size"], device=device, dtype=torch.bfloat16)
+    inputs = {"down": m}
+    bandwidth = copy_bandwidth(device)  # GB/s
+
+    def run(names: list[str]):
+        def fn():
+            for w in layers:
+                for name in names:
+                    F.linear(inputs.get(name, x), w[name])
+        return fn
+
+    cases = {"separate": ["q", "k", "v", "o", "gate", "up", "down"], "fused": ["qkv", "o", "gate_up", "down"],
+             **{name: [name] for name in ("q", "k", "o", "qkv", "gate", "gate_up", "down")}}
+    out: dict = {"bench": "gemv", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                 "shape": args.shape, "layers": shape["num_hidden_layers"], "bandwidth_gbs": round(bandwidth, 1),
+                 "cases": {}}
+    for case, names in cases.items():
+        ms = graph_ms(run(names))
+        nbytes = sum(layers[0][n].numel() * layers[0][n].element_size() for n in names) * len(layers)
+        bound = nbytes / bandwidth / 1e6
+        out["cases"][case] = {"ms": round(ms, 3), "bound_ms": round(bound, 3), "x_bound": round(ms / bound, 3),
+                              "launches": len(names) * len(layers)}
+    text = json.dumps(out, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
