@@ -1,9 +1,10 @@
 """Sibling projections that read the same input fused into one matrix product: q/k/v, and an MLP's gate/up.
 
 At batch 1 a decoder layer's step is a row of matrix-vector products, each bound by reading its weights; three small
-products (a Llama-3-8B layer's k and v read 8 MB each) reach half the copy bandwidth and each costs a launch, where
-one product over their concatenated rows reaches the large products' rate (the 8B shape's 32 layers on an H100: 5.77
-ms for its seven products per layer, 5.26 ms with q/k/v and gate/up fused; engine/bench/README.md).
+products (a Llama-3-8B layer's k and v read 8 MB each, at a third of the copy bandwidth) each cost a launch, where
+one product over their concatenated rows reaches nearly the large products' rate (`python -m engine.bench.gemv`, the
+8B shape's 32 layers on an H100: 5.55 ms for the seven products per layer, 5.22 ms with q/k/v and gate/up fused;
+engine/bench/README.md, "Fewer kernels per decode step").
 
 `fuse_projections` replaces, inside each decoder layer, every set of sibling `nn.Linear` modules named in
 FUSED_SETS (same input width, same dtype and device, all with a bias or none) by `ProjectionPart`s of one
