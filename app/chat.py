@@ -3,6 +3,9 @@ saved per document; beside them, what attention did in each turn (app.views)."""
 
 from __future__ import annotations
 
+import re
+import secrets
+
 import gradio as gr
 
 from app import render
@@ -15,9 +18,23 @@ from storage import NotFoundError, StorageError
 
 def new_state(config) -> dict:
     """A browser session's state: the open document and chat, and the methods' settings its index sliders ask for
-    (this user's: they go with each of its requests, never into the engine's shared state)."""
+    (this user's: they go with each of its requests, never into the engine's shared state); "owner": whose chats it
+    sees and starts (owner_of)."""
     return {"doc_id": None, "chat_id": None, "centroid_ratio": config.centroid_ratio,
-            "level1_ratio": config.level1_ratio, "library": None}
+            "level1_ratio": config.level1_ratio, "library": None, "owner": None}
+
+
+OWNER_TOKEN = re.compile(r"[0-9a-f]{32}")
+
+
+def owner_of(state: dict) -> str:
+    """The token of the session's owner: the chats it lists, reopens and starts are that owner's only. A browser
+    keeps its token across reloads and restarts (app.demo restores it at each page load); a session without one (an
+    API client that never resumed: `resume_chats`) gets a new one here, kept in `state` (the caller's copy, which
+    it returns)."""
+    if not (isinstance(state.get("owner"), str) and OWNER_TOKEN.fullmatch(state["owner"])):
+        state["owner"] = secrets.token_hex(16)
+    return state["owner"]
 
 
 def turn_messages(turn: dict) -> list[dict]:
@@ -90,6 +107,9 @@ class ChatTab:
                         self.chats = gr.Dropdown(label="Chats of this document (newest first)", choices=[],
                                                  value=None, scale=4, elem_id="sq-chats")
                         self.new_chat = gr.Button("New chat", size="sm", scale=1, min_width=70)
+                        # the API's way back to its own chats from another session (a browser keeps its token)
+                        self.owner_token = gr.Textbox(visible=False)
+                        self.resume_btn = gr.Button(visible=False)
                 with gr.Accordion("Advanced: how the answer's words are chosen", open=False):
                     gr.Markdown("Greedy (temperature 0) by default: the same question gets the same answer. "
                                 "The repetition penalty counts the answer's own words only, never the document's.")
@@ -130,6 +150,8 @@ class ChatTab:
         chat_outputs = [self.state, self.chatbot, self.views.turn, *self.views.outputs, self.chats]
         self.new_chat.click(self.start_new_chat, [self.state], chat_outputs, api_name="new_chat")
         self.chats.input(self.open_chat, [self.chats, self.state], chat_outputs, api_name="open_chat")
+        self.resume_btn.click(self.resume_chats, [self.owner_token, self.state], [self.owner_token, self.state],
+                              api_name="resume_chats")
         self.views.turn.input(self.show_turn, [self.views.turn, self.state], self.views.outputs, api_name="show_turn")
         proj_inputs = [self.views.turn, self.views.layer, self.views.head, self.state]
         for dd in (self.views.layer, self.views.head):
@@ -163,7 +185,7 @@ class ChatTab:
                     gr.update(choices=[], value=None)]
         status = doc_status(self.services, doc_id, method, overrides(state))
         try:
-            chats = store.chats.list(doc_id)
+            chats = store.chats.list(doc_id, owner_of(state))  # this browser's chats only
         except StorageError:
             chats = []
         turns = store.chats.turns(chats[0]["id"]) if chats else []
@@ -174,7 +196,8 @@ class ChatTab:
                 self.status_html(status), history,
                 gr.update(choices=self.views.turn_choices(turns), value=last["idx"] if last else None),
                 self.threshold_text(state, method, sparsity),
-                *self.views.show(last), self.evaluation_html(), doc_id, self.chat_choices(doc_id, state["chat_id"])]
+                *self.views.show(last), self.evaluation_html(), doc_id,
+                self.chat_choices(doc_id, state["chat_id"], state["owner"])]
 
     def evaluation_html(self) -> str:
         """The latest `squeeze eval` of the model that answers the open document (the engine's: an app serves one
@@ -234,7 +257,7 @@ class ChatTab:
             return
         ctx = status.context_id
         if state.get("chat_id") is None:
-            state["chat_id"] = store.chats.create(state["doc_id"], ctx)
+            state["chat_id"] = store.chats.create(state["doc_id"], ctx, owner=owner_of(state))
         stop = services.stops.flag(request.session_hash if request is not None else "-")
         stop.clear()
         history += [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
@@ -261,7 +284,7 @@ class ChatTab:
         turns = store.chats.turns(state["chat_id"])
         yield [history, gr.skip(), state, self.status_html(doc_status(services, state["doc_id"], method, asked)),
                gr.update(choices=self.views.turn_choices(turns), value=recorded.row["idx"]),
-               *self.views.show(recorded.row), self.chat_choices(state["doc_id"], state["chat_id"])]
+               *self.views.show(recorded.row), self.chat_choices(state["doc_id"], state["chat_id"], owner_of(state))]
 
     def stop(self, request: gr.Request) -> None:
         self.services.stops.stop(request.session_hash if request is not None else "-")
@@ -271,14 +294,25 @@ class ChatTab:
     def start_new_chat(self, state: dict) -> list:
         state = {**state, "chat_id": None}
         return [state, [], gr.update(choices=[], value=None), *self.views.empty(),
-                self.chat_choices(state.get("doc_id"), None)]
+                self.chat_choices(state.get("doc_id"), None, owner_of(state))]
 
-    def chat_choices(self, doc_id: str | None, chat_id: int | None):
-        """The open document's chats for the list (newest first: when, how many turns, the first question)."""
+    def resume_chats(self, token: str, state: dict) -> list:
+        """Take up an owner's chats in this session: `token` (as this returns it, 32 hex digits) becomes the
+        session's owner; an empty or malformed token keeps the session's own. Returns the session's token (keep it
+        to come back) and state. What a browser does by itself at each page load, for an API client."""
+        state = dict(state)
+        token = (token or "").strip().lower()
+        if OWNER_TOKEN.fullmatch(token):
+            state["owner"], state["chat_id"] = token, None
+        return [owner_of(state), state]
+
+    def chat_choices(self, doc_id: str | None, chat_id: int | None, owner: str):
+        """The open document's chats of `owner` for the list (newest first: when, how many turns, the first
+        question)."""
         choices = []
         if doc_id:
             try:
-                for chat in self.services.store.chats.list(doc_id):
+                for chat in self.services.store.chats.list(doc_id, owner):
                     turns = self.services.store.chats.turns(chat["id"]) if chat["turn_count"] else []
                     first = turns[0]["question"] if turns else "(no question yet)"
                     first = first if len(first) <= 48 else first[:47] + "…"
@@ -295,15 +329,16 @@ class ChatTab:
             chat = self.services.store.chats.get(int(chat_id)) if chat_id is not None else None
         except (NotFoundError, TypeError, ValueError):
             chat = None
-        if chat is None or chat["doc_id"] != state.get("doc_id"):
+        owner = owner_of(state)
+        if chat is None or chat["doc_id"] != state.get("doc_id") or chat["owner"] != owner:  # another's: never
             return [state, gr.skip(), gr.skip(), *[gr.skip()] * len(self.views.outputs),
-                    self.chat_choices(state.get("doc_id"), state.get("chat_id"))]
+                    self.chat_choices(state.get("doc_id"), state.get("chat_id"), owner)]
         turns = self.services.store.chats.turns(chat["id"])
         state["chat_id"] = chat["id"]
         last = turns[-1] if turns else None
         return [state, [m for t in turns for m in turn_messages(t)],
                 gr.update(choices=self.views.turn_choices(turns), value=last["idx"] if last else None),
-                *self.views.show(last), self.chat_choices(state["doc_id"], chat["id"])]
+                *self.views.show(last), self.chat_choices(state["doc_id"], chat["id"], owner)]
 
     def _turn(self, state: dict, idx) -> dict | None:
         if state.get("chat_id") is None or idx is None:

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.chat import ChatTab, new_state
+from app.chat import ChatTab, new_state, owner_of
 from app.config import AppConfig
 from app.library import LibraryTab
 from app.services import Services
@@ -15,6 +15,7 @@ from storage import Store
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "app.css"
 LAST_DOC_KEY = "squeeze-chat-last-document"  # the browser remembers the open document across reloads
+OWNER_KEY = "squeeze-chat-owner"  # and the token its chats are kept under (app.chat.owner_of)
 
 INTRO = (
     "### squeeze-chat\n"
@@ -43,6 +44,7 @@ def build_demo(engine: Engine, store: Store | None = None, *, worker: IngestWork
     with gr.Blocks(title=config.title, fill_width=True, analytics_enabled=False) as demo:
         state = gr.State(new_state(config))
         last_doc = gr.BrowserState(None, storage_key=LAST_DOC_KEY)
+        owner = gr.BrowserState(None, storage_key=OWNER_KEY)
         gr.Markdown(INTRO, elem_id="sq-intro")
         chat = ChatTab(services, state, last_doc)
         library = LibraryTab(services, state, chat)
@@ -55,17 +57,21 @@ def build_demo(engine: Engine, store: Store | None = None, *, worker: IngestWork
         chat.wire()
         library.wire(tabs, timer)
 
-        # Coming back to the page: the library and jobs where they are, and the last document open again.
-        def restore(last, state, method, sparsity):
-            jobs, rows, selected, doc, status, state = library.refresh(dict(state))
+        # Coming back to the page: the browser's own chats (its token, made at its first visit), the library and jobs
+        # where they are, and the last document open again.
+        def restore(last, token, state, method, sparsity):
+            state = {**state, "owner": token}
+            token = owner_of(state)  # (a new browser: a new token, which it keeps)
+            jobs, rows, selected, doc, status, state = library.refresh(state)
             if last and _exists(services, last):
                 return [jobs, rows, selected, *chat.open_document(last, state, method, sparsity),
-                        gr.Tabs(selected="chat")]
+                        gr.Tabs(selected="chat"), token]
             rest = [gr.skip()] * (len(chat.open_outputs) - 3)
-            return [jobs, rows, selected, state, doc, status, *rest, gr.skip()]
+            return [jobs, rows, selected, state, doc, status, *rest, gr.skip(), token]
 
-        demo.load(restore, [last_doc, state, chat.method, chat.sparsity],
-                  [library.jobs, library.table, library.selected, *chat.open_outputs, tabs], api_visibility="private")
+        demo.load(restore, [last_doc, owner, state, chat.method, chat.sparsity],
+                  [library.jobs, library.table, library.selected, *chat.open_outputs, tabs, owner],
+                  api_visibility="private")
         demo.load(chat.evaluation_html, None, [chat.evaluation], api_name="evaluation", show_progress="hidden")
     demo.queue(max_size=config.queue_size, default_concurrency_limit=2)
     demo.services = services  # for the caller: the worker to close, the store, the engine

@@ -186,5 +186,12 @@ _V5 = """
 ALTER TABLE jobs ADD COLUMN method_settings TEXT NOT NULL DEFAULT '{}';  -- JSON object: method -> its settings
 """
 
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4), (5, _V5))
+# 6: a chat belongs to whoever started it (the app's browser, or API session: an opaque token), and is listed and
+# reopened for that owner only; NULL: started outside the app (the command line), or before chats had owners.
+_V6 = """
+ALTER TABLE chats ADD COLUMN owner TEXT;
+CREATE INDEX chats_doc_owner ON chats(doc_id, owner);
+"""
+
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4), (5, _V5), (6, _V6))
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -10,14 +10,20 @@ from ..database import Database, canonical_json, now, one, require
 CHAT_TITLE_CHARS = 80  # an untitled chat is named after its first question, cut to this
 
 
+class ANY_OWNER:  # noqa: N801 - a sentinel: Chats.list of every owner's chats
+    """Chats.list(doc_id) lists every owner's chats."""
+
+
 class Chats:
     """Create chats, append turns, read them back.  Missing rows raise :class:`NotFoundError`."""
 
     def __init__(self, database: Database) -> None:
         self.database = database
 
-    def create(self, doc_id: str, context_id: str | None = None, *, title: str | None = None) -> int:
-        """A new chat about a document (answered from ``context_id``); returns its id."""
+    def create(self, doc_id: str, context_id: str | None = None, *, title: str | None = None,
+               owner: str | None = None) -> int:
+        """A new chat about a document (answered from ``context_id``), started by ``owner`` (an opaque token: the
+        app's browser or session; None outside the app); returns its id."""
         with self.database.transaction() as db:
             require(db, "documents", doc_id, "document")
             if context_id is not None:
@@ -26,9 +32,10 @@ class Chats:
                     raise ValueError(
                         f"context {context_id} belongs to document {context['doc_id']}, not {doc_id}"
                     )
-            table = db.table("chats").insert(
-                {"doc_id": doc_id, "context_id": context_id, "created_at": now(), "title": title}
-            )
+            row = {"doc_id": doc_id, "context_id": context_id, "created_at": now(), "title": title}
+            if owner is not None:
+                row["owner"] = owner
+            table = db.table("chats").insert(row)
             return int(table.last_pk)
 
     def get(self, chat_id: int) -> dict[str, Any]:
@@ -73,13 +80,15 @@ class Chats:
                 db.table("chats").update(chat_id, {"title": title})
             return int(table.last_pk)
 
-    def list(self, doc_id: str) -> list[dict[str, Any]]:
-        """The chats of a document, newest first, each with its number of turns."""
+    def list(self, doc_id: str, owner: str | None | type[ANY_OWNER] = ANY_OWNER) -> list[dict[str, Any]]:
+        """The chats of a document, newest first, each with its number of turns: every one, or ``owner``'s only
+        (None: the chats started without an owner)."""
+        mine = "" if owner is ANY_OWNER else " AND c.owner IS ?"
         with self.database.reading() as db:
             return [*db.query(
                 "SELECT c.*, (SELECT COUNT(*) FROM turns t WHERE t.chat_id = c.id) AS turn_count"
-                " FROM chats c WHERE c.doc_id = ? ORDER BY c.created_at DESC, c.id DESC",
-                [doc_id],
+                f" FROM chats c WHERE c.doc_id = ?{mine} ORDER BY c.created_at DESC, c.id DESC",
+                [doc_id] if owner is ANY_OWNER else [doc_id, owner],
             )]
 
     def turns(self, chat_id: int) -> list[dict[str, Any]]:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from gradio_client import Client, handle_file
+from gradio_client.exceptions import AppError
 
 from app.config import AppConfig
 from app.demo import build_demo, launch_kwargs
@@ -304,16 +305,26 @@ def test_stop_ends_the_answer_and_keeps_what_was_said(app, ready_doc, monkeypatc
     assert len(saved["answer"]) < 512
 
 
+def resumed(client: Client, token: str = "") -> str:
+    """The session's owner token after /resume_chats with `token` (what a browser restores at each page load)."""
+    return client.predict(token, api_name="/resume_chats")
+
+
 def test_history_is_saved_per_document_and_shown_after_a_restart(app, ready_doc, tiny_lm, cache_dir):
     client = app.client()
     open_doc(client, ready_doc)
     ask(client, "In what year was the light first lit?")
-    before = open_doc(app.client(), ready_doc)["chat"]
+    token = resumed(client)
+    later = app.client()  # the same user in another session (a reload): its token brings its chats back
+    assert resumed(later, token) == token
+    before = open_doc(later, ready_doc)["chat"]
     assert texts(before)[-2] == "In what year was the light first lit?"
     # a new process, the same settings: it sees the same index
     restarted = launch(Engine(cache_dir, lm=tiny_lm, methods=QUICK_TRAINING))
     try:
-        after = open_doc(restarted.client(), ready_doc)
+        again = restarted.client()
+        resumed(again, token)
+        after = open_doc(again, ready_doc)
         assert texts(after["chat"]) == texts(before)
         assert len(kept_cells(after["heatmap"])) == 16  # the last turn's views, from the saved stats
     finally:
@@ -428,6 +439,28 @@ def test_delete_removes_the_document_its_tensors_and_chats(app, tmp_path):
     with pytest.raises(NotFoundError):
         app.store.documents.find(doc_id)
     assert not any((app.store.blob_dir / c).exists() for c in contexts)
+
+
+def test_chats_stay_with_the_user_who_started_them(app, ready_doc):
+    """Another user opening the same document starts clean: none of the first user's chats is listed, reopened
+    (even by its id) or read as history; a malformed token is refused (the session keeps its own)."""
+    alice, bob = app.client(), app.client()
+    open_doc(alice, ready_doc)
+    ask(alice, "Who kept the light?")
+    alice_token = resumed(alice)
+    [alice_chat] = [c for c in app.store.chats.list(ready_doc) if c["owner"] == alice_token]
+    opened = open_doc(bob, ready_doc)
+    assert opened["chat"] == [] and not opened["chats"]["choices"]
+    with pytest.raises(AppError, match="not in the list of choices"):  # by its id: not bob's to open
+        bob.predict(alice_chat["id"], api_name="/open_chat")
+    bob_token = resumed(bob, "not-a-token")
+    assert bob_token != alice_token and len(bob_token) == 32
+    ask(bob, "And the dog's name?")
+    [bob_chat] = app.store.chats.list(ready_doc, bob_token)
+    [turn] = app.store.chats.turns(bob_chat["id"])
+    assert turn["stats"]["extra"]["history"] == 0  # alice's exchange is not bob's history
+    assert [c["id"] for c in app.store.chats.list(ready_doc, alice_token)] == [alice_chat["id"]]
+    assert len(app.store.chats.turns(alice_chat["id"])) == 1
 
 
 def test_a_follow_up_reads_the_chat_and_earlier_chats_reopen(app, ready_doc):

@@ -384,6 +384,23 @@ def test_chats_and_turns(store):
         store.chats.add_turn(10_000, "q", "a", None, None, {})
 
 
+def test_chats_are_listed_per_owner(store):
+    """A chat belongs to the owner that started it: listed for that owner only (None: chats without one); every
+    owner's without the argument."""
+    context = new_context(store)
+    doc_id, cid = context["doc_id"], context["id"]
+    a1 = store.chats.create(doc_id, cid, owner="browser-a")
+    b1 = store.chats.create(doc_id, cid, owner="browser-b")
+    a2 = store.chats.create(doc_id, cid, owner="browser-a")
+    cli = store.chats.create(doc_id, cid)
+    assert [c["id"] for c in store.chats.list(doc_id, "browser-a")] == [a2, a1]
+    assert [c["id"] for c in store.chats.list(doc_id, "browser-b")] == [b1]
+    assert [c["id"] for c in store.chats.list(doc_id, None)] == [cli]
+    assert store.chats.list(doc_id, "nobody") == []
+    assert {c["id"] for c in store.chats.list(doc_id)} == {a1, b1, a2, cli}
+    assert store.chats.get(b1)["owner"] == "browser-b"
+
+
 def test_delete_document_removes_rows_and_blob_files(store):
     context = new_context(store)
     doc_id, cid = context["doc_id"], context["id"]
