@@ -12,10 +12,14 @@ FUSED_SETS (same input width, same dtype and device, all with a bias or none) by
 forward is unchanged: it still calls `q_proj(x)`, `k_proj(x)`, `v_proj(x)`; the first part called computes the
 product of all rows for `x`, and the others take their rows of it when called with the same tensor `x` (any order;
 called with another input, a part computes its own rows). Once every part has taken its rows, the product is
-released. Under torch.compile (engine.model.compiled) dynamo traces this into one matrix product and slices.
+released. The product is kept per thread (an ingest in the background and an answer may run the model at once).
+Under torch.compile (engine.model.compiled) dynamo traces this into one matrix product and slices: what it keeps
+of the attributes it stores while tracing is their final value, cleared, so compiled calls share no state either.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from torch import nn
@@ -37,19 +41,29 @@ class SharedProduct(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.parts = parts
-        self._input: torch.Tensor | None = None
+        self._input: torch.Tensor | None = None  # (while dynamo traces: the product being shared, then None)
         self._output: torch.Tensor | None = None
         self._taken = 0
+        self._per_thread: dict[int, list] = {}  # thread id -> [input, product, parts taken] (eager calls)
 
     def rows(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Rows start:stop of the product for x [..., in_features]: [..., stop - start]."""
-        if self._input is not x:
-            self._input, self._output, self._taken = x, F.linear(x, self.weight, self.bias), 0
-        out = self._output[..., start:stop]
-        self._taken += 1
-        if self._taken == self.parts:  # every part has its rows: do not keep the input and product alive
-            self._input, self._output, self._taken = None, None, 0
-        return out
+        if torch.compiler.is_compiling():
+            if self._input is not x:
+                self._input, self._output, self._taken = x, F.linear(x, self.weight, self.bias), 0
+            out = self._output[..., start:stop]
+            self._taken += 1
+            if self._taken == self.parts:  # every part has its rows: nothing kept
+                self._input, self._output, self._taken = None, None, 0
+            return out
+        thread = threading.get_ident()
+        entry = self._per_thread.get(thread)
+        if entry is None or entry[0] is not x:
+            entry = self._per_thread[thread] = [x, F.linear(x, self.weight, self.bias), 0]
+        entry[2] += 1
+        if entry[2] == self.parts:  # every part has its rows: do not keep the input and product alive
+            del self._per_thread[thread]
+        return entry[1][..., start:stop]
 
 
 class ProjectionPart(nn.Module):

@@ -64,3 +64,26 @@ def test_a_compiled_layer_runs_one_product_per_set(tiny_model_path, one_thread):
     with torch.no_grad():
         lm.model(torch.randint(0, 250, (1, 12)))
     assert len(products) == 4
+
+
+@pytest.mark.parametrize("tiny_model_path", ["llama_gqa"], indirect=True)
+def test_threads_running_the_model_at_once_get_their_own_products(tiny_model_path):
+    """An ingest in the background and an answer may run the model at the same time: each thread's parts take
+    their rows of that thread's product, whatever the other does between its calls."""
+    import threading
+
+    lm = load_model(str(tiny_model_path), device="cpu")
+    attn = lm.model.get_decoder().layers[0].self_attn
+    ref = plain(tiny_model_path).get_decoder().layers[0].self_attn
+    xa, xb = torch.randn(1, 7, lm.config.hidden_size), torch.randn(1, 3, lm.config.hidden_size)
+    got = {}
+    with torch.no_grad():
+        qa = attn.q_proj(xa)  # thread A has begun its set
+        worker = threading.Thread(target=lambda: got.update(b=[attn.q_proj(xb), attn.k_proj(xb), attn.v_proj(xb)]))
+        worker.start()
+        worker.join()
+        ka, va = attn.k_proj(xa), attn.v_proj(xa)  # ... and finishes it after B's whole set
+        for ours, proj, x in [(qa, ref.q_proj, xa), (ka, ref.k_proj, xa), (va, ref.v_proj, xa),
+                              *zip(got["b"], (ref.q_proj, ref.k_proj, ref.v_proj), [xb] * 3)]:
+            torch.testing.assert_close(ours, proj(x), **TOL)
+    assert not attn.q_proj.shared._per_thread  # every set taken: nothing kept
