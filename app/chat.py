@@ -229,10 +229,11 @@ class ChatTab:
         skip_views = [gr.skip()] * (len(self.views.outputs) + 1)  # (the views, then the chats list)
         question = " ".join((question or "").split())
 
-        def refuse(text: str, keep_question: bool = True):
-            msgs = history + ([{"role": "user", "content": question}] if question else [])
-            msgs.append({"role": "assistant", "content": f"*{text}*"})
-            return [msgs, question if keep_question else "", state, gr.skip(), gr.skip(), *skip_views]
+        def refuse(text: str, kind: str = "error"):
+            """Why no answer comes: in the status line above the chat and as a toast, never inside the chat (which
+            stays as it was; the question stays in its box)."""
+            gr.Warning(text)
+            return [history, question, state, render.notice_html(text, kind), gr.skip(), *skip_views]
 
         if not state.get("doc_id"):
             yield refuse("Open a document first: upload one on the Documents tab, or pick one above.")
@@ -250,10 +251,9 @@ class ChatTab:
         status = doc_status(services, state["doc_id"], method, asked)
         if status.state != "ready":
             if status.state == "preparing":
-                text = f"{status.name} is not ready yet: {status.message}. Ask again when it is ready."
+                yield refuse(f"{status.name} is not ready yet: {status.message}. Ask again when it is ready.", "wait")
             else:
-                text = f"{status.name} cannot be asked: {status.message}."
-            yield [*refuse(text)[:3], self.status_html(status), gr.skip(), *skip_views]
+                yield refuse(f"{status.name} cannot be asked: {status.message}.")
             return
         ctx = status.context_id
         if state.get("chat_id") is None:

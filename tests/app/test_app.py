@@ -255,7 +255,7 @@ def test_compare_with_full_attention_says_whether_the_answers_agree(app, ready_d
     question, max_new = "Who kept the light?", 16
     if app.engine.needs_preparation(method):  # duo: its gates are trained in the background at its first use
         out, _ = ask(client, question, method=method, compare=True, max_new=max_new)
-        assert "learns once per model first, in the background" in texts(out["chat"])[-1]
+        assert "learns once per model first, in the background" in out["status"] and out["chat"] == []
         deadline = time.monotonic() + WAIT_S
         while app.engine.needs_preparation(method) and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -406,8 +406,10 @@ def test_asking_before_ready_is_refused_with_the_time_left(tiny_lm, tmp_path):
         opened = open_doc(client, doc_id)
         assert "queued (position 1) · about 3 s left" in opened["status"]
         refused, _ = ask(client, "What is the passkey?")
-        assert texts(refused["chat"])[-1] == ("*later.txt is not ready yet: still being prepared: queued (position 1), "
-                                              "about 3 s left. Ask again when it is ready.*")
+        # told above the chat, not in it; the question stays in its box
+        assert ("later.txt is not ready yet: still being prepared: queued (position 1), about 3 s left. Ask again "
+                "when it is ready.") in refused["status"]
+        assert refused["chat"] == [] and refused["question"] == "What is the passkey?"
         assert 'data-status="queued"' in poll(client)["jobs"]
         paused.worker.start()
         assert paused.worker.wait_idle(WAIT_S)
@@ -439,6 +441,21 @@ def test_delete_removes_the_document_its_tensors_and_chats(app, tmp_path):
     with pytest.raises(NotFoundError):
         app.store.documents.find(doc_id)
     assert not any((app.store.blob_dir / c).exists() for c in contexts)
+
+
+def test_a_refusal_is_told_beside_the_chat_not_in_it(app, ready_doc):
+    """No document open, an empty question: the reason shows in the status line above the chat (and as a toast in
+    a browser), the chat keeps its turns and no bubble is added; the question stays in its box."""
+    client = app.client()
+    out, _ = ask(client, "Who kept the light?")  # nothing open yet
+    assert "Open a document first" in out["status"] and out["chat"] == []
+    assert out["question"] == "Who kept the light?"
+    open_doc(client, ready_doc)
+    answered, _ = ask(client, "Who kept the light?")
+    empty, _ = ask(client, "   ")
+    assert "Type a question first." in empty["status"]
+    assert empty["chat"] == [] and empty["question"] == ""  # (the client sent no history; nothing added)
+    assert texts(answered["chat"])[0] == "Who kept the light?"
 
 
 def test_chats_stay_with_the_user_who_started_them(app, ready_doc):
