@@ -187,11 +187,15 @@ def cmd_delete(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from app.serve import check_exposure, parse_auth  # noqa: PLC0415 - (no gradio, no torch: checked first)
+
+    auth = parse_auth(args.auth, args.auth_file)
+    check_exposure(args.host, auth)
     from app.config import AppConfig  # noqa: PLC0415 - gradio loads only for this command
     from app.serve import serve  # noqa: PLC0415
 
     serve(args.host, args.port, model=args.model, cache_dir=args.cache_dir, device=args.device,
-          config=AppConfig(max_upload_mb=args.max_upload_mb), compile=args.compile)
+          config=AppConfig(max_upload_mb=args.max_upload_mb), compile=args.compile, auth=auth)
     return 0
 
 
@@ -273,7 +277,11 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
     p.add_argument("doc_id")
     p.set_defaults(func=cmd_delete)
     p = sub.add_parser("serve", parents=[common], help="the web app: upload, chat, and what attention retrieved")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only; another needs a "
+                                                        "login: --auth-file or --auth)")
+    p.add_argument("--auth-file", default=None, help="the logins the app asks for: lines USER:PASSWORD")
+    p.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="one login (visible to other users of "
+                                                                          "this machine: prefer --auth-file)")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--max-upload-mb", type=float, default=50.0, help="largest file accepted, per file")
     p.set_defaults(func=cmd_serve)

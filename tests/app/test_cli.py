@@ -176,3 +176,35 @@ def test_quick_commands_load_neither_torch_nor_transformers(argv, tmp_path):
     assert "LOADED []" in out.stdout, out.stdout + out.stderr
     if argv[0] == "delete":
         assert "error: " in out.stderr and "nosuchdoc" in out.stderr  # a plain one-line refusal
+
+
+def test_serving_beyond_this_machine_needs_a_login(tmp_path, capsys, monkeypatch):
+    """`--host` other than localhost without a login is refused at once (before torch or gradio load); with
+    --auth-file (or --auth) the app is served with those logins; malformed logins are refused."""
+
+    import app.serve
+
+    served = []
+    monkeypatch.setattr(app.serve, "serve", lambda *args, **kwargs: served.append((args, kwargs)))
+    code, _, err = run(capsys, "serve", "--host", "0.0.0.0")
+    assert code == 1 and "--host 0.0.0.0 lets anyone who can reach this machine read every document" in err
+    assert not served
+    logins = tmp_path / "logins"
+    logins.write_text("ana:s3cret\n\nbo:pa:ss\n")
+    assert run(capsys, "serve", "--host", "0.0.0.0", "--auth-file", str(logins))[0] == 0
+    assert served[-1][1]["auth"] == [("ana", "s3cret"), ("bo", "pa:ss")] and served[-1][0][0] == "0.0.0.0"
+    assert run(capsys, "serve", "--auth", "me:pw")[0] == 0 and served[-1][1]["auth"] == [("me", "pw")]
+    assert run(capsys, "serve")[0] == 0 and served[-1][1]["auth"] == []  # localhost: no login needed
+    code, _, err = run(capsys, "serve", "--host", "0.0.0.0", "--auth", "nopassword")
+    assert code == 1 and "USER:PASSWORD" in err and len(served) == 3
+
+
+def test_the_exposure_check_loads_no_torch():
+    """What `squeeze serve` checks first imports neither torch nor gradio (a refusal takes no seconds)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from app.serve import check_exposure, parse_auth; check_exposure('127.0.0.1', []); "
+            "print('torch' in sys.modules, 'gradio' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
