@@ -523,3 +523,20 @@ def test_generation_settings_are_checked_and_sampling_answers(app, ready_doc):
 def test_cancel_says_when_nothing_is_being_prepared(app, ready_doc):
     notice, *_ = app.client().predict(ready_doc, api_name="/cancel")
     assert "not being prepared" in notice
+
+
+def test_an_app_served_with_logins_asks_for_them(app, ready_doc):
+    """`squeeze serve --auth-file` hands its logins to Gradio: without one no client gets in; with one it does."""
+    cfg = AppConfig(max_upload_mb=UPLOAD_MB, poll_s=0.5, max_new_tokens=16)
+    demo = build_demo(app.engine, app.store, worker=app.worker, config=cfg)
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
+                            auth=[("ana", "s3cret")], **launch_kwargs(cfg))
+    try:
+        with pytest.raises(Exception):  # noqa: B017, PT011 - refused at the door, whatever the client makes of it
+            Client(url, verbose=False)
+        with pytest.raises(Exception):  # noqa: B017, PT011
+            Client(url, auth=("ana", "wrong"), verbose=False)
+        client = Client(url, auth=("ana", "s3cret"), verbose=False)
+        assert "ready" in open_doc(client, ready_doc)["status"]
+    finally:
+        demo.close()
