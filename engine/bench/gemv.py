@@ -20,11 +20,11 @@ from torch.nn import functional as F
 
 from engine.bench.e2e.bound import copy_bandwidth
 from engine.bench.e2e.models import SHAPES
+from engine.bench.kernels import bench_graph
 
-REPLAYS = 20  # graph replays timed; the median is reported
 
-
-def layer_weights(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def layer_weights(shape: dict, device: torch.device, dtype: torch.dtype,
+                  seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Per layer: {q, k, v, o, gate, up, down} [out, in] and the fused {qkv, gate_up}."""
     hidden, inter = shape["hidden_size"], shape["intermediate_size"]
     heads, kv_heads, head_dim = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
@@ -36,34 +36,11 @@ def layer_weights(shape: dict, device: torch.device, dtype: torch.dtype, seed: i
         w = {name: torch.randn(*size, generator=gen, device=device, dtype=dtype) * 0.02 for name, size in sizes.items()}
         w["qkv"] = torch.cat([w.pop("q"), w.pop("k"), w.pop("v")])
         w["gate_up"] = torch.cat([w.pop("gate"), w.pop("up")])
-        rows = sizes["q"][0], sizes["k"][0]
-        w["q"], w["k"], w["v"] = w["qkv"][: rows[0]], w["qkv"][rows[0] : rows[0] + rows[1]], w["qkv"][rows[0] + rows[1] :]
+        q_rows, k_rows = sizes["q"][0], sizes["k"][0]
+        w["q"], w["k"], w["v"] = w["qkv"].split([q_rows, k_rows, k_rows])
         w["gate"], w["up"] = w["gate_up"][:inter], w["gate_up"][inter:]
         layers.append(w)
     return layers
-
-
-def graph_ms(fn) -> float:
-    """Median milliseconds of fn() replayed from a CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(REPLAYS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                  "shape": args.shape, "layers": shape["num_hidden_layers"], "bandwidth_gbs": round(bandwidth, 1),
                  "cases": {}}
     for case, names in cases.items():
-        ms = graph_ms(run(names))
+        ms = bench_graph(run(names))
         nbytes = sum(layers[0][n].numel() * layers[0][n].element_size() for n in names) * len(layers)
         bound = nbytes / bandwidth / 1e6
         out["cases"][case] = {"ms": round(ms, 3), "bound_ms": round(bound, 3), "x_bound": round(ms / bound, 3),

@@ -17,6 +17,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.jit.merge import merge_pair
+
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
@@ -112,18 +114,11 @@ def causal_attn_fwd_kernel(
     o = acc / l_safe[:, None]
     flat = kv_head * num_m + offs_m  # [BLOCK_M] rows of lse [Hq * Lq]: head * Lq + token
     tok64 = tok.to(tl.int64)
-    if HAS_PRIOR:  # log-sum-exp merge with the other keys' attention (as kernels/jit/merge.py)
+    if HAS_PRIOR:  # log-sum-exp merge with the other keys' attention
         p_lse = tl.load(prior_lse_ptr + flat, mask=m_valid, other=float("-inf"))
         p_out = tl.load(prior_out_ptr + head[:, None] * stride_ph + tok64[:, None] * stride_pl + offs_d[None, :],
                         mask=m_valid[:, None], other=0.0)
-        m = tl.maximum(lse, p_lse)
-        m_safe = tl.where(m == float("-inf"), 0.0, m)
-        w_own = tl.exp(lse - m_safe)  # 0 for an empty part
-        w_prior = tl.exp(p_lse - m_safe)
-        total = w_own + w_prior
-        inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
-        o = (w_own[:, None] * o + w_prior[:, None] * p_out) * inv[:, None]
-        lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+        o, lse = merge_pair(o, lse, p_out, p_lse)
     tl.store(out_ptr + head[:, None] * stride_oh + tok64[:, None] * stride_ol + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
     tl.store(lse_ptr + flat, lse, mask=m_valid)

@@ -8,6 +8,22 @@ import triton.language as tl
 
 
 @triton.jit
+def merge_pair(out_a, lse_a, out_b, lse_b):
+    """Log-sum-exp merge of two partial attentions over disjoint key sets, row by row: out_a / out_b [R, D] fp32
+    (normalised), lse_a / lse_b [R] fp32 (natural log, -inf for an empty part) -> (out [R, D], lse [R]) of the
+    union (out 0 and lse -inf where both parts are empty)."""
+    m = tl.maximum(lse_a, lse_b)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    w_a = tl.exp(lse_a - m_safe)  # 0 for an empty part
+    w_b = tl.exp(lse_b - m_safe)
+    total = w_a + w_b
+    inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
+    out = out_a * (w_a * inv)[:, None] + out_b * (w_b * inv)[:, None]
+    lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    return out, lse
+
+
+@triton.jit
 def merge_two_kernel(
     out_a_ptr, lse_a_ptr, out_b_ptr, lse_b_ptr, out_ptr, lse_ptr,
     n_rows, lq,
@@ -28,17 +44,11 @@ def merge_two_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     lse_a = tl.load(lse_a_ptr + rows, mask=ok, other=float("-inf"))
     lse_b = tl.load(lse_b_ptr + rows, mask=ok, other=float("-inf"))
-    m = tl.maximum(lse_a, lse_b)
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    w_a = tl.exp(lse_a - m_safe)  # 0 for an empty part
-    w_b = tl.exp(lse_b - m_safe)
-    total = w_a + w_b
-    inv = tl.where(total > 0, 1.0 / tl.where(total > 0, total, 1.0), 0.0)
     a = tl.load(out_a_ptr + head[:, None] * stride_ah + tok[:, None] * stride_al + offs_d[None, :], mask=ok[:, None],
                 other=0.0)
     b = tl.load(out_b_ptr + head[:, None] * stride_bh + tok[:, None] * stride_bl + offs_d[None, :], mask=ok[:, None],
                 other=0.0)
-    out = (a * (w_a * inv)[:, None] + b * (w_b * inv)[:, None]).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + head[:, None] * stride_oh + tok[:, None] * stride_ol + offs_d[None, :], out, mask=ok[:, None])
-    lse = tl.where(total > 0, m_safe + tl.log(tl.where(total > 0, total, 1.0)), float("-inf"))
+    out, lse = merge_pair(a, lse_a, b, lse_b)
+    tl.store(out_ptr + head[:, None] * stride_oh + tok[:, None] * stride_ol + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
     tl.store(lse_ptr + rows, lse, mask=ok)
