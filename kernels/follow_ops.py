@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels.checks import check_qkv
+from kernels.checks import LOG2E, check_qkv
 from kernels.jit.follow import follow_attn_kernel
 from kernels.reference import follow as reference
 from kernels.selection import Selection
@@ -77,7 +77,7 @@ def follow_attention(
     follow_attn_kernel[(r, triton.cdiv(n_q, block_m))](
         q, k, v, selection.indptr, selection.indices, positions.to(torch.int64).contiguous(), order_arg,
         out, lse, fresh,
-        scale, first, indexed, lq, n_q, m, r, hkv,
+        scale * LOG2E, first, indexed, lq, n_q, m, r, hkv,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         order.stride(0) if order is not None else 0,
         HEADS_PER_ROW=heads_per_row, HAS_ORDER=order is not None, HAS_PRIOR=prior is not None, PROBES=PROBES,

@@ -69,6 +69,19 @@ class Selection:
 
 
 @dataclass(frozen=True)
+class FollowRows:
+    """The follow rows a step adds to every row of a selection (kernels/jit/follow.py): positions [M] int64 token
+    positions (-1: none, no repeats); a layer stores its indexed tokens first (row = position - first, for rows in
+    [0, indexed)), through order [Hkv, indexed] int32 (the row of each stored indexed row in the layout the K/V are
+    in) or as stored (None)."""
+
+    positions: torch.Tensor
+    first: int
+    indexed: int
+    order: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class Fixed:
     """Rows that read a fixed list of keys instead of what their lookup kept (DuoAttention's streaming heads).
 

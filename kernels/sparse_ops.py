@@ -120,7 +120,7 @@ def _has_tma(device: torch.device) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return INTERPRETER_SMS
@@ -139,18 +139,22 @@ def packed_buffer_entries(capacity: int, head_dim: int, elem_bytes: int) -> int:
 
 
 def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num_sms: int,
-         elem_bytes: int = 2, tma: bool = False, dense: bool = False) -> SparseAttentionConfig:
+         elem_bytes: int = 2, tma: bool = False, dense: bool = False, extra_items: int = 0) -> SparseAttentionConfig:
     """The default config for M = G * Lq query rows per row, from shapes only (never from device values).
 
     capacity: selection.indices.numel() (an upper bound of the selected keys of all rows together).
     tma: the device has tensor descriptors (_has_tma); unsplit packed prefill then uses them.
     dense: every key of every row, in order (`dense_attention`): the loads are contiguous already, nothing is packed.
+    extra_items: work items each row has beside its keys' in a decode step (kernels/union_ops.py: new tokens, follow
+    rows), taken out of its share of the workers.
     """
     if num_m <= DECODE_MAX_M:
         block_n = DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2
         target_workers = DECODE_WORKERS_PER_SM * num_sms
-        expected = min(capacity, int(rows * num_keys * DECODE_EXPECTED_FRACTION))
-        row_items = max(1, target_workers // rows) * DECODE_ITEMS_PER_WORKER
+        # dense: every key, so items sized for all of them (cut for a tenth, full attention's step at 128K merged 410
+        # partials a row: 8.6 us a layer on an H200)
+        expected = capacity if dense else min(capacity, int(rows * num_keys * DECODE_EXPECTED_FRACTION))
+        row_items = max(1, target_workers // rows - extra_items) * DECODE_ITEMS_PER_WORKER
         chunk = block_n * triton.cdiv(triton.cdiv(max(1, expected // rows), row_items), block_n)
         chunk = min(max(chunk, DECODE_MIN_CHUNK), DECODE_MAX_CHUNK)
         workers = max(1, min(max_items(capacity, rows, num_keys, chunk), target_workers))
@@ -171,11 +175,15 @@ def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num
     if m_blocks * rows >= PREFILL_SPLIT_BELOW * num_sms or capacity == 0:
         return SparseAttentionConfig(split=False, block_m=block_m, block_n=block_n, num_warps=num_warps,
                                      num_stages=num_stages, gather=gather, tma=gather and tma and PREFILL_TMA)
-    # Too few programs to fill the GPU: cut rows into items (a multiple of block_n) so that ~TARGET programs run;
-    # one item per program (workers = the bound on items), merged like decode.
+    # Too few programs to fill the GPU: cut rows into items (a multiple of block_n) so that ~TARGET programs run
+    # over a typical selection (DECODE_EXPECTED_FRACTION of the keys: the capacity is the worst case, and items
+    # cut from it left 16 items of 8K keys for 132 SMs at 128K: a 64-token question's attention at 10% took 180 us
+    # a layer on an H200, half of dense attention's 353), merged like decode; a heavier selection gives the
+    # workers more items.
     want_items = max(1, triton.cdiv(PREFILL_TARGET_PROGRAMS_PER_SM * num_sms, m_blocks))
-    chunk = block_n * max(1, triton.cdiv(triton.cdiv(capacity, want_items), block_n))
-    workers = max(1, max_items(capacity, rows, num_keys, chunk))
+    expected = capacity if dense else min(capacity, int(rows * num_keys * DECODE_EXPECTED_FRACTION))
+    chunk = block_n * max(1, triton.cdiv(triton.cdiv(max(1, expected), want_items), block_n))
+    workers = max(1, min(max_items(capacity, rows, num_keys, chunk), want_items))
     merge_block_i = min(16, triton.next_power_of_2(triton.cdiv(workers, rows)))  # ~items per row
     merge_block_m = max(1, MERGE_TILE // min(head_dim, MERGE_BLOCK_D) // merge_block_i)
     return SparseAttentionConfig(split=True, block_m=block_m, block_n=block_n, num_warps=num_warps,
@@ -183,7 +191,8 @@ def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num
                                  merge_block_m=merge_block_m, merge_block_i=merge_block_i, gather=gather)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: Selection) -> None:
+def check_selection(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: Selection) -> None:
+    """q, k, v and a selection fit each other (rows, keys, index dtypes, one device)."""
     check_qkv(q, k, v)
     hq, hkv, rows = q.shape[0], k.shape[0], selection.rows
     if rows not in (hq, hkv) or hq % rows:
@@ -214,7 +223,7 @@ def sparse_attention(
     per row, possibly longer than indptr[-1] (the tail is ignored). config: override `plan` (tests, tuning).
     Returns out [Hq, Lq, D] float32 and lse [Hq, Lq] float32 (natural log; 0 and -inf for a row with no keys).
     """
-    _check(q, k, v, selection)
+    check_selection(q, k, v, selection)
     indices = selection.indices.contiguous()
     return _launch(q, k, v, selection.indptr.contiguous(), indices, indices.numel(), selection.num_keys, scale, config)
 
@@ -261,7 +270,7 @@ def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float
         return out, lse
     if capacity == 0 and dense:  # no keys at all
         return out.zero_(), lse.fill_(float("-inf"))
-    cfg = config or plan(num_m, rows, d, capacity, num_keys, _num_sms(q.device), k.element_size(),
+    cfg = config or plan(num_m, rows, d, capacity, num_keys, num_sms(q.device), k.element_size(),
                          _has_tma(q.device), dense=dense)
     block_r = max(2, triton.next_power_of_2(rows))
     m_blocks = triton.cdiv(num_m, cfg.block_m)
@@ -308,5 +317,6 @@ def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float
     return out, lse
 
 
-__all__ = ["SparseAttentionConfig", "dense_attention", "max_items", "packed_buffer_entries", "plan", "sparse_attention"]
+__all__ = ["SparseAttentionConfig", "check_selection", "dense_attention", "max_items", "num_sms", "packed_buffer_entries", "plan",
+           "sparse_attention"]
 

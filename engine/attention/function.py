@@ -19,6 +19,7 @@ from engine.attention.follow import Follow, layout_order
 from engine.attention.method import Method, StepPlan
 from engine.attention.stats import TurnRecorder
 from kernels.backend import Backend
+from kernels.selection import FollowRows
 
 ATTN_NAME = "squeeze"
 
@@ -87,52 +88,50 @@ class StepContext:
 
 
 def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
-    """Attention of q over the layer's fixed context. Returns (out [Hq, Lq, D], lse [Hq, Lq]) float32."""
+    """Attention of q over the layer's fixed context where no method's lookup runs: a sliding layer's last window
+    (dense, masked by distance), an ingest's prefill (every key). Returns (out [Hq, Lq, D], lse [Hq, Lq]) float32."""
     kf, vf = layer.fixed_keys, layer.fixed_values
-    if layer.sliding_window is not None:  # the last window of the document, dense, masked by distance
+    if layer.sliding_window is not None:
         k_start = layer.fixed_len - kf.shape[1]
         return step.backend.kernel("causal").causal_attention(q, kf, vf, scale, q_pos, k_start, layer.sliding_window)
-    method = step.method
-    if method is None:
-        return step.backend.kernel("sparse").attention_with_lse(q, kf, vf, scale)
+    return step.backend.kernel("sparse").attention_with_lse(q, kf, vf, scale)
+
+
+def _looked_up(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext,
+               k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor) -> None:
+    """A global layer's attention with a method: one lookup for the call's tokens (or, with
+    StepContext.token_lookups, one per token of a prefill), then the union kernel, written into out [Hq, Lq, D]."""
+    method, lq = step.method, q.shape[1]
     index = layer.indexes.get(method.name)
     if index is None and method.sparse:
         raise RuntimeError(f"layer {layer.layer_idx} has no {method.name} index: build the method for this context")
-    lq = q.shape[1]
     if not (step.token_lookups and method.sparse and lq > 1):
-        return _selected_part(layer, index, q, q_pos, scale, step)
+        _union(layer, index, q, q_pos, scale, step, k_new, v_new, out)
+        return
     if step.recorder is not None:
         step.recorder.lookups_per_step(lq)
-    parts = [_selected_part(layer, index, q[:, t : t + 1], q_pos[t : t + 1], scale, step) for t in range(lq)]
-    return torch.cat([out for out, _ in parts], dim=1), torch.cat([lse for _, lse in parts], dim=1)
+    for t in range(lq):
+        _union(layer, index, q[:, t : t + 1], q_pos[t : t + 1], scale, step, k_new, v_new, out[:, t : t + 1])
 
 
-def _selected_part(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                   step: StepContext):
-    """One lookup for q's Lq tokens, then their attention over the keys it selected (and the follow rows).
-    Returns (out [Hq, Lq, D], lse [Hq, Lq]) float32."""
-    kf, vf = layer.fixed_keys, layer.fixed_values
-    recorder = step.recorder
+def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext,
+           k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor) -> None:
+    """One lookup for q's Lq tokens, then their attention over the union of the keys it selected, the follow rows
+    and the new tokens their positions see (kernels/union_ops.py), written into out [Hq, Lq, D]."""
+    method, recorder = step.method, step.recorder
     timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
-    method = step.method
     with timed("lookup"):
         lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos, step.valid)
-    fresh = None
     with timed("attention"):
-        if lookup.selection is None:
-            out, lse = step.backend.kernel("sparse").attention_with_lse(q, kf, vf, scale)
-        else:
-            out, lse = step.backend.kernel("sparse").sparse_attention(q, kf, vf, lookup.selection, scale)
-            follow = step.follow
-            if follow is not None and follow.positions.numel():
-                rows = follow.fixed_rows
-                order = layout_order(method, index)
-                out, lse, fresh = step.backend.kernel("follow").follow_attention(  # merged with the selection's part
-                    q, kf, vf, lookup.selection, follow.positions.to(q.device), rows.sink, rows.indexed, order, scale,
-                    prior=(out, lse))
+        follow, rows = step.follow, None
+        if lookup.selection is not None and follow is not None and follow.positions.numel():
+            rows = FollowRows(follow.positions.to(q.device), follow.fixed_rows.sink, follow.fixed_rows.indexed,
+                              layout_order(method, index))
+        _, _, fresh = step.backend.kernel("union").union_attention(
+            q, layer.fixed_keys, layer.fixed_values, lookup.selection, scale, k_new, v_new, q_pos, layer.fixed_len,
+            rows, out=out)
     if recorder is not None:
         recorder.record(layer.layer_idx, lookup, step.backend, fresh)
-    return out, lse
 
 
 @torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.model.compiled): host logic, our own kernels
@@ -170,16 +169,18 @@ def squeeze_attention(
     with _current_device(q.device):
         q_pos = squeeze_step.positions.to(q.device)  # [Lq]; a no-op unless layers sit on several devices
         k_new, v_new = layer.new_kv(squeeze_step.static)  # [Hkv, n, D], slot i at position fixed_len + i
-        fixed = None
-        if layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0:
-            fixed = _fixed_part(layer, q, q_pos, scale, squeeze_step)
         if squeeze_step.capture is not None and layer.sliding_window is None:
             squeeze_step.capture.take(module.layer_idx, q, q_pos)
         out = torch.empty(q.shape[1], q.shape[0], q.shape[2], device=q.device, dtype=query.dtype)  # [Lq, Hq, D]
-        # the new tokens' part, merged with the fixed part's straight into the layout the model reads next
-        squeeze_step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
-                                                               layer.sliding_window, prior=fixed,
-                                                               out=out.transpose(0, 1))
+        has_fixed = layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0
+        if has_fixed and layer.sliding_window is None and squeeze_step.method is not None:
+            _looked_up(layer, q, q_pos, scale, squeeze_step, k_new, v_new, out.transpose(0, 1))
+        else:
+            fixed = _fixed_part(layer, q, q_pos, scale, squeeze_step) if has_fixed else None
+            # the new tokens' part, merged with the fixed part's straight into the layout the model reads next
+            squeeze_step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
+                                                                   layer.sliding_window, prior=fixed,
+                                                                   out=out.transpose(0, 1))
     return out.unsqueeze(0), None
 
 

@@ -95,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
             out[f"{phase}_lookup"] = _sweep(f"{phase}_lookup", configs, select)
         if f"{phase}_attn" in only:
             base = sparse_ops.plan(q.shape[0] // args.hkv * lq, args.hkv, HEAD_DIM, sel.indices.numel(), sel.num_keys,
-                                      sparse_ops._num_sms(dev))
+                                      sparse_ops.num_sms(dev))
             out[f"{phase}_attn_default"] = {"config": vars(base), "ms": round(bench_graph(
                 lambda: sparse_ops.sparse_attention(q, kp, vp, sel, scale)), 4)}
             if lq == 1:
-                sms = sparse_ops._num_sms(dev)
+                sms = sparse_ops.num_sms(dev)
                 grid = itertools.product((64, 128, 256, 512), (32, 64, 128), (2, 4, 8), (1, 2, 3, 4), (2, 3))
                 configs = [sparse_ops.SparseAttentionConfig(split=True, block_m=16, block_n=n, num_warps=w, num_stages=st,
                                                                chunk=c, workers=wps * sms)

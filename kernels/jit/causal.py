@@ -23,6 +23,46 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def causal_keys(
+    q, k_base, v_base, lo, hi, last, window, acc, m_i, l_i, offs_d,
+    stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+    BLOCK_N: tl.constexpr, WINDOW: tl.constexpr, EXACT_FP32: tl.constexpr,
+):
+    """The online softmax of the query tile q [BLOCK_M, HEAD_DIM] over key slots lo .. hi - 1 of one KV head
+    (k_base / v_base point at its slot 0), BLOCK_N at a time, each row seeing the slots up to last [BLOCK_M] int32
+    (its position - k_start) and, with WINDOW, after last - window. Scores in the log2 domain (qk_scale = scale *
+    log2(e)). Returns (acc [BLOCK_M, HEAD_DIM] unnormalised fp32, m_i, l_i); l_i stays 0 for a row that sees no key."""
+    for n0 in range(lo, hi, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key slots (int32)
+        n_valid = offs_n < hi
+        rows = offs_n.to(tl.int64)
+        k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=n_valid[:, None],
+                    other=0.0)  # [BLOCK_N, HEAD_DIM]
+        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=n_valid[:, None],
+                    other=0.0)
+        if EXACT_FP32:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], unscaled
+        visible = n_valid[None, :] & (offs_n[None, :] <= last[:, None])  # [BLOCK_M, BLOCK_N]
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > last[:, None] - window)
+        s = tl.where(visible, s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no (-inf) - (-inf)
+        p = tl.exp2(s - m_ref[:, None])  # 0 where masked
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if EXACT_FP32:
+            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        else:
+            pv = tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + pv
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
 def causal_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, q_pos_ptr, out_ptr, lse_ptr, prior_out_ptr, prior_lse_ptr,
     stride_qh, stride_ql, stride_qd,
@@ -78,35 +118,9 @@ def causal_attn_fwd_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max, log2 domain
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # running sum of exp2(s - m_i); 0 until a key is seen
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    k_base = k_ptr + kv_head * stride_kh
-    v_base = v_ptr + kv_head * stride_vh
-    for n0 in range(lo, hi, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N] key slots (int32)
-        n_valid = offs_n < hi
-        rows = offs_n.to(tl.int64)
-        k = tl.load(k_base + rows[:, None] * stride_kn + offs_d[None, :] * stride_kd, mask=n_valid[:, None],
-                    other=0.0)  # [BLOCK_N, HEAD_DIM]
-        v = tl.load(v_base + rows[:, None] * stride_vn + offs_d[None, :] * stride_vd, mask=n_valid[:, None],
-                    other=0.0)
-        if EXACT_FP32:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))  # [BLOCK_M, BLOCK_N], unscaled
-        visible = n_valid[None, :] & (offs_n[None, :] <= last[:, None])  # [BLOCK_M, BLOCK_N]
-        if WINDOW:
-            visible = visible & (offs_n[None, :] > last[:, None] - window)
-        s = tl.where(visible, s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: no (-inf) - (-inf)
-        p = tl.exp2(s - m_ref[:, None])  # 0 where masked
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if EXACT_FP32:
-            pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+    acc, m_i, l_i = causal_keys(q, k_ptr + kv_head * stride_kh, v_ptr + kv_head * stride_vh, lo, hi, last, window,
+                                acc, m_i, l_i, offs_d, stride_kn, stride_kd, stride_vn, stride_vd, qk_scale,
+                                BLOCK_N, WINDOW, EXACT_FP32)
 
     empty = l_i == 0.0  # a row that saw a key has l_i >= 1 (its max contributes exp2(0))
     l_safe = tl.where(empty, 1.0, l_i)

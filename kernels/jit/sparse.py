@@ -22,23 +22,23 @@ LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def _item_plan(indptr_ptr, rows, chunk, BLOCK_R: tl.constexpr, DENSE: tl.constexpr = False, dense_len=0):
+def item_plan(indptr_ptr, rows, chunk, BLOCK_R: tl.constexpr, DENSE: tl.constexpr = False, dense_len=0):
     """Work items per row from indptr [rows + 1] (DENSE: row r is keys r * dense_len .. (r + 1) * dense_len - 1,
-    indptr is not read).
+    indptr is not read): ceil(keys / chunk).
 
     Returns first [BLOCK_R] (exclusive prefix sum of the items per row), n_items [BLOCK_R] (0 past `rows`) and the
     total number of items (a scalar).
     """
     r = tl.arange(0, BLOCK_R)
     in_range = r < rows
-    lo, hi = _bounds(indptr_ptr, r, in_range, DENSE, dense_len)
+    lo, hi = bounds(indptr_ptr, r, in_range, DENSE, dense_len)
     n_items = (hi - lo + chunk - 1) // chunk
     inclusive = tl.cumsum(n_items, 0)
     return inclusive - n_items, n_items, tl.sum(n_items, 0)
 
 
 @triton.jit
-def _bounds(indptr_ptr, r, ok, DENSE: tl.constexpr, dense_len):
+def bounds(indptr_ptr, r, ok, DENSE: tl.constexpr, dense_len):
     """Entries lo .. hi - 1 of rows r (0, 0 where not ok): from indptr, or DENSE rows of dense_len keys each."""
     if DENSE:
         lo = tl.where(ok, r.to(tl.int64) * dense_len, 0)
@@ -156,7 +156,7 @@ def _key_loop(
 
 
 @triton.jit
-def _attend(
+def attend(
     q_ptr, k_ptr, v_ptr, indices_ptr,
     row, start, end, offs_m, offs_d, m_valid,
     stride_qh, stride_ql, stride_qd,
@@ -262,15 +262,15 @@ def sparse_attn_fwd_kernel(
     num_m = group * lq
     m_valid = offs_m < num_m
     if SPLIT:
-        first, n_items, total = _item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
+        first, n_items, total = item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
         r_ids = tl.arange(0, BLOCK_R)
         for item in range(tl.program_id(1), total, tl.num_programs(1)):
             row = tl.sum((first + n_items <= item).to(tl.int32), 0)  # rows whose items all precede this one
             local = item - tl.sum(tl.where(r_ids == row, first, 0), 0)
-            row_lo, row_hi = _bounds(indptr_ptr, row, True, DENSE, dense_len)
+            row_lo, row_hi = bounds(indptr_ptr, row, True, DENSE, dense_len)
             start = row_lo + local * chunk
             end = tl.minimum(start + chunk, row_hi)
-            acc, m_i, l_i = _attend(
+            acc, m_i, l_i = attend(
                 q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
                 stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
                 rows, num_kv_heads, group, lq, qk_scale,
@@ -285,8 +285,8 @@ def sparse_attn_fwd_kernel(
             row = tl.program_id(1)
         else:
             row = _heaviest_first(indptr_ptr, rows, tl.program_id(1), BLOCK_R)
-        start, end = _bounds(indptr_ptr, row, True, DENSE, dense_len)
-        acc, m_i, l_i = _attend(
+        start, end = bounds(indptr_ptr, row, True, DENSE, dense_len)
+        acc, m_i, l_i = attend(
             q_ptr, k_ptr, v_ptr, indices_ptr, row, start, end, offs_m, offs_d, m_valid,
             stride_qh, stride_ql, stride_qd, stride_kh, stride_kn, stride_kd, stride_vh, stride_vn, stride_vd,
             rows, num_kv_heads, group, lq, qk_scale,
@@ -348,15 +348,31 @@ def sparse_attn_merge_kernel(
     out [rows * num_m, HEAD_DIM] fp32, lse [rows * num_m] fp32 (natural log; 0 and -inf for a row with no keys).
     """
     row = tl.program_id(1)
-    first, n_items, _ = _item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
+    first, n_items, _ = item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m_valid = offs_m < num_m
     r_ids = tl.arange(0, BLOCK_R)
     row_first = tl.sum(tl.where(r_ids == row, first, 0), 0)
     row_items = tl.sum(tl.where(r_ids == row, n_items, 0), 0)
-    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_i = tl.arange(0, BLOCK_I)
-    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    m_valid = offs_m < num_m
+    out, lse = merge_items(part_out_ptr, part_lse_ptr, row_first, row_items, offs_m, offs_d, m_valid, num_m,
+                           HEAD_DIM, BLOCK_M, BLOCK_I, BLOCK_D)
+    dst = row.to(tl.int64) * num_m + offs_m  # [BLOCK_M]
+    tl.store(out_ptr + dst[:, None] * HEAD_DIM + offs_d[None, :], out, mask=m_valid[:, None])
+    if tl.program_id(2) == 0:
+        tl.store(lse_ptr + dst, lse, mask=m_valid)
 
+
+@triton.jit
+def merge_items(
+    part_out_ptr, part_lse_ptr, row_first, row_items, offs_m, offs_d, m_valid, num_m,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Log-sum-exp merge of the partials row_first .. row_first + row_items - 1 (of part_out [items, num_m,
+    HEAD_DIM] fp32, normalised, and part_lse [items, num_m] fp32, base 2; an item that saw no key holds lse -inf),
+    query rows offs_m, head-dim slice offs_d, BLOCK_I partials at a time. Returns out [BLOCK_M, BLOCK_D] fp32 and
+    lse [BLOCK_M] (natural log; out 0 and lse -inf for a query row no item saw a key of)."""
+    offs_i = tl.arange(0, BLOCK_I)
     m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)  # running max of the partial lse (base 2)
     l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -367,17 +383,13 @@ def sparse_attn_merge_kernel(
         part_out = tl.load(
             part_out_ptr + flat[:, :, None] * HEAD_DIM + offs_d[None, None, :], mask=valid[:, :, None], other=0.0
         )  # [BLOCK_M, BLOCK_I, BLOCK_D]
-        m_new = tl.maximum(m_run, tl.max(part_lse, 1))  # finite on valid query rows: the row's first item is valid
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # padding query rows: no (-inf) - (-inf)
+        m_new = tl.maximum(m_run, tl.max(part_lse, 1))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key seen yet: no (-inf) - (-inf)
         alpha = tl.exp2(m_run - m_ref)
-        w = tl.exp2(part_lse - m_ref[:, None])  # [BLOCK_M, BLOCK_I], 0 past the row's items
+        w = tl.exp2(part_lse - m_ref[:, None])  # [BLOCK_M, BLOCK_I], 0 past the row's items and for empty items
         acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * part_out, 1)
         l_run = l_run * alpha + tl.sum(w, 1)
         m_run = m_new
     empty = l_run == 0.0
     l_safe = tl.where(empty, 1.0, l_run)
-    dst = row.to(tl.int64) * num_m + offs_m  # [BLOCK_M]
-    tl.store(out_ptr + dst[:, None] * HEAD_DIM + offs_d[None, :], acc / l_safe[:, None], mask=m_valid[:, None])
-    if tl.program_id(2) == 0:
-        lse = tl.where(empty, float("-inf"), (m_run + tl.log2(l_safe)) * LN2)
-        tl.store(lse_ptr + dst, lse, mask=m_valid)
+    return acc / l_safe[:, None], tl.where(empty, float("-inf"), (m_run + tl.log2(l_safe)) * LN2)

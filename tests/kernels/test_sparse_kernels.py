@@ -19,8 +19,10 @@ import torch
 from kernels.reference import sparse as reference
 from kernels.selection import Selection
 from kernels.sparse_ops import (
+    DECODE_EXPECTED_FRACTION,
     DECODE_WORKERS_PER_SM,
     GATHER_MAX_BYTES,
+    PREFILL_TARGET_PROGRAMS_PER_SM,
     SparseAttentionConfig,
     dense_attention,
     max_items,
@@ -237,13 +239,23 @@ def test_plan_depends_on_shapes_only():
         assert dec.split and dec.block_m == 16 and 1 <= dec.workers <= DECODE_WORKERS_PER_SM * 132
         assert dec.chunk % dec.block_n == 0
     assert dec_128k.chunk < dec_512k.chunk
+    # full attention's step: items cut for every key, so they end in one wave of workers
+    dense = plan(num_m=4, rows=8, head_dim=128, capacity=8 * 128 * 1024, num_keys=128 * 1024, num_sms=132, dense=True)
+    assert dense.split and max_items(8 * 128 * 1024, 8, 128 * 1024, dense.chunk) <= DECODE_WORKERS_PER_SM * 132
     tiny = plan(num_m=1, rows=2, head_dim=64, capacity=10, num_keys=10, num_sms=132)
     assert tiny.split and tiny.workers == max_items(10, 2, 10, tiny.chunk)
     pre = plan(num_m=4 * 1024, rows=8, head_dim=128, capacity=13_000 * 8, num_keys=128 * 1024, num_sms=132)
     assert not pre.split and pre.block_m >= 64
     small = plan(num_m=512, rows=8, head_dim=128, capacity=13_000 * 8, num_keys=128 * 1024, num_sms=132)
     assert small.split and small.chunk % small.block_n == 0
-    assert small.workers == max_items(13_000 * 8, 8, 128 * 1024, small.chunk)  # one item per program
+    m_blocks = 512 // small.block_m
+    assert small.workers <= max_items(13_000 * 8, 8, 128 * 1024, small.chunk)
+    assert small.workers * m_blocks <= PREFILL_TARGET_PROGRAMS_PER_SM * 132 + m_blocks  # one wave of programs
+    # an index list sized for the worst case (every key) is cut for a typical selection: a 10% one fills the GPU
+    worst = plan(num_m=256, rows=8, head_dim=128, capacity=8 * 128 * 1024, num_keys=128 * 1024, num_sms=132)
+    assert worst.split
+    typical_items = max_items(int(DECODE_EXPECTED_FRACTION * 8 * 128 * 1024), 8, 128 * 1024, worst.chunk)
+    assert typical_items * (256 // worst.block_m) >= 132
 
 
 PARTLY_PACKED = {

@@ -1,0 +1,125 @@
+"""A decode step's attention at one layer: the union kernel against the kernels it replaces.
+
+    python -m engine.bench.union [--shape llama3-8b] [--context 131072] [--budget 0.1] [--follow 72] [--out FILE]
+
+One global layer of the shape (random bf16 K/V, Hq/Hkv heads), one query token: a selection of `budget` of the
+keys per KV head in contiguous runs (a clustered layout's ranges), `follow` follow rows through a layout order, and
+a new-token buffer with `--new` visible slots. Times, replayed from CUDA graphs, (a) kernels.union_ops
+(one split-KV launch over the selection, the new tokens and the follow rows, one merge into the model's layout) and
+(b) the sparse, follow and causal kernels in turn (what a step ran before: four launches), for the selection and
+for every key (full attention); checks that both give the same output. Prints one JSON document (us per call), with
+the registers and spills of the kernels where Triton reports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+
+from engine.bench.e2e.models import SHAPES
+from engine.bench.kernels import bench_graph
+from kernels import causal_ops, follow_ops, sparse_ops, union_ops
+from kernels.jit.sparse import sparse_attn_fwd_kernel
+from kernels.jit.union import union_attn_fwd_kernel
+from kernels.selection import FollowRows, Selection
+
+
+def clustered_selection(hkv: int, n: int, budget: float, run: int, gen: torch.Generator,
+                        device: torch.device) -> Selection:
+    """`budget` of each KV head's n keys in runs of `run` consecutive keys (random runs, sorted)."""
+    runs = n // run
+    keep = torch.rand(hkv, runs, generator=gen).argsort(dim=1)[:, : max(1, int(runs * budget))].sort(dim=1).values
+    keys = (keep[:, :, None] * run + torch.arange(run)).reshape(hkv, -1)  # [Hkv, kept]
+    indptr = torch.arange(hkv + 1) * keys.shape[1]
+    return Selection(indptr.to(device), keys.reshape(-1).to(device, torch.int32), n)
+
+
+def in_turns(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out):
+    """The kernels the union kernel replaces, one after another: sparse (or dense) attention over the fixed
+    context, the follow part merged into it, the new tokens' causal part merged into that and written to out."""
+    if selection is None:
+        fixed = sparse_ops.dense_attention(q, k, v, scale)
+    else:
+        fixed = sparse_ops.sparse_attention(q, k, v, selection, scale)
+        if follow is not None:
+            *fixed, _ = follow_ops.follow_attention(q, k, v, selection, follow.positions, follow.first,
+                                                    follow.indexed, follow.order, scale, prior=fixed)
+    return causal_ops.causal_attention(q, k_new, v_new, scale, q_pos, k_start, None, tuple(fixed), out)
+
+
+def registers(kernel) -> list[dict]:
+    """(registers, spills) of each compiled specialisation of a @triton.jit kernel, where Triton exposes them."""
+    found = []
+    try:
+        for cache in kernel.device_caches.values():
+            for compiled in cache[0].values():
+                found.append({"registers": compiled.n_regs, "spills": compiled.n_spills})
+    except (AttributeError, IndexError, TypeError):
+        pass
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.union", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="llama3-8b")
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--budget", type=float, default=0.1)
+    parser.add_argument("--follow", type=int, default=72, help="follow rows (a decode step: 8 of its own, 64 carried)")
+    parser.add_argument("--new", type=int, default=100, help="new-token slots the query sees")
+    parser.add_argument("--registers", default=f"{union_ops.MAX_REGISTERS},0",
+                        help="kernels.union_ops.MAX_REGISTERS values to time (0: no cap)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("engine.bench.union needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    shape = SHAPES[args.shape]
+    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    n, slots = args.context, 4096
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(hkv, n, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    k_new, v_new = (torch.randn(hkv, slots, d, device=device, dtype=torch.bfloat16) for _ in range(2))
+    q = torch.randn(hq, 1, d, device=device, dtype=torch.bfloat16)
+    k_start = n
+    q_pos = torch.tensor([k_start + args.new - 1], device=device)
+    selection = clustered_selection(hkv, n, args.budget, 64, gen, device)
+    indexed = n - 64
+    order = torch.stack([torch.randperm(indexed, generator=gen) for _ in range(hkv)]).to(device, torch.int32)
+    follow = FollowRows(torch.randperm(indexed, generator=gen)[: args.follow].to(device), 0, indexed, order)
+    out = torch.empty(1, hq, d, device=device, dtype=torch.bfloat16).transpose(0, 1)
+    scale = d ** -0.5
+    result: dict = {"bench": "union", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                    "shape": args.shape, "context": n, "budget": args.budget, "follow_rows": args.follow,
+                    "new_tokens": args.new, "cases": {}}
+    caps = [int(x) for x in args.registers.split(",")]
+    for (case, sel, rows), cap in ((c, cap) for c in (("selection", selection, follow), ("every key", None, None))
+                                   for cap in caps):
+        union_ops.MAX_REGISTERS = cap
+        def one(sel=sel, rows=rows):
+            return union_ops.union_attention(q, k, v, sel, scale, k_new, v_new, q_pos, k_start, rows, out=out)
+
+        def in_turn(sel=sel, rows=rows):
+            return in_turns(q, k, v, sel, scale, k_new, v_new, q_pos, k_start, rows, out)
+
+        a = one()[0].float().clone()
+        b = in_turn()[0].float().clone()
+        error = float((a - b).abs().max())
+        result["cases"][f"{case}, registers {cap or 'uncapped'}"] = {
+            "union_us": round(bench_graph(one) * 1e3, 2), "in_turn_us": round(bench_graph(in_turn) * 1e3, 2),
+            "max_abs_diff": error}
+    result["registers"] = {"union_attn_fwd_kernel": registers(union_attn_fwd_kernel),
+                           "sparse_attn_fwd_kernel": registers(sparse_attn_fwd_kernel)}
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Typed wrapper of the one-pass attention of a decode step (kernels/jit/union.py): check, plan, launch.
+
+`union_attention(...)` has the signature and semantics of `kernels.reference.union.union_attention` and never
+synchronises with the host. Where the sparse kernels would split the keys over persistent workers (a decode step:
+G * Lq <= kernels.sparse_ops.DECODE_MAX_M), the selection's keys, the new tokens and the follow rows are items of one
+split-KV launch and one merge writes the layer's output: two launches where the sparse, follow and causal kernels
+took four. Otherwise (a question's prefill: its grids fill the GPU on their own) it runs those three in turn.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels import causal_ops, follow_ops, sparse_ops
+from kernels.checks import LOG2E, check_qkv
+from kernels.jit.union import union_attn_fwd_kernel, union_merge_kernel
+from kernels.selection import FollowRows, Selection
+
+NEW_ITEMS_EXPECTED = 1  # items a row's new tokens take in a typical step (a question and an answer: < a chunk)
+# Registers per thread of the split launch: the selection's loop alone needs 152 (D 128, 4 warps: Triton 3.6 for
+# sm_90), the short items' code took the whole kernel to 226, so an SM held two workers instead of
+# sparse_ops.DECODE_WORKERS_PER_SM = 3 (65536 / (3 * 128) = 170). Capped at 168, three fit (a few bytes spill).
+MAX_REGISTERS = 168
+
+
+def union_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    selection: Selection | None,
+    scale: float,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    q_pos: torch.Tensor,
+    k_start: int,
+    follow: FollowRows | None = None,
+    out: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    check_qkv(q, k_new, v_new)
+    hq, lq, d = q.shape
+    hkv, n_new = k_new.shape[:2]
+    rows = hkv if selection is None else selection.rows
+    with_follow = selection is not None and follow is not None and follow.positions.numel() > 0
+    num_m = hq // rows * lq
+    if out is not None and (out.shape != (hq, lq, d) or out.stride(-1) != 1):
+        raise ValueError(f"out must be [{hq}, {lq}, {d}] with a unit stride in D; got {tuple(out.shape)} "
+                         f"strides {out.stride()}")
+    if num_m > sparse_ops.DECODE_MAX_M or d & (d - 1) or d < 16 or k.shape[1] == 0 or n_new == 0:
+        return _in_turn(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow if with_follow else None,
+                        out)
+    if selection is None:
+        check_qkv(q, k, v)
+        indptr = indices = k  # DENSE: neither is read
+        capacity, num_keys = hkv * k.shape[1], k.shape[1]
+    else:
+        sparse_ops.check_selection(q, k, v, selection)
+        indptr, indices = selection.indptr.contiguous(), selection.indices.contiguous()
+        capacity, num_keys = indices.numel(), selection.num_keys
+    if tuple(q_pos.shape) != (lq,) or q_pos.dtype not in causal_ops.POSITION_DTYPES or q_pos.device != q.device:
+        raise ValueError(f"q_pos must be int32/int64 [{lq}] on {q.device}; got {q_pos.dtype} {tuple(q_pos.shape)} "
+                         f"on {q_pos.device}")
+    q = q.to(k.dtype)
+    k_new, v_new = k_new.to(k.dtype), v_new.to(k.dtype)  # no-ops when they match
+    if with_follow:  # the follow kernel reads rows of unit stride in D
+        k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
+    extra = NEW_ITEMS_EXPECTED + int(with_follow)
+    sms = sparse_ops.num_sms(q.device)
+    cfg = sparse_ops.plan(num_m, rows, d, capacity, num_keys, sms, k.element_size(), dense=selection is None,
+                          extra_items=extra)
+    items = sparse_ops.max_items(capacity, rows, num_keys, cfg.chunk) + rows * (triton.cdiv(n_new, cfg.chunk)
+                                                                                + int(with_follow))
+    workers = max(1, min(items, sparse_ops.DECODE_WORKERS_PER_SM * sms))  # the plan's, counting these items too
+    part_out = torch.empty(items, num_m, d, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(items, num_m, device=q.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(hq, lq, d, device=q.device, dtype=torch.float32)
+    lse = torch.empty(hq, lq, device=q.device, dtype=torch.float32)
+    if with_follow:
+        positions = follow.positions.to(torch.int64).contiguous()
+        m_rows = positions.numel()
+        fresh = torch.empty(rows, m_rows, device=q.device, dtype=torch.int8)  # every entry written
+        order = follow.order
+        if order is not None and (order.shape != (hkv, follow.indexed) or order.dtype != torch.int32):
+            raise ValueError(f"order must be int32 [{hkv}, {follow.indexed}], got {order.dtype} {tuple(order.shape)}")
+        follow_args = (positions, order if order is not None else positions, fresh)
+        first, indexed, stride_order = follow.first, follow.indexed, order.stride(0) if order is not None else 0
+    else:
+        m_rows, fresh, order = 0, None, None
+        follow_args = (torch.empty(1, device=q.device, dtype=torch.int64),  # not read
+                       torch.empty(1, device=q.device, dtype=torch.int32), torch.empty(1, device=q.device, dtype=torch.int8))
+        first = indexed = stride_order = 0
+    block_r = max(2, triton.next_power_of_2(rows))
+    dense_len = num_keys if selection is None else 0
+    union_attn_fwd_kernel[(triton.cdiv(num_m, cfg.block_m), workers)](
+        q, k, v, indptr, indices, k_new, v_new, q_pos, *follow_args, part_out, part_lse,
+        *q.stride(), *k.stride(), *v.stride(), *k_new.stride(), *v_new.stride(), q_pos.stride(0), stride_order,
+        rows, hkv, hq // rows, lq, cfg.chunk, scale * LOG2E, int(k_start), n_new, first, indexed, m_rows,
+        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
+        BLOCK_K=max(16, triton.next_power_of_2(max(m_rows, 1))), EXACT_FP32=q.dtype == torch.float32,
+        DENSE=selection is None, FOLLOW=with_follow, HAS_ORDER=order is not None, PROBES=follow_ops.PROBES,
+        ROUNDS=follow_ops.search_rounds(num_keys), dense_len=dense_len,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(q.device),
+    )
+    block_d = min(d, sparse_ops.MERGE_BLOCK_D)
+    merge_block_m = min(cfg.merge_block_m, triton.next_power_of_2(num_m))
+    union_merge_kernel[(triton.cdiv(num_m, merge_block_m), rows, d // block_d)](
+        part_out, part_lse, indptr, q_pos, out, lse,
+        rows, hq // rows, lq, cfg.chunk, int(k_start), n_new, q_pos.stride(0), out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_M=merge_block_m, BLOCK_I=cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
+        DENSE=selection is None, FOLLOW=with_follow, dense_len=dense_len,
+        num_warps=sparse_ops.MERGE_WARPS,
+    )
+    return out, lse, fresh.view(torch.bool) if fresh is not None else None
+
+
+def _register_cap(device: torch.device) -> dict:
+    """The launch option that caps the split kernel's registers (MAX_REGISTERS; none in the interpreter or at 0)."""
+    return {"maxnreg": MAX_REGISTERS} if MAX_REGISTERS and device.type == "cuda" else {}
+
+
+def _in_turn(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out):
+    """The sparse (or dense), follow and causal kernels one after another (grids that fill the GPU alone)."""
+    if selection is None:
+        fixed = sparse_ops.dense_attention(q, k, v, scale) if k.shape[1] else None
+    else:
+        fixed = sparse_ops.sparse_attention(q, k, v, selection, scale)
+    fresh = None
+    if follow is not None:
+        *fixed, fresh = follow_ops.follow_attention(q, k, v, selection, follow.positions, follow.first,
+                                                    follow.indexed, follow.order, scale, prior=fixed)
+    out, lse = causal_ops.causal_attention(q, k_new, v_new, scale, q_pos, k_start, None,
+                                           tuple(fixed) if fixed is not None else None, out)
+    return out, lse, fresh
+
+
+__all__ = ["union_attention"]

@@ -1,0 +1,132 @@
+"""A decode step's one-pass attention (kernels/jit/union.py: the selection's keys, the follow rows and the new tokens
+as items of one split-KV launch, one merge into the layer's output) against its reference, and the reference
+against dense attention over the union of the three key sets. Without CUDA the kernels run in the Triton
+interpreter (tests/conftest.py): float32 and float16 there; bfloat16 on a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels import union_ops
+from kernels.reference import union as reference
+from kernels.reference.follow import follow_rows
+from kernels.reference.sparse import attention_with_lse
+from kernels.selection import FollowRows, Selection
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
+SCALE = 0.125
+
+
+def case(seed: int, hq: int, hkv: int, rows: int | None, lq: int, n: int, slots: int, seen: int, m: int,
+         layout: bool, d: int = 64, index_dtype=torch.int64):
+    """A fixed context of n keys (its first `first` and last 5 dense, the rest indexed) with a selection of `rows`
+    rows (None: every key), a new-token buffer of `slots` slots of which the last query sees `seen` (the others
+    hold NaN: never read), lq queries at the last positions and m follow rows."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(hq, lq, d, generator=g)
+    k, v = (torch.randn(hkv, n, d, generator=g) for _ in range(2))
+    k_new, v_new = (torch.randn(hkv, slots, d, generator=g) for _ in range(2))
+    k_new[:, seen:], v_new[:, seen:] = float("nan"), float("nan")
+    k_start = n + 3
+    q_pos = k_start + seen - lq + torch.arange(lq)
+    mask = sel = None
+    if rows is not None:
+        mask = torch.rand(rows, n, generator=g) < 0.3
+        mask[0] = False  # a row that selects nothing still sees its follow rows and new tokens
+        sel = Selection.from_mask(mask)
+        spare = torch.randint(0, n, (7,), generator=g)  # spare capacity, as the GPU leaves it
+        sel = Selection(sel.indptr, torch.cat([sel.indices, spare]).to(index_dtype), n)
+    first, indexed = 2, n - 7
+    pos = torch.randperm(n + 4, generator=g)[:m] - 2  # some none (-1), some in the dense rows
+    pos = torch.where(pos < 0, -1, pos)
+    order = torch.stack([torch.randperm(indexed, generator=g) for _ in range(hkv)]).to(torch.int32) if layout else None
+    follow = FollowRows(pos, first, indexed, order) if m else None
+    return q, k, v, sel, mask, k_new, v_new, q_pos, k_start, follow
+
+
+SHAPES = [  # hq, hkv, rows, lq, n, slots, seen, m, layout
+    (8, 2, 2, 1, 700, 300, 150, 8, True),  # a decode step: three items of new tokens, follow rows through a layout
+    (8, 2, 8, 1, 500, 40, 40, 8, False),  # a selection per query head
+    (8, 2, None, 1, 600, 64, 10, 0, False),  # full attention: every key of the fixed context
+    (4, 1, 1, 4, 300, 32, 20, 12, True),  # four tokens at once (still one query tile)
+    (8, 2, 2, 1, 400, 16, 1, 72, True),  # the step's first token: the question's 64 follow rows carried
+    (4, 2, 2, 20, 300, 64, 50, 16, False),  # a question's prefill: the three kernels in turn
+]
+
+
+def dense_union(q, k, v, mask, k_new, v_new, q_pos, k_start, follow, seen):
+    """Dense attention over [fixed keys; new tokens] with each query head's mask: its row's selection (every key
+    without one) and follow rows, and the new tokens its position sees."""
+    hq, lq, _ = q.shape
+    hkv, n = k.shape[:2]
+    if mask is None:
+        fixed = torch.ones(hkv, n, dtype=torch.bool)
+    else:
+        fixed = mask.clone()
+        if follow is not None:
+            rows, valid = follow_rows(follow.positions, follow.first, follow.indexed, follow.order, hkv)
+            head = torch.arange(mask.shape[0]) * hkv // mask.shape[0]
+            for r in range(mask.shape[0]):
+                fixed[r, rows[head[r]][valid[head[r]]]] = True
+    per_head = fixed.repeat_interleave(hq // fixed.shape[0], dim=0)[:, None, :].expand(hq, lq, n)
+    causal = (k_start + torch.arange(seen))[None, :] <= q_pos[:, None]  # [Lq, seen]
+    full_mask = torch.cat([per_head, causal[None].expand(hq, lq, seen)], dim=-1)
+    keys = torch.cat([k, k_new[:, :seen]], dim=1)
+    values = torch.cat([v, v_new[:, :seen]], dim=1)
+    return attention_with_lse(q, keys, values, SCALE, full_mask)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reference_is_attention_over_the_union(shape):
+    q, k, v, sel, mask, k_new, v_new, q_pos, k_start, follow = case(0, *shape)
+    seen = shape[6]
+    want_out, want_lse = dense_union(q, k, v, mask, k_new, v_new, q_pos, k_start, follow, seen)
+    out, lse, fresh = reference.union_attention(q, k, v, sel, SCALE, k_new[:, :seen], v_new[:, :seen], q_pos,
+                                                k_start, follow)
+    torch.testing.assert_close(out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert (fresh is None) == (sel is None or follow is None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_kernel_matches_reference(shape, dtype):
+    """The kernels never read a new-token slot past the newest query's position (NaN there), write the model's
+    layout ([Lq, Hq, D] transposed) in its dtype, and tell the same fresh follow rows as the reference."""
+    q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(1, *shape, index_dtype=torch.int32)
+    seen = shape[6]
+    want = reference.union_attention(q, k, v, sel, SCALE, k_new[:, :seen], v_new[:, :seen], q_pos, k_start, follow)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    q, k, v, k_new, v_new = (x.to(DEVICE, dtype) for x in (q, k, v, k_new, v_new))
+    if sel is not None:
+        sel = Selection(on(sel.indptr), on(sel.indices), sel.num_keys)
+    if follow is not None:
+        follow = FollowRows(on(follow.positions), follow.first, follow.indexed,
+                            None if follow.order is None else on(follow.order))
+    hq, lq, d = q.shape
+    out = torch.empty(lq, hq, d, device=DEVICE, dtype=dtype).transpose(0, 1)  # the model's layout
+    got = union_ops.union_attention(q, k, v, sel, SCALE, k_new, v_new, on(q_pos), k_start, follow, out=out)
+    assert got[0].data_ptr() == out.data_ptr()
+    tol = dict(atol=2e-2, rtol=2e-2) if dtype != torch.float32 else dict(atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[0].float().cpu(), want[0], **tol)
+    torch.testing.assert_close(got[1].cpu(), want[1], **tol)
+    if want[2] is None:
+        assert got[2] is None
+    else:
+        assert torch.equal(got[2].cpu(), want[2])
+
+
+def test_a_query_that_sees_no_new_token_has_only_the_fixed_part():
+    """Positions before the new tokens' first slot (a step replayed over an empty buffer): no new-token item, the
+    fixed part alone."""
+    q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(2, 8, 2, 2, 1, 300, 32, 0, 8, False)
+    q_pos = q_pos * 0 + k_start - 1
+    want = reference.union_attention(q, k, v, sel, SCALE, k_new[:, :0], v_new[:, :0], q_pos, k_start, follow)
+    sel = Selection(sel.indptr.to(DEVICE), sel.indices.to(DEVICE), sel.num_keys)
+    follow = FollowRows(follow.positions.to(DEVICE), follow.first, follow.indexed)
+    got = union_ops.union_attention(*(x.to(DEVICE) for x in (q, k, v)), sel, SCALE, k_new.to(DEVICE),
+                                    v_new.to(DEVICE), q_pos.to(DEVICE), k_start, follow)
+    torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-4, rtol=1e-4)
