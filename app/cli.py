@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import sys
 import time
 
@@ -18,6 +19,14 @@ from engine.model.catalog import (
     TRAINED_METHODS,
     default_cache_dir,
 )
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")  # every control character but tab and newline
+
+
+def terminal_text(text: str) -> str:
+    """`text` as the terminal should print it: control characters (an escape sequence in a question, a file name or an
+    answer would move the cursor, recolour or retitle the terminal) written as \\xNN."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
 def _progress(enabled: bool):
@@ -115,7 +124,7 @@ def cmd_ask(args) -> int:
     for event in engine.stream(context_id, args.question, args.method, args.sparsity, args.max_new_tokens,
                                progress=progress, options=options):
         if isinstance(event, Delta) and not args.json:
-            print(event.text, end="", flush=True)
+            print(terminal_text(event.text), end="", flush=True)
         elif isinstance(event, Answer):
             answer = event
     stats = answer.stats.to_json()
@@ -169,7 +178,12 @@ def _store(args):
 
 
 def cmd_list(args) -> int:
-    docs = _store(args).documents.list()
+    store = _store(args)
+    try:  # an ingest whose process is gone is told as failed ("interrupted"), not as running
+        store.jobs.recover_interrupted()
+    except Exception:  # noqa: BLE001 - a cache this user cannot write is still listed as it is
+        pass
+    docs = store.documents.list()
     if args.json:
         print(json.dumps(docs, default=str))
     else:
@@ -215,6 +229,13 @@ def cmd_eval(args) -> int:
     return eval_main(args.rest)
 
 
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text}")
+    return value
+
+
 def _sparsity(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= MAX_SPARSITY:
@@ -257,7 +278,7 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
                    help="1 - the KV budget: a step reads 1 - SPARSITY of the document's K/V bytes, its method's "
                         f"index and follow rows included, in the question's prefill as in decoding (default "
                         f"{DEFAULT_SPARSITY}; full attention reads every key whatever it is)")
-    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--max-new-tokens", type=_positive, default=64, help="the longest answer, in tokens")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy; else sample")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens of this mass")
     p.add_argument("--repetition-penalty", type=float, default=1.0,
@@ -314,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"error: {message}", file=sys.stderr)
+        print(f"error: {terminal_text(message)}", file=sys.stderr)
         return 1
 
 

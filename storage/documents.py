@@ -68,6 +68,13 @@ class DocumentError(ValueError):
         super().__init__(f"{filename}: {reason}")
 
 
+class NotAFileError(DocumentError):
+    """The path names a folder, a named pipe, a socket or a device, not a regular file."""
+
+    def __init__(self, filename: str) -> None:
+        super().__init__(filename, "not a regular file (a folder, pipe, socket or device); give a file's path")
+
+
 class UnsupportedTypeError(DocumentError):
     """The extension is not one of :data:`KIND_BY_SUFFIX`."""
 
@@ -171,9 +178,12 @@ def document_kind(filename: str | Path) -> str:
 
 
 def load_document(path: str | Path) -> Document:
-    """Load a file from disk (its type is checked before reading; OSErrors propagate)."""
+    """Load a file from disk (its type is checked before reading, and that it is a regular file: a named pipe would
+    block the read, a device never end it; OSErrors propagate)."""
     path = Path(path)
     document_kind(path)
+    if path.exists() and not path.is_file():
+        raise NotAFileError(path.name)
     return load_document_bytes(path.read_bytes(), path.name)
 
 

@@ -215,6 +215,11 @@ class ContextSession:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         lm = self.lm
+        most = lm.max_context - self.fixed_len - 1  # the question needs a token at least
+        if max_new_tokens > most:
+            raise ValueError(f"an answer of {max_new_tokens} tokens does not fit: the model's context holds "
+                             f"{lm.max_context} tokens and the document takes {self.fixed_len}; ask for at most "
+                             f"{max(most, 0)} (less a long question's tokens)")
         fmt = prompt_format(lm.tokenizer)
         turn = turn_ids(lm.tokenizer, fmt, question, history, history_tokens,
                         room=lm.max_context - self.fixed_len - max_new_tokens)

@@ -8,21 +8,24 @@ the worker.
 The store's jobs table (`store.jobs`) is the one record of a job: what it asked for, its status and stage, the
 units done, what is known of the document, its error. The worker writes the stages it runs itself (loading the
 model, extracting) and the outcome; `Engine.ingest(job=...)` writes the rest of the progress into the same row.
-In memory the worker keeps only what cannot be stored: the uploaded bytes waiting for extraction, the queue order,
-and the timing behind the estimate (each job's marks on the worker's clock, the learned stage shares and seconds per
-token). A `JobView` is built from the store's row.
+In memory the worker keeps the queue order and the timing behind the estimate (each job's marks on the worker's
+clock, the learned stage shares and seconds per token). An upload waiting for extraction is also written to the
+cache's UPLOADS folder (named by its document id) until it is extracted or refused, so that a queued upload outlives
+a killed server: the next worker (`resume_interrupted`) queues it again. A `JobView` is built from the store's row.
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 
 from engine.context.settings import ContextSettings
 from engine.serve.service import DEFAULT_METHODS, Engine, Overrides
@@ -48,6 +51,7 @@ LEARN_RATE = 0.5  # weight of the newest finished job in the learned stage share
 MIN_FRACTION_FOR_ETA = 0.03  # below this, elapsed / fraction is too noisy to extrapolate
 CHARS_PER_TOKEN = 4.0  # rough guess for a job whose document is not tokenized yet
 KEEP_FINISHED = 100  # finished jobs a worker lists (and keeps the timing of)
+UPLOADS = "uploads"  # the cache's folder of uploads waiting for extraction (a file per document id)
 
 
 @dataclass
@@ -204,15 +208,48 @@ class IngestWorker:
                 self._timing[job_id] = _Timing(submitted=self.clock())
                 if data is not None:
                     self._uploads[job_id] = data
+                    self._spool(doc_id, data)
                 self._queue.append(job_id)
                 self._forget_old()
                 self._cv.notify_all()
             return self._views([self.store.jobs.get(job_id)])[0]
 
+    def _spooled(self, doc_id: str) -> Path | None:
+        """Where an upload of document `doc_id` waits for extraction (None for a store in memory)."""
+        if self.store.in_memory:
+            return None
+        return Path(self.store.root) / UPLOADS / doc_id
+
+    def _spool(self, doc_id: str, data: bytes) -> None:
+        """Keep an upload on disk until it is extracted (written whole or not at all; a full disk keeps it in
+        memory only)."""
+        path = self._spooled(doc_id)
+        if path is None or path.exists():
+            return
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            part = path.with_suffix(".part")
+            part.write_bytes(data)
+            os.replace(part, path)
+        except OSError:
+            pass
+
+    def _unspool(self, doc_id: str) -> None:
+        path = self._spooled(doc_id)
+        if path is not None:
+            path.unlink(missing_ok=True)
+
     def resume_interrupted(self) -> list[JobView]:
-        """Queue the contexts of this model left "pending", or failed as interrupted, by an earlier process (with
-        what their last job asked for)."""
+        """Queue what an earlier process of this model left unfinished: the contexts left "pending", or failed as
+        interrupted (with what their last job asked for), and the uploads it had queued but not extracted."""
         jobs = []
+        for job in self.store.jobs.list(model=self.engine.model_id):
+            path = self._spooled(job["doc_id"])
+            if (job["status"] == "failed" and job["error"] == INTERRUPTED and job["context_id"] is None
+                    and path is not None and path.is_file()):
+                jobs.append(self._submit(job["name"], job["doc_id"], ContextSettings.from_dict(job["settings"]),
+                                         job["truncate"], path.read_bytes(), tuple(job["methods"] or DEFAULT_METHODS),
+                                         job["method_settings"]))
         for doc in self.store.documents.list():
             for ctx in self.store.contexts.list(doc["id"]):
                 if ctx["model"] != self.engine.model_id:
@@ -414,9 +451,14 @@ class IngestWorker:
             self._stage(job_id, "extracting", 0, 1)
             with self._cv:
                 data = self._uploads.get(job_id)
-            doc = (load_document_bytes(data, job["name"]) if data is not None
-                   else self.store.documents.get(job["doc_id"]))
-            doc_id, _ = self.store.documents.add(doc)
+            try:
+                doc = (load_document_bytes(data, job["name"]) if data is not None
+                       else self.store.documents.get(job["doc_id"]))
+                doc_id, _ = self.store.documents.add(doc)
+            except DocumentError:
+                self._unspool(job["doc_id"])  # refused: nothing to resume
+                raise
+            self._unspool(doc_id)  # stored: a restart resumes its context
             context = self.store.contexts.context_for(doc_id, self.engine.model_id, settings.as_dict())
             self.store.jobs.update(job_id, context_id=context["id"], chars=len(doc.text), pages=doc.pages)
             with self._cv:
@@ -428,6 +470,7 @@ class IngestWorker:
         except JobCancelled:
             self._finished(job_id)
             self.store.jobs.cancel(job_id, CANCELLED)
+            self._unspool(job["doc_id"])  # (a no-op once extracted)
             return
         except Exception as exc:  # noqa: BLE001 - every failure becomes a plain message next to the document
             self._finished(job_id)

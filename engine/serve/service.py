@@ -22,7 +22,7 @@ from engine.model.compiled import compile_layers, wants_compile, warm_up
 from engine.model.load import EMBEDDED_MODEL, STEP_DONE, LoadedModel, LoadStep, ModelLoadError, load_model, model_id_for
 from engine.model.sampling import GenerationOptions
 from engine.serve.writer import ArtifactWriter
-from engine.text.prompt import Exchange, prompt_format, tokenize_document
+from engine.text.prompt import DocumentTooLongError, Exchange, prompt_format, tokenize_document
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
 from storage import Document, Store, load_document
@@ -239,7 +239,7 @@ class Engine:
             report(stage, done, total)
 
         doc = source if isinstance(source, Document) else load_document(source)
-        doc_id, _ = self.store.documents.add(doc)
+        doc_id, created = self.store.documents.add(doc)
         ctx = self.store.contexts.context_for(doc_id, self.model_id, settings.as_dict())
         if job is not None:
             self.store.jobs.update(job, context_id=ctx["id"])
@@ -275,6 +275,8 @@ class Engine:
             self.store.contexts.set_status(ctx["id"], "failed", error=reason)
             if own:
                 self.store.jobs.fail(job, reason, kind=None)
+                if created and isinstance(exc, DocumentTooLongError):  # nothing of it kept: only --truncate fits it
+                    self.store.documents.delete(doc_id)
             raise
         return IngestReport(doc_id, ctx["id"], out.tokens, doc.pages, time.perf_counter() - start, cached=False,
                             truncated=fixed.truncated)

@@ -113,14 +113,21 @@ def _clean(text: str) -> str:
 
 
 class DocumentTooLongError(ValueError):
-    """The document does not fit the model's context; carries the counts for the message."""
+    """The document does not fit the model's context; carries the counts for the message (at_least: `tokens` counts
+    only the document's start, which already overflows)."""
 
-    def __init__(self, tokens: int, limit: int):
+    def __init__(self, tokens: int, limit: int, at_least: bool = False):
         super().__init__(
-            f"the document is {tokens} tokens but this model takes at most {limit} tokens of fixed context "
-            f"(its context minus {ANSWER_RESERVE} for the question and answer); pass --truncate to keep the first {limit}"
+            f"the document is {'more than ' if at_least else ''}{tokens} tokens but this model takes at most {limit} "
+            f"tokens of fixed context (its context minus {ANSWER_RESERVE} for the question and answer); pass "
+            f"--truncate to keep the first {limit}"
         )
         self.tokens, self.limit = tokens, limit
+
+
+# No token of a tokenizer spans more characters than this: a document longer than this many characters per token
+# of the limit is tokenized from its start only (a 50 MB one-line text took minutes and GBs to be refused whole).
+MAX_CHARS_PER_TOKEN = 64
 
 
 @dataclass
@@ -135,7 +142,18 @@ class FixedContext:
 def tokenize_document(tokenizer, text: str, max_context: int, truncate: bool = False,
                       prefix: str | None = None) -> FixedContext:
     """BOS (when the tokenizer has one) + the document's tokens, refused or truncated when over the limit.
-    prefix: text before the document instead of BOS (a chat template's, which holds its own BOS)."""
+    prefix: text before the document instead of BOS (a chat template's, which holds its own BOS). A text of more
+    than MAX_CHARS_PER_TOKEN characters per token of the limit is tokenized from its start only where that start
+    already overflows the limit (its first tokens are the whole text's: a token never reaches that far)."""
+    limit = max_context - ANSWER_RESERVE
+    head_chars = (limit + 1) * MAX_CHARS_PER_TOKEN
+    if len(text) > head_chars:
+        head = tokenize_document(tokenizer, text[:head_chars], max_context, True, prefix)
+        if head.truncated and not truncate:
+            raise DocumentTooLongError(limit, limit, at_least=True)
+        if head.truncated:
+            return head
+        # (a start that fits the limit: the whole text decides)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, offsets = list(enc["input_ids"]), [tuple(o) for o in enc["offset_mapping"]]
     if prefix is not None:
@@ -143,7 +161,6 @@ def tokenize_document(tokenizer, text: str, max_context: int, truncate: bool = F
         ids, offsets = head + ids, [(-1, -1)] * len(head) + offsets
     elif getattr(tokenizer, "bos_token_id", None) is not None:
         ids, offsets = [tokenizer.bos_token_id] + ids, [(-1, -1)] + offsets
-    limit = max_context - ANSWER_RESERVE
     truncated = False
     if len(ids) > limit:
         if not truncate:

@@ -82,6 +82,61 @@ def test_errors_are_one_line(tiny, capsys, tmp_path):
         assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err
 
 
+def test_an_answer_longer_than_the_context_is_refused_in_words(tiny, capsys, tmp_path):
+    """An answer length the model's context cannot hold names the most it can; one under 1 is refused by the option
+    parser, before anything loads."""
+    model, root = tiny
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path), "--quiet"]
+    code, out, err = run(capsys, "ask", str(root / "doc.txt"), "Why?", "--max-new-tokens", "1000000000", *common)
+    assert code == 1 and out == ""
+    assert "an answer of 1000000000 tokens does not fit" in err and "ask for at most" in err and "-" not in err.split(
+        "at most")[1].split()[0]
+    with pytest.raises(SystemExit) as refused:
+        main(["ask", str(root / "doc.txt"), "Why?", "--max-new-tokens", "0", *common])
+    assert refused.value.code == 2 and "at least 1" in capsys.readouterr().err
+
+
+def test_a_document_too_long_for_the_model_is_refused_and_not_kept(tiny, capsys, tmp_path):
+    """Without --truncate, a document over the model's context is refused in words and leaves nothing in the
+    library; with it, its start is kept."""
+    model, _ = tiny
+    from engine.model.load import load_model  # noqa: PLC0415
+
+    long = tmp_path / "long.txt"
+    long.write_text("The harbour wall was rebuilt. " * (load_model(str(model), "cpu").max_context // 10))
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--quiet"]
+    code, out, err = run(capsys, "ingest", str(long), *common)
+    assert code == 1 and "pass --truncate" in err
+    assert json.loads(run(capsys, "list", "--json", *common)[1]) == []
+    code, out, _ = run(capsys, "ingest", str(long), "--truncate", "--json", *common)
+    assert code == 0 and json.loads(out)["tokens"] > 0
+    assert len(json.loads(run(capsys, "list", "--json", *common)[1])) == 1
+
+
+def test_list_tells_an_ingest_whose_process_died_as_failed(tmp_path, capsys):
+    """A context left "running" by a killed ingest is listed as failed (interrupted) by `squeeze list` itself."""
+    from storage import Store, load_document_bytes  # noqa: PLC0415
+
+    with Store(tmp_path) as store:
+        doc_id, _ = store.documents.add(load_document_bytes(DOC.encode(), "doc.txt"))
+        ctx = store.contexts.context_for(doc_id, "some-model", {})
+        job = store.jobs.create(doc_id, "doc.txt", "some-model", {}, context_id=ctx["id"])
+        store.jobs.start(job)
+        store.contexts.set_status(ctx["id"], "running")
+        with store.transaction() as db:  # killed
+            db.execute("UPDATE jobs SET pid = ? WHERE id = ?", [2**22 + 12345, job])
+    code, out, _ = run(capsys, "list", "--json", "--cache-dir", str(tmp_path))
+    assert code == 0 and [d["status"] for d in json.loads(out)] == ["failed"]
+
+
+def test_control_characters_never_reach_the_terminal(tiny, capsys, tmp_path):
+    """An escape sequence in a path (or a question, an answer) is printed as \\xNN, not sent to the terminal."""
+    model, _ = tiny
+    code, out, err = run(capsys, "ingest", str(tmp_path / "red\x1b[31m.txt"), "--model", str(model), "--device",
+                         "cpu", "--cache-dir", str(tmp_path / "cache"), "--quiet")
+    assert code == 1 and "\x1b" not in err and "\\x1b[31m" in err
+
+
 def test_method_options_build_that_index_once(tiny, capsys, tmp_path):
     """`--{method}-{setting}` options (from the registry): the context is the same; the method's index is rebuilt
     with the settings when they differ from the ones it was built with, and reused when they do not. A method not

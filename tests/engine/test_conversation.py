@@ -192,3 +192,35 @@ def test_until_ends_an_answer_once_it_holds_and_the_next_turn_is_unchanged(tmp_p
     assert short.tokens == whole.tokens[:first] and short.stats.new_tokens == first
     again = session.ask("And the price?", "squeeze", 0.5, 24)
     assert again.tokens == whole.tokens and again.text == whole.text
+
+
+def test_an_oversized_document_is_refused_from_its_start_alone(monkeypatch):
+    """A text far longer than the limit could hold is tokenized from its start only: refused as more than the limit,
+    or truncated to the same tokens the whole text would give."""
+    from engine.text import prompt  # noqa: PLC0415
+
+    seen = []
+
+    class Counting:  # the byte tokenizer, telling the length of every text it is given
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __call__(self, text, **kwargs):
+            seen.append(len(text))
+            return self.tok(text, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(self.tok, name)
+
+    tok = Counting(byte_tokenizer())
+    text = "harbour wall " * 2000  # 26,000 characters, a token each
+    max_context = prompt.ANSWER_RESERVE + 100  # a limit of 100 tokens: the start is 101 * 64 characters
+    with pytest.raises(prompt.DocumentTooLongError, match="more than 100 tokens"):
+        tokenize_document(tok, text, max_context)
+    assert max(seen) == 101 * prompt.MAX_CHARS_PER_TOKEN
+    seen.clear()
+    cut = tokenize_document(tok, text, max_context, truncate=True)
+    assert cut.truncated and max(seen) == 101 * prompt.MAX_CHARS_PER_TOKEN
+    monkeypatch.setattr(prompt, "MAX_CHARS_PER_TOKEN", 10**6)  # the whole text tokenized
+    whole = tokenize_document(tok, text, max_context, truncate=True)
+    assert torch.equal(cut.ids, whole.ids) and torch.equal(cut.offsets, whole.offsets)

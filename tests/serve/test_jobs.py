@@ -337,3 +337,39 @@ def test_hostile_upload_names_are_stored_as_plain_labels(store, name, stored):
         assert store.documents.get(view.doc_id).name == stored
     finally:
         worker.close()
+
+
+def test_a_queued_upload_outlives_a_killed_server(tmp_path):
+    """An upload still waiting when its server is killed (its job left "queued" by a dead process) is queued again
+    by the next server's worker and prepared; the file it waited in is gone once extracted."""
+    with Store(tmp_path / "cache") as store:
+        engine, worker = make(store, start=False)
+        view = worker.submit_bytes(TEXT, "guide.txt")
+        spooled = tmp_path / "cache" / "uploads" / view.doc_id
+        assert spooled.read_bytes() == TEXT
+        worker.close()  # never started: the job stays queued, as a kill leaves it
+        with store.transaction() as db:  # the process that queued it is gone
+            db.execute("UPDATE jobs SET pid = ? WHERE id = ?", [2**22 + 12345, view.id])
+        assert store.jobs.recover_interrupted() == 1  # what the next engine does at its start
+    with Store(tmp_path / "cache") as store:
+        engine, worker = make(store, resume=True)
+        try:
+            assert worker.wait_idle(10)
+            assert [name for name, _ in engine.calls] == ["guide.txt"]
+            [doc] = store.documents.list()
+            assert doc["id"] == view.doc_id and doc["status"] == "ready"
+            assert not spooled.exists()
+        finally:
+            worker.close()
+
+
+def test_a_refused_upload_leaves_no_waiting_file(tmp_path):
+    with Store(tmp_path / "cache") as store:
+        engine, worker = make(store)
+        try:
+            view = worker.submit_bytes(b"\x00\x01binary" * 50, "broken.txt")
+            assert worker.wait_idle(10)
+            assert worker.view(view.id).status == "failed"
+            assert not (tmp_path / "cache" / "uploads" / view.doc_id).exists()
+        finally:
+            worker.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 
 import pytest
 
@@ -12,6 +13,7 @@ from storage import (
     DocumentError,
     EmptyDocumentError,
     EncryptedPDFError,
+    NotAFileError,
     NoTextError,
     UnsupportedTypeError,
     load_document,
@@ -101,6 +103,25 @@ def test_pdf_long_lines_wrap_and_keep_every_word():
     doc = load_document_bytes(make_text_pdf([" ".join(words)]), "long.pdf")
     assert doc.text.split() == words
     assert max(len(line) for line in doc.text.splitlines()) <= 90
+
+
+def test_an_aes_encrypted_pdf_with_an_owner_password_only_is_read():
+    """AES needs pypdf's crypto extra (the `cryptography` package), a dependency of the project."""
+    doc = load_document_bytes(make_encrypted_pdf("owner password only", user_password="", algorithm="AES-256"),
+                              "aes.pdf")
+    assert "owner password only" in doc.text
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="named pipes are POSIX")
+def test_a_named_pipe_or_a_folder_is_refused_without_reading(tmp_path):
+    """A pipe would block the read until a writer came: refused at once, as a folder is."""
+    pipe = tmp_path / "fifo.txt"
+    os.mkfifo(pipe)
+    folder = tmp_path / "folder.pdf"
+    folder.mkdir()
+    for path in (pipe, folder):
+        with pytest.raises(NotAFileError, match="not a regular file"):
+            load_document(path)
 
 
 def test_encrypted_pdf_with_empty_user_password_is_accepted():

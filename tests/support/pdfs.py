@@ -49,11 +49,12 @@ def make_text_pdf(pages: list[str], *, title: str | None = None) -> bytes:
 
 
 def make_encrypted_pdf(
-    text: str, *, user_password: str = "secret", owner_password: str = "owner"
+    text: str, *, user_password: str = "secret", owner_password: str = "owner", algorithm: str | None = None
 ) -> bytes:
-    """A one-page text PDF encrypted with ``user_password`` (``""``: opens without one)."""
+    """A one-page text PDF encrypted with ``user_password`` (``""``: opens without one), by pypdf's default
+    algorithm or ``algorithm`` (e.g. "AES-256", which needs the `cryptography` package)."""
     writer = PdfWriter(clone_from=io.BytesIO(make_text_pdf([text])))
-    writer.encrypt(user_password=user_password, owner_password=owner_password)
+    writer.encrypt(user_password=user_password, owner_password=owner_password, algorithm=algorithm)
     return _to_bytes(writer)
 
 
