@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import gradio as gr
+import gradio.utils
 
 from app import render
 from app.chat import ChatTab
@@ -94,11 +95,13 @@ class LibraryTab:
                 document_kind(name)
             except UnsupportedTypeError as exc:
                 lines.append((str(exc), "error"))
+                _discard_upload(path)
                 continue
             size = path.stat().st_size
             if size > cfg.max_upload_bytes:
                 lines.append((f"{name}: {size / 2**20:.1f} MB is over the {cfg.max_upload_mb:g} MB limit per file",
                               "error"))
+                _discard_upload(path)
                 continue
             data = path.read_bytes()
             cached = doc_status(self.services, document_id(data))
@@ -195,3 +198,13 @@ class LibraryTab:
         state["library"] = signature
         return [jobs, library_table(rows), gr.update(choices=choices), gr.update(choices=choices), status, state]
 
+
+def _discard_upload(path: Path) -> None:
+    """Delete a refused upload's copy in Gradio's upload folder (never a file elsewhere: a path given to the
+    handler outside that folder is left alone)."""
+    folder = Path(gradio.utils.get_upload_folder()).resolve()
+    try:
+        if path.resolve().is_relative_to(folder):
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass

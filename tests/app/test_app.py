@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import gradio.utils
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
@@ -383,6 +384,9 @@ def test_errors_and_limits_are_told_in_plain_words(app, tmp_path):
     big = write(tmp_path / "big.txt", "x" * int(UPLOAD_MB * 2**20 + 10))
     out = upload(client, broken, long, big)  # (Gradio's file picker refuses other types before the handler)
     assert f"big.txt: 0.1 MB is over the {UPLOAD_MB:g} MB limit per file" in out["message"]
+    uploads = Path(gradio.utils.get_upload_folder())
+    assert not list(uploads.rglob("big.txt")), "a refused upload stays in Gradio's upload folder"
+    assert Path(big).exists()  # (the client's own file is the client's)
     assert app.worker.wait_idle(WAIT_S)
     now = poll(client)
     assert "Could not prepare it: broken.pdf: pypdf cannot parse it" in now["jobs"] or \
