@@ -13,8 +13,10 @@ import torch
 import triton
 
 from kernels import causal_ops, follow_ops, sparse_ops
+from kernels.backend import TRITON
 from kernels.checks import LOG2E, check_qkv
 from kernels.jit.union import union_attn_fwd_kernel, union_merge_kernel
+from kernels.reference import union as reference
 from kernels.selection import FollowRows, Selection
 
 NEW_ITEMS_EXPECTED = 1  # items a row's new tokens take in a typical step (a question and an answer: < a chunk)
@@ -47,8 +49,7 @@ def union_attention(
         raise ValueError(f"out must be [{hq}, {lq}, {d}] with a unit stride in D; got {tuple(out.shape)} "
                          f"strides {out.stride()}")
     if num_m > sparse_ops.DECODE_MAX_M or d & (d - 1) or d < 16 or k.shape[1] == 0 or n_new == 0:
-        return _in_turn(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow if with_follow else None,
-                        out)
+        return reference.union_in_turn(TRITON, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out)
     if selection is None:
         check_qkv(q, k, v)
         indptr = indices = k  # DENSE: neither is read
@@ -87,8 +88,8 @@ def union_attention(
         first, indexed, stride_order = follow.first, follow.indexed, order.stride(0) if order is not None else 0
     else:
         m_rows, fresh, order = 0, None, None
-        follow_args = (torch.empty(1, device=q.device, dtype=torch.int64),  # not read
-                       torch.empty(1, device=q.device, dtype=torch.int32), torch.empty(1, device=q.device, dtype=torch.int8))
+        follow_args = tuple(torch.empty(1, device=q.device, dtype=t)  # not read: pos, order, fresh
+                            for t in (torch.int64, torch.int32, torch.int8))
         first = indexed = stride_order = 0
     block_r = max(2, triton.next_power_of_2(rows))
     dense_len = num_keys if selection is None else 0
@@ -119,19 +120,7 @@ def _register_cap(device: torch.device) -> dict:
     return {"maxnreg": MAX_REGISTERS} if MAX_REGISTERS and device.type == "cuda" else {}
 
 
-def _in_turn(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out):
-    """The sparse (or dense), follow and causal kernels one after another (grids that fill the GPU alone)."""
-    if selection is None:
-        fixed = sparse_ops.dense_attention(q, k, v, scale) if k.shape[1] else None
-    else:
-        fixed = sparse_ops.sparse_attention(q, k, v, selection, scale)
-    fresh = None
-    if follow is not None:
-        *fixed, fresh = follow_ops.follow_attention(q, k, v, selection, follow.positions, follow.first,
-                                                    follow.indexed, follow.order, scale, prior=fixed)
-    out, lse = causal_ops.causal_attention(q, k_new, v_new, scale, q_pos, k_start, None,
-                                           tuple(fixed) if fixed is not None else None, out)
-    return out, lse, fresh
+union_in_turn = reference.union_in_turn  # the same ops one after another (any backend's)
 
 
-__all__ = ["union_attention"]
+__all__ = ["union_attention", "union_in_turn"]

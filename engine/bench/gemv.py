@@ -12,7 +12,6 @@ measured in the same run (engine.bench.e2e.bound). Prints one JSON document (ms 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
@@ -20,6 +19,7 @@ from torch.nn import functional as F
 
 from engine.bench.e2e.bound import copy_bandwidth
 from engine.bench.e2e.models import SHAPES
+from engine.bench.e2e.report import emit
 from engine.bench.kernels import bench_graph
 
 
@@ -77,11 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         bound = nbytes / bandwidth / 1e6
         out["cases"][case] = {"ms": round(ms, 3), "bound_ms": round(bound, 3), "x_bound": round(ms / bound, 3),
                               "launches": len(names) * len(layers)}
-    text = json.dumps(out, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(out, args.out)
     return 0
 
 

@@ -6,22 +6,23 @@ One global layer of the shape (random bf16 K/V, Hq/Hkv heads), one query token: 
 keys per KV head in contiguous runs (a clustered layout's ranges), `follow` follow rows through a layout order, and
 a new-token buffer with `--new` visible slots. Times, replayed from CUDA graphs, (a) kernels.union_ops
 (one split-KV launch over the selection, the new tokens and the follow rows, one merge into the model's layout) and
-(b) the sparse, follow and causal kernels in turn (what a step ran before: four launches), for the selection and
-for every key (full attention); checks that both give the same output. Prints one JSON document (us per call), with
-the registers and spills of the kernels where Triton reports them.
+(b) the sparse, follow and causal kernels in turn (kernels.union_ops.union_in_turn: four launches), for the
+selection and for every key (full attention); checks that both give the same output. Prints one JSON document (us
+per call), with the registers and spills of the kernels where Triton reports them.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from engine.bench.e2e.models import SHAPES
+from engine.bench.e2e.report import emit
 from engine.bench.kernels import bench_graph
-from kernels import causal_ops, follow_ops, sparse_ops, union_ops
+from kernels import union_ops
+from kernels.backend import TRITON
 from kernels.jit.sparse import sparse_attn_fwd_kernel
 from kernels.jit.union import union_attn_fwd_kernel
 from kernels.selection import FollowRows, Selection
@@ -35,19 +36,6 @@ def clustered_selection(hkv: int, n: int, budget: float, run: int, gen: torch.Ge
     keys = (keep[:, :, None] * run + torch.arange(run)).reshape(hkv, -1)  # [Hkv, kept]
     indptr = torch.arange(hkv + 1) * keys.shape[1]
     return Selection(indptr.to(device), keys.reshape(-1).to(device, torch.int32), n)
-
-
-def in_turns(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out):
-    """The kernels the union kernel replaces, one after another: sparse (or dense) attention over the fixed
-    context, the follow part merged into it, the new tokens' causal part merged into that and written to out."""
-    if selection is None:
-        fixed = sparse_ops.dense_attention(q, k, v, scale)
-    else:
-        fixed = sparse_ops.sparse_attention(q, k, v, selection, scale)
-        if follow is not None:
-            *fixed, _ = follow_ops.follow_attention(q, k, v, selection, follow.positions, follow.first,
-                                                    follow.indexed, follow.order, scale, prior=fixed)
-    return causal_ops.causal_attention(q, k_new, v_new, scale, q_pos, k_start, None, tuple(fixed), out)
 
 
 def registers(kernel) -> list[dict]:
@@ -103,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             return union_ops.union_attention(q, k, v, sel, scale, k_new, v_new, q_pos, k_start, rows, out=out)
 
         def in_turn(sel=sel, rows=rows):
-            return in_turns(q, k, v, sel, scale, k_new, v_new, q_pos, k_start, rows, out)
+            return union_ops.union_in_turn(TRITON, q, k, v, sel, scale, k_new, v_new, q_pos, k_start, rows, out)
 
         a = one()[0].float().clone()
         b = in_turn()[0].float().clone()
@@ -113,11 +101,7 @@ def main(argv: list[str] | None = None) -> int:
             "max_abs_diff": error}
     result["registers"] = {"union_attn_fwd_kernel": registers(union_attn_fwd_kernel),
                            "sparse_attn_fwd_kernel": registers(sparse_attn_fwd_kernel)}
-    text = json.dumps(result, indent=1)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0
 
 

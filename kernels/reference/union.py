@@ -1,14 +1,13 @@
 """Reference of a decode step's whole attention (kernels/jit/union.py): a query over the union of the fixed
 context's keys its row selects, the follow rows the selection does not hold and the new tokens its position sees,
-written into the layer's output."""
+written into the layer's output. `union_in_turn` composes it from a backend's sparse, follow and causal ops (the
+reference's own, and what the GPU wrapper runs where its one-pass kernel does not apply)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels.reference.causal import causal_attention
-from kernels.reference.follow import follow_attention
-from kernels.reference.sparse import attention_with_lse, sparse_attention
+from kernels.backend import REFERENCE, Backend
 from kernels.selection import FollowRows, Selection
 
 
@@ -33,13 +32,24 @@ def union_attention(
     [Hq, Lq] float32 (natural log) and fresh [R, M] bool (the follow rows each selection row read beyond its own
     keys), or None without follow rows.
     """
+    return union_in_turn(REFERENCE, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out)
+
+
+def union_in_turn(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: Selection | None,
+                  scale: float, k_new: torch.Tensor, v_new: torch.Tensor, q_pos: torch.Tensor, k_start: int,
+                  follow: FollowRows | None = None,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """`union_attention` as `backend`'s ops one after another: the sparse (or dense) attention over the fixed
+    context, the follow part merged into it, the new tokens' causal part merged into that and written to `out`."""
+    sparse = backend.kernel("sparse")
     if selection is None:
-        fixed = attention_with_lse(q, k, v, scale)
+        fixed = sparse.attention_with_lse(q, k, v, scale)
     else:
-        fixed = sparse_attention(q, k, v, selection, scale)
+        fixed = sparse.sparse_attention(q, k, v, selection, scale)
     fresh = None
     if selection is not None and follow is not None and follow.positions.numel():
-        *fixed, fresh = follow_attention(q, k, v, selection, follow.positions, follow.first, follow.indexed,
-                                         follow.order, scale, prior=fixed)
-    out, lse = causal_attention(q, k_new, v_new, scale, q_pos, k_start, None, tuple(fixed), out)
+        *fixed, fresh = backend.kernel("follow").follow_attention(q, k, v, selection, follow.positions, follow.first,
+                                                                  follow.indexed, follow.order, scale, prior=fixed)
+    out, lse = backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, k_start, None, tuple(fixed),
+                                                         out)
     return out, lse, fresh
