@@ -21,6 +21,7 @@ from engine.bench.e2e.bound import copy_bandwidth
 from engine.bench.e2e.models import SHAPES
 from engine.bench.e2e.report import emit
 from engine.bench.kernels import bench_graph
+from kernels.gemv_ops import GemvConfig, gemv
 
 
 def layer_weights(shape: dict, device: torch.device, dtype: torch.dtype,
@@ -43,10 +44,40 @@ def layer_weights(shape: dict, device: torch.device, dtype: torch.dtype,
     return layers
 
 
+SWEEP = [GemvConfig(block_n=n, block_k=k, num_warps=w, num_stages=st)
+         for n in (8, 16, 32) for k in (256, 512, 1024) for w in (4, 8) for st in (1, 3)]
+
+
+def sweep(layers: list[dict[str, torch.Tensor]], inputs: dict[str, torch.Tensor], x: torch.Tensor,
+          bandwidth: float) -> dict:
+    """Per fused projection (qkv, o, gate_up, down) through all layers in a CUDA graph: the Triton kernel's ms at
+    each SWEEP configuration, its best, and the byte bound."""
+    out = {}
+    for name in ("qkv", "o", "gate_up", "down"):
+        nbytes = layers[0][name].numel() * layers[0][name].element_size() * len(layers)
+        bound = nbytes / bandwidth / 1e6
+        timings = {}
+        for cfg in SWEEP:
+            def fn(cfg=cfg):
+                for w in layers:
+                    gemv(inputs.get(name, x), w[name], config=cfg)
+            key = f"{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
+            try:
+                timings[key] = round(bench_graph(fn, rep_ms=30), 4)
+            except Exception as exc:  # noqa: BLE001 - a configuration the compiler refuses is reported, not fatal
+                timings[key] = str(exc).splitlines()[0][:80] if str(exc) else type(exc).__name__
+        best = min((v, k) for k, v in timings.items() if isinstance(v, float))
+        out[name] = {"bound_ms": round(bound, 4), "best": best[1], "best_ms": best[0],
+                     "best_x_bound": round(best[0] / bound, 3), "ms": timings}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.bench.gemv", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="llama3-8b")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--sweep", action="store_true",
+                        help="also time kernels/gemv_ops.py's kernel at every SWEEP configuration, per projection")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("engine.bench.gemv needs a CUDA GPU", file=sys.stderr)
@@ -77,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
         bound = nbytes / bandwidth / 1e6
         out["cases"][case] = {"ms": round(ms, 3), "bound_ms": round(bound, 3), "x_bound": round(ms / bound, 3),
                               "launches": len(names) * len(layers)}
+    if args.sweep:
+        out["triton"] = sweep(layers, inputs, x, bandwidth)
     emit(out, args.out)
     return 0
 

@@ -20,6 +20,7 @@ of the attributes it stores while tracing is their final value, cleared, so comp
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -41,6 +42,8 @@ class SharedProduct(nn.Module):
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = nn.Parameter(bias, requires_grad=False) if bias is not None else None
         self.parts = parts
+        # (x, weight, bias) -> the product: F.linear, or engine.model.gemv.TokenProduct (one token by a GEMV kernel)
+        self.product: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor] = F.linear
         self._input: torch.Tensor | None = None  # (while dynamo traces: the product being shared, then None)
         self._output: torch.Tensor | None = None
         self._taken = 0
@@ -50,7 +53,7 @@ class SharedProduct(nn.Module):
         """Rows start:stop of the product for x [..., in_features]: [..., stop - start]."""
         if torch.compiler.is_compiling():
             if self._input is not x:
-                self._input, self._output, self._taken = x, F.linear(x, self.weight, self.bias), 0
+                self._input, self._output, self._taken = x, self.product(x, self.weight, self.bias), 0
             out = self._output[..., start:stop]
             self._taken += 1
             if self._taken == self.parts:  # every part has its rows: nothing kept
@@ -59,7 +62,7 @@ class SharedProduct(nn.Module):
         thread = threading.get_ident()
         entry = self._per_thread.get(thread)
         if entry is None or entry[0] is not x:
-            entry = self._per_thread[thread] = [x, F.linear(x, self.weight, self.bias), 0]
+            entry = self._per_thread[thread] = [x, self.product(x, self.weight, self.bias), 0]
         entry[2] += 1
         if entry[2] == self.parts:  # every part has its rows: do not keep the input and product alive
             del self._per_thread[thread]

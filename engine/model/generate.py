@@ -2,7 +2,7 @@
 has a graph cache (engine.model.graph), a question of up to PREFILL_LENGTHS[-1] tokens is padded to the next of
 PREFILL_LENGTHS and its prefill replayed from a CUDA graph (the real tokens' attention is exactly the unpadded one's:
 the padding comes after them, and every pooled lookup counts the real tokens only), and every decode step is replayed
-from one; elsewhere each call runs eagerly. Greedy, or each token chosen by an engine.model.sampling.Sampler from the
+from one, each launched before its predecessor's token is read back; elsewhere each call runs eagerly. Greedy, or each token chosen by an engine.model.sampling.Sampler from the
 step's logits (a replayed step then takes the chosen token as its successor's input)."""
 
 from __future__ import annotations
@@ -120,37 +120,50 @@ def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, ma
 
 def _replayed(step: StepContext, token: torch.Tensor, position: int, steps: int, eos: set[int],
               sampler: Sampler | None) -> Iterator[int]:
-    """Decode steps from the session's captured graph (captured on first use: one eager step, then the capture)."""
+    """Decode steps from the session's captured graph (captured on first use: one eager step, then the capture).
+    Each step is launched before its predecessor's token is read back (DecodeGraph.launch / read), so the GPU runs
+    step after step without waiting for the host; a turn that ends at an end-of-sequence token has then run one
+    step more than it yields, and its statistics count the steps run."""
     with torch.inference_mode():
         graph, captured = step.graphs.get(step)
         if graph.totals is not None:
             graph.totals.reset()
         graph.set_input(token, position)
-    done = 0
+    pick = sampler.pick if sampler is not None else None
+    launched = 0
     try:
-        while done < steps:
+        if not captured:
             with torch.inference_mode():
-                if sampler is None:
-                    token_id = graph.replay() if captured else graph.warm_and_capture(step)
-                else:
-                    logits = graph.replay_logits() if captured else _warm_logits(graph, step)
-                    chosen = sampler.pick(logits)
-                    graph.feed(chosen)
-                    token_id = int(chosen)
-            captured = True
-            done += 1
+                token_id = graph.warm_and_capture(step) if pick is None else _warm_pick(graph, step, pick)
+            launched = 1
             yield token_id
             if token_id in eos:
                 return
+        pending = None
+        while launched < steps:
+            with torch.inference_mode():
+                ticket = graph.launch(pick)
+            launched += 1
+            if pending is not None:
+                token_id = graph.read(pending)
+                yield token_id
+                if token_id in eos:
+                    return
+            pending = ticket
+        if pending is not None:
+            yield graph.read(pending)
     finally:
         if step.recorder is not None and graph.totals is not None:
             with torch.inference_mode():
-                step.recorder.add_decode(graph.totals, done)
+                step.recorder.add_decode(graph.totals, launched)
 
 
-def _warm_logits(graph, step: StepContext) -> torch.Tensor:
+def _warm_pick(graph, step: StepContext, pick) -> int:
+    """The warm step of a sampled turn: its logits picked from, the choice fed to the first replay."""
     graph.warm_and_capture(step)
-    return graph.warm_logits
+    chosen = pick(graph.warm_logits)
+    graph.feed(chosen)
+    return int(chosen)
 
 
 def full_logits(lm: LoadedModel, step: StepContext, prompt: torch.Tensor) -> torch.Tensor:

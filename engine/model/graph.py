@@ -14,6 +14,7 @@ buffers; `StepGraphs` keeps the last few captures of each kind for a session and
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -33,12 +34,38 @@ def graphs_supported(lm: LoadedModel) -> bool:
     return lm.device.type == "cuda" and len({(d.type, d.index or 0) for d in devices}) == 1
 
 
+class TokenReadback:
+    """Tokens copied from the device into pinned host memory without waiting: `stage(token)` queues the copy of
+    token [1] int64 (on the device) behind the work queued so far and returns a ticket; `read(ticket)` waits for that
+    copy alone and returns the token. Two slots, used in turn: a ticket stays readable until two more are staged (a
+    replayed step's token is read while its successor runs)."""
+
+    def __init__(self):
+        self.slots = [torch.zeros(1, dtype=torch.int64, pin_memory=True) for _ in range(2)]
+        self.events = [torch.cuda.Event() for _ in range(2)]
+        self.turn = 0
+
+    def stage(self, token: torch.Tensor) -> int:
+        ticket = self.turn
+        self.turn ^= 1
+        self.slots[ticket].copy_(token.view(1), non_blocking=True)
+        self.events[ticket].record()
+        return ticket
+
+    def read(self, ticket: int) -> int:
+        self.events[ticket].synchronize()
+        return int(self.slots[ticket])
+
+
 class DecodeGraph:
     """One captured decode step. ids: [1, 1] int64 the step's input token; positions: [1] int64 its position;
     next_token: [1] int64 the greedy token it produced (also copied into ids; positions advance by one);
     logits: [1, V] the last step's logits.
 
     totals: where the step adds its statistics (None: recorded nothing); zeroed by the caller at a turn's start.
+    Replays chain on the device (each step's input is its predecessor's token, written by the step itself or by
+    `feed`), so `launch` queues a step and returns a ticket for its token, which `read` returns once the step has
+    run: a caller launches step t + 1 before reading step t's token, and the GPU never waits for the host.
     """
 
     def __init__(self, lm: LoadedModel, step: StepContext):
@@ -55,6 +82,7 @@ class DecodeGraph:
         self.ready = False  # captured completely (a capture that raised is redone at the next turn)
         self._stream = torch.cuda.Stream(device=lm.device)
         self._step = replace(step, positions=self.positions, static=True, graphs=None)
+        self._readback = TokenReadback()
 
     def _forward(self, step: StepContext) -> None:
         if step.follow is not None:
@@ -110,6 +138,21 @@ class DecodeGraph:
     def feed(self, token: torch.Tensor) -> None:
         """token [1] int64 on the device: the next step's input instead of the greedy one (a sampled token)."""
         self.ids.copy_(token.view(1, 1))
+
+    def launch(self, pick: Callable[[torch.Tensor], torch.Tensor] | None = None) -> int:
+        """Queue one decode step without waiting for it: the greedy token, or pick(logits [1, V]) -> [1] int64 on
+        the device (a sampler's choice, then fed to the next step). Returns the ticket `read` takes."""
+        self.graph.replay()
+        if pick is None:
+            return self._readback.stage(self.next_token)
+        token = pick(self.logits)
+        self.feed(token)
+        return self._readback.stage(token)
+
+    def read(self, ticket: int) -> int:
+        """The token of the step `launch` returned `ticket` for, once that step has run (valid until two more
+        launches)."""
+        return self._readback.read(ticket)
 
 
 class PrefillGraph:

@@ -14,6 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from engine.attention.function import register
 from engine.model.catalog import EMBEDDED_MODEL  # noqa: F401 - (re-exported: its home before the catalog)
 from engine.model.fused import fuse_projections
+from engine.model.gemv import use_token_products
+from kernels.dispatch import backend_for
 
 DEVICES = ("auto", "cpu", "cuda")
 # The steps of a load, as reported to `load_model(progress=)`: (step, steps done, steps in all), before each step.
@@ -265,6 +267,8 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
     devices = layer_devices(model)
     if len(set(devices)) == 1:  # (layers spread by accelerate keep their hooks' modules as they are)
         fuse_projections(model)
+        if devices[0].type == "cuda":  # one token's products by the GEMV kernel
+            use_token_products(model, backend_for(devices[0]))
     if progress is not None:
         progress(STEP_DONE, len(steps.names), len(steps.names))
     return LoadedModel(

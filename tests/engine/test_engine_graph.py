@@ -103,6 +103,42 @@ def test_replayed_decode_matches_eager(session, method, sparsity):
     check_against_eager(session, method, sparsity, tokens, replayed, LOGIT_TOL)
 
 
+@pytest.mark.parametrize("method,sparsity", [("full", 0.0), ("squeeze", 0.7), ("quest", 0.7)])
+def test_launched_steps_are_the_replayed_ones(session, method, sparsity):
+    """Steps launched before their predecessors' tokens are read (DecodeGraph.launch / read, as a turn runs them)
+    give exactly the tokens and the last logits of the same steps replayed one at a time from the same state."""
+    lm, cache = session.lm, session.cache
+    step = session.step_context(method, sparsity)
+    prompt = _prompt(session)
+    start = cache.fixed_len + prompt.numel()
+    with torch.inference_mode():
+        cache.reset_dynamic()
+        cache.reserve(prompt.numel() + STEPS + 1)
+        first = forward_step(lm, step, prompt, cache.fixed_len).argmax(dim=-1)
+        written = cache.layers[0].new_len.clone()  # the prompt's slots
+        graph, captured = session.graphs.get(step)
+        if not captured:
+            graph.set_input(first, start)
+            graph.warm_and_capture(step)
+        runs = []
+        for pipelined in (False, True):
+            cache.keep_new(written)  # the same state before each run: the prompt's K/V, the same first input
+            graph.set_input(first, start)
+            if pipelined:
+                tickets = [graph.launch()]
+                tokens = []
+                for _ in range(STEPS - 1):
+                    tickets.append(graph.launch())
+                    tokens.append(graph.read(tickets[-2]))
+                tokens.append(graph.read(tickets[-1]))
+            else:
+                tokens = [graph.replay() for _ in range(STEPS)]
+            runs.append((tokens, graph.logits.float().clone()))
+    cache.reset_dynamic()
+    assert runs[1][0] == runs[0][0]
+    torch.testing.assert_close(runs[1][1], runs[0][1], atol=0.0, rtol=0.0)
+
+
 @pytest.fixture(scope="module")
 def compiled_session(tiny_model_path, session):
     """A second copy of the model with its decoder layers compiled (engine.model.compiled), over a context ingested by
@@ -172,9 +208,13 @@ def test_replayed_statistics_match_eager(session, method, sparsity):
         session.cache.reset_dynamic()
         stats[graphs is None] = (tokens, recorder.finish(method, sparsity, len(tokens), {}), recorder.unit_scores())
     (eager_tokens, eager, eager_units), (replayed_tokens, replayed, replayed_units) = stats[True], stats[False]
-    assert replayed.steps == eager.steps == len(eager_tokens)
+    assert eager.steps == len(eager_tokens)
+    # a replayed turn launches each step before reading its predecessor's token: one that stops at an end of
+    # sequence has run (and counts) one step more than it yielded
+    stopped = len(replayed_tokens) < STEPS and replayed_tokens[-1] in lm.eos_ids()
+    assert replayed.steps - len(replayed_tokens) in ((0, 1) if stopped else (0,))
     assert set(replayed_units) == set(eager_units)
-    if replayed_tokens == eager_tokens:  # the same steps: the same selections, to bf16 ties of the lookup
+    if replayed_tokens == eager_tokens and not stopped:  # the same steps: the same selections, to bf16 ties
         for layer, units in eager_units.items():  # the decode steps' best unit scores, kept on the device
             torch.testing.assert_close(replayed_units[layer]["answer"], units["answer"], rtol=2e-2, atol=1e-3)
         assert replayed.kv_budget == pytest.approx(eager.kv_budget, rel=0.02, abs=1e-4)

@@ -8,7 +8,9 @@ from dataclasses import fields
 import torch
 
 from engine.model.fused import fuse_projections
+from engine.model.gemv import use_token_products
 from engine.model.load import LoadedModel, layer_devices, load_model
+from kernels.dispatch import backend_for
 
 GiB = 1 << 30
 
@@ -117,6 +119,8 @@ def build_shape(name: str, device: str, gpus: int = 1) -> BenchModel:
     fuse_projections(model)
     if gpus > 1:
         spread(model, gpus)
+    elif device == "cuda":  # as engine.model.load.load_model does on one GPU
+        use_token_products(model, backend_for(torch.device(device)))
     return BenchModel(model=model, tokenizer=None, model_id=f"random-{name}",
                       device=model.get_input_embeddings().weight.device, dtype=dtype,
                       layer_devices=layer_devices(model))

@@ -90,8 +90,10 @@ def run_ingest(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, ba
 
 def timed_turn(lm: LoadedModel, session: ContextSession, method: str, sparsity: float, prompt: torch.Tensor,
                tokens: int) -> tuple[list[float], TurnStats]:
-    """One turn of `tokens` greedy tokens with the product's statistics on. Returns the seconds of each forward call
-    (the first is the question's prefill, each later one a decode step) and the turn's statistics."""
+    """One turn of `tokens` greedy tokens with the product's statistics on. Returns the seconds between the turn's
+    start and its first token (the question's prefill), then between one token and the next (a decode step), as a
+    user receives them: a token is yielded once the step that made it has run, and a replayed step is launched
+    before its predecessor's token is read (engine.model.generate), so nothing here waits for the GPU besides."""
     recorder = session.recorder(sync_cuda=False)
     step = session.step_context(method, sparsity, recorder)
     times: list[float] = []
@@ -99,7 +101,6 @@ def timed_turn(lm: LoadedModel, session: ContextSession, method: str, sparsity: 
         synchronize(lm.device)
         last = time.perf_counter()
         for _ in generate_tokens(lm, step, prompt, tokens):
-            synchronize(lm.device)
             now = time.perf_counter()
             times.append(now - last)
             last = now
@@ -231,8 +232,35 @@ def profile_decode(lm: LoadedModel, session: ContextSession, method: str, sparsi
     with open(path, "a") as f:
         f.write(f"== {tag}{method}, {PROFILE_STEPS} decode steps\n")
         f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30) + "\n")
-    return {"kernels_per_step": sum(e.count for e in events) / PROFILE_STEPS,
-            "gpu_ms_per_step": round(sum(e.self_device_time_total for e in events) / PROFILE_STEPS / 1e3, 3)}
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
+    # steps whose kernels the profile holds: every kernel of a replayed step runs once or more in each, and the
+    # profiler may miss the first launch of its window
+    steps = min((e.count for e in events), default=PROFILE_STEPS) or PROFILE_STEPS
+    return {"steps_profiled": steps, "kernels_per_step": sum(e.count for e in events) / steps,
+            "gpu_ms_per_step": round(sum(e.self_device_time_total for e in events) / steps / 1e3, 3),
+            **idle_time(kernels, steps)}
+
+
+HOST_GAP_US = 50.0  # an idle GPU for longer than this between two kernels of replayed steps is waiting on the host
+
+
+def idle_time(kernels: list[tuple[float, float]], steps: int) -> dict:
+    """Where the GPU idles over `steps` decode steps, from their kernels' (start, end) times in microseconds:
+    between two kernels of a step (the launch of the next, ~1 us each inside a CUDA graph), or waiting for the host
+    (a gap over HOST_GAP_US: the host reading a token back, launching the next step). Milliseconds per step."""
+    between = waiting = 0.0
+    last_end = None
+    for start, end in sorted(kernels):
+        if last_end is not None and start > last_end:
+            gap = start - last_end
+            if gap > HOST_GAP_US:
+                waiting += gap
+            else:
+                between += gap
+        last_end = end if last_end is None else max(last_end, end)
+    return {"idle_between_kernels_ms_per_step": round(between / steps / 1e3, 3),
+            "idle_waiting_host_ms_per_step": round(waiting / steps / 1e3, 3)}
 
 def profile_prefill(lm: LoadedModel, session: ContextSession, method: str, sparsity: float, prompt: torch.Tensor,
                     path: str, tag: str = "") -> dict:
