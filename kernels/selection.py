@@ -163,3 +163,17 @@ def contains(selection: Selection, rows: torch.Tensor) -> torch.Tensor:
     at = torch.searchsorted(codes, wanted.reshape(-1)).clamp(max=capacity - 1).reshape(wanted.shape)
     return codes[at] == wanted
 
+
+
+@dataclass(frozen=True)
+class StepTally:
+    """What one lookup's step adds into a turn's statistics, besides its selection's counts and the follow rows it
+    read (kernels.reference.tally.tally_step's other arguments): elements [E] the index elements the lookup read
+    (summed into read), kept [R] float32 (each row's keys added), read [1] float32, and scores [R, U] the lookup's
+    unit scores maxed into best [R, U] float32 (both None: no running max this step)."""
+
+    elements: torch.Tensor
+    kept: torch.Tensor
+    read: torch.Tensor
+    scores: torch.Tensor | None = None
+    best: torch.Tensor | None = None

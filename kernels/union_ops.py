@@ -17,7 +17,7 @@ from kernels.backend import TRITON
 from kernels.checks import LOG2E, check_qkv
 from kernels.jit.union import union_attn_fwd_kernel, union_merge_kernel
 from kernels.reference import union as reference
-from kernels.selection import FollowRows, Selection
+from kernels.selection import FollowRows, Selection, StepTally
 
 NEW_ITEMS_EXPECTED = 1  # items a row's new tokens take in a typical step (a question and an answer: < a chunk)
 # Registers per thread of the split launch: the selection's loop alone needs 152 (D 128, 4 warps: Triton 3.6 for
@@ -38,6 +38,7 @@ def union_attention(
     k_start: int,
     follow: FollowRows | None = None,
     out: torch.Tensor | None = None,
+    tally: StepTally | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     check_qkv(q, k_new, v_new)
     hq, lq, d = q.shape
@@ -49,7 +50,8 @@ def union_attention(
         raise ValueError(f"out must be [{hq}, {lq}, {d}] with a unit stride in D; got {tuple(out.shape)} "
                          f"strides {out.stride()}")
     if num_m > sparse_ops.DECODE_MAX_M or d & (d - 1) or d < 16 or k.shape[1] == 0 or n_new == 0:
-        return reference.union_in_turn(TRITON, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out)
+        return reference.union_in_turn(TRITON, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out,
+                                       tally)
     if selection is None:
         check_qkv(q, k, v)
         indptr = indices = k  # DENSE: neither is read
@@ -105,14 +107,40 @@ def union_attention(
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
     merge_block_m = min(cfg.merge_block_m, triton.next_power_of_2(num_m))
+    tally_args, scores = _tally_args(tally, selection, lse)
     union_merge_kernel[(triton.cdiv(num_m, merge_block_m), rows, d // block_d)](
-        part_out, part_lse, indptr, q_pos, out, lse,
+        part_out, part_lse, indptr, q_pos, out, lse, fresh if fresh is not None else follow_args[2], *tally_args,
         rows, hq // rows, lq, cfg.chunk, int(k_start), n_new, q_pos.stride(0), out.stride(0), out.stride(1),
+        m_rows, tally.elements.numel() if tally is not None else 0, scores.shape[1] if scores is not None else 0,
+        scores.stride(0) if scores is not None else 0, tally.best.stride(0) if scores is not None else 0,
         HEAD_DIM=d, BLOCK_M=merge_block_m, BLOCK_I=cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
-        DENSE=selection is None, FOLLOW=with_follow, dense_len=dense_len,
-        num_warps=sparse_ops.MERGE_WARPS,
+        DENSE=selection is None, FOLLOW=with_follow, TALLY=tally is not None, HAS_SCORES=scores is not None,
+        dense_len=dense_len, num_warps=sparse_ops.MERGE_WARPS,
     )
     return out, lse, fresh.view(torch.bool) if fresh is not None else None
+
+
+def _tally_args(tally: StepTally | None, selection: Selection | None,
+                dummy: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
+    """The merge kernel's kept, read, elements, scores and best (dummies without a tally), checked as
+    tally_ops.tally_step checks them, and the scores it maxes (None: none)."""
+    if tally is None:
+        return (dummy,) * 5, None
+    if selection is None:
+        raise ValueError("a step's tally counts a selection's keys: every key has none")
+    rows = selection.rows
+    kept, read, elements = tally.kept, tally.read, tally.elements.contiguous()
+    if (kept.dtype != torch.float32 or read.dtype != torch.float32 or kept.numel() != rows or kept.stride(-1) != 1
+            or read.numel() != 1):
+        raise ValueError(f"the tally's kept must be [{rows}] and read [1] fp32 with unit strides")
+    scores, best = tally.scores, tally.best
+    if scores is None:
+        return (kept, read, elements, dummy, dummy), None
+    if (best is None or best.dtype != torch.float32 or best.shape != scores.shape or scores.shape[0] != rows
+            or best.stride(-1) != 1 or scores.stride(-1) != 1):
+        raise ValueError(f"the tally's best must be an fp32 [{rows}, U] tensor of the scores' shape, both with a "
+                         "unit stride in the units")
+    return (kept, read, elements, scores, best), scores
 
 
 def _register_cap(device: torch.device) -> dict:

@@ -122,6 +122,7 @@ def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor
     timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
     with timed("lookup"):
         lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos, step.valid)
+    tally = recorder.tally(layer.layer_idx, lookup) if recorder is not None else None
     with timed("attention"):
         follow, rows = step.follow, None
         if lookup.selection is not None and follow is not None and follow.positions.numel():
@@ -129,9 +130,9 @@ def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor
                               layout_order(method, index))
         _, _, fresh = step.backend.kernel("union").union_attention(
             q, layer.fixed_keys, layer.fixed_values, lookup.selection, scale, k_new, v_new, q_pos, layer.fixed_len,
-            rows, out=out)
+            rows, out=out, tally=tally)  # the step's statistics added by the union's merge
     if recorder is not None:
-        recorder.record(layer.layer_idx, lookup, step.backend, fresh)
+        recorder.record(layer.layer_idx, lookup, step.backend, fresh, tallied=tally)
 
 
 @torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.model.compiled): host logic, our own kernels

@@ -11,6 +11,7 @@ import torch
 from engine.attention.cache import capturing
 from engine.attention.method import Lookup
 from kernels.backend import REFERENCE, Backend
+from kernels.selection import StepTally
 
 
 @dataclass
@@ -189,12 +190,39 @@ class TurnRecorder:
                 self.current = self.decode
         return self.current
 
+    def tally(self, layer_idx: int, lookup: Lookup) -> StepTally | None:
+        """The sums one global layer's lookup adds into at the current step, for the union kernel to add them
+        (kernels.selection.StepTally): where the rows are the KV heads and the sums sit on the lookup's device;
+        None where `record` adds them itself. Call `record(..., tallied=the result)` after the union either way."""
+        sel = lookup.selection
+        totals = self._phase_totals(lookup.index_elements.device)
+        if sel is None or sel.rows != self.hkv or totals.kept.device != sel.indptr.device:
+            return None
+        i = self._index[layer_idx]
+        scores, best = self._unit_scores(totals, layer_idx, lookup)
+        return StepTally(lookup.index_elements.contiguous(), totals.kept[i, : sel.rows], totals.read[i : i + 1],
+                         scores, best)
+
+    def _unit_scores(self, totals: StepTotals, layer_idx: int,
+                     lookup: Lookup) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(scores, best): a decode step's unit scores and its layer's running max to take them into, or (None,
+        None): a prefill (its units are listed, not maxed), no scores, or the phase's first step (whose scores
+        become the buffer: a captured step finds it and maxes into it in place)."""
+        if totals.prefill or lookup.scores is None:
+            return None, None
+        best = totals.unit_max.get(layer_idx)
+        if best is None:
+            totals.unit_max[layer_idx] = lookup.scores.detach().float().contiguous().clone()
+            return None, None
+        return (lookup.scores if lookup.scores.stride(-1) == 1 else lookup.scores.contiguous()), best
+
     def record(self, layer_idx: int, lookup: Lookup, backend: Backend = REFERENCE,
-               fresh: torch.Tensor | None = None) -> None:
+               fresh: torch.Tensor | None = None, tallied: StepTally | None = None) -> None:
         """One global layer's lookup at the current step (the prefill's kept units and their sizes are listed), and
         fresh [rows, M] bool: the follow rows (engine.attention.follow) each selection row read besides its
-        selection, or None. Where the rows are the KV heads and the sums sit on the lookup's device, one launch of
-        `backend`'s tally kernel adds it all (a replayed decode step pays it per global layer)."""
+        selection, or None. tallied: what `tally` returned, which the union kernel has added (its sums are not
+        added again). Otherwise, where the rows are the KV heads and the sums sit on the lookup's device, one
+        launch of `backend`'s tally kernel adds it all."""
         totals = self._phase_totals(lookup.index_elements.device)
         i = self._index[layer_idx]
         sel = lookup.selection
@@ -202,21 +230,17 @@ class TurnRecorder:
             totals.dense.add(layer_idx)
             return
         totals.rows[layer_idx] = sel.rows
-        scores = best = None
-        if totals.prefill:
-            if lookup.units is not None and lookup.sizes is not None:
-                totals.clusters[layer_idx] = (lookup.units, lookup.sizes, lookup.scores)
-        elif lookup.scores is not None:  # a decode step: its units' best scores
-            best = totals.unit_max.get(layer_idx)
-            if best is None:  # the first (eager or warm-up) step; a captured step finds the buffer and adds in place
-                totals.unit_max[layer_idx] = lookup.scores.detach().float().contiguous().clone()
-            else:
-                scores = lookup.scores if lookup.scores.stride(-1) == 1 else lookup.scores.contiguous()
+        if totals.prefill and lookup.units is not None and lookup.sizes is not None:
+            totals.clusters[layer_idx] = (lookup.units, lookup.sizes, lookup.scores)
+        if tallied is not None:
+            return
         if sel.rows == self.hkv and totals.kept.device == sel.indptr.device:
+            scores, best = self._unit_scores(totals, layer_idx, lookup)
             tally = backend.kernel("tally").tally_step
             tally(sel.indptr, lookup.index_elements.contiguous(), totals.kept[i, : sel.rows], totals.read[i : i + 1],
                   fresh, scores, best)
             return
+        scores, best = self._unit_scores(totals, layer_idx, lookup)
         # one row per query head: a key several heads of a group selected (or followed) is read once
         totals.kept[i, : sel.rows] += (sel.indptr[1:] - sel.indptr[:-1]).to(totals.kept.device)
         index = lookup.index_elements.float().sum()

@@ -2,8 +2,9 @@
 has a graph cache (engine.model.graph), a question of up to PREFILL_LENGTHS[-1] tokens is padded to the next of
 PREFILL_LENGTHS and its prefill replayed from a CUDA graph (the real tokens' attention is exactly the unpadded one's:
 the padding comes after them, and every pooled lookup counts the real tokens only), and every decode step is replayed
-from one, each launched before its predecessor's token is read back; elsewhere each call runs eagerly. Greedy, or each token chosen by an engine.model.sampling.Sampler from the
-step's logits (a replayed step then takes the chosen token as its successor's input)."""
+from one, each launched before its predecessor's token is read back; elsewhere each call runs eagerly. Greedy, or
+each token chosen by an engine.model.sampling.Sampler from the step's logits (a replayed step then takes the chosen
+token as its successor's input)."""
 
 from __future__ import annotations
 

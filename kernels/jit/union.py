@@ -22,6 +22,7 @@ from kernels.jit.causal import causal_keys
 from kernels.jit.follow import follow_keys, fresh_rows
 from kernels.jit.merge import merge_pair
 from kernels.jit.sparse import attend, bounds, item_plan, merge_items
+from kernels.jit.tally import running_max, tally_row
 
 
 @triton.jit
@@ -136,7 +137,9 @@ def union_attn_fwd_kernel(
 @triton.jit
 def union_merge_kernel(
     part_out_ptr, part_lse_ptr, indptr_ptr, q_pos_ptr, out_ptr, lse_ptr,
+    fresh_ptr, kept_ptr, read_ptr, elements_ptr, scores_ptr, best_ptr,
     rows, group, lq, chunk, k_start, n_new, stride_p, stride_oh, stride_ol,
+    m_rows, n_elements, n_units, stride_scores, stride_best,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -144,14 +147,23 @@ def union_merge_kernel(
     BLOCK_R: tl.constexpr,
     DENSE: tl.constexpr,
     FOLLOW: tl.constexpr,
+    TALLY: tl.constexpr,
+    HAS_SCORES: tl.constexpr,
     dense_len=0,
     BLOCK_S: tl.constexpr = 4,
+    BLOCK_F: tl.constexpr = 64,
+    BLOCK_E: tl.constexpr = 128,
+    BLOCK_U: tl.constexpr = 512,
 ):
     """Each row's items merged by log-sum-exp (the same plan as union_attn_fwd_kernel, derived on the device): its
     selection's BLOCK_I at a time, its few short items BLOCK_S at a time. Grid (cdiv(M, BLOCK_M), rows,
     HEAD_DIM // BLOCK_D). Writes out [Hq, Lq, HEAD_DIM] (strides stride_oh,
     stride_ol, unit in D; any float dtype) and lse [Hq * Lq] fp32 (natural log; out 0 and lse -inf for a query
-    that sees no key)."""
+    that sees no key).
+    TALLY: also the step's statistics (kernels.reference.tally.tally_step, one row per KV head): the first program
+    of each row adds its kept keys and fresh follow rows (fresh [rows, m_rows] int8, written by the split launch)
+    into kept [rows], row 0 the elements [n_elements] into read [1]; with HAS_SCORES the row's programs share its
+    running max of the unit scores [rows, n_units] into best."""
     row = tl.program_id(1)
     num_m = group * lq
     first_item, n_items, total = item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
@@ -173,3 +185,12 @@ def union_merge_kernel(
              out.to(out_ptr.dtype.element_ty), mask=m_valid[:, None])
     if tl.program_id(2) == 0:
         tl.store(lse_ptr + row.to(tl.int64) * num_m + offs_m, lse, mask=m_valid)
+    if TALLY:
+        if (tl.program_id(0) == 0) & (tl.program_id(2) == 0):
+            tally_row(indptr_ptr, row, fresh_ptr, m_rows, m_rows, kept_ptr, elements_ptr, n_elements, read_ptr,
+                      FOLLOW, BLOCK_F, BLOCK_E)
+        if HAS_SCORES:
+            parts = tl.num_programs(0) * tl.num_programs(2)
+            span = tl.cdiv(tl.cdiv(n_units, parts), BLOCK_U) * BLOCK_U
+            start = (tl.program_id(0) * tl.num_programs(2) + tl.program_id(2)) * span
+            running_max(scores_ptr, best_ptr, row, start, start + span, n_units, stride_scores, stride_best, BLOCK_U)

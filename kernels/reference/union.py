@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from kernels.backend import REFERENCE, Backend
-from kernels.selection import FollowRows, Selection
+from kernels.selection import FollowRows, Selection, StepTally
 
 
 def union_attention(
@@ -23,6 +23,7 @@ def union_attention(
     k_start: int,
     follow: FollowRows | None = None,
     out: torch.Tensor | None = None,
+    tally: StepTally | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """q: [Hq, Lq, D]; k, v: [Hkv, N, D] the fixed context; selection: its keys each row reads (rows Hq or Hkv), or
     None for every key; k_new, v_new: [Hkv, n, D] the new tokens, slot j at position k_start + j, seen by query i
@@ -31,16 +32,20 @@ def union_attention(
     Returns out [Hq, Lq, D] (written into `out`, any float dtype and strides, when given; float32 otherwise), lse
     [Hq, Lq] float32 (natural log) and fresh [R, M] bool (the follow rows each selection row read beyond its own
     keys), or None without follow rows.
+    tally: the step's statistics to add (kernels.selection.StepTally; a selection's rows only), or None.
     """
-    return union_in_turn(REFERENCE, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out)
+    return union_in_turn(REFERENCE, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out, tally)
 
 
 def union_in_turn(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: Selection | None,
                   scale: float, k_new: torch.Tensor, v_new: torch.Tensor, q_pos: torch.Tensor, k_start: int,
-                  follow: FollowRows | None = None,
-                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                  follow: FollowRows | None = None, out: torch.Tensor | None = None,
+                  tally: StepTally | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`union_attention` as `backend`'s ops one after another: the sparse (or dense) attention over the fixed
-    context, the follow part merged into it, the new tokens' causal part merged into that and written to `out`."""
+    context, the follow part merged into it, the new tokens' causal part merged into that and written to `out`;
+    then the step's statistics added (backend's tally_step)."""
+    if tally is not None and selection is None:
+        raise ValueError("a step's tally counts a selection's keys: every key has none")
     sparse = backend.kernel("sparse")
     if selection is None:
         fixed = sparse.attention_with_lse(q, k, v, scale)
@@ -52,4 +57,7 @@ def union_in_turn(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.T
                                                                   follow.indexed, follow.order, scale, prior=fixed)
     out, lse = backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, k_start, None, tuple(fixed),
                                                          out)
+    if tally is not None:
+        backend.kernel("tally").tally_step(selection.indptr, tally.elements, tally.kept, tally.read, fresh,
+                                           tally.scores, tally.best)
     return out, lse, fresh

@@ -12,7 +12,7 @@ from kernels import union_ops
 from kernels.reference import union as reference
 from kernels.reference.follow import follow_rows
 from kernels.reference.sparse import attention_with_lse
-from kernels.selection import FollowRows, Selection
+from kernels.selection import FollowRows, Selection, StepTally
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.bfloat16, torch.float16] if DEVICE == "cuda" else [torch.float32, torch.float16]
@@ -130,3 +130,37 @@ def test_a_query_that_sees_no_new_token_has_only_the_fixed_part():
                                     v_new.to(DEVICE), q_pos.to(DEVICE), k_start, follow)
     torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[2] is not None])
+@pytest.mark.parametrize("with_scores", [True, False])
+def test_the_steps_statistics_are_added_as_the_tally_adds_them(shape, with_scores):
+    """A tally handed to the union (the merge kernel adds it; the prefill's ops in turn, the tally kernel) leaves
+    the sums the reference's tally_step leaves: each row's keys and fresh follow rows added to its kept count, the
+    index elements to read, the unit scores maxed into best (more units than one program's block)."""
+    q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(3, *shape)
+    seen, rows = shape[6], sel.rows
+    g = torch.Generator().manual_seed(4)
+    elements = torch.rand(5, generator=g) * 100
+    scores = torch.rand(rows, 1300, generator=g) if with_scores else None
+
+    def sums():
+        best = torch.rand(rows, 1300, generator=torch.Generator().manual_seed(5)) if with_scores else None
+        return torch.full((rows,), 3.0), torch.full((1,), 7.0), best
+
+    kept, read, best = sums()
+    tally = StepTally(elements, kept, read, scores, best)
+    reference.union_attention(q, k, v, sel, SCALE, k_new[:, :seen], v_new[:, :seen], q_pos, k_start, follow,
+                              tally=tally)
+    on = lambda t: t.to(DEVICE) if t is not None else None  # noqa: E731
+    got = StepTally(*(on(t) for t in (elements, *sums()[:2], scores, sums()[2])))
+    sel = Selection(on(sel.indptr), on(sel.indices), sel.num_keys)
+    if follow is not None:
+        follow = FollowRows(on(follow.positions), follow.first, follow.indexed, on(follow.order))
+    union_ops.union_attention(*(on(x) for x in (q, k, v)), sel, SCALE, on(k_new), on(v_new), on(q_pos), k_start,
+                              follow, tally=got)
+    torch.testing.assert_close(got.kept.cpu(), kept)
+    torch.testing.assert_close(got.read.cpu(), read)
+    if with_scores:
+        torch.testing.assert_close(got.best.cpu(), best)
+    assert kept.sum() > 3.0 * rows
