@@ -25,7 +25,7 @@ from engine.serve.writer import ArtifactWriter
 from engine.text.prompt import DocumentTooLongError, Exchange, prompt_format, tokenize_document
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
-from storage import Document, Store, load_document
+from storage import DamagedArtifactError, Document, MissingArtifactError, Store, load_document
 
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
 STEP_COMPILE = "compiling the model's layers for this GPU (once per process)"  # a load step after the weights
@@ -243,9 +243,14 @@ class Engine:
         ctx = self.store.contexts.context_for(doc_id, self.model_id, settings.as_dict())
         if job is not None:
             self.store.jobs.update(job, context_id=ctx["id"])
-        if ctx["status"] == "ready":
+        if ctx["status"] == "ready" and self._files_in_place(ctx["id"]):
             self.ensure_methods(ctx["id"], methods, tracked, overrides)
             return IngestReport(doc_id, ctx["id"], ctx["tokens"], doc.pages, time.perf_counter() - start, cached=True)
+        if ctx["status"] != "running":  # (a running one is another ingest's, writing its files now)
+            with self._device_lock:  # a failed or damaged build's files, and any session over them: rebuilt below
+                if self._session is not None and self._session[0] == ctx["id"]:
+                    self._session = None
+                self.store.artifacts.clear(ctx["id"])
         own = job is None
         if own:
             job = self.store.jobs.create(doc_id, doc.name, self.model_id, settings.as_dict(), methods=methods,
@@ -280,6 +285,15 @@ class Engine:
             raise
         return IngestReport(doc_id, ctx["id"], out.tokens, doc.pages, time.perf_counter() - start, cached=False,
                             truncated=fixed.truncated)
+
+    def _files_in_place(self, context_id: str) -> bool:
+        """Whether a ready context's files are all there with their sizes (a damaged one is marked failed: its
+        ingest builds it again)."""
+        try:
+            self.store.artifacts.check_files(context_id)
+        except (MissingArtifactError, DamagedArtifactError):
+            return False
+        return True
 
     def ensure_methods(self, context_id: str, methods: Sequence[str], progress: Progress | None = None,
                        overrides: Overrides | None = None) -> list[str]:

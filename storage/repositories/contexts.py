@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sqlite3
 from collections.abc import Iterable
 from pathlib import PurePosixPath
 from typing import TYPE_CHECKING, Any
 
 from ..blobs import ARTIFACT_SUFFIX, artifact_path, check_artifact, check_artifact_file, read_artifact, write_artifact
 from ..database import BLOB_DIR, Database, canonical_json, first, now, require
-from ..errors import MissingArtifactError, NotFoundError
+from ..errors import DamagedArtifactError, MissingArtifactError, NotFoundError, StorageError
 
 if TYPE_CHECKING:  # (torch loads where tensors are read or written: `squeeze list` stays quick)
     import torch
@@ -195,7 +196,46 @@ class Artifacts:
         if unknown:
             raise NotFoundError(f"context {context_id} has no artifact(s) {', '.join(unknown)}")
         root = self.database.root
-        return {name: read_artifact(root, rows[name], f"{context_id}/{name}", device) for name in wanted}
+        try:
+            return {name: read_artifact(root, rows[name], f"{context_id}/{name}", device) for name in wanted}
+        except (MissingArtifactError, DamagedArtifactError) as exc:
+            self._mark_damaged(context_id, exc)
+            raise
+
+    def _mark_damaged(self, context_id: str, exc: StorageError) -> None:
+        """A context whose file is missing or damaged is no longer ready: "failed", with the error, so that the next
+        ingest of its document rebuilds it (the repair the error advises). Best effort: a store that cannot be
+        written (read-only) keeps the error alone."""
+        try:
+            with self.database.transaction() as db:
+                db.table("contexts").update(context_id, {"status": "failed", "error": f"damaged: {exc}",
+                                                         "updated_at": now()})
+        except (StorageError, sqlite3.Error, OSError):
+            pass
+
+    def check_files(self, context_id: str) -> None:
+        """A quick check that every artifact file of the context exists with its recorded size (no hashing);
+        raises :class:`MissingArtifactError` / :class:`DamagedArtifactError` and marks the context failed, as
+        :meth:`load` does, where one is not."""
+        root = self.database.root
+        try:
+            for row in self.list(context_id):
+                check_artifact_file(root, row, f"{context_id}/{row['name']}")
+        except (MissingArtifactError, DamagedArtifactError) as exc:
+            self._mark_damaged(context_id, exc)
+            raise
+
+    def clear(self, context_id: str) -> int:
+        """Delete every artifact and method build of a context (before it is built again from its document: what
+        a failed or damaged build left is not trusted), rows first, then their files. Returns the artifacts
+        deleted."""
+        with self.database.transaction() as db:
+            require(db, "contexts", context_id, "context")
+            paths = [r["path"] for r in db.query("SELECT path FROM artifacts WHERE context_id = ?", [context_id])]
+            db.execute("DELETE FROM artifacts WHERE context_id = ?", [context_id])
+            db.execute("DELETE FROM method_builds WHERE context_id = ?", [context_id])
+        self.database.unlink(paths)
+        return len(paths)
 
     def paths(self) -> set[str]:
         """The file of every artifact row (root-relative)."""

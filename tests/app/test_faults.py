@@ -159,3 +159,36 @@ def test_an_answer_abandoned_mid_stream_leaves_the_chat_consistent(tiny_lm, tmp_
     alone = engine.ask(report.context_id, "When does the ferry leave?", "squeeze", 0.5, 16)
     assert recorded.row["answer"] == (alone.text or EMPTY_ANSWER)
     engine.store.close()
+
+
+def test_a_damaged_or_lost_file_is_rebuilt_by_the_ingest_the_error_advises(tiny_lm, tmp_path):
+    """A flipped byte is found when the context is opened (its error says to re-run the ingest), a lost file when the
+    document is ingested again; either way that ingest builds the context again instead of answering "cached", and
+    the context then opens."""
+    from storage import DamagedArtifactError
+
+    path = tmp_path / "ferry.txt"
+    path.write_text(DOC)
+    cache = tmp_path / "cache"
+    first = Engine(cache, lm=tiny_lm).ingest(path)
+    rows = Engine(cache, lm=tiny_lm).store.artifacts.list(first.context_id)
+    victim = cache / max(rows, key=lambda r: r["nbytes"])["path"]
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 0xFF  # same size: only the checksum tells
+    victim.write_bytes(bytes(data))
+    engine = Engine(cache, lm=tiny_lm)  # a new process: nothing open
+    with pytest.raises(DamagedArtifactError, match="re-run the ingest"):
+        engine.session(first.context_id)
+    assert engine.store.contexts.get(first.context_id)["status"] == "failed"
+    again = engine.ingest(path)
+    assert not again.cached and again.context_id == first.context_id
+    assert engine.session(first.context_id) is not None
+    assert not victim.exists()  # the damaged file went with its row
+
+    lost = cache / engine.store.artifacts.list(first.context_id)[0]["path"]
+    lost.unlink()
+    engine = Engine(cache, lm=tiny_lm)
+    third = engine.ingest(path)
+    assert not third.cached
+    assert engine.session(first.context_id) is not None
+    assert Engine(cache, lm=tiny_lm).ingest(path).cached  # repaired: the next one is a hit
