@@ -71,17 +71,9 @@ def union_attention(
     sms = sparse_ops.num_sms(q.device)
     cfg = sparse_ops.plan(num_m, rows, d, capacity, num_keys, sms, k.element_size(), dense=selection is None,
                           extra_items=extra)
-    slots = sparse_ops.DECODE_WORKERS_PER_SM * sms
-    fitted = selection is not None  # a selection's items cut on the device for its real size (fitted_chunk)
-    if fitted:
-        chunk = cfg.block_n  # the unit; the items, at least that long, are at most target_items + rows
-        target_items = max(1, slots - rows * (extra + 1))
-        items = target_items + rows + rows * (triton.cdiv(n_new, chunk) + int(with_follow))
-    else:
-        chunk, target_items = cfg.chunk, 0
-        items = sparse_ops.max_items(capacity, rows, num_keys, chunk) + rows * (triton.cdiv(n_new, chunk)
-                                                                                 + int(with_follow))
-    workers = max(1, min(items, slots))  # the plan's, counting the short items too
+    items = sparse_ops.max_items(capacity, rows, num_keys, cfg.chunk) + rows * (triton.cdiv(n_new, cfg.chunk)
+                                                                                + int(with_follow))
+    workers = max(1, min(items, sparse_ops.DECODE_WORKERS_PER_SM * sms))  # the plan's, counting these items too
     part_out = torch.empty(items, num_m, d, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(items, num_m, device=q.device, dtype=torch.float32)
     if out is None:
@@ -106,11 +98,11 @@ def union_attention(
     union_attn_fwd_kernel[(triton.cdiv(num_m, cfg.block_m), workers)](
         q, k, v, indptr, indices, k_new, v_new, q_pos, *follow_args, part_out, part_lse,
         *q.stride(), *k.stride(), *v.stride(), *k_new.stride(), *v_new.stride(), q_pos.stride(0), stride_order,
-        rows, hkv, hq // rows, lq, chunk, scale * LOG2E, int(k_start), n_new, first, indexed, m_rows, target_items,
+        rows, hkv, hq // rows, lq, cfg.chunk, scale * LOG2E, int(k_start), n_new, first, indexed, m_rows,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
         BLOCK_K=max(16, triton.next_power_of_2(max(m_rows, 1))), EXACT_FP32=q.dtype == torch.float32,
         DENSE=selection is None, FOLLOW=with_follow, HAS_ORDER=order is not None, PROBES=follow_ops.PROBES,
-        ROUNDS=follow_ops.search_rounds(num_keys), FITTED=fitted, dense_len=dense_len,
+        ROUNDS=follow_ops.search_rounds(num_keys), dense_len=dense_len,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(q.device),
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
@@ -118,12 +110,12 @@ def union_attention(
     tally_args, scores = _tally_args(tally, selection, lse)
     union_merge_kernel[(triton.cdiv(num_m, merge_block_m), rows, d // block_d)](
         part_out, part_lse, indptr, q_pos, out, lse, fresh if fresh is not None else follow_args[2], *tally_args,
-        rows, hq // rows, lq, chunk, int(k_start), n_new, q_pos.stride(0), out.stride(0), out.stride(1), target_items,
+        rows, hq // rows, lq, cfg.chunk, int(k_start), n_new, q_pos.stride(0), out.stride(0), out.stride(1),
         m_rows, tally.elements.numel() if tally is not None else 0, scores.shape[1] if scores is not None else 0,
         scores.stride(0) if scores is not None else 0, tally.best.stride(0) if scores is not None else 0,
         HEAD_DIM=d, BLOCK_M=merge_block_m, BLOCK_I=cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
         DENSE=selection is None, FOLLOW=with_follow, TALLY=tally is not None, HAS_SCORES=scores is not None,
-        FITTED=fitted, dense_len=dense_len, num_warps=sparse_ops.MERGE_WARPS,
+        dense_len=dense_len, num_warps=sparse_ops.MERGE_WARPS,
     )
     return out, lse, fresh.view(torch.bool) if fresh is not None else None
 

@@ -38,16 +38,6 @@ def item_plan(indptr_ptr, rows, chunk, BLOCK_R: tl.constexpr, DENSE: tl.constexp
 
 
 @triton.jit
-def fitted_chunk(indptr_ptr, rows, target_items, unit):
-    """The items' size for a selection of any size (indptr [rows + 1] on the device): the smallest multiple of
-    `unit` that cuts all rows' keys into at most target_items items (plus at most one more per row, from rounding
-    each row up). An int32 scalar, at least `unit`."""
-    total = tl.load(indptr_ptr + rows).to(tl.int64) - tl.load(indptr_ptr).to(tl.int64)
-    per_item = (total + target_items - 1) // target_items
-    return tl.maximum((per_item + unit - 1) // unit * unit, unit).to(tl.int32)
-
-
-@triton.jit
 def bounds(indptr_ptr, r, ok, DENSE: tl.constexpr, dense_len):
     """Entries lo .. hi - 1 of rows r (0, 0 where not ok): from indptr, or DENSE rows of dense_len keys each."""
     if DENSE:

@@ -21,7 +21,7 @@ import triton.language as tl
 from kernels.jit.causal import causal_keys
 from kernels.jit.follow import follow_keys, fresh_rows
 from kernels.jit.merge import merge_pair
-from kernels.jit.sparse import attend, bounds, fitted_chunk, item_plan, merge_items
+from kernels.jit.sparse import attend, bounds, item_plan, merge_items
 from kernels.jit.tally import running_max, tally_row
 
 
@@ -58,7 +58,7 @@ def union_attn_fwd_kernel(
     stride_nkh, stride_nkn, stride_nkd,
     stride_nvh, stride_nvn, stride_nvd,
     stride_p, stride_order,
-    rows, num_kv_heads, group, lq, chunk, qk_scale, k_start, n_new, first, indexed, m_rows, target_items,
+    rows, num_kv_heads, group, lq, chunk, qk_scale, k_start, n_new, first, indexed, m_rows,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -70,12 +70,9 @@ def union_attn_fwd_kernel(
     HAS_ORDER: tl.constexpr,
     PROBES: tl.constexpr,
     ROUNDS: tl.constexpr,
-    FITTED: tl.constexpr,
     dense_len=0,
 ):
-    """Grid (cdiv(M, BLOCK_M), workers), M = group * lq query rows per row. Items are `chunk` keys (and new-token
-    slots) long; FITTED: `chunk` is a unit, and the items are the smallest multiple of it that cuts the selection
-    into at most target_items items (fitted_chunk: read on the device, so a selection of any size fills the workers).
+    """Grid (cdiv(M, BLOCK_M), workers), M = group * lq query rows per row.
 
     q [Hq, Lq, D]; k / v [Hkv, N, D] the fixed context (DENSE: every key of row r's KV head, indptr / indices not
     read); kn / vn [Hkv, n_new, D] the new tokens' slots, slot j at position k_start + j; q_pos [Lq] (stride
@@ -90,8 +87,6 @@ def union_attn_fwd_kernel(
     num_m = group * lq
     m_valid = offs_m < num_m
     worker, workers = tl.program_id(1), tl.num_programs(1)
-    if FITTED:
-        chunk = fitted_chunk(indptr_ptr, rows, target_items, chunk)
     first_item, n_items, total = item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
     r_ids = tl.arange(0, BLOCK_R)
     for item in range(worker, total, workers):  # the selection's keys (kernels/jit/sparse.py's split items)
@@ -143,7 +138,7 @@ def union_attn_fwd_kernel(
 def union_merge_kernel(
     part_out_ptr, part_lse_ptr, indptr_ptr, q_pos_ptr, out_ptr, lse_ptr,
     fresh_ptr, kept_ptr, read_ptr, elements_ptr, scores_ptr, best_ptr,
-    rows, group, lq, chunk, k_start, n_new, stride_p, stride_oh, stride_ol, target_items,
+    rows, group, lq, chunk, k_start, n_new, stride_p, stride_oh, stride_ol,
     m_rows, n_elements, n_units, stride_scores, stride_best,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -154,7 +149,6 @@ def union_merge_kernel(
     FOLLOW: tl.constexpr,
     TALLY: tl.constexpr,
     HAS_SCORES: tl.constexpr,
-    FITTED: tl.constexpr,
     dense_len=0,
     BLOCK_S: tl.constexpr = 4,
     BLOCK_F: tl.constexpr = 64,
@@ -172,8 +166,6 @@ def union_merge_kernel(
     running max of the unit scores [rows, n_units] into best."""
     row = tl.program_id(1)
     num_m = group * lq
-    if FITTED:  # the split launch's items, cut as it cut them
-        chunk = fitted_chunk(indptr_ptr, rows, target_items, chunk)
     first_item, n_items, total = item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
     r_ids = tl.arange(0, BLOCK_R)
     n_causal, _ = new_items(q_pos_ptr, stride_p, lq, k_start, n_new, chunk)
