@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,13 +162,39 @@ def resolve_device(device: str) -> str:
     return device
 
 
+WEIGHTS_FILE = "model.safetensors"  # the dequantized embedded model's weights, and beside them their sha256:
+CHECKSUM_FILE = "model.safetensors.sha256"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def record_weights_checksum(directory: Path) -> None:
+    """Write the sha256 of directory's WEIGHTS_FILE beside it (CHECKSUM_FILE)."""
+    (directory / CHECKSUM_FILE).write_text(_sha256(directory / WEIGHTS_FILE) + "\n")
+
+
+def weights_intact(directory: Path) -> bool:
+    """Whether directory holds converted weights whose bytes hash to the sha256 recorded with them (as every blob of
+    the cache is checked when read: a flipped byte must not load as a model that answers nothing). A conversion
+    without a recorded checksum is not trusted either (it is done again)."""
+    weights, checksum = directory / WEIGHTS_FILE, directory / CHECKSUM_FILE
+    if not (weights.is_file() and checksum.is_file()):
+        return False
+    return _sha256(weights) == checksum.read_text().strip()
+
+
 def _convert_embedded(gguf: Path, target: Path, step: Callable[[str], None]) -> None:
     """Dequantize the GGUF once into a safetensors model directory (loads in seconds instead of a minute).
 
     Written to a temporary sibling directory, then renamed, so a crash leaves no half-written model.
     step: called with each step's name (STEP_GGUF_TOKENIZER, STEP_DEQUANTIZE, STEP_SAVE) as it begins.
     """
-    import shutil  # noqa: PLC0415
     import tempfile  # noqa: PLC0415
 
     from safetensors.torch import save_model  # noqa: PLC0415
@@ -186,7 +214,8 @@ def _convert_embedded(gguf: Path, target: Path, step: Callable[[str], None]) -> 
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
         model.generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))
+        save_model(model, str(tmp / WEIGHTS_FILE))
+        record_weights_checksum(tmp)
         tmp.rename(target)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -239,7 +268,9 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
     converted = None
     if is_embedded(name) and convert_dir is not None:
         converted = Path(convert_dir) / model_id.replace("@", "-")
-    convert = converted is not None and not (converted / "model.safetensors").exists()
+    convert = converted is not None and not weights_intact(converted)
+    if convert and converted.exists():  # damaged (or half of a conversion): done again
+        shutil.rmtree(converted)
     steps = _Steps([STEP_GGUF_TOKENIZER, STEP_DEQUANTIZE, STEP_SAVE] * convert + [STEP_TOKENIZER, STEP_WEIGHTS]
                    + [STEP_TO_GPU] * (device == "cuda"), progress)
     if converted is not None:
