@@ -17,6 +17,7 @@ from engine.model.catalog import (
     METHODS,
     SPARSE_METHODS,
     TRAINED_METHODS,
+    GenerationOptions,
     default_cache_dir,
 )
 
@@ -113,7 +114,7 @@ def cmd_ingest(args) -> int:
 
 
 def cmd_ask(args) -> int:
-    from engine.serve import EMPTY_ANSWER, Answer, Delta, GenerationOptions  # noqa: PLC0415
+    from engine.serve import EMPTY_ANSWER, Answer, Delta  # noqa: PLC0415
 
     options = GenerationOptions(temperature=args.temperature, top_p=args.top_p,  # (refused before the model loads)
                                 repetition_penalty=args.repetition_penalty, seed=args.seed)
@@ -236,6 +237,51 @@ def _positive(text: str) -> int:
     return value
 
 
+def _generation(field: str):
+    """An argparse type for one of GenerationOptions' fields, checked as the options check it (before torch loads)."""
+    def parse(text: str) -> float:
+        value = float(text)
+        try:
+            GenerationOptions(**{field: value})
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+        return value
+
+    parse.__name__ = field  # argparse names the type in its "invalid value" message
+    return parse
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a port is a whole number from 0 to 65535, got {text}")
+    return value
+
+
+def _megabytes(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a size in MB above 0, got {text}")
+    return value
+
+
+def _without_method_settings(argv: list[str]) -> list[str]:
+    """argv without the methods' settings options (`--{method}-{setting} VALUE`, their aliases): what the quick
+    parser (which has not loaded the methods) can check, with no value of theirs taken for a positional."""
+    flags = {flag for flag in ALIASES.values()}
+    out, skip = [], False
+    for token in argv:
+        if skip:
+            skip = False
+            continue
+        name = token.split("=", 1)[0]
+        if name in flags or any(name.startswith(f"--{m}-") for m in METHODS):
+            skip = "=" not in token
+            continue
+        out.append(token)
+    return out
+
+
 def _sparsity(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= MAX_SPARSITY:
@@ -279,9 +325,11 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
                         f"index and follow rows included, in the question's prefill as in decoding (default "
                         f"{DEFAULT_SPARSITY}; full attention reads every key whatever it is)")
     p.add_argument("--max-new-tokens", type=_positive, default=64, help="the longest answer, in tokens")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 (the default): greedy; else sample")
-    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of tokens of this mass")
-    p.add_argument("--repetition-penalty", type=float, default=1.0,
+    p.add_argument("--temperature", type=_generation("temperature"), default=0.0,
+                   help="0 (the default): greedy; else sample")
+    p.add_argument("--top-p", type=_generation("top_p"), default=1.0,
+                   help="sample from the smallest set of tokens of this mass")
+    p.add_argument("--repetition-penalty", type=_generation("repetition_penalty"), default=1.0,
                    help="> 1 discourages the answer from repeating its own tokens (1: none)")
     p.add_argument("--seed", type=int, default=None, help="the sampler's seed (with --temperature)")
     p.add_argument("--truncate", action="store_true")
@@ -303,8 +351,8 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
     p.add_argument("--auth-file", default=None, help="the logins the app asks for: lines USER:PASSWORD")
     p.add_argument("--auth", default=None, metavar="USER:PASSWORD", help="one login (visible to other users of "
                                                                           "this machine: prefer --auth-file)")
-    p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--max-upload-mb", type=float, default=50.0, help="largest file accepted, per file")
+    p.add_argument("--port", type=_port, default=7860)
+    p.add_argument("--max-upload-mb", type=_megabytes, default=50.0, help="largest file accepted, per file")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="benchmarks that print JSON: `kernels` (GPU), `capture` (real keys for it), "
                                      "`e2e` (ingest, prefill and decode through the engine, beside transformers)")
@@ -321,7 +369,11 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = build_parser(quick=not argv or argv[0] in (*QUICK_COMMANDS, "-h", "--help"))
+    quick = not argv or argv[0] in (*QUICK_COMMANDS, "-h", "--help")
+    if not quick and argv[0] not in ("eval", "bench"):
+        # the options checked before the methods (and torch with them) load: a bad one is refused at once
+        build_parser(quick=True).parse_args(_without_method_settings(argv))
+    parser = build_parser(quick=quick)
     # `eval` takes every option after it as its own (argparse's remainder does not start at an option)
     args = parser.parse_args(argv[:1]) if argv[:1] == ["eval"] else parser.parse_args(argv)
     if argv[:1] == ["eval"]:

@@ -8,38 +8,9 @@ about a document should be free to quote it, and a base model's failure is to re
 
 from __future__ import annotations
 
-import math
-from dataclasses import asdict, dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class GenerationOptions:
-    """temperature: 0 = greedy (the default), else the softmax temperature of sampling; top_p: the smallest set of
-    tokens whose probability reaches it is sampled from (1 = all); repetition_penalty: >= 1 (1 = none); seed: the
-    sampler's (None: a fresh one per answer)."""
-
-    temperature: float = 0.0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= 10.0):
-            raise ValueError(f"temperature must be in [0, 10] (0: greedy), got {self.temperature}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (math.isfinite(self.repetition_penalty) and 1.0 <= self.repetition_penalty <= 10.0):
-            raise ValueError(f"repetition_penalty must be in [1, 10] (1: none), got {self.repetition_penalty}")
-
-    @property
-    def greedy(self) -> bool:
-        """The argmax of the raw logits (a captured decode step computes it itself)."""
-        return self.temperature == 0.0 and self.repetition_penalty == 1.0
-
-    def to_json(self) -> dict:
-        return asdict(self)
+from engine.model.catalog import GenerationOptions
 
 
 class Sampler:

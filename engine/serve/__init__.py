@@ -13,8 +13,7 @@ from engine.context.settings import ContextSettings
 from engine.methods import METHODS, REGISTRY, SPARSE_METHODS, build_order, make_method
 from engine.methods.hsqueeze import HierarchicalSettings
 from engine.methods.squeeze import SqueezeSettings
-from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY, EMBEDDED_MODEL, MAX_SPARSITY
-from engine.model.sampling import GenerationOptions
+from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY, EMBEDDED_MODEL, MAX_SPARSITY, GenerationOptions
 from engine.serve.evals import full_attention_found
 from engine.serve.explain import ContextInspector
 from engine.serve.jobs import LOADING, STAGES, IngestWorker, JobView, document_id, plain_error

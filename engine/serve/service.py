@@ -17,10 +17,9 @@ from engine.context.session import Answer, ContextSession, Delta
 from engine.context.settings import ContextSettings
 from engine.index import artifacts as names
 from engine.methods import REGISTRY, Method, MethodSettings, Preparation, StepPlan, Tensors, build_order, make_method
-from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY, default_cache_dir
+from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY, GenerationOptions, default_cache_dir
 from engine.model.compiled import compile_layers, wants_compile, warm_up
 from engine.model.load import EMBEDDED_MODEL, STEP_DONE, LoadedModel, LoadStep, ModelLoadError, load_model, model_id_for
-from engine.model.sampling import GenerationOptions
 from engine.serve.writer import ArtifactWriter
 from engine.text.prompt import DocumentTooLongError, Exchange, prompt_format, tokenize_document
 from kernels.backend import Backend

@@ -49,8 +49,9 @@ def test_ingest_ask_list_delete(tiny, capsys):
                "--top-p", "0.9", "--repetition-penalty", "1.3", "--seed", "3", "--json", *common]
     first, again = (json.loads(run(capsys, *sampled)[1]) for _ in range(2))
     assert first["answer"] == again["answer"] and first["extra"]["generation"]["seed"] == 3  # seeded: reproducible
-    code, out, err = run(capsys, *sampled[:-len(common) - 1], "--temperature", "-2", *common)
-    assert code == 1 and err.startswith("error: temperature must be in [0, 10]")
+    with pytest.raises(SystemExit) as refused:  # argparse's refusal, before the model loads
+        run(capsys, *sampled[:-len(common) - 1], "--temperature", "-2", *common)
+    assert refused.value.code == 2 and "temperature must be in [0, 10]" in capsys.readouterr().err
     code, out, _ = run(capsys, "list", "--json", *common)
     assert [d["id"] for d in json.loads(out)] == [ingest["doc_id"]]
     code, out, _ = run(capsys, "delete", ingest["doc_id"], *common)
@@ -263,3 +264,26 @@ def test_the_exposure_check_loads_no_torch():
             "print('torch' in sys.modules, 'gradio' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["ask", "x.txt", "q", "--method", "bogus"], "invalid choice: 'bogus'"),
+    (["ask", "x.txt", "q", "--sparsity", "2"], "sparsity must be between 0 and"),
+    (["ask", "x.txt", "q", "--temperature", "-1"], "temperature must be in [0, 10]"),
+    (["ask", "--squeeze-kmeans-iters", "3", "x.txt", "q", "--top-p", "0"], "top_p must be in (0, 1]"),
+    (["ask", "--centroid-ratio=0.2", "x.txt", "q", "--max-new-tokens", "0"], "at least 1, got 0"),
+    (["ingest", "x.txt", "--device", "tpu"], "invalid choice: 'tpu'"),
+    (["serve", "--port", "99999"], "a port is a whole number from 0 to 65535"),
+    (["train", "--duo-train-steps", "5", "duo", "--sparsity", "3"], "unrecognized arguments: --sparsity 3"),
+])
+def test_bad_options_are_refused_before_torch_loads(argv, message):
+    """A bad option of any command (a method's settings around it or not) is refused by argparse, exit code 2,
+    before torch is imported: in a fraction of a second, not after the model loads."""
+    import subprocess
+    import sys
+
+    code = (f"import sys\nfrom app.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit as exc:\n"
+            f"    print(exc.code, 'torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.split() == ["2", "False"]
+    assert message in done.stderr
