@@ -31,6 +31,7 @@ STEP_COMPILE = "compiling the model's layers for this GPU (once per process)"  #
 Progress = Callable[[str, int, int], None]
 Overrides = Mapping[str, "MethodSettings | dict"]  # a request's settings of some methods (the rest: the engine's)
 CHECKPOINT = ":checkpoint"  # a preparation's checkpoint in store.models: under the method's name with this suffix
+WAIT_POLL_S = 0.5  # how often an ingest waiting for another one of the same context looks again
 DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
 # `squeeze eval` of the embedded model as shipped (read-only): what `latest_eval` shows until one is recorded
 SHIPPED_EVAL = Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu-eval.json"
@@ -242,6 +243,8 @@ class Engine:
         ctx = self.store.contexts.context_for(doc_id, self.model_id, settings.as_dict())
         if job is not None:
             self.store.jobs.update(job, context_id=ctx["id"])
+        if ctx["status"] == "running":
+            ctx = self._after_other_ingest(ctx, report)
         if ctx["status"] == "ready" and self._files_in_place(ctx["id"]):
             self.ensure_methods(ctx["id"], methods, tracked, overrides)
             return IngestReport(doc_id, ctx["id"], ctx["tokens"], doc.pages, time.perf_counter() - start, cached=True)
@@ -284,6 +287,21 @@ class Engine:
             raise
         return IngestReport(doc_id, ctx["id"], out.tokens, doc.pages, time.perf_counter() - start, cached=False,
                             truncated=fixed.truncated)
+
+    def _after_other_ingest(self, ctx: dict, progress: Progress) -> dict:
+        """A context that another process is building now: wait for that ingest (telling its stage every
+        WAIT_POLL_S) instead of doing the same work beside it. Returns the context as it left it: ready (a hit), or
+        failed or interrupted (built here)."""
+        while ctx["status"] == "running":
+            other = self.store.jobs.building_elsewhere(ctx["id"])
+            if other is None:  # no live process builds it: a killed one's job is failed now, and this one builds it
+                self.store.jobs.recover_interrupted()
+                return self.store.contexts.get(ctx["id"])
+            progress(f"waiting for another ingest of this document ({other['stage'] or 'starting'})",
+                     other["done"] or 0, other["total"] or 1)
+            time.sleep(WAIT_POLL_S)
+            ctx = self.store.contexts.get(ctx["id"])
+        return ctx
 
     def _files_in_place(self, context_id: str) -> bool:
         """Whether a ready context's files are all there with their sizes (a damaged one is marked failed: its

@@ -228,6 +228,15 @@ class Jobs:
             row = first(db, "SELECT seq FROM sqlite_sequence WHERE name = 'jobs'")
         return 0 if row is None else int(row["seq"])
 
+    def building_elsewhere(self, context_id: str) -> dict[str, Any] | None:
+        """The running job of another live process that builds ``context_id`` now (its stage, done and total tell
+        how far it is), or None."""
+        with self.database.reading() as db:
+            rows = db.query("SELECT * FROM jobs WHERE context_id = ? AND status = 'running' ORDER BY id",
+                            [context_id])
+            jobs = [_job_dict(r) for r in rows]
+        return next((j for j in jobs if j["pid"] != os.getpid() and pid_alive(j["pid"])), None)
+
     # ------------------------------------------------------------------ recovery
 
     def recover_interrupted(self, *, all: bool = False) -> int:  # noqa: A002 (name is the contract)

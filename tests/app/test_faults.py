@@ -192,3 +192,52 @@ def test_a_damaged_or_lost_file_is_rebuilt_by_the_ingest_the_error_advises(tiny_
     assert not third.cached
     assert engine.session(first.context_id) is not None
     assert Engine(cache, lm=tiny_lm).ingest(path).cached  # repaired: the next one is a hit
+
+
+def test_an_ingest_of_a_document_another_process_is_preparing_waits_for_it(tiny_lm, tmp_path):
+    """A second ingest of a context another live process is building waits for it, telling that one's stage, and
+    then answers from what it built (cached); when that process dies instead, the waiting ingest builds the context
+    itself."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ferry.txt"
+    path.write_text(DOC)
+    cache = tmp_path / "cache"
+    engine = Engine(cache, lm=tiny_lm)
+    first = engine.ingest(path)
+    store = engine.store
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # "another process"
+    try:
+        def preparing_elsewhere() -> int:
+            """The context as another process's running ingest leaves it: "running", with that process's job."""
+            job = store.jobs.create(first.doc_id, "ferry.txt", engine.model_id, {}, context_id=first.context_id)
+            store.jobs.start(job)
+            store.jobs.update(job, stage="prefill", done=3, total=8)
+            with store.database.transaction() as db:
+                db.table("jobs").update(job, {"pid": other.pid})
+            store.contexts.set_status(first.context_id, "running")
+            return job
+
+        job = preparing_elsewhere()
+        seen, result = [], {}
+        waiting = threading.Thread(target=lambda: result.update(
+            report=Engine(cache, lm=tiny_lm).ingest(path, progress=lambda stage, done, total: seen.append(stage))))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while not any("waiting for another ingest of this document (prefill)" in s for s in seen):
+            assert time.monotonic() < deadline, seen
+            time.sleep(0.05)
+        assert waiting.is_alive()  # it waits, and builds nothing meanwhile
+        store.contexts.mark_ready(first.context_id, first.tokens)  # the other process finishes
+        store.jobs.finish(job, context_id=first.context_id, tokens=first.tokens)
+        waiting.join(30)
+        assert result["report"].cached
+
+        preparing_elsewhere()
+        other.kill()
+        other.wait()
+        again = Engine(cache, lm=tiny_lm).ingest(path)  # nobody builds it any more: built here
+        assert not again.cached and store.contexts.get(first.context_id)["status"] == "ready"
+    finally:
+        other.kill()
