@@ -203,13 +203,13 @@ class Artifacts:
             raise
 
     def _mark_damaged(self, context_id: str, exc: StorageError) -> None:
-        """A context whose file is missing or damaged is no longer ready: "failed", with the error, so that the next
+        """A ready context whose file is missing or damaged is ready no more: "failed", with the error, so that the next
         ingest of its document rebuilds it (the repair the error advises). Best effort: a store that cannot be
         written (read-only) keeps the error alone."""
         try:
             with self.database.transaction() as db:
-                db.table("contexts").update(context_id, {"status": "failed", "error": f"damaged: {exc}",
-                                                         "updated_at": now()})
+                db.execute("UPDATE contexts SET status = 'failed', error = ?, updated_at = ?"
+                           " WHERE id = ? AND status = 'ready'", [f"damaged: {exc}", now(), context_id])
         except (StorageError, sqlite3.Error, OSError):
             pass
 
