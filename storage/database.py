@@ -30,6 +30,7 @@ import json
 import sqlite3
 import tempfile
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timezone
 from pathlib import Path
@@ -181,17 +182,20 @@ class Database:
                 with contextlib.suppress(OSError):
                     directory.rmdir()  # only if empty
 
-    def remove_unknown_files(self, known: set[str]) -> int:
-        """Delete the files under ``blobs/`` whose root-relative path is not in ``known``, and empty directories;
-        returns how many files."""
+    def remove_unknown_files(self, known: set[str], min_age_s: float = 0.0) -> int:
+        """Delete the files under ``blobs/`` whose root-relative path is not in ``known`` and that were last written
+        at least ``min_age_s`` ago, and empty directories; returns how many files."""
         removed = 0
+        cutoff = time.time() - min_age_s
         for path in sorted(self.blob_dir.rglob("*"), reverse=True):  # files before their dirs
             if path.is_dir():
                 with contextlib.suppress(OSError):
                     path.rmdir()  # only if empty
             elif path.relative_to(self.root).as_posix() not in known:
-                path.unlink(missing_ok=True)
-                removed += 1
+                with contextlib.suppress(FileNotFoundError):
+                    if path.stat().st_mtime <= cutoff:
+                        path.unlink()
+                        removed += 1
         return removed
 
     # ------------------------------------------------------------------ migrations

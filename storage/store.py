@@ -99,12 +99,14 @@ class Store:
         """The highest migration applied to this index."""
         return self.database.schema_version()
 
-    def remove_orphan_files(self) -> int:
+    def remove_orphan_files(self, min_age_s: float = 0.0) -> int:
         """Delete blob files that no artifact row (of a context or a model) points to; returns how many.
 
         Such files are left by a crash between writing a file and indexing it
-        (or by a failed temporary write).  Call this only while nothing is being
-        saved, e.g. at start-up: a file being saved has no row yet.
+        (or by a failed temporary write).  A file being saved has no row yet:
+        call this while nothing is being saved (at start-up), or keep the files
+        written in the last ``min_age_s`` seconds (another process may be
+        writing them).
         """
         known = self.artifacts.paths() | self.models.paths()
-        return self.database.remove_unknown_files(known)
+        return self.database.remove_unknown_files(known, min_age_s)

@@ -31,6 +31,7 @@ STEP_COMPILE = "compiling the model's layers for this GPU (once per process)"  #
 Progress = Callable[[str, int, int], None]
 Overrides = Mapping[str, "MethodSettings | dict"]  # a request's settings of some methods (the rest: the engine's)
 CHECKPOINT = ":checkpoint"  # a preparation's checkpoint in store.models: under the method's name with this suffix
+ORPHAN_MIN_AGE_S = 3600.0  # an unindexed blob file this old is no save in progress: swept when an engine opens
 WAIT_POLL_S = 0.5  # how often an ingest waiting for another one of the same context looks again
 DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
 # `squeeze eval` of the embedded model as shipped (read-only): what `latest_eval` shows until one is recorded
@@ -74,6 +75,7 @@ class Engine:
                  load_progress: Progress | None = None):
         self.store = Store(Path(cache_dir) if cache_dir else default_cache_dir())
         self.store.jobs.recover_interrupted()
+        self.store.remove_orphan_files(min_age_s=ORPHAN_MIN_AGE_S)  # what killed ingests left
         self.model_name, self.device_name, self.backend_name = model, device, backend
         self.compile = compile  # torch.compile the decoder layers once loaded: "auto", "on", "off" (engine.model.compiled)
         self.compile_seconds: float | None = None  # the load's warm-up of the compiled layers, when they were compiled

@@ -241,3 +241,26 @@ def test_an_ingest_of_a_document_another_process_is_preparing_waits_for_it(tiny_
         assert not again.cached and store.contexts.get(first.context_id)["status"] == "ready"
     finally:
         other.kill()
+
+
+def test_files_a_killed_ingest_left_are_swept_when_an_engine_opens(tiny_lm, tmp_path):
+    """Blob files no row points to (a killed ingest's) are deleted when an engine opens the cache, unless written in
+    the last hour (another process may be saving them); indexed files stay."""
+    import os
+
+    path = tmp_path / "ferry.txt"
+    path.write_text(DOC)
+    cache = tmp_path / "cache"
+    report = Engine(cache, lm=tiny_lm).ingest(path)
+    blobs = cache / "blobs"
+    old = blobs / report.context_id / "keys.0.deadbeef.safetensors"
+    recent = blobs / "0123456789abcdef" / "values.1.cafe.safetensors"
+    for orphan in (old, recent):
+        orphan.parent.mkdir(exist_ok=True)
+        orphan.write_bytes(b"half a tensor")
+    hours_ago = time.time() - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+    indexed = {cache / r["path"] for r in Engine(cache, lm=tiny_lm).store.artifacts.list(report.context_id)}
+    assert not old.exists() and recent.exists()
+    assert all(p.exists() for p in indexed)
+    assert Engine(cache, lm=tiny_lm).ingest(path).cached
