@@ -21,12 +21,14 @@ LEVEL1_RATIOS = (0.002, 0.05)  # the level-1 ratio slider's range (clamped to th
 @dataclass(frozen=True)
 class AppConfig:
     """max_upload_mb: per file; max_files: per upload; queue_size: requests waiting in Gradio's queue at most
-    (beyond it a request is refused at once); poll_s: how often an open page refreshes the progress."""
+    (beyond it a request is refused at once); poll_s: how often an open page refreshes the progress; undo_s: how
+    long a deleted document can be brought back."""
 
     max_upload_mb: float = 50.0
     max_files: int = 10
     queue_size: int = 32
     poll_s: float = 1.0
+    undo_s: float = 30.0  # a deleted document can be brought back this long (then it is deleted for good)
     method: str = DEFAULT_METHOD
     sparsity: float = DEFAULT_SPARSITY  # the engine's and the command line's default
     max_new_tokens: int = 64
@@ -44,6 +46,8 @@ class AppConfig:
             raise ValueError(f"queue_size must be at least 1, got {self.queue_size}")
         if self.poll_s <= 0:
             raise ValueError(f"poll_s must be positive, got {self.poll_s}")
+        if self.undo_s < 0:
+            raise ValueError(f"undo_s must be at least 0, got {self.undo_s}")
         if not SPARSITY_MIN <= self.sparsity <= SPARSITY_MAX:
             raise ValueError(f"sparsity must be in [{SPARSITY_MIN}, {SPARSITY_MAX}], got {self.sparsity}")
         if not 1 <= self.max_new_tokens <= self.max_new_tokens_limit:

@@ -47,7 +47,14 @@ class LibraryTab:
                     self.open_btn = gr.Button("Open", scale=1, min_width=70, elem_id="sq-open")
                     self.cancel_btn = gr.Button("Cancel preparation", scale=1, min_width=70, elem_id="sq-cancel")
                     self.delete_btn = gr.Button("Delete", variant="stop", scale=1, min_width=70, elem_id="sq-delete")
-                self.notice = gr.HTML("", elem_id="sq-library-message")
+                with gr.Row(visible=False, elem_id="sq-confirm-row") as self.confirm_row:
+                    self.confirm_text = gr.HTML("", elem_id="sq-confirm-text")
+                    self.confirm_btn = gr.Button("Delete it", variant="stop", scale=0, min_width=90,
+                                                 elem_id="sq-confirm-delete")
+                    self.keep_btn = gr.Button("Keep it", scale=0, min_width=90, elem_id="sq-keep")
+                with gr.Row():
+                    self.notice = gr.HTML("", elem_id="sq-library-message")
+                    self.undo_btn = gr.Button("Undo", visible=False, scale=0, min_width=90, elem_id="sq-undo")
 
     @property
     def refresh_outputs(self) -> list:
@@ -68,10 +75,21 @@ class LibraryTab:
                             [*chat.open_outputs, tabs], api_name="open")
         self.cancel_btn.click(self.cancel, [self.selected, self.state], [self.notice, *self.refresh_outputs[:-1]],
                               api_name="cancel")
-        self.delete_btn.click(self.delete, [self.selected, self.state],
-                              [self.notice, *self.refresh_outputs[:-1], self.state], api_name="delete").then(
+        # Delete asks first (what goes: the document and how many chats), then hides the document for undo_s
+        # (Undo brings it back); the poll deletes it for good after that.
+        self.delete_btn.click(self.ask_delete, [self.selected], [self.confirm_row, self.confirm_text, self.notice],
+                              api_name="ask_delete")
+        self.selected.change(lambda _: gr.update(visible=False), [self.selected], [self.confirm_row],
+                             api_visibility="private")
+        self.keep_btn.click(lambda: [gr.update(visible=False), ""], None, [self.confirm_row, self.notice],
+                            api_visibility="private")
+        self.confirm_btn.click(self.delete, [self.selected, self.state],
+                               [self.notice, *self.refresh_outputs[:-1], self.state, self.confirm_row, self.undo_btn],
+                               api_name="delete").then(
             self._reopen_after_delete, [self.state, chat.method, chat.sparsity], chat.open_outputs,
             api_visibility="private")
+        self.undo_btn.click(self.undo, [self.state], [self.notice, *self.refresh_outputs[:-1], self.state,
+                                                      self.undo_btn], api_name="undo")
 
     # ------------------------------------------------------------------ handlers
 
@@ -151,26 +169,61 @@ class LibraryTab:
         return [render.notice_html(f"Cancelling the preparation of {job.name}: it stops at its next step.", "ok"),
                 *self.refresh(state)[:-1]]
 
-    def delete(self, doc_id: str | None, state: dict) -> list:
-        state = dict(state)
+    def ask_delete(self, doc_id: str | None) -> list:
+        """The confirmation of a delete: what goes (the document, its chats), with the buttons to go on or not."""
+        hidden = gr.update(visible=False)
         if not doc_id:
-            return [render.notice_html("Pick a document to delete.", "error"), *self.refresh(state)[:-1], state]
+            return [hidden, "", render.notice_html("Pick a document to delete.", "error")]
+        try:
+            doc = self.services.store.documents.find(doc_id)
+        except NotFoundError:
+            return [hidden, "", render.notice_html("That document is not in the library any more.", "error")]
+        chats = len(self.services.store.chats.list(doc["id"]))
+        what = f"{doc['name']} and its {chats} chat{'s' if chats != 1 else ''}" if chats else doc["name"]
+        return [gr.update(visible=True), render.notice_html(f"Delete {what}?", "wait"), ""]
+
+    def delete(self, doc_id: str | None, state: dict) -> list:
+        """Take the document out of the library; it is deleted for good (with its chats and files) after
+        config.undo_s, unless Undo brings it back."""
+        state = dict(state)
+        done = [gr.update(visible=False), gr.update(visible=False)]  # the confirmation row, the undo button
+        if not doc_id:
+            return [render.notice_html("Pick a document to delete.", "error"), *self.refresh(state)[:-1], state,
+                    *done]
         job = self.services.worker.latest_for_document(doc_id)
         if job is not None and job.status in ("queued", "running"):
             return [render.notice_html(f"{job.name} is being prepared; delete it when that has finished.", "error"),
-                    *self.refresh(state)[:-1], state]
+                    *self.refresh(state)[:-1], state, *done]
         try:
-            name = self.services.store.documents.find(doc_id)["name"]
-            self.services.engine.delete_document(doc_id)
+            doc = self.services.engine.hide_document(doc_id)
         except NotFoundError:
             return [render.notice_html("That document is not in the library any more.", "error"),
-                    *self.refresh(state)[:-1], state]
+                    *self.refresh(state)[:-1], state, *done]
         self.services.inspector.forget()
-        if state.get("doc_id") == doc_id:
+        if state.get("doc_id") == doc["id"]:
             state.update(doc_id=None, chat_id=None, reopen=True)
+        state["undo"] = doc["id"]
         refreshed = self.refresh(state)
         refreshed[2] = gr.update(choices=doc_choices(library_rows(self.services)), value=None)
-        return [render.notice_html(f"Deleted {name} and its chats.", "ok"), *refreshed[:-1], state]
+        undo_s = self.services.config.undo_s
+        note = f"Deleted {doc['name']} and its chats." + (f" Undo within {undo_s:g} s." if undo_s else "")
+        return [render.notice_html(note, "ok"), *refreshed[:-1], state, gr.update(visible=False),
+                gr.update(visible=undo_s > 0)]
+
+    def undo(self, state: dict) -> list:
+        """Bring back the document deleted last in this page, while its undo window lasts."""
+        state = dict(state)
+        doc_id = state.pop("undo", None)
+        hide = gr.update(visible=False)
+        if not doc_id:
+            return [render.notice_html("Nothing to undo.", "error"), *self.refresh(state)[:-1], state, hide]
+        try:
+            doc = self.services.engine.unhide_document(doc_id)
+        except NotFoundError:
+            return [render.notice_html("Too late: that document is deleted for good.", "error"),
+                    *self.refresh(state)[:-1], state, hide]
+        return [render.notice_html(f"{doc['name']} is back, with its chats.", "ok"), *self.refresh(state)[:-1],
+                state, hide]
 
     def _reopen_after_delete(self, state: dict, method: str, sparsity: float) -> list:
         if not state.get("reopen"):
@@ -178,7 +231,9 @@ class LibraryTab:
         return self.chat.open_document(None, {**state, "reopen": False}, method, sparsity)
 
     def poll(self, state: dict) -> list:
-        """The progress and the library as they are now (unchanged parts are skipped)."""
+        """The progress and the library as they are now (unchanged parts are skipped); documents deleted longer
+        than the undo window ago are deleted for good."""
+        self.services.engine.delete_hidden(self.services.config.undo_s)
         return self.refresh(dict(state), skip_unchanged=True)
 
     def refresh(self, state: dict, skip_unchanged: bool = False) -> list:

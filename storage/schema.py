@@ -193,5 +193,11 @@ ALTER TABLE chats ADD COLUMN owner TEXT;
 CREATE INDEX chats_doc_owner ON chats(doc_id, owner);
 """
 
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4), (5, _V5), (6, _V6))
+# 7: a document deleted in the app stays, hidden, until its undo window has passed (then it is deleted with its
+# contexts, chats and files); NULL: in the library.
+_V7 = """
+ALTER TABLE documents ADD COLUMN deleted_at TEXT;
+"""
+
+MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4), (5, _V5), (6, _V6), (7, _V7))
 SCHEMA_VERSION = MIGRATIONS[-1][0]

@@ -450,6 +450,26 @@ class Engine:
         self.store.documents.delete(doc["id"])
         return doc["id"]
 
+    def hide_document(self, doc_id: str) -> dict:
+        """Take a document out of the library, deleting nothing yet (the app's undo window: `unhide_document`
+        brings it back, `delete_hidden` deletes it for good). Returns its summary with its number of chats."""
+        return self.store.documents.hide(self.store.documents.find(doc_id)["id"])
+
+    def unhide_document(self, doc_id: str) -> dict:
+        return self.store.documents.unhide(doc_id)
+
+    def delete_hidden(self, older_than_s: float = 0.0) -> list[str]:
+        """Delete for good the documents hidden at least `older_than_s` seconds ago (with their contexts, chats and
+        files); returns their ids."""
+        gone = self.store.documents.hidden(older_than_s)
+        for doc_id in gone:
+            with self._device_lock:  # its context may be the open one
+                if self._session is not None and self._session[0] in {c["id"] for c in
+                                                                       self.store.contexts.list(doc_id)}:
+                    self._session = None
+            self.store.documents.delete(doc_id)
+        return gone
+
 
 def _check_names(overrides: Overrides | None) -> None:
     """ValueError for a method name that is not registered."""

@@ -9,11 +9,13 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import time
+from datetime import datetime, timezone
 from typing import Any
 
 import sqlite_utils
 
-from ..database import Database, first, now, require
+from ..database import Database, first, now, one, require
 from ..documents import Document
 from ..errors import AmbiguousIdError, NotFoundError, StorageError
 
@@ -31,6 +33,7 @@ WITH best AS (
 SELECT d.id, d.name, d.kind, d.pages, d.chars, d.sha256, d.added_at,
        b.id AS context_id, b.status, b.tokens
 FROM documents d LEFT JOIN best b ON b.doc_id = d.id AND b.rank = 1
+WHERE d.deleted_at IS NULL
 """
 
 
@@ -44,14 +47,17 @@ class Documents:
         """Index ``doc``; returns ``(doc_id, created)``.
 
         The id comes from the file's sha256, so adding the same bytes again is a
-        hit: nothing changes (not even the name) and ``created`` is False.
+        hit: nothing changes (not even the name) and ``created`` is False; a
+        document deleted within its undo window (:meth:`hide`) is back.
         """
         doc_id = doc.doc_id
         with self.database.transaction() as db:
-            existing = first(db, "SELECT sha256 FROM documents WHERE id = ?", [doc_id])
+            existing = first(db, "SELECT * FROM documents WHERE id = ?", [doc_id])
             if existing is not None:
                 if existing["sha256"] != doc.sha256:
                     raise StorageError(f"document id {doc_id} collides with a different file")
+                if existing.get("deleted_at") is not None:
+                    db.execute("UPDATE documents SET deleted_at = NULL WHERE id = ?", [doc_id])
                 return doc_id, False
             db.table("documents").insert(
                 {
@@ -112,6 +118,36 @@ class Documents:
         with self.database.reading() as db:
             return _summaries(db)
 
+    def hide(self, doc_id: str) -> dict[str, Any]:
+        """Take a document out of the library (:meth:`list`, :meth:`find`) without deleting anything yet: the
+        start of its undo window (:meth:`unhide` brings it back, :meth:`hidden` lists it for deletion). Returns
+        its summary, with ``chats``: how many chats it has."""
+        with self.database.transaction() as db:
+            rows = _summaries(db, "d.id = ?", [doc_id])
+            if not rows:
+                raise NotFoundError(f"no document {doc_id!r} in the library")
+            db.execute("UPDATE documents SET deleted_at = ? WHERE id = ?", [now(), doc_id])
+            chats = one(db, "SELECT COUNT(*) AS n FROM chats WHERE doc_id = ?", [doc_id])["n"]
+        return {**rows[0], "chats": chats}
+
+    def unhide(self, doc_id: str) -> dict[str, Any]:
+        """Bring a hidden document back into the library; returns its summary. Raises :class:`NotFoundError`
+        when it is not hidden (deleted for good, or never hidden)."""
+        with self.database.transaction() as db:
+            changed = db.execute("UPDATE documents SET deleted_at = NULL WHERE id = ? AND deleted_at IS NOT NULL",
+                                 [doc_id]).rowcount
+            if not changed:
+                raise NotFoundError(f"document {doc_id!r} is not waiting to be deleted")
+            return _summaries(db, "d.id = ?", [doc_id])[0]
+
+    def hidden(self, older_than_s: float = 0.0) -> list[str]:
+        """The ids of the documents hidden at least ``older_than_s`` seconds ago, oldest first."""
+        cutoff = datetime.fromtimestamp(time.time() - older_than_s, timezone.utc).isoformat(timespec="milliseconds")
+        with self.database.reading() as db:
+            rows = db.query("SELECT id FROM documents WHERE deleted_at IS NOT NULL AND deleted_at <= ?"
+                            " ORDER BY deleted_at", [cutoff])
+            return [r["id"] for r in rows]
+
     def delete(self, doc_id: str) -> None:
         """Delete a document with its contexts, artifacts, method builds, jobs and chats, then its blob files."""
         with self.database.transaction() as db:
@@ -136,5 +172,5 @@ class Documents:
 def _summaries(
     db: sqlite_utils.Database, where: str | None = None, args: list | None = None
 ) -> list[dict[str, Any]]:
-    sql = _SUMMARY_SQL + (f" WHERE {where}" if where else "")
+    sql = _SUMMARY_SQL + (f" AND {where}" if where else "")
     return list(db.query(sql + " ORDER BY d.added_at DESC, d.rowid DESC", args or []))
