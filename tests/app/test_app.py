@@ -340,7 +340,8 @@ def test_changing_the_centroid_ratio_reindexes_in_the_background(app, ready_doc)
     context = app.store.methods.list(app.store.contexts.list(ready_doc)[0]["id"])[0]["context_id"]
     status = client.predict(0.1, 0.01, api_name="/reindex")
     # (the hsqueeze index too, where an earlier test of the module built it)
-    assert re.search(r"building the squeeze (and hsqueeze indexes|index) in the background", status) or "ready" in status
+    assert re.search(r"building the squeeze (and hsqueeze indexes|index) in the background", status) or \
+        "ready" in status
     assert app.worker.wait_idle(WAIT_S)
     built = app.store.methods.get(context, "squeeze")
     assert built["settings"]["squeeze"]["centroid_ratio"] == 0.1
