@@ -141,10 +141,13 @@ class ChatTab:
                       self.temperature, self.top_p, self.repetition]
         ask_outputs = [self.chatbot, self.question, self.state, self.status, self.views.turn, *self.views.outputs,
                        self.chats]
-        self.ask_btn.click(self.ask, ask_inputs, ask_outputs, api_name="ask", concurrency_id="model",
-                           concurrency_limit=1, show_progress="minimal")
-        self.question.submit(self.ask, ask_inputs, ask_outputs, api_visibility="private", concurrency_id="model",
-                             concurrency_limit=1, show_progress="minimal")
+        for asked in (self.ask_btn.click(self.ask, ask_inputs, ask_outputs, api_name="ask", concurrency_id="model",
+                                         concurrency_limit=1, show_progress="minimal"),
+                      self.question.submit(self.ask, ask_inputs, ask_outputs, api_visibility="private",
+                                           concurrency_id="model", concurrency_limit=1, show_progress="minimal")):
+            # the turn may have built the method's index: the hint then names the plan it runs, not the build
+            asked.then(self.show_threshold, [self.state, *controls], [self.threshold], api_visibility="private",
+                       show_progress="hidden")
         self.stop_btn.click(self.stop, None, None, api_name="stop", queue=False)
         self.doc.input(self.open_document, self.open_inputs, self.open_outputs, api_name="open_document")
         chat_outputs = [self.state, self.chatbot, self.views.turn, *self.views.outputs, self.chats]

@@ -104,10 +104,18 @@ def job_html(view, error_text: str | None = None) -> str:
 
 
 def jobs_html(views: Sequence, errors: dict[str, str] | None = None) -> str:
-    if not views:
-        return '<div class="sq-jobs sq-empty">No document is being prepared.</div>'
+    """The jobs under "Being prepared": the queued and running ones (newest first), then those that ended without a
+    document (failed, cancelled) under a heading of their own, so that none reads as still being prepared."""
     errors = errors or {}
-    return '<div class="sq-jobs">' + "".join(job_html(v, errors.get(v.id)) for v in reversed(views)) + "</div>"
+    active = [v for v in views if v.status in ("queued", "running")]
+    ended = [v for v in views if v.status in ("failed", "cancelled")]
+    cards = "".join(job_html(v, errors.get(v.id)) for v in reversed(active))
+    body = cards or '<div class="sq-empty">No document is being prepared.</div>'
+    if ended:
+        body += ('<div class="sq-jobs-ended"><div class="sq-jobs-ended-head">Could not be prepared</div>'
+                 + "".join(job_html(v, errors.get(v.id)) for v in reversed(ended)) + "</div>")
+    return f'<div class="sq-jobs{"" if active or ended else " sq-empty"}">{body}</div>'
+
 
 
 def notice_html(text: str, kind: str = "info") -> str:

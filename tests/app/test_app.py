@@ -239,6 +239,11 @@ def test_every_method_answers_and_full_reads_everything(app, ready_doc):
     assert pages and all(row[3] == 16 for row in pages) and 'class="sq-passages"' in out["passages"]
     assert re.fullmatch(r"At 90% sparsity, quest uses: top [0-9.]+% of the pages",
                         client.predict("quest", 0.9, 0.05, 0.01, api_name="/threshold"))
+    # and the page shows it without a slider move: each answer is followed by the hint's refresh
+    deps = app.demo.config["dependencies"]
+    answered = [d["id"] for d in deps if d.get("api_name") == "ask"]
+    chained = [app.demo.fns[d["id"]].fn for d in deps if d.get("trigger_after") in answered]
+    assert [getattr(f, "__name__", "") for f in chained].count("show_threshold") == len(answered) == 1
     out, _ = ask(client, "How many steps?", method="hsqueeze", sparsity=0.9)
     assert re.search(r"threshold [0-9.e-]+, [0-9.e-]+", out["budget"])
     out, _ = ask(client, "How many steps?", method="full")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -214,6 +215,12 @@ def test_small_formatters():
                    methods=("squeeze",))
     html = render.jobs_html([view])
     assert "Could not prepare it: a.pdf: not a PDF file (no %PDF header)" in html and 'data-status="failed"' in html
+    # a failed job is listed apart from the ones being prepared, never among them
+    assert html.index("No document is being prepared.") < html.index("Could not be prepared") < html.index("a.pdf")
+    running = dataclasses.replace(view, id=2, name="b.txt", status="running", stage="prefill", error=None)
+    html = render.jobs_html([view, running])
+    assert "No document is being prepared." not in html
+    assert html.index("b.txt") < html.index("Could not be prepared") < html.index("a.pdf")
 
 
 # --------------------------------------------------------------------------- the latest `squeeze eval`
