@@ -443,6 +443,7 @@ class IngestWorker:
 
     def _execute(self, job_id: int) -> None:
         job = self.store.jobs.start(job_id)
+        created = False  # whether this job stored the document (a refused one is not kept)
         try:
             settings = ContextSettings.from_dict(job["settings"])
             if not self.engine.model_loaded:
@@ -454,7 +455,7 @@ class IngestWorker:
             try:
                 doc = (load_document_bytes(data, job["name"]) if data is not None
                        else self.store.documents.get(job["doc_id"]))
-                doc_id, _ = self.store.documents.add(doc)
+                doc_id, created = self.store.documents.add(doc)
             except DocumentError:
                 self._unspool(job["doc_id"])  # refused: nothing to resume
                 raise
@@ -475,6 +476,8 @@ class IngestWorker:
         except Exception as exc:  # noqa: BLE001 - every failure becomes a plain message next to the document
             self._finished(job_id)
             self.store.jobs.fail(job_id, plain_error(exc), kind=error_kind(exc))
+            if created and isinstance(exc, DocumentTooLongError):  # only its start fits: uploaded again, truncated
+                self.store.documents.delete(job["doc_id"], jobs=False)  # (the failed job tells why)
             return
         finally:
             with self._cv:

@@ -148,8 +148,9 @@ class Documents:
                             " ORDER BY deleted_at", [cutoff])
             return [r["id"] for r in rows]
 
-    def delete(self, doc_id: str) -> None:
-        """Delete a document with its contexts, artifacts, method builds, jobs and chats, then its blob files."""
+    def delete(self, doc_id: str, *, jobs: bool = True) -> None:
+        """Delete a document with its contexts, artifacts, method builds, jobs and chats, then its blob files.
+        jobs=False keeps its jobs (without their context): a failed preparation's job still tells why."""
         with self.database.transaction() as db:
             require(db, "documents", doc_id, "document")
             context_ids = [r["id"] for r in db.query("SELECT id FROM contexts WHERE doc_id = ?", [doc_id])]
@@ -161,7 +162,10 @@ class Documents:
                     [doc_id],
                 )
             ]
-            db.execute("DELETE FROM jobs WHERE doc_id = ?", [doc_id])  # also those without a context
+            if jobs:
+                db.execute("DELETE FROM jobs WHERE doc_id = ?", [doc_id])  # also those without a context
+            else:  # (a job's context would take it along)
+                db.execute("UPDATE jobs SET context_id = NULL WHERE doc_id = ?", [doc_id])
             db.execute("DELETE FROM documents WHERE id = ?", [doc_id])  # cascades to the rest
         # Rows first, files second: a crash in between leaves orphan files, never dangling rows.
         self.database.unlink(paths)

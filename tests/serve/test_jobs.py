@@ -193,6 +193,10 @@ def test_errors_in_plain_words(store):
         assert vb.error.startswith("broken.pdf: ")
         assert (vl.status, vl.error_kind) == ("failed", "too_long")
         assert "9000 tokens" in vl.error and vl.eta_s is None
+        # the too-long upload is not kept in the library (only its start fits: it is uploaded again, truncated);
+        # its failed job stays, telling why
+        assert [d["name"] for d in store.documents.list()] == []
+        assert worker.view(long.id).error_kind == "too_long"
     finally:
         worker.close()
 
