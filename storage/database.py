@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import sqlite3
 import tempfile
 import threading
@@ -65,21 +66,29 @@ class Database:
         self._readers_lock = threading.Lock()
         self._closed = False
         self._tmp: tempfile.TemporaryDirectory | None = None
+        self.read_only = False  # a cache this process may read but not write: queries only (writes are refused)
         if memory:
             self._tmp = tempfile.TemporaryDirectory(prefix="squeeze-store-")
             self.root = Path(self._tmp.name)
             conn = _configure(sqlite3.connect(":memory:", check_same_thread=False))
         else:
             self.root = Path(root)
-            self.root.mkdir(parents=True, exist_ok=True)
+            index = self.root / INDEX_FILE
+            self.read_only = index.is_file() and not (os.access(self.root, os.W_OK) and os.access(index, os.W_OK))
+            if not self.read_only:
+                self.root.mkdir(parents=True, exist_ok=True)
             conn = self._connect()
         self.blob_dir = self.root / BLOB_DIR
-        self.blob_dir.mkdir(exist_ok=True)
+        if not self.read_only:
+            self.blob_dir.mkdir(exist_ok=True)
         self._db = sqlite_utils.Database(conn, execute_plugins=False)
         try:
-            if not memory:
-                self._db.enable_wal()
-            self._migrate()
+            if self.read_only:
+                self._check_read_only_schema()
+            else:
+                if not memory:
+                    self._db.enable_wal()
+                self._migrate()
         except BaseException:
             self.close()
             raise
@@ -109,8 +118,24 @@ class Database:
     # ------------------------------------------------------------------ connections
 
     def _connect(self) -> sqlite3.Connection:
-        conn = sqlite3.connect(self.root / INDEX_FILE, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
+        path = self.root / INDEX_FILE
+        if self.read_only:  # no -wal or -shm file can be made beside it: read the file as it is
+            uri = f"{path.resolve().as_uri()}?mode=ro&immutable=1"
+            return _configure(sqlite3.connect(uri, uri=True, check_same_thread=False))
+        conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
         return _configure(conn)
+
+    def _check_read_only_schema(self) -> None:
+        """A read-only index is read as it is: it must be of this version's schema (it cannot be migrated)."""
+        version = self.schema_version()
+        if version != SCHEMA_VERSION:
+            raise StorageError(f"the cache at {self.root} is read-only and its index is of schema {version}; this "
+                               f"version reads schema {SCHEMA_VERSION} (open it once where it can be written)")
+
+    def _refuse_writes(self) -> None:
+        if self.read_only:
+            raise StorageError(f"the cache at {self.root} is read-only here: listing and reading work, changing "
+                               "it needs write access (or another --cache-dir)")
 
     def _check_open(self) -> None:
         if self._closed:
@@ -125,6 +150,7 @@ class Database:
         """
         with self._lock:
             self._check_open()
+            self._refuse_writes()
             depth = getattr(self._local, "depth", 0)
             self._local.depth = depth + 1
             try:

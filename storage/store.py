@@ -108,5 +108,7 @@ class Store:
         written in the last ``min_age_s`` seconds (another process may be
         writing them).
         """
+        if self.database.read_only:
+            return 0
         known = self.artifacts.paths() | self.models.paths()
         return self.database.remove_unknown_files(known, min_age_s)

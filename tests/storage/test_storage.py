@@ -732,3 +732,28 @@ def test_concurrent_turns_from_many_threads(store):
     turns = store.chats.turns(chat_id)
     assert [t["idx"] for t in turns] == list(range((threads_n - 1) * turns_n))
     assert len({t["question"] for t in turns}) == len(turns)
+
+
+def test_a_read_only_cache_lists_and_reads_and_refuses_writes_in_plain_words(tmp_path, monkeypatch, capsys):
+    """A cache this process may not write (a read-only mount, another user's files: os.access says so; root ignores
+    permissions, so the test tells it) opens read-only: documents and contexts list and read, `squeeze list` works,
+    and a write is refused with what to do, not "unable to open database file"."""
+    import json as json_module
+    import os
+
+    import storage.database
+    from app.cli import main
+
+    with Store(tmp_path) as store:
+        context = new_context(store)
+        store.artifacts.save(context["id"], "keys", torch.randn(8))
+    monkeypatch.setattr(storage.database.os, "access", lambda path, mode: not mode & os.W_OK)
+    with Store(tmp_path) as store:
+        assert store.database.read_only
+        assert [d["name"] for d in store.documents.list()] == ["notes.txt"]
+        assert store.artifacts.load(context["id"])["keys"].shape == (8,)
+        assert store.jobs.recover_interrupted() == 0 and store.remove_orphan_files() == 0
+        with pytest.raises(StorageError, match="read-only here: listing and reading work"):
+            store.documents.hide(context["doc_id"])
+    assert main(["list", "--cache-dir", str(tmp_path), "--json"]) == 0
+    assert [d["name"] for d in json_module.loads(capsys.readouterr().out)] == ["notes.txt"]
