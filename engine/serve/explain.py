@@ -408,8 +408,13 @@ class ContextInspector:
     def projection(self, context_id: str, method: str, layer: int, kv_head: int, retrieved: list[int],
                    max_points: int = PROJECTION_POINTS, seed: int = 0) -> Projection:
         """PCA (torch.pca_lowrank) of the layer's indexed keys for one KV head, with a cluster method's centroids."""
+        if REGISTRY[method].unit == "head":
+            raise ValueError(f"{method} keeps whole heads (every key, or a sink and a recent window), not clusters "
+                             "of keys: there is nothing to project")
         data = self.data(context_id)
         units = self.unit_labels(context_id, method)
+        if not units:
+            raise ValueError(f"no {method} index for this document yet (its first question builds it)")
         if layer not in units:
             raise ValueError(f"layer {layer} has no {method} index; choose one of {sorted(units)}")
         if not 0 <= kv_head < data.kv_heads:

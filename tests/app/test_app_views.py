@@ -137,6 +137,10 @@ def test_projection_of_one_head_marks_the_retrieved_clusters(ctx):
     with pytest.raises(ValueError, match="no squeeze index"):
         ContextInspector(store).projection(cid, "squeeze", LAYER + 1, 0, [])
     assert ContextInspector(store).unit_labels(cid, "quest") == {}  # not built for this context
+    with pytest.raises(ValueError, match="no quest index for this document yet"):
+        ContextInspector(store).projection(cid, "quest", LAYER, 0, [])
+    with pytest.raises(ValueError, match="duo keeps whole heads .* nothing to project"):  # never "choose one of []"
+        ContextInspector(store).projection(cid, "duo", LAYER, 0, [])
 
 
 def test_retrieval_report_flags_prefill_and_answer_clusters():
