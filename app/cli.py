@@ -370,7 +370,7 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     quick = not argv or argv[0] in (*QUICK_COMMANDS, "-h", "--help")
-    if not quick and argv[0] not in ("eval", "bench"):
+    if not quick and argv[0] not in ("eval", "bench") and not {"-h", "--help"} & set(argv):
         # the options checked before the methods (and torch with them) load: a bad one is refused at once
         build_parser(quick=True).parse_args(_without_method_settings(argv))
     parser = build_parser(quick=quick)

@@ -287,3 +287,12 @@ def test_bad_options_are_refused_before_torch_loads(argv, message):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["2", "False"]
     assert message in done.stderr
+
+
+def test_a_commands_help_lists_the_methods_settings(capsys):
+    """`squeeze ask --help` is the whole command's help (the quick check of the options steps aside for it)."""
+    from app.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["ask", "--help"])
+    assert done.value.code == 0 and "--squeeze-centroid-ratio" in capsys.readouterr().out
