@@ -67,19 +67,24 @@ def retrieval_report(clusters: list[dict], scores: dict[int, dict[str, torch.Ten
     return {"threshold": float(threshold), "layers": layers}
 
 
-def unit_report(clusters: list[dict]) -> dict:
-    """The retrieval report of a method without cluster scores (e.g. Quest's pages): the units the question's
-    prefill kept, with their sizes, and their lookup scores as s_question where the turn has them."""
+def unit_report(clusters: list[dict], unit_scores: dict[int, dict] | None = None) -> dict:
+    """The retrieval report of a method without a threshold (e.g. Quest's pages, kept by rank): the units the
+    question's prefill kept, with their sizes, their lookup scores as s_question where the turn has them, and as
+    s_answer the best score the answer's steps gave each (unit_scores: Answer.unit_scores; 0 without)."""
     layers = []
     for entry in clusters:
         rows = []
+        best = (unit_scores or {}).get(entry["layer"], {}).get("answer")  # [rows, U]
         for row in entry["rows"]:
             scores = row.get("scores") or [0.0] * len(row["ids"])
             order = sorted(range(len(row["ids"])), key=lambda i: -scores[i])[:MAX_REPORTED]
-            rows.append({"row": row["row"], "kv_head": row["kv_head"], "ids": [row["ids"][i] for i in order],
+            ids = [row["ids"][i] for i in order]
+            rows.append({"row": row["row"], "kv_head": row["kv_head"], "ids": ids,
                          "sizes": [row["sizes"][i] for i in order],
                          "s_question": [round(float(scores[i]), 6) for i in order],
-                         "s_answer": [0.0] * len(order), "prefill": [True] * len(order)})
+                         "s_answer": [round(float(best[row["row"], c]), 6) for c in ids] if best is not None
+                         else [0.0] * len(order),
+                         "prefill": [True] * len(order)})
         layers.append({"layer": entry["layer"], "rows": rows})
     return {"threshold": 0.0, "layers": layers, "scored": False}
 
@@ -93,7 +98,7 @@ def explain_turn(answer: Answer, method: str) -> dict:
     clusters = answer.stats.clusters
     threshold = answer.plan.retrieval_threshold() if answer.plan is not None else None
     if threshold is None or not answer.unit_scores:
-        return {**unit_report(clusters), **head}
+        return {**unit_report(clusters, answer.unit_scores), **head}
     scores = {layer: {"question": s["question"], "answer": s["answer"]} for layer, s in answer.unit_scores.items()}
     counts = {layer: s["sizes"] for layer, s in answer.unit_scores.items()}
     return {**retrieval_report(clusters, scores, counts, threshold), "scored": True, **head}

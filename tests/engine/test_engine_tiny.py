@@ -284,6 +284,12 @@ def test_a_turn_records_what_its_lookups_scored(ctx, method):
     report = explain_turn(answer, method)
     assert report["method"] == method and report["scored"] == (threshold is not None)
     assert [e["layer"] for e in report["layers"]] == ctx.lm.global_layers
+    for entry in report["layers"]:  # each unit's best score over the answer's steps, ranked units (Quest's) too
+        best = answer.unit_scores[entry["layer"]]["answer"]
+        for row in entry["rows"]:
+            assert row["s_answer"] == [round(float(best[row["row"], c]), 6) for c in row["ids"]]
+    if threshold is None:
+        assert any(v != 0.0 for e in report["layers"] for row in e["rows"] for v in row["s_answer"])
 
 
 def test_prefill_threshold_option_end_to_end(ctx):
