@@ -83,6 +83,8 @@ class Database:
             self.blob_dir.mkdir(exist_ok=True)
         self._db = sqlite_utils.Database(conn, execute_plugins=False)
         try:
+            if not memory:
+                self._check_intact()
             if self.read_only:
                 self._check_read_only_schema()
             else:
@@ -124,6 +126,21 @@ class Database:
             return _configure(sqlite3.connect(uri, uri=True, check_same_thread=False))
         conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, check_same_thread=False)
         return _configure(conn)
+
+    def _check_intact(self) -> None:
+        """SQLite's quick check of the index file at open: a damaged one is refused here, in words that say what to
+        do, before anything reads a wrong row or writes into it."""
+        path = self.root / INDEX_FILE
+        try:
+            problems = [row[0] for row in self._db.conn.execute("PRAGMA quick_check(3)")]
+        except sqlite3.DatabaseError as exc:
+            problems = [str(exc)]
+        if problems != ["ok"]:
+            found = "; ".join(line.strip() for p in problems for line in p.splitlines()
+                              if line.strip() and not line.startswith("***"))
+            raise StorageError(f"the cache index {path} is damaged ({found[:200]}): move it aside (its "
+                               "documents' files stay under blobs/, unread) and prepare the documents again, or "
+                               "give another --cache-dir")
 
     def _check_read_only_schema(self) -> None:
         """A read-only index is read as it is: it must be of this version's schema (it cannot be migrated)."""

@@ -757,3 +757,19 @@ def test_a_read_only_cache_lists_and_reads_and_refuses_writes_in_plain_words(tmp
             store.documents.hide(context["doc_id"])
     assert main(["list", "--cache-dir", str(tmp_path), "--json"]) == 0
     assert [d["name"] for d in json_module.loads(capsys.readouterr().out)] == ["notes.txt"]
+
+
+def test_a_damaged_index_is_refused_at_open_with_what_to_do(tmp_path):
+    """Bytes of index.db overwritten (a disk fault, a bad copy): opening the cache fails at once with a plain line
+    that says what to do, not "database disk image is malformed" from some later query or write."""
+    with Store(tmp_path) as store:
+        for i in range(40):  # a few pages of rows
+            new_context(store, text=f"note {i} " * 50)
+    index = tmp_path / "index.db"
+    data = bytearray(index.read_bytes())
+    page = 4096
+    assert len(data) > 4 * page
+    data[2 * page : 3 * page] = b"\xa5" * page  # a whole b-tree page garbled
+    index.write_bytes(bytes(data))
+    with pytest.raises(StorageError, match=r"index\.db is damaged .* move it aside"):
+        Store(tmp_path)
