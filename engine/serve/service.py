@@ -24,7 +24,7 @@ from engine.serve.writer import ArtifactWriter
 from engine.text.prompt import DocumentTooLongError, Exchange, prompt_format, tokenize_document
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
-from storage import DamagedArtifactError, Document, MissingArtifactError, Store, load_document
+from storage import DamagedArtifactError, Document, MissingArtifactError, NotFoundError, Store, load_document
 
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
 STEP_COMPILE = "compiling the model's layers for this GPU (once per process)"  # a load step after the weights
@@ -461,13 +461,17 @@ class Engine:
     def delete_hidden(self, older_than_s: float = 0.0) -> list[str]:
         """Delete for good the documents hidden at least `older_than_s` seconds ago (with their contexts, chats and
         files); returns their ids."""
-        gone = self.store.documents.hidden(older_than_s)
-        for doc_id in gone:
+        gone = []
+        for doc_id in self.store.documents.hidden(older_than_s):
             with self._device_lock:  # its context may be the open one
                 if self._session is not None and self._session[0] in {c["id"] for c in
                                                                        self.store.contexts.list(doc_id)}:
                     self._session = None
-            self.store.documents.delete(doc_id)
+            try:
+                self.store.documents.delete(doc_id)
+            except NotFoundError:  # another page's poll deleted it first
+                continue
+            gone.append(doc_id)
         return gone
 
 
