@@ -107,6 +107,7 @@ class LibraryTab:
                           "error"))
             paths = paths[: cfg.max_files]
         settings = ContextSettings()
+        batch: dict[str, str] = {}  # doc id -> the name it came under in this upload
         for path in paths:
             name = path.name  # Gradio keeps an upload under its own name, in a folder of its own
             try:
@@ -121,8 +122,17 @@ class LibraryTab:
                               "error"))
                 _discard_upload(path)
                 continue
+            if size == 0:  # (refused at extraction too, but as the job of whichever empty file came first)
+                lines.append((f"{name}: the file is empty", "error"))
+                _discard_upload(path)
+                continue
             data = path.read_bytes()
-            cached = doc_status(self.services, document_id(data))
+            doc_id = document_id(data)
+            if doc_id in batch:  # the same bytes under another name: one document, prepared once
+                lines.append((f"{name}: the same file as {batch[doc_id]} (prepared once)", "ok"))
+                continue
+            batch[doc_id] = name
+            cached = doc_status(self.services, doc_id)
             if cached.state == "ready" and cached.exact:  # the same bytes were prepared before: open it now
                 opened = cached.doc_id
                 lines.append((f"{name}: already in the library, ready", "ok"))

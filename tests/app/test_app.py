@@ -383,6 +383,21 @@ def test_a_users_sliders_change_that_users_turns_only(app, ready_doc):
     assert app.engine.method_settings == engine_settings
 
 
+def test_empty_and_repeated_files_in_one_upload_are_told_at_once(app, tmp_path):
+    """Two empty files and the same bytes under two names, in one upload: each empty one is refused by its own
+    name at once, and the copy is named as the file it repeats (one document, prepared once), instead of statuses
+    of another file's job that never resolve."""
+    client = app.client()
+    text = "The ferry log of the eastern pier, kept by the harbour master. " * 10
+    out = upload(client, write(tmp_path / "empty-a.txt", b""), write(tmp_path / "empty-b.txt", b""),
+                 write(tmp_path / "log.txt", text), write(tmp_path / "log-copy.txt", text))
+    assert "empty-a.txt: the file is empty" in out["message"] and "empty-b.txt: the file is empty" in out["message"]
+    assert "log-copy.txt: the same file as log.txt (prepared once)" in out["message"]
+    assert app.worker.wait_idle(WAIT_S)
+    assert row_of(poll(client)["table"], "log.txt")[3] == "ready"
+    assert not any(v.name.startswith("empty-") for v in app.worker.views())
+
+
 def test_errors_and_limits_are_told_in_plain_words(app, tmp_path):
     client = app.client()
     limit = app.engine.lm.max_context - ANSWER_RESERVE
