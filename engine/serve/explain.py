@@ -28,6 +28,7 @@ PASSAGE_CONTEXT_CHARS = 80  # text shown around a passage, each side
 PROJECTION_POINTS = 1500  # keys drawn in the projection at most (retrieved clusters' keys first)
 CACHED_CONTEXTS = 2  # contexts whose artifacts the inspector keeps in memory
 MAX_REPORTED = 200  # clusters saved per layer and row with a turn at most (best S first)
+WORD_REACH = 16  # characters a unit's preview reaches past its tokens to show the words they belong to
 PASSAGE_RADIUS = 14  # tokens each side of a strongly retrieved token that make up its passage
 MIN_MARK = 0.08  # highlight weight of a token whose cluster's S is just at the threshold
 MAX_FOLLOW = 4096  # follow rows saved with a turn at most (engine.attention.follow: read in every layer and head)
@@ -393,20 +394,32 @@ class ContextInspector:
 
     def cluster_preview(self, context_id: str, method: str, layer: int, kv_head: int, cluster_id: int,
                         chars: int = 60) -> str:
-        """The text of a unit's first few tokens, joined with " · " where they are not adjacent."""
+        """The text of a unit's first few tokens, each run of adjacent ones widened to the words it touches (a
+        cluster of commas or quotes shows the words they close, not "' · ' · '"), runs joined with " · "."""
         data = self.data(context_id)
+        text = data.doc.text
         tokens = np.nonzero(self.unit_labels(context_id, method)[layer][kv_head] == cluster_id)[0]
-        pieces, last = [], None
+        runs, last = [], None  # [start, end) of each run of adjacent tokens
         for t in tokens[:12]:
             s, e = (int(x) for x in data.offsets[t])
             if s < 0:
                 continue
-            text = data.doc.text[s:e]
-            if last is not None and t != last + 1:
-                pieces.append(" · ")
-            pieces.append(text)
+            if runs and last is not None and t == last + 1:
+                runs[-1][1] = e
+            else:
+                runs.append([s, e])
             last = t
-        return " ".join("".join(pieces).split())[:chars]
+        pieces = []
+        for s, e in runs:
+            lo, hi = s, e
+            while lo > max(0, s - WORD_REACH) and not text[lo - 1].isspace():
+                lo -= 1
+            while hi < min(len(text), e + WORD_REACH) and not text[hi].isspace():
+                hi += 1
+            piece = " ".join(text[lo:hi].split())
+            if piece and (not pieces or pieces[-1] != piece):
+                pieces.append(piece)
+        return " · ".join(pieces)[:chars]
 
     # ------------------------------------------------------------------ projection
 

@@ -122,6 +122,25 @@ def test_the_strongest_passage_comes_first_with_its_page(ctx):
     assert "passkey" in inspector.cluster_preview(cid, "squeeze", LAYER, 0, 0)
 
 
+def test_a_units_preview_shows_the_words_its_tokens_belong_to(ctx, monkeypatch):
+    """A unit whose tokens are bits of words (a full stop, the end of a number: what a cluster of punctuation looks
+    like under a sub-word tokenizer) previews the words they belong to, not the marks alone."""
+    store, cid, doc, _, _ = ctx
+    inspector = ContextInspector(store)
+    data = inspector.data(cid)
+    spans = data.offsets.tolist()
+    words = [t for t, (s, e) in enumerate(spans) if s >= 0 and e - s > 2][:6:2]  # three words, none adjacent
+    offsets = data.offsets.copy()
+    for t in words:  # each token only the last character of its word
+        offsets[t, 0] = offsets[t, 1] - 1
+    labels = {LAYER: np.full((1, data.fixed_len), -1)}
+    labels[LAYER][0, words] = 7
+    monkeypatch.setattr(inspector, "data", lambda context_id: dataclasses.replace(data, offsets=offsets))
+    monkeypatch.setattr(inspector, "unit_labels", lambda context_id, method: labels)
+    preview = inspector.cluster_preview(cid, "squeeze", LAYER, 0, 7, chars=400)
+    assert preview.split(" · ") == [doc.text[spans[t][0]:spans[t][1]].strip() for t in words]
+
+
 def test_projection_of_one_head_marks_the_retrieved_clusters(ctx):
     store, cid, _, labels, _ = ctx
     proj = ContextInspector(store).projection(cid, "squeeze", LAYER, 0, retrieved=[0], max_points=10)
