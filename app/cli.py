@@ -268,7 +268,7 @@ def _megabytes(text: str) -> float:
 def _without_method_settings(argv: list[str]) -> list[str]:
     """argv without the methods' settings options (`--{method}-{setting} VALUE`, their aliases): what the quick
     parser (which has not loaded the methods) can check, with no value of theirs taken for a positional."""
-    flags = {flag for flag in ALIASES.values()}
+    flags = set(ALIASES.values())
     out, skip = [], False
     for token in argv:
         if skip:

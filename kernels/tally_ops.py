@@ -15,16 +15,24 @@ BLOCK_M = 64  # follow rows per pass of the count
 BLOCK_E = 128  # index elements per pass of the sum
 
 
-def tally_step(indptr: torch.Tensor, elements: torch.Tensor, kept: torch.Tensor, read: torch.Tensor,
-               fresh: torch.Tensor | None = None, scores: torch.Tensor | None = None,
-               best: torch.Tensor | None = None) -> None:
-    rows = indptr.numel() - 1
+def check_sums(rows: int, elements: torch.Tensor, kept: torch.Tensor, read: torch.Tensor,
+               scores: torch.Tensor | None, best: torch.Tensor | None) -> None:
+    """The sums a step's statistics are added into, as the kernels read them (tally_step_kernel, and the union's
+    merge: kernels/union_ops.py): ValueError otherwise."""
     if (kept.dtype != torch.float32 or read.dtype != torch.float32 or kept.numel() != rows or kept.stride(-1) != 1
             or read.numel() != 1 or not elements.is_contiguous()):
         raise ValueError(f"kept must be [{rows}] and read [1] fp32 with unit strides, elements contiguous")
     if scores is not None and (best is None or best.dtype != torch.float32 or best.shape != scores.shape
-                               or best.stride(-1) != 1 or scores.stride(-1) != 1):
-        raise ValueError("best must be an fp32 tensor of the scores' shape, both with a unit stride in the units")
+                               or scores.shape[0] != rows or best.stride(-1) != 1 or scores.stride(-1) != 1):
+        raise ValueError(f"best must be an fp32 tensor of the scores' shape [{rows}, U], both with a unit stride in "
+                         "the units")
+
+
+def tally_step(indptr: torch.Tensor, elements: torch.Tensor, kept: torch.Tensor, read: torch.Tensor,
+               fresh: torch.Tensor | None = None, scores: torch.Tensor | None = None,
+               best: torch.Tensor | None = None) -> None:
+    rows = indptr.numel() - 1
+    check_sums(rows, elements, kept, read, scores, best)
     if fresh is not None:
         if fresh.shape[0] != rows:
             raise ValueError(f"fresh must have {rows} rows, got {tuple(fresh.shape)}")
@@ -37,9 +45,9 @@ def tally_step(indptr: torch.Tensor, elements: torch.Tensor, kept: torch.Tensor,
         scores if scores is not None else kept, best if best is not None else kept,
         elements.numel(), fresh.shape[1] if fresh is not None else 0, fresh.stride(0) if fresh is not None else 0,
         units, scores.stride(0) if scores is not None else 0, best.stride(0) if best is not None else 0,
-        ROWS=rows, BLOCK_R=max(2, triton.next_power_of_2(rows)), BLOCK_E=BLOCK_E, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
+        ROWS=rows, BLOCK_E=BLOCK_E, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
         HAS_FRESH=fresh is not None, HAS_SCORES=scores is not None, num_warps=4,
     )
 
 
-__all__ = ["tally_step"]
+__all__ = ["check_sums", "tally_step"]

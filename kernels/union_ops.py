@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from kernels import causal_ops, follow_ops, sparse_ops
+from kernels import causal_ops, follow_ops, sparse_ops, tally_ops
 from kernels.backend import TRITON
 from kernels.checks import LOG2E, check_qkv
 from kernels.jit.union import union_attn_fwd_kernel, union_merge_kernel
@@ -122,25 +122,17 @@ def union_attention(
 
 def _tally_args(tally: StepTally | None, selection: Selection | None,
                 dummy: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], torch.Tensor | None]:
-    """The merge kernel's kept, read, elements, scores and best (dummies without a tally), checked as
-    tally_ops.tally_step checks them, and the scores it maxes (None: none)."""
+    """The merge kernel's kept, read, elements, scores and best (dummies without a tally), checked as the tally
+    kernel's (tally_ops.check_sums), and the scores it maxes (None: none)."""
     if tally is None:
         return (dummy,) * 5, None
     if selection is None:
         raise ValueError("a step's tally counts a selection's keys: every key has none")
-    rows = selection.rows
-    kept, read, elements = tally.kept, tally.read, tally.elements.contiguous()
-    if (kept.dtype != torch.float32 or read.dtype != torch.float32 or kept.numel() != rows or kept.stride(-1) != 1
-            or read.numel() != 1):
-        raise ValueError(f"the tally's kept must be [{rows}] and read [1] fp32 with unit strides")
-    scores, best = tally.scores, tally.best
+    elements, scores = tally.elements.contiguous(), tally.scores
+    tally_ops.check_sums(selection.rows, elements, tally.kept, tally.read, scores, tally.best)
     if scores is None:
-        return (kept, read, elements, dummy, dummy), None
-    if (best is None or best.dtype != torch.float32 or best.shape != scores.shape or scores.shape[0] != rows
-            or best.stride(-1) != 1 or scores.stride(-1) != 1):
-        raise ValueError(f"the tally's best must be an fp32 [{rows}, U] tensor of the scores' shape, both with a "
-                         "unit stride in the units")
-    return (kept, read, elements, scores, best), scores
+        return (tally.kept, tally.read, elements, dummy, dummy), None
+    return (tally.kept, tally.read, elements, scores, tally.best), scores
 
 
 def _register_cap(device: torch.device) -> dict:

@@ -452,7 +452,7 @@ class Engine:
 
     def hide_document(self, doc_id: str) -> dict:
         """Take a document out of the library, deleting nothing yet (the app's undo window: `unhide_document`
-        brings it back, `delete_hidden` deletes it for good). Returns its summary with its number of chats."""
+        brings it back, `delete_hidden` deletes it for good). Returns its summary."""
         return self.store.documents.hide(self.store.documents.find(doc_id)["id"])
 
     def unhide_document(self, doc_id: str) -> dict:

@@ -10,7 +10,7 @@ import triton.language as tl
 def tally_step_kernel(
     indptr_ptr, elements_ptr, kept_ptr, read_ptr, fresh_ptr, scores_ptr, best_ptr,
     n_elements, n_fresh, stride_fresh, n_units, stride_scores, stride_best,
-    ROWS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_U: tl.constexpr, HAS_FRESH: tl.constexpr, HAS_SCORES: tl.constexpr,
 ):
     """Program 0 adds each row's kept keys (indptr [ROWS + 1], plus its fresh follow rows [ROWS, n_fresh] int8)
@@ -18,23 +18,9 @@ def tally_step_kernel(
     units p * BLOCK_U ... of row r: best [ROWS, n_units] fp32 = max(best, scores [ROWS, n_units])."""
     pid = tl.program_id(0)
     if pid == 0 and tl.program_id(1) == 0:
-        r = tl.arange(0, BLOCK_R)
-        ok = r < ROWS
-        lo = tl.load(indptr_ptr + r, mask=ok, other=0)
-        hi = tl.load(indptr_ptr + r + 1, mask=ok, other=0)
-        count = (hi - lo).to(tl.float32)
-        if HAS_FRESH:
-            for m0 in range(0, n_fresh, BLOCK_M):
-                m = m0 + tl.arange(0, BLOCK_M)
-                f = tl.load(fresh_ptr + r[:, None] * stride_fresh + m[None, :],
-                            mask=ok[:, None] & (m < n_fresh)[None, :], other=0)
-                count += tl.sum(f.to(tl.float32), axis=1)
-        tl.store(kept_ptr + r, tl.load(kept_ptr + r, mask=ok, other=0.0) + count, mask=ok)
-        total = tl.zeros([BLOCK_E], dtype=tl.float32)
-        for e0 in range(0, n_elements, BLOCK_E):
-            e = e0 + tl.arange(0, BLOCK_E)
-            total += tl.load(elements_ptr + e, mask=e < n_elements, other=0.0).to(tl.float32)
-        tl.store(read_ptr, tl.load(read_ptr) + tl.sum(total, axis=0))
+        for r in tl.static_range(ROWS):
+            tally_row(indptr_ptr, r, fresh_ptr, n_fresh, stride_fresh, kept_ptr, elements_ptr, n_elements, read_ptr,
+                      HAS_FRESH, BLOCK_M, BLOCK_E)
     if HAS_SCORES:
         start = pid * BLOCK_U
         running_max(scores_ptr, best_ptr, tl.program_id(1), start, start + BLOCK_U, n_units, stride_scores,

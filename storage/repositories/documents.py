@@ -15,7 +15,7 @@ from typing import Any
 
 import sqlite_utils
 
-from ..database import Database, first, now, one, require
+from ..database import Database, first, now, require
 from ..documents import Document
 from ..errors import AmbiguousIdError, NotFoundError, StorageError
 
@@ -121,14 +121,13 @@ class Documents:
     def hide(self, doc_id: str) -> dict[str, Any]:
         """Take a document out of the library (:meth:`list`, :meth:`find`) without deleting anything yet: the
         start of its undo window (:meth:`unhide` brings it back, :meth:`hidden` lists it for deletion). Returns
-        its summary, with ``chats``: how many chats it has."""
+        its summary."""
         with self.database.transaction() as db:
             rows = _summaries(db, "d.id = ?", [doc_id])
             if not rows:
                 raise NotFoundError(f"no document {doc_id!r} in the library")
             db.execute("UPDATE documents SET deleted_at = ? WHERE id = ?", [now(), doc_id])
-            chats = one(db, "SELECT COUNT(*) AS n FROM chats WHERE doc_id = ?", [doc_id])["n"]
-        return {**rows[0], "chats": chats}
+        return rows[0]
 
     def unhide(self, doc_id: str) -> dict[str, Any]:
         """Bring a hidden document back into the library; returns its summary. Raises :class:`NotFoundError`
