@@ -245,10 +245,10 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     )
     inputs = (q, centroids, counts, allowed_u8, indptr, idx, step_arg)
     centroid_denominator_kernel[(units, m_blocks, nsplit)](
-        *inputs, part_max, part_sum, s_cache,
+        *inputs, part_max, part_sum, s_cache, valid_arg,
         float(scale) * LOG2E, lq, c, capacity, g, gh, hpr, nsplit, *strides,
         BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, STORE_S=cache_s, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **common,
+        num_stages=cfg.num_stages, HAS_VALID=valid is not None, **common,
     )
     keep_threshold = float(threshold) if threshold > 0 else -1.0  # S >= 0, so "> -1" keeps every cluster
     has_starts = starts is not None

@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from engine.attention.budget import byte_share
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -27,7 +28,7 @@ from engine.attention.method import (
     check_budget,
 )
 from engine.methods.duo.policy import Window
-from engine.methods.squeeze import SqueezePolicy, ThresholdPlan, centroid_elements, code_step, threshold_plan
+from engine.methods.squeeze import SqueezePolicy, ThresholdPlan, centroid_elements, code_step, kept_keys, threshold_plan
 from kernels.backend import Backend
 from kernels.layout import ClusterLayout
 from kernels.selection import Fixed
@@ -113,6 +114,22 @@ class DuoSqueezePolicy(Method):
         read = layer.elements(hkv, centroid_elements(layer, q.element_size()), q.device)
         return Lookup(selection=selection, index_elements=read, units=keep & retrieval, scores=score,
                       sizes=layer["counts"])
+
+    def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[HeadThresholdPlan], scale: float,
+              positions: torch.Tensor | None = None) -> list[float]:
+        """Method.reads with one scoring of q for every plan: a retrieval head reads its kept clusters' keys and the
+        dense tail (squeeze.kept_keys), a streaming head its window (dense rows included), and every head's
+        centroids are read, as read_fraction counts the lookup's selection (tests/engine/test_budget.py)."""
+        hkv, d = layer["counts"].shape[0], q.shape[2]
+        kept = kept_keys(q, layer, [plan.at(q.shape[1])[0] for plan in plans], scale, hkv)  # [F, Hkv]
+        rank = layer["rank"].to(kept.device)
+        index = hkv * float(centroid_elements(layer, q.element_size()))
+        out = []
+        for plan, keys in zip(plans, kept):
+            streaming = rank >= plan.retrieval_heads
+            total = torch.where(streaming, layer["window"].shape[1], keys).sum()
+            out.append(byte_share(float(total), index, hkv, layer.num_keys, d))
+        return out
 
     def layout(self, layer: LayerIndex) -> ClusterLayout:
         return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)

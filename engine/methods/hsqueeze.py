@@ -7,6 +7,7 @@ from typing import ClassVar
 
 import torch
 
+from engine.attention.budget import byte_share
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -220,6 +221,37 @@ class HierarchicalSqueezePolicy(Method):
         key_size = q.element_size()  # q has the keys' dtype in the engine
         read = centroid_elements(layer, key_size, "l1_") + centroid_elements(layer, key_size, scored=survivors)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
+
+    def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[ThresholdPlan], scale: float,
+              positions: torch.Tensor | None = None) -> list[float]:
+        """Method.reads with level 1 scored once for every plan and level 2 once per distinct level-1 threshold
+        (the survivors' children set its denominator): the keys of the level-2 clusters any row of a KV head keeps,
+        the dense tail once per KV head, the level-1 centroids and the scored level-2 ones, as read_fraction counts
+        the lookup's selection (tests/engine/test_budget.py holds it to the lookups')."""
+        hq, hkv, d = q.shape[0], layer["counts"].shape[0], q.shape[2]
+        rows = group_rows(self.settings.group, hq, hkv)
+        ref, counts, key_size = REFERENCE.kernel("centroid"), layer["counts"], q.element_size()
+        _, s1 = ref.cluster_keep(q, layer["l1_centroids"], layer["l1_counts"], scale, 0.0, rows,
+                                 step=code_step(layer, "l1_"))  # [rows, C1]
+        nonempty1, nonempty2 = row_counts(layer["l1_counts"], rows) > 0, row_counts(counts, rows) > 0
+        level2: dict[float, tuple[torch.Tensor, torch.Tensor]] = {}
+        out = []
+        for plan in plans:
+            t1, t2 = plan.at(q.shape[1])
+            if t1 not in level2:
+                allowed = _level2_allowed(select_clusters(s1, t1) & nonempty1, layer["l1_parent"])  # [rows, C2]
+                _, s2 = ref.cluster_keep(q, layer["centroids"], counts, scale, 0.0, rows, allowed=allowed,
+                                         step=code_step(layer))
+                level2[t1] = allowed, s2
+            allowed, s2 = level2[t1]
+            keep = select_clusters(s2, t2) & nonempty2 & allowed
+            union = keep.reshape(hkv, rows // hkv, -1).any(dim=1)  # [Hkv, C2]: a row of the head keeps it
+            keys = float((counts * union).sum()) + hkv * layer.tail
+            survivors = allowed.reshape(hkv, -1).sum(dim=1).double()  # [Hkv] level-2 centroids scored
+            index = hkv * centroid_elements(layer, key_size, "l1_") + float(
+                centroid_elements(layer, key_size, scored=survivors).sum())
+            out.append(byte_share(keys, index, hkv, layer.num_keys, d))
+        return out
 
     def layout(self, layer: LayerIndex) -> ClusterLayout:
         return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)

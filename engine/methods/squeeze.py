@@ -198,6 +198,19 @@ def prefill_samples(per_token: torch.Tensor, counts: torch.Tensor, rows: int,
     return weighted_samples(window_scores(per_token, windows), counts, rows, weights)
 
 
+def kept_keys(q: torch.Tensor, layer: LayerIndex, thresholds: list[float], scale: float, rows: int) -> torch.Tensor:
+    """[F, Hkv]: the keys each KV head reads under each of the F thresholds, q [Hq, Lq, D] scored once (the reference
+    lookup): the keys of the clusters any of its rows keeps (select_clusters), then its dense tail."""
+    hkv = layer["counts"].shape[0]
+    counts = layer["counts"]  # [Hkv, C]
+    _, score = REFERENCE.kernel("centroid").cluster_keep(q, layer["centroids"], counts, scale, 0.0, rows,
+                                                         step=code_step(layer))  # [rows, C]
+    nonempty = (counts > 0).repeat_interleave(rows // hkv, dim=0)  # [rows, C]
+    keep = torch.stack([select_clusters(score, t) for t in thresholds]) & nonempty  # [F, rows, C]
+    union = keep.reshape(len(thresholds), hkv, rows // hkv, -1).any(dim=2)  # [F, Hkv, C]: a row of the head keeps it
+    return (counts * union).sum(dim=2) + layer.tail
+
+
 class SqueezePolicy(Method):
     """Squeezed Attention, one level: k-means clusters of the keys, a centroid lookup against one global
     threshold; the fixed K/V stored as an inverted file (each cluster's keys contiguous)."""
@@ -262,14 +275,7 @@ class SqueezePolicy(Method):
         as read_fraction counts the lookup's selection (tests/engine/test_budget.py holds it to the lookups')."""
         hq, hkv, d = q.shape[0], layer["counts"].shape[0], q.shape[2]
         rows = group_rows(self.settings.group, hq, hkv)
-        counts = layer["counts"]  # [Hkv, C]
-        _, score = REFERENCE.kernel("centroid").cluster_keep(q, layer["centroids"], counts, scale, 0.0, rows,
-                                                             step=code_step(layer))  # [rows, C]
-        nonempty = (counts > 0).repeat_interleave(rows // hkv, dim=0)  # [rows, C]
-        # each plan's clusters as its lookup keeps them (select_clusters), stacked: [F, rows, C]
-        keep = torch.stack([select_clusters(score, plan.at(q.shape[1])[0]) for plan in plans]) & nonempty
-        union = keep.reshape(len(plans), hkv, rows // hkv, -1).any(dim=2)  # [F, Hkv, C]: a row of the head keeps it
-        keys = (counts * union).sum(dim=(1, 2)) + hkv * layer.tail  # [F]
+        keys = kept_keys(q, layer, [plan.at(q.shape[1])[0] for plan in plans], scale, rows).sum(dim=1)  # [F]
         index = hkv * float(centroid_elements(layer, q.element_size()))
         return [byte_share(float(k), index, hkv, layer.num_keys, d) for k in keys.tolist()]
 

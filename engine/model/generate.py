@@ -1,10 +1,10 @@
 """Streaming generation over a fixed-context cache: the question's prefill, then decode steps. Where the step context
-has a graph cache (engine.model.graph), a question of up to PREFILL_LENGTHS[-1] tokens is padded to the next of
-PREFILL_LENGTHS and its prefill replayed from a CUDA graph (the real tokens' attention is exactly the unpadded one's:
-the padding comes after them, and every pooled lookup counts the real tokens only), and every decode step is replayed
-from one, each launched before its predecessor's token is read back; elsewhere each call runs eagerly. Greedy, or
-each token chosen by an engine.model.sampling.Sampler from the step's logits (a replayed step then takes the chosen
-token as its successor's input)."""
+has a graph cache (engine.model.graph), a question of up to PREFILL_LENGTHS[-1] tokens (DENSE_PREFILL_MAX for a
+step that reads every key) is padded to the next of PREFILL_LENGTHS and its prefill replayed from a CUDA graph (the
+real tokens' attention is exactly the unpadded one's: the padding comes after them, and every pooled lookup counts
+the real tokens only), and every decode step is replayed from one, each launched before its predecessor's token is
+read back; elsewhere each call runs eagerly. Greedy, or each token chosen by an engine.model.sampling.Sampler from
+the step's logits (a replayed step then takes the chosen token as its successor's input)."""
 
 from __future__ import annotations
 
@@ -14,18 +14,24 @@ import torch
 
 from engine.attention.function import StepContext
 from engine.model.load import LoadedModel
-from engine.model.sampling import Sampler
+from engine.model.sampling import Sampler, greedy
 
 # A captured prefill's lengths: a question of n tokens (2 <= n <= the last) is padded to the first that holds it.
-PREFILL_LENGTHS = (16, 32, 64, 128, 256)
+PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024)
+# The last captured length of a step that reads every key: beyond it the GPU's attention over the whole context
+# outweighs the host's launches (an 8B model at 128K on an H200: a 1K-token question's prefill 164 ms of GPU work in
+# 169 ms), and padding would add to that work. A sparse step's GPU work is a fraction of it: eager, squeeze's 1K-token
+# prefill at 10% kept the GPU busy 53 of its 99 ms (engine/bench/results/h200-e2e-128k-prefill-1k.json).
+DENSE_PREFILL_MAX = 256
 
 
-def padded_length(tokens: int) -> int | None:
-    """The captured length a question of `tokens` tokens is padded to, or None (one token, or longer than the last:
-    an eager prefill; at a few hundred tokens the GPU's work outweighs the host's launches)."""
+def padded_length(tokens: int, dense: bool = False) -> int | None:
+    """The captured length a question of `tokens` tokens is padded to, or None (one token, or longer than the last
+    length of its kind: an eager prefill). dense: the step reads every key (lengths up to DENSE_PREFILL_MAX)."""
     if tokens < 2:
         return None
-    return next((n for n in PREFILL_LENGTHS if n >= tokens), None)
+    last = DENSE_PREFILL_MAX if dense else PREFILL_LENGTHS[-1]
+    return next((n for n in PREFILL_LENGTHS if tokens <= n <= last), None)
 
 
 def padded_forward(lm: LoadedModel, step: StepContext, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -75,7 +81,7 @@ def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: i
 def _next(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int, sampler: Sampler | None) -> torch.Tensor:
     """The token after ids [n] (greedy, or the sampler's): [1] int64 on the device."""
     logits = forward_step(lm, step, ids, start)
-    return logits.argmax(dim=-1) if sampler is None else sampler.pick(logits)
+    return greedy(logits) if sampler is None else sampler.pick(logits)
 
 
 def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int,
@@ -91,7 +97,8 @@ def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, ma
     """
     cache = step.cache
     eos = lm.eos_ids()
-    length = padded_length(prompt.numel()) if step.graphs is not None and not step.token_lookups else None
+    dense = step.plan is None or step.plan.budget >= 1.0
+    length = padded_length(prompt.numel(), dense) if step.graphs is not None and not step.token_lookups else None
     with torch.inference_mode():
         cache.reset_dynamic()
         cache.reserve(max(prompt.numel() + max_new_tokens, length or 0))
@@ -100,7 +107,7 @@ def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, ma
             next_ids = _next(lm, step, prompt.to(lm.device), position, sampler)
         else:
             logits = step.graphs.prefill(step, prompt.to(lm.device), position, length)
-            next_ids = logits.argmax(dim=-1) if sampler is None else sampler.pick(logits)
+            next_ids = greedy(logits) if sampler is None else sampler.pick(logits)
         token = int(next_ids)
     position += prompt.numel()
     yield token

@@ -23,6 +23,7 @@ from engine.attention.function import StepContext
 from engine.attention.stats import StepTotals
 from engine.model.generate import padded_forward
 from engine.model.load import LoadedModel
+from engine.model.sampling import greedy
 
 MAX_GRAPHS = 2  # decode captures kept per session (each holds its own memory pool: lookups' scratch, selections)
 MAX_PREFILL_GRAPHS = 3  # prefill captures kept per session (one per padded length in use)
@@ -90,7 +91,7 @@ class DecodeGraph:
         out = self.lm.model(input_ids=self.ids, position_ids=self.positions[None], past_key_values=step.cache,
                             use_cache=True, logits_to_keep=1, squeeze_step=step)
         self.logits = out.logits[0, -1:]  # [1, V]: after a replay, that step's logits (the capture's output buffer)
-        self.next_token.copy_(self.logits.argmax(dim=-1))
+        self.next_token.copy_(greedy(self.logits))
         self.ids.copy_(self.next_token.view(1, 1))
         self.positions.add_(1)
 

@@ -138,6 +138,7 @@ def centroid_denominator_kernel(
     q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr,  # inputs (allowed / indptr / idx: see flags)
     step_ptr,  # SCALED: [Hkv, D] float32, the one-byte centroids' step
     part_max_ptr, part_sum_ptr, s_ptr,  # outputs: [Hq * Lq, NSPLIT] float32 each; s2 cache [Hq * Lq, W] float32
+    valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     scale2, Lq, C, CAP, G, GH, HPR, NSPLIT,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s,
     D: tl.constexpr,
@@ -150,12 +151,14 @@ def centroid_denominator_kernel(
     DOT_PRECISION: tl.constexpr,
     SCALED: tl.constexpr,  # the centroids are uint8 codes: the queries are scaled by their step
     CODES16: tl.constexpr,  # SCALED with 16-bit queries: the dots run in float16 (_as_dot_operand)
+    HAS_VALID: tl.constexpr = False,  # a block of padding tokens alone computes nothing (its partials: -inf, 0)
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
     centroid blocks split, split + NSPLIT, ... (flash style, base 2: s2 = scale2 * q . C with scale2 = scale *
     log2(e)). Empty clusters, masked ones and invalid positions give x = -inf; without an `allowed` mask that is a
     per-centroid offset, so a tile costs one FMA, one max, one exp2 and one add per element. Rows past the unit's
-    end compute on zero queries and are not stored."""
+    end compute on zero queries and are not stored; with HAS_VALID, a block whose rows are all padding skips its
+    centroids (no pass reads a padding row's partials)."""
     unit = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -174,9 +177,13 @@ def centroid_denominator_kernel(
     qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED, CODES16)
 
     start, n = _span(indptr_ptr, unit, C, USE_LIST)
+    blocks = tl.cdiv(n, BLOCK_C)
+    if HAS_VALID:
+        n_tok = tl.load(valid_ptr).to(tl.int32)
+        blocks = tl.where(tl.max((m_ok & (tok < n_tok)).to(tl.int32), axis=0) > 0, blocks, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    for blk in range(split, tl.cdiv(n, BLOCK_C), NSPLIT):
+    for blk in range(split, blocks, NSPLIT):
         pos = blk * BLOCK_C + tl.arange(0, BLOCK_C)
         cid, c_ok = _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST)
         # [BLOCK_D, BLOCK_C]
@@ -346,7 +353,19 @@ def centroid_score_prefill_kernel(
     for rr in range(0, rows_here):
         row = unit * rows_here + rr
         total = tl.zeros([BLOCK_C], tl.float32)
-        if HAS_VALID:  # padded tokens: every block masked
+        if HAS_VALID and Lq % BLOCK_M == 0:  # padded tokens, blocks within one head: each head's real tokens,
+            # whole blocks unmasked, then its last part masked; the padding is not computed
+            whole = n_tok // BLOCK_M * BLOCK_M
+            for j in range(0, HPR):
+                for t0 in range(0, whole, BLOCK_M):
+                    total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, j * Lq + t0, m_row, n_tok, row,
+                                         scale2, Lq, HPR, NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M,
+                                         BLOCK_SPLIT, DOT_PRECISION, False, SCALED, CODES16)
+                if whole < n_tok:
+                    total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, j * Lq + whole, m_row, n_tok, row,
+                                         scale2, Lq, HPR, NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M,
+                                         BLOCK_SPLIT, DOT_PRECISION, True, SCALED, CODES16)
+        elif HAS_VALID:  # padded tokens, blocks across heads: every block masked
             for m0 in range(0, m_row, BLOCK_M):
                 total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR,
                                      NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT,

@@ -50,6 +50,31 @@ def test_read_fraction_counts_a_kv_heads_keys_once_and_the_index():
     assert Lookup(selection=None, index_elements=torch.zeros(1)).read_fraction(4, 10) == 1.0
 
 
+@pytest.mark.parametrize("settings", [{}, {"group": "query"}, {"centroids": "exact", "level1_ratio": 0.05}])
+def test_hsqueeze_reads_every_plan_as_its_lookups_do(settings):
+    """HierarchicalSqueezePolicy.reads scores level 1 once and level 2 once per level-1 threshold; each value equals
+    Lookup.read_fraction of the method's own lookup at that plan (Method.reads), decode steps and a question's
+    prefill alike: the budget curves are unchanged."""
+    from engine.attention.method import CalibrationSet, LayerIndex, LayerKeys, Method
+    from engine.methods import make_method
+
+    g = torch.Generator().manual_seed(8)
+    hq, hkv, d, n, tail = 4, 2, 16, 400, 8
+    keys = torch.randn(hkv, n + tail, d, generator=g)
+    queries = torch.randn(hq, 40, d, generator=g)
+    squeeze = make_method("squeeze", {"centroid_ratio": 0.1})
+    layer = LayerKeys(layer_idx=0, keys=keys[:, :n], tail=tail)
+    required = {"squeeze": squeeze.build(layer, {}, {})}
+    policy = make_method("hsqueeze", {"level1_ratio": 0.02, **settings})
+    index = LayerIndex(tensors=policy.build(layer, required, {}), num_keys=n + tail, tail=tail)
+    calibration = policy.calibrate([CalibrationSet(index=index, queries=queries)], d**-0.5)
+    plans = [policy.plan_keys(calibration, f, f, f) for f in KEYS_GRID]
+    for q, pos in ((queries[:, -1:], torch.tensor([n + tail - 1])), (queries[:, 5:17], torch.arange(n - 12, n))):
+        fast = policy.reads(q, index, plans, d**-0.5, pos)
+        assert fast == pytest.approx(Method.reads(policy, q, index, plans, d**-0.5, pos), abs=1e-12)
+        assert len(set(fast)) > 5  # the plans read different amounts: the grid is exercised
+
+
 @pytest.mark.parametrize("settings", [{}, {"group": "query"}, {"centroids": "exact", "centroid_ratio": 0.1}])
 def test_squeeze_reads_every_plan_as_its_lookups_do(settings):
     """SqueezePolicy.reads scores once for all the plans; each value equals Lookup.read_fraction of the method's own lookup

@@ -13,7 +13,7 @@ from engine.context.session import ContextSession
 from engine.context.settings import ContextSettings
 from engine.methods import make_method
 from engine.model.load import load_model
-from engine.model.sampling import GenerationOptions, Sampler, top_p_filter
+from engine.model.sampling import GenerationOptions, Sampler, greedy, top_p_filter
 from engine.text.prompt import BasePrompt, ChatPrompt, Exchange, cut_at_stop, prompt_format, tokenize_document, turn_ids
 from kernels.backend import REFERENCE
 from tests.engine.test_engine_tiny import plain_greedy
@@ -126,6 +126,22 @@ def test_seeded_sampling_is_reproducible_and_greedy_is_the_default(chat_session)
     first = session.ask("And the price?", "squeeze", 0.5, 8, options=hot)
     assert session.ask("And the price?", "squeeze", 0.5, 8, options=hot).text == first.text
     assert first.stats.extra["generation"]["temperature"] == 1.5
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("vocab", [1, 7, 256, 257, 262144, 128256])
+def test_greedy_picks_the_first_maximum_as_argmax_does(device, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(1, vocab, generator=gen).to(device, dtype)
+        assert torch.equal(greedy(logits), logits.argmax(dim=-1))
+        tied = torch.full((1, vocab), float("-inf"), device=device, dtype=dtype)
+        tied[0, vocab // 3:] = 2.0  # every slice from a third on holds the maximum: the first one is picked
+        assert int(greedy(tied)) == vocab // 3 == int(tied.argmax())
+    assert greedy(logits).dtype == torch.int64 and greedy(logits).shape == (1,)
 
 
 def test_sampler_applies_penalty_temperature_and_top_p():

@@ -294,6 +294,35 @@ def test_duo_squeeze_streams_the_low_heads_and_looks_up_the_high_ones():
             assert tokens == set(range(4)) | set(range(INDEXED - 20, n))  # sink 4; recent 30 = 20 + the tail's 10
 
 
+def test_duo_squeeze_reads_every_plan_as_its_lookups_do():
+    """DuoSqueezePolicy.reads scores once for all the plans; each value equals Lookup.read_fraction of its own lookup
+    at that plan (Method.reads): streaming heads' windows, retrieval heads' clusters and tail, every head's
+    centroids; decode steps and a question's prefill alike, at every share of retrieval heads the grid reaches."""
+    from engine.attention.budget import KEYS_GRID
+    from engine.attention.method import Method
+    from engine.context.ingest import build_methods
+    from engine.methods import build_order, stand_ins
+
+    g = torch.Generator().manual_seed(3)
+    hkv, hq, d, n = 2, 4, 8, INDEXED + TAIL
+    keys = {0: torch.randn(hkv, n, d, generator=g), 1: torch.randn(hkv, n, d, generator=g)}
+    queries = {i: torch.randn(hq, TAIL + 8, d, generator=g) for i in keys}
+    methods = [make_method(m, {"sink": 4, "recent": 30} if m != "squeeze" else None)
+               for m in build_order(["duo-squeeze"])]
+    artifacts = build_methods(keys, queries, TAIL, methods, d ** -0.5, torch.device("cpu"),
+                              prepared=stand_ins(methods, [0, 1], hkv, d))
+    part = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.layer0.")}
+    calib = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.calib.")}
+    method, index = methods[-1], LayerIndex(part, n, TAIL)
+    plans = [method.plan_keys(calib, f, f, f) for f in KEYS_GRID]
+    assert len({p.retrieval_heads for p in plans}) > 1  # every head retrieves at the full budget, a share below
+    q = queries[0]
+    for step, pos in ((q[:, -1:], torch.tensor([n - 1])), (q[:, 2:14], torch.arange(n - 12, n))):
+        fast = method.reads(step, index, plans, d ** -0.5, pos)
+        assert fast == pytest.approx(Method.reads(method, step, index, plans, d ** -0.5, pos), abs=1e-12)
+        assert len(set(fast)) > 3  # the plans read different amounts
+
+
 def test_gate_training_bench_prints_its_json(capsys):
     """engine.bench.gates on the tiny random shape (a word-level stand-in tokenizer): one JSON line, times > 0."""
     from engine.bench.gates import main as bench

@@ -226,20 +226,35 @@ def test_replayed_statistics_match_eager(session, method, sparsity):
 
 
 SECOND_QUESTION = "Who logged the weather?"  # another length, the same captured one as QUESTION
+# Two questions over DENSE_PREFILL_MAX tokens, of one captured length: only a sparse step's prefill is captured there
+LONG_QUESTIONS = ("Reading the whole account of the lighthouse, its granite, its keeper's four-hourly log of wind, "
+                  "swell and visibility, the storm of March 1903 that opened the lantern room, and what survived it, "
+                  "tell me plainly and in one sentence: who kept the lighthouse logbook, and what became of it?",
+                  "Reading the whole account of the lighthouse, its granite, its keeper's four-hourly log of wind, "
+                  "swell and visibility, and the storm of March 1903 that opened the lantern room, tell me plainly "
+                  "and in a sentence or two: who logged the weather there, how often, and which record was lost?")
 
 
+@pytest.mark.parametrize("questions", ["short", "long"])
 @pytest.mark.parametrize("method,sparsity", CASES)
-def test_replayed_prefill_matches_eager(session, method, sparsity):
+def test_replayed_prefill_matches_eager(session, method, sparsity, questions):
     """A question's prefill padded to its captured length (engine.model.graph.PrefillGraph): the first question runs
     it in the captured form then captures it, the next of the same length replays it; each gives its eager, unpadded
     prefill's logits (bf16 tolerance, or a tie) and reads what it read; the replay launches everything without
-    waiting for the GPU."""
-    from engine.model.generate import padded_length
+    waiting for the GPU. Long questions: padded past DENSE_PREFILL_MAX, which only sparse steps are."""
+    from engine.model.generate import DENSE_PREFILL_MAX, padded_length
 
     lm, cache = session.lm, session.cache
-    prompts = [question_ids(lm.tokenizer, q).to(lm.device) for q in (QUESTION, SECOND_QUESTION)]
-    length = padded_length(prompts[0].numel())
-    assert padded_length(prompts[1].numel()) == length and prompts[0].numel() != prompts[1].numel()
+    texts = (QUESTION, SECOND_QUESTION) if questions == "short" else LONG_QUESTIONS
+    prompts = [question_ids(lm.tokenizer, q).to(lm.device) for q in texts]
+    dense = session.step_context(method, sparsity).plan.budget >= 1.0
+    length = padded_length(prompts[0].numel(), dense)
+    if questions == "long":
+        assert min(p.numel() for p in prompts) > DENSE_PREFILL_MAX
+        if dense:
+            assert length is None  # an eager prefill
+            return
+    assert padded_length(prompts[1].numel(), dense) == length and prompts[0].numel() != prompts[1].numel()
     for i, prompt in enumerate(prompts):
         got, want = {}, {}
         for graphs in (True, False):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from engine.attention.follow import FollowSettings
-from engine.model.generate import PREFILL_LENGTHS, forward_padded, forward_step, padded_length
+from engine.model.generate import DENSE_PREFILL_MAX, PREFILL_LENGTHS, forward_padded, forward_step, padded_length
 from engine.text.prompt import question_ids
 
 METHODS = ["full", "squeeze", "hsqueeze", "quest", "duo", "duo-squeeze", "saap"]
@@ -78,8 +78,11 @@ def same_clusters(got: list[dict], want: list[dict]) -> bool:
 
 
 def test_padded_length():
-    assert [padded_length(n) for n in (1, 2, 16, 17, 200, PREFILL_LENGTHS[-1], PREFILL_LENGTHS[-1] + 1)] == \
-        [None, 16, 16, 32, 256, PREFILL_LENGTHS[-1], None]
+    assert [padded_length(n) for n in (1, 2, 16, 17, 200, 300, PREFILL_LENGTHS[-1], PREFILL_LENGTHS[-1] + 1)] == \
+        [None, 16, 16, 32, 256, 512, PREFILL_LENGTHS[-1], None]
+    # a step that reads every key pads no further than DENSE_PREFILL_MAX
+    assert [padded_length(n, dense=True) for n in (2, 200, DENSE_PREFILL_MAX, DENSE_PREFILL_MAX + 1)] == \
+        [16, 256, DENSE_PREFILL_MAX, None]
 
 
 @pytest.mark.parametrize("method", METHODS)

@@ -163,11 +163,15 @@ def padded(q, pad, seed):
 
 
 @pytest.mark.parametrize("hq,hkv,rows", GROUPS)
-@pytest.mark.parametrize("lq,pad", [(1, 6), (7, 9), (33, 31)])
+@pytest.mark.parametrize("lq,pad", [(1, 6), (7, 9), (33, 31), (40, 24), (64, 64),
+                                    pytest.param(200, 56, marks=pytest.mark.skipif(DEVICE != "cuda", reason="GPU"))])
 def test_padded_tokens_count_in_no_score(hq, hkv, rows, lq, pad):
     """With `valid`, the lookup over a padded question (real tokens first) keeps and scores what the lookup over the
     real tokens alone does: the reference, the dense kernels (both score passes), the candidate lists, and the fused
-    selection; the padding's strong queries would move every score if they counted."""
+    selection; the padding's strong queries would move every score if they counted. A padded length that is a
+    multiple of the score pass's row block (32 on the CPU, 128 on a GPU: 200 + 56) takes its per-head loop (whole
+    blocks of real tokens, then a masked part, or none: 64 + 64), and a row block of padding alone skips the
+    denominator pass (64 + 64)."""
     q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, seed=3)
     lc = 150
     counts, starts = clustered_counts(hkv, lc, C, seed=4)

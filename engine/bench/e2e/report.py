@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="a question's prefill looks up each of its tokens' keys on its own (engine.attention.function)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     parser.add_argument("--profile", default=None, help="CUDA: append torch.profiler tables of each method's "
-                                                        "decode steps and of its shortest question's prefill to this "
+                                                        "decode steps and of each question's prefill to this "
                                                         "file (kernels and GPU time in the JSON)")
     args = parser.parse_args(argv)
     if args.steps <= WARMUP_STEPS:

@@ -141,8 +141,8 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
                    graphs: bool = True, tag: str = "", method_settings: dict[str, dict] | None = None,
                    follow: FollowSettings | None = None, token_lookups: bool = False) -> dict:
     """The engine's phases: the ingest (after an untimed one of the first WARMUP_CONTEXT tokens), the session's
-    opening, each method's turns (and, with `profile` on CUDA, profiles of its decode steps and of its shortest
-    question's prefill written there).
+    opening, each method's turns (and, with `profile` on CUDA, profiles of its decode steps and of each question's
+    prefill written there).
     graphs: the session replays decode steps from CUDA graphs where it can (False: every step eager); tag: a prefix
     of the profile's section titles; method_settings: method -> its settings (the others at their defaults);
     follow: the session's follow rows (engine.attention.follow; None: the defaults); token_lookups: a question's prefill looks
@@ -195,9 +195,9 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
             if profile and cuda:
                 out["methods"][method]["profile"] = profile_decode(lm, session, method, sparsity,
                                                                    next(iter(prompts.values())), profile, tag)
-                shortest = min(prompts)
-                out["methods"][method]["profile_prefill"] = profile_prefill(lm, session, method, sparsity,
-                                                                            prompts[shortest], profile, tag)
+                out["methods"][method]["profile_prefill"] = {
+                    str(n): profile_prefill(lm, session, method, sparsity, prompts[n], profile, tag)
+                    for n in sorted(prompts)}
         except Exception as exc:  # noqa: BLE001
             out["methods"][method] = {"error": error_text(exc)}
             session.cache.reset_dynamic()
