@@ -12,6 +12,7 @@ from app import render
 from app.config import CENTROID_RATIOS, LEVEL1_RATIOS, SPARSITY_MAX, SPARSITY_MIN, method_settings
 from app.services import Services, doc_choices, doc_status, library_rows
 from app.views import TurnViews
+from app.waits import Asked, WaitEnded, expected_text, index_text, load_text, training_text, waits
 from engine.serve import METHODS, REGISTRY, ContextSettings, Delta, GenerationOptions, build_order, plain_error
 from storage import NotFoundError, StorageError
 
@@ -84,6 +85,10 @@ class ChatTab:
                                                elem_id="sq-question", submit_btn=False, lines=1, max_lines=4)
                     self.ask_btn = gr.Button("Ask", variant="primary", scale=1, min_width=70, elem_id="sq-ask")
                     self.stop_btn = gr.Button("Stop", variant="stop", scale=1, min_width=70, elem_id="sq-stop")
+                    # shown while a question waits for a training, an index build or the model's load
+                    self.cancel_btn = gr.Button("Cancel", scale=1, min_width=70, visible=False,
+                                                elem_id="sq-cancel-wait")
+                self.seen = gr.State({})  # what the poll last showed above the chat and under the sparsity
                 with gr.Accordion("Method and sparsity", open=True):
                     self.method = gr.Radio(list(METHODS), value=cfg.method, label="Method", elem_id="sq-method")
                     self.sparsity = gr.Slider(SPARSITY_MIN, SPARSITY_MAX, value=cfg.sparsity, step=0.01,
@@ -135,12 +140,14 @@ class ChatTab:
         return [self.state, self.doc, self.status, self.chatbot, self.views.turn, self.threshold, *self.views.outputs,
                 self.evaluation, self.last_doc, self.chats]
 
-    def wire(self) -> None:
+    def wire(self, timer: gr.Timer) -> None:
+        """The handlers; `timer` keeps the status line and the plan hint where the engine is (a training, an index
+        build, the model's load) for this session's method and settings."""
         controls = [self.method, self.sparsity, self.centroid, self.level1]
         ask_inputs = [self.question, self.chatbot, self.state, *controls, self.compare, self.max_new,
                       self.temperature, self.top_p, self.repetition]
         ask_outputs = [self.chatbot, self.question, self.state, self.status, self.views.turn, *self.views.outputs,
-                       self.chats]
+                       self.chats, self.cancel_btn]
         for asked in (self.ask_btn.click(self.ask, ask_inputs, ask_outputs, api_name="ask", concurrency_id="model",
                                          concurrency_limit=1, show_progress="minimal"),
                       self.question.submit(self.ask, ask_inputs, ask_outputs, api_visibility="private",
@@ -149,6 +156,9 @@ class ChatTab:
             asked.then(self.show_threshold, [self.state, *controls], [self.threshold], api_visibility="private",
                        show_progress="hidden")
         self.stop_btn.click(self.stop, None, None, api_name="stop", queue=False)
+        self.cancel_btn.click(self.cancel_wait, None, None, api_name="cancel_wait", queue=False)
+        timer.tick(self.watch, [self.state, *controls, self.seen], [self.status, self.threshold, self.seen],
+                   api_name="watch", show_progress="hidden", concurrency_limit=None)
         self.doc.input(self.open_document, self.open_inputs, self.open_outputs, api_name="open_document")
         chat_outputs = [self.state, self.chatbot, self.views.turn, *self.views.outputs, self.chats]
         self.new_chat.click(self.start_new_chat, [self.state], chat_outputs, api_name="new_chat")
@@ -167,10 +177,12 @@ class ChatTab:
                              show_progress="hidden")
         self.method.change(self.show_threshold, [self.state, *controls], [self.threshold],
                            api_visibility="private", show_progress="hidden")
-        self.centroid.release(self.reindex, [self.state, self.centroid, self.level1], [self.state, self.status],
-                              api_name="reindex")
-        self.level1.release(self.reindex, [self.state, self.centroid, self.level1], [self.state, self.status],
-                            api_visibility="private")
+        for slider in (self.centroid, self.level1):
+            slider.release(self.reindex, [self.state, self.centroid, self.level1], [self.state, self.status],
+                           api_name="reindex" if slider is self.centroid else None,
+                           api_visibility="public" if slider is self.centroid else "private").then(
+                self.show_threshold, [self.state, *controls], [self.threshold], api_visibility="private",
+                show_progress="hidden")
 
     # ------------------------------------------------------------------ opening a document
 
@@ -229,7 +241,8 @@ class ChatTab:
         services, store = self.services, self.services.store
         history = list(history or [])
         state = dict(state)
-        skip_views = [gr.skip()] * (len(self.views.outputs) + 1)  # (the views, then the chats list)
+        skip_views = [gr.skip()] * (len(self.views.outputs) + 2)  # (the views, the chats list, Cancel)
+        hidden = gr.update(visible=False)
         question = " ".join((question or "").split())
 
         def refuse(text: str, kind: str = "error"):
@@ -259,12 +272,28 @@ class ChatTab:
                 yield refuse(f"{status.name} cannot be asked: {status.message}.")
             return
         ctx = status.context_id
-        if state.get("chat_id") is None:
-            state["chat_id"] = store.chats.create(state["doc_id"], ctx, owner=owner_of(state))
-        stop = services.stops.flag(request.session_hash if request is not None else "-")
+        session = request.session_hash if request is not None else "-"
+        stop, cancel = services.stops.flag(session), services.cancels.flag(session)
         stop.clear()
+        cancel.clear()
         history += [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
         yield [history, "", state, self.status_html(status), gr.skip(), *skip_views]
+        try:  # the pending answer's place says what the question waits for, until the turn can start
+            for wait in waits(services, Asked(state["doc_id"], ctx, method, asked), stop, cancel):
+                history[-1] = {"role": "assistant", "content": wait.text}
+                yield [history, gr.skip(), gr.skip(), render.notice_html(wait.text, "wait"), gr.skip(),
+                       *skip_views[:-1], gr.update(visible=True, interactive=wait.cancellable)]
+        except WaitEnded as ended:  # no answer: the chat keeps only questions and answers; the question goes back
+            del history[-2:]
+            gr.Warning(ended.text)
+            yield [history, question, state, render.notice_html(ended.text, ended.kind), gr.skip(),
+                   *skip_views[:-1], hidden]
+            return
+        if state.get("chat_id") is None:
+            state["chat_id"] = store.chats.create(state["doc_id"], ctx, owner=owner_of(state))
+        history[-1] = {"role": "assistant", "content": ""}
+        yield [history, gr.skip(), state, self.status_html(doc_status(services, state["doc_id"], method, asked)),
+               gr.skip(), *skip_views[:-1], hidden]
 
         text, recorded = "", None
         turn = services.turns.answer(state["chat_id"], ctx, question, method, float(sparsity), int(max_new), compare,
@@ -287,10 +316,18 @@ class ChatTab:
         turns = store.chats.turns(state["chat_id"])
         yield [history, gr.skip(), state, self.status_html(doc_status(services, state["doc_id"], method, asked)),
                gr.update(choices=self.views.turn_choices(turns), value=recorded.row["idx"]),
-               *self.views.show(recorded.row), self.chat_choices(state["doc_id"], state["chat_id"], owner_of(state))]
+               *self.views.show(recorded.row), self.chat_choices(state["doc_id"], state["chat_id"], owner_of(state)),
+               hidden]
 
     def stop(self, request: gr.Request) -> None:
         self.services.stops.stop(request.session_hash if request is not None else "-")
+
+    def cancel_wait(self, request: gr.Request) -> None:
+        """Cancel what this session's question waits for (a training, an index build): it stops at its next step,
+        and the question is not answered. (During the model's load: stop waiting; the load goes on.)"""
+        session = request.session_hash if request is not None else "-"
+        self.services.cancels.stop(session)
+        self.services.stops.stop(session)
 
     # ------------------------------------------------------------------ the rest of the controls
 
@@ -365,7 +402,9 @@ class ChatTab:
     def threshold_text(self, state: dict, method: str, sparsity: float, centroid: float | None = None,
                        level1: float | None = None) -> str:
         """What a turn of `method` at `sparsity` would run on the open document: the plan the turn itself runs
-        (Engine.plan), or when the index is built."""
+        (Engine.plan); else what its first question waits for: the training the method needs once per model (with
+        the time it should take here), or the build of its index (under way in the background, or at the first
+        question)."""
         if not state.get("doc_id"):
             return ""
         asked = method_settings(centroid if centroid is not None else state["centroid_ratio"],
@@ -373,13 +412,57 @@ class ChatTab:
         status = doc_status(self.services, state["doc_id"], method, asked)
         if status.context_id is None:
             return ""
+        learning = self.learning_text(method)
+        if learning:
+            return learning
         try:
             plan = self.services.engine.plan(status.context_id, method, float(sparsity), asked)
         except (StorageError, ValueError):
             return ""
         if plan is None:
+            job = status.job
+            if job is not None and job.active:
+                return f"{index_text(method, job)} A question waits for it."
             return f"The {method} index is built at the first question (or in the background after a slider change)."
         return f"At {float(sparsity):.0%} sparsity, {method} uses: {plan.describe()}"
+
+    def learning_text(self, method: str) -> str | None:
+        """What `method` still has to learn once per model before it answers (None: nothing): how far its training
+        is, or how long it should take (before any question started it)."""
+        preparer = self.services.preparer
+        needed = self.services.engine.needs_preparation(method)
+        if not needed:
+            return None
+        view = preparer.view(method)
+        if view is not None and view.state == "running":
+            return training_text(view, method)
+        what = needed[0] if needed[0] == method else f"{needed[0]} (what {method} builds on)"
+        return (f"{method} learns what it needs once per model, before its first answer: training {what} takes "
+                f"{expected_text(preparer.expected_seconds(method))}. The first question starts it (Cancel stops it).")
+
+    def status_line(self, state: dict, method: str, centroid: float, level1: float) -> str:
+        """The line above the chat: where the open document stands for `method` and these settings, and what the
+        engine is busy with meanwhile (the model's load, the method's training)."""
+        services = self.services
+        status = doc_status(services, state["doc_id"], method, method_settings(centroid, level1))
+        if status.state == "ready":
+            if not services.engine.model_loaded and services.engine.load_step is not None:
+                return render.notice_html(load_text(services), "wait")
+            view = services.preparer.view(method) if services.engine.needs_preparation(method) else None
+            if view is not None and view.state == "running":
+                return render.notice_html(training_text(view, method), "wait")
+        return self.status_html(status)
+
+    def watch(self, state: dict, method: str, sparsity: float, centroid: float, level1: float, seen: dict) -> list:
+        """The poll's look at the open document for this session's controls: the status line and the plan hint,
+        sent only when they changed (a training's step, an index built or under way, the model loaded)."""
+        if not state.get("doc_id"):
+            return [gr.skip(), gr.skip(), seen]
+        line = self.status_line(state, method, centroid, level1)
+        key = [state["doc_id"], method, sparsity, centroid, level1, line]
+        if key == (seen or {}).get("key"):
+            return [gr.skip(), gr.skip(), seen]
+        return [line, self.threshold_text(state, method, sparsity, centroid, level1), {"key": key}]
 
     def show_threshold(self, state, method, sparsity, centroid, level1) -> str:
         return self.threshold_text(state, method, sparsity, centroid, level1)

@@ -54,7 +54,7 @@ def build_demo(engine: Engine, store: Store | None = None, *, worker: IngestWork
             with gr.Tab("Chat", id="chat", elem_id="sq-tab-chat"):
                 chat.render()
         timer = gr.Timer(config.poll_s)
-        chat.wire()
+        chat.wire(timer)
         library.wire(tabs, timer)
 
         # Coming back to the page: the browser's own chats (its token, made at its first visit), the library and jobs

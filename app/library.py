@@ -255,8 +255,8 @@ class LibraryTab:
                                 {v.id: error_text(v) for v in recent if v.status == "failed"})
         signature = [[r["id"], r["status"], r["tokens"]] for r in rows]
         choices = doc_choices(rows)
-        status = gr.skip()
-        if state.get("doc_id"):
+        status = gr.skip()  # (the poll leaves it to the chat's own, which knows its method: ChatTab.watch)
+        if state.get("doc_id") and not skip_unchanged:
             status = self.chat.status_html(doc_status(self.services, state["doc_id"]))
         if skip_unchanged and signature == state.get("library"):
             return [jobs, gr.skip(), gr.skip(), gr.skip(), status, gr.skip()]

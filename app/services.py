@@ -38,14 +38,30 @@ class Services:
     inspector: ContextInspector
     config: AppConfig
     stops: StopFlags = field(default_factory=StopFlags)
+    cancels: StopFlags = field(default_factory=StopFlags)  # Cancel of what a question waits for, per session
     turns: Turns | None = None  # made from the engine when not given
     preparer: Preparer | None = None  # likewise: methods' model-level artifacts learned in the background
+    _loader: threading.Thread | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.turns is None:
             self.turns = Turns(self.engine)
         if self.preparer is None:
-            self.preparer = Preparer(self.engine)
+            self.preparer = Preparer(self.engine, lambda: self.worker.seconds_per_token)
+
+    def load_model(self) -> threading.Thread:
+        """The model's load on a background thread (started at the first call; a failed load is reported by what
+        needs the model next, in plain words): alive while it loads."""
+        if self._loader is None:
+            self._loader = threading.Thread(target=self._load, name="load-model", daemon=True)
+            self._loader.start()
+        return self._loader
+
+    def _load(self) -> None:
+        try:
+            self.engine.load()
+        except Exception:  # noqa: BLE001 - the question that needs the model tells the same error
+            pass
 
     @property
     def model_id(self) -> str:
@@ -98,15 +114,6 @@ def doc_status(services: Services, doc_id: str, method: str | None = None,
     wanted = ContextSettings().as_dict()
     ready = next((c for c in contexts if c["settings"] == wanted and c["status"] == "ready"), None)
     active = job is not None and job.status in ("queued", "running")
-    if ready is not None and method:
-        training = services.preparer.start(method)  # the first use of a method that learns per model starts it
-        if training is not None and training.state == "running":
-            return DocStatus(doc_id, name, "preparing", ready["id"], False, job,
-                             f"{method} learns once per model first, in the background: {training.stage} "
-                             f"({time_left(training.seconds_left)})")
-        if training is not None and training.state == "failed":
-            return DocStatus(doc_id, name, "failed", ready["id"], False, job,
-                             f"{method} could not learn what it needs: {training.error}; ask again to retry")
     if ready is not None:
         stale = services.engine.stale_methods(ready["id"], [method], overrides) if method else []
         if not stale:

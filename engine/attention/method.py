@@ -202,6 +202,11 @@ class Method(ABC):
         """The settings `prepare` depends on (the key of its artifacts in the store): all of them by default."""
         return self.settings.as_dict()
 
+    def preparation_work(self) -> float:
+        """What `prepare` costs, in tokens of a document's ingest (its prefill and index build) with the same model on
+        the same machine: it should take this many times an ingest's seconds per token (0: nothing is learned)."""
+        return 0.0
+
     def stand_in(self, layers: list[int], num_kv_heads: int, head_dim: int) -> Tensors:
         """Model-level artifacts of the right shapes where no model is at hand (a synthetic context's tests), made
         without training; none by default."""

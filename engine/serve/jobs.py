@@ -51,6 +51,7 @@ LEARN_RATE = 0.5  # weight of the newest finished job in the learned stage share
 MIN_FRACTION_FOR_ETA = 0.03  # below this, elapsed / fraction is too noisy to extrapolate
 CHARS_PER_TOKEN = 4.0  # rough guess for a job whose document is not tokenized yet
 KEEP_FINISHED = 100  # finished jobs a worker lists (and keeps the timing of)
+RATE_JOBS = 10  # the latest finished jobs a new worker takes its first seconds per token from
 UPLOADS = "uploads"  # the cache's folder of uploads waiting for extraction (a file per document id)
 
 
@@ -126,7 +127,7 @@ class IngestWorker:
         self._uploads: dict[int, bytes] = {}  # the uploads, until they are extracted
         self._timing: dict[int, _Timing] = {}
         self._share = dict(DEFAULT_STAGE_SHARE)
-        self._seconds_per_token = seconds_per_token
+        self._seconds_per_token = seconds_per_token if seconds_per_token is not None else self._rate_seen()
         self._preload = preload
         self._preloading = False  # the worker is loading the model before its first job
         self._cancelled: set[int] = set()  # jobs asked to stop (queued or running)
@@ -301,6 +302,24 @@ class IngestWorker:
             pages=row["pages"], cached=row["cached"], error=row["error"], error_kind=row["error_kind"],
             settings=row["settings"], methods=tuple(row["methods"]),
         )
+
+    @property
+    def seconds_per_token(self) -> float | None:
+        """What an ingest takes per token on this machine with this model, as learned so far (None: unknown)."""
+        with self._cv:
+            return self._seconds_per_token
+
+    def _rate_seen(self) -> float | None:
+        """The seconds per token of the quickest of the latest ingests of this model that the store recorded (the
+        quickest: an earlier job's time may include loading the model), or None when none ran here."""
+        rates = []
+        for row in self.store.jobs.list(model=self.engine.model_id, limit=RATE_JOBS):
+            if row["status"] == "done" and not row["cached"] and row["tokens"] and row["started_at"] \
+                    and row["finished_at"]:
+                seconds = (_parse(row["finished_at"]) - _parse(row["started_at"])).total_seconds()
+                if seconds > 0:
+                    rates.append(seconds / row["tokens"])
+        return min(rates, default=None)
 
     # ------------------------------------------------------------------ the estimate (callers hold self._cv)
 

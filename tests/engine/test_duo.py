@@ -378,3 +378,60 @@ def test_preparer_reports_progress_a_failure_once_then_retries():
     while preparer.view("duo").state == "running" and time.monotonic() < deadline:
         time.sleep(0.005)
     assert preparer.view("duo").state == "done" and engine.calls == 2 and preparer.start("duo") is None
+
+
+def test_a_preparation_is_cancelled_at_its_next_step_and_its_expected_time_comes_from_the_ingest_rate():
+    """Preparer.cancel stops a run at its next progress report (state "cancelled"; the next start runs it again);
+    before its first step a run's time left is the expected time: the method's work in ingest tokens times the
+    seconds per token the ingests took."""
+    import threading
+    import time
+
+    from engine.methods import make_method
+    from engine.serve.preparer import CANCELLED, Preparer
+
+    class FakeEngine:
+        def __init__(self):
+            self.calls, self.done, self.first_step, self.go = 0, False, threading.Event(), threading.Event()
+
+        def needs_preparation(self, name):
+            return [] if self.done else ["duo"]
+
+        def method(self, name):
+            return make_method(name)
+
+        def prepared(self, name, progress):
+            self.calls += 1
+            self.go.wait(5)
+            for step in range(1, 1000):
+                progress(f"training duo: step {step}/999", step, 999)
+                self.first_step.set()
+                time.sleep(0.01)
+
+    engine = FakeEngine()
+    preparer = Preparer(engine, seconds_per_token=lambda: 0.0034)  # the embedded model's ingest on 2 CPU cores
+    expected = preparer.expected_seconds("duo")
+    assert expected == pytest.approx(0.0034 * make_method("duo").preparation_work())
+    assert 15 * 60 < expected < 19 * 60  # the defaults trained in 17 min there
+    assert Preparer(engine).expected_seconds("duo") is None  # no ingest timed yet: no estimate
+    first = preparer.start("duo")
+    assert first.state == "running" and first.seconds_left == pytest.approx(expected)
+    engine.go.set()
+    assert engine.first_step.wait(5)
+    assert preparer.cancel("duo")
+    deadline = time.monotonic() + 5
+    while preparer.view("duo").state == "running" and time.monotonic() < deadline:
+        time.sleep(0.005)
+    cancelled = preparer.view("duo")
+    assert (cancelled.state, cancelled.error) == ("cancelled", CANCELLED) and cancelled.done < 999
+    assert not preparer.cancel("duo")  # nothing under way
+    assert preparer.start("duo").state == "running" and engine.calls >= 1  # started again
+    assert preparer.cancel("duo")
+
+
+def test_saap_expected_training_time_matches_its_measured_one():
+    """Saap's defaults trained in 161 s on 2 CPU cores with the embedded model, which ingests 3.4 ms per token."""
+    from engine.methods import make_method
+
+    assert 0.0034 * make_method("saap").preparation_work() == pytest.approx(161, rel=0.05)
+    assert make_method("squeeze").preparation_work() == 0.0

@@ -377,3 +377,26 @@ def test_a_refused_upload_leaves_no_waiting_file(tmp_path):
             assert not (tmp_path / "cache" / "uploads" / view.doc_id).exists()
         finally:
             worker.close()
+
+
+def test_a_new_worker_starts_from_the_ingest_rate_of_earlier_jobs(store):
+    """The seconds per token (the measure of every estimate before a job is timed) come from the quickest of the
+    latest finished ingests the store recorded for the model; cached ones (an index rebuilt, a copy) do not count."""
+    engine, worker = make(store)
+    first = worker.submit_bytes(TEXT, "guide.txt")
+    assert worker.wait_idle(10)
+    worker.close()
+    context = worker.view(first.id).context_id
+    jobs = [first.id]
+    for _ in range(2):
+        jobs.append(store.jobs.create(document_id(TEXT), "guide.txt", engine.model_id, ContextSettings().as_dict()))
+        store.jobs.start(jobs[-1])
+    for job, (seconds, tokens, cached) in zip(jobs, ((40.0, 1000, False), (12.0, 4000, False), (1.0, 4000, True))):
+        if job != first.id:
+            store.jobs.finish(job, context_id=context, tokens=tokens, cached=cached)
+        with store.transaction() as db:
+            db.execute("UPDATE jobs SET started_at = ?, finished_at = ?, tokens = ? WHERE id = ?",
+                       ["2026-01-01T00:00:00+00:00", f"2026-01-01T00:00:{seconds:06.3f}+00:00", tokens, job])
+    _, later = make(store, start=False)
+    assert later.seconds_per_token == pytest.approx(12.0 / 4000)
+    assert make(store, start=False, seconds_per_token=0.5)[1].seconds_per_token == 0.5  # a given prior wins
