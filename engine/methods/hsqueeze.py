@@ -170,33 +170,41 @@ class HierarchicalSqueezePolicy(Method):
                 pw1_all.append(weight)
         t1 = pooled_thresholds(list(zip(s1_all, w1_all)), l1_sparsities)
         t1p = pooled_thresholds(list(zip(p1_all, pw1_all)), l1_sparsities) if prefill else None
-        # Level 2: for each grid point, the threshold over the survivors' scores (pruned clusters count as 0).
-        t2, t2p = [], []
-        for i, sparsity in enumerate(SPARSITY_GRID):
-            scores, weights, p_scores, p_weights = [], [], [], []
+        # Level 2: for each grid point, the threshold over the survivors' scores (pruned clusters count as 0). The
+        # survivors depend on the level-1 threshold alone, which most grid points share (those past level1_prune):
+        # the scores are taken once per distinct level-1 threshold, for all its grid points at once.
+        out = {"threshold_l1": t1, "threshold_l2": self._level2_thresholds(layers, t1, scale, False)}
+        if prefill:
+            out.update(threshold_l1_prefill=t1p, threshold_l2_prefill=self._level2_thresholds(layers, t1p, scale, True))
+        return out
+
+    def _level2_thresholds(self, layers: list[CalibrationSet], t1: torch.Tensor, scale: float,
+                           prefill: bool) -> torch.Tensor:
+        """[len(SPARSITY_GRID)] float64: at each grid point, the level-2 threshold pooled over the layers' samples of
+        the survivors of t1 at that point (a question's windows with `prefill`, else single tokens)."""
+        t2 = torch.zeros(len(SPARSITY_GRID), dtype=torch.float64)
+        for level1 in sorted({float(t) for t in t1}):
+            points = [i for i, t in enumerate(t1) if float(t) == level1]
+            scores, weights = [], []
             for layer in layers:
                 hq, hkv = layer.queries.shape[0], layer.index["counts"].shape[0]
-                rows = group_rows(settings.group, hq, hkv)
-                s2, allowed2 = self._token_scores(layer.queries, layer.index, float(t1[i]), scale, rows, REFERENCE)
-                sample, weight = weighted_samples(torch.where(allowed2, s2, torch.zeros_like(s2)), layer.index["counts"], rows)
+                rows = group_rows(self.settings.group, hq, hkv)
+                if prefill:
+                    windows = prefill_windows(layer.queries.shape[1])
+                    s2, allowed2 = self._window_scores(layer.queries, layer.index, level1, scale, rows, windows,
+                                                       REFERENCE)
+                    per_score = torch.tensor([w for _, _, w in windows], dtype=torch.float32, device=s2.device)
+                    sample, weight = weighted_samples(torch.where(allowed2, s2, torch.zeros_like(s2)),
+                                                      layer.index["counts"], rows, per_score)
+                else:
+                    s2, allowed2 = self._token_scores(layer.queries, layer.index, level1, scale, rows, REFERENCE)
+                    sample, weight = weighted_samples(torch.where(allowed2, s2, torch.zeros_like(s2)),
+                                                      layer.index["counts"], rows)
                 scores.append(sample)
                 weights.append(weight)
-                if not prefill:
-                    continue
-                windows = prefill_windows(layer.queries.shape[1])
-                s2, allowed2 = self._window_scores(layer.queries, layer.index, float(t1p[i]), scale, rows, windows, REFERENCE)
-                window_weights = torch.tensor([w for _, _, w in windows], dtype=torch.float32, device=s2.device)
-                sample, weight = weighted_samples(torch.where(allowed2, s2, torch.zeros_like(s2)), layer.index["counts"],
-                                                  rows, window_weights)
-                p_scores.append(sample)
-                p_weights.append(weight)
-            t2.append(float(pooled_thresholds(list(zip(scores, weights)), [sparsity])[0]))
-            if prefill:
-                t2p.append(float(pooled_thresholds(list(zip(p_scores, p_weights)), [sparsity])[0]))
-        out = {"threshold_l1": t1, "threshold_l2": torch.tensor(t2, dtype=torch.float64)}
-        if prefill:
-            out.update(threshold_l1_prefill=t1p, threshold_l2_prefill=torch.tensor(t2p, dtype=torch.float64))
-        return out
+            pooled = pooled_thresholds(list(zip(scores, weights)), [SPARSITY_GRID[i] for i in points])
+            t2[points] = pooled.to(torch.float64).cpu()
+        return t2
 
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> ThresholdPlan:
         """decode's (T1, T2) and the question prefill's (its own where calibrated, else decode's)."""

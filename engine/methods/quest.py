@@ -21,6 +21,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from engine.attention.budget import byte_share
 from engine.attention.method import (
     LayerIndex,
     LayerKeys,
@@ -127,6 +128,22 @@ class QuestPolicy(Method):
         if q.shape[1] > 1:
             sizes = torch.full((hkv, pages), page, dtype=torch.int64, device=q.device)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=scores, sizes=sizes)
+
+    def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[PagePlan], scale: float,
+              positions: torch.Tensor | None = None) -> list[float]:
+        """Method.reads without a lookup where a row is a KV head (the default group): each reads its plan's
+        pages(P) pages, every key past the full pages and every page's bounds, whatever q (rows of query heads
+        read the union of their pages: their lookups are counted)."""
+        lo = layer["page_min"]
+        hkv, pages, d = lo.shape
+        if group_rows(self.settings.group, q.shape[0], hkv) != hkv:
+            return super().reads(q, layer, plans, scale, positions)
+        quant = "bound_offset" in layer
+        key_size = q.element_size() if quant else lo.element_size()  # as the lookup counts them
+        index = hkv * (pages * 2 * d * lo.element_size() + (2 * d * 4 if quant else 0)) / key_size
+        rest = layer.num_keys - pages * self.settings.page_size  # a last partial page and the dense rows
+        return [byte_share(hkv * (plan.pages(pages) * self.settings.page_size + rest), index, hkv, layer.num_keys, d)
+                for plan in plans]
 
     def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
         """Page of each indexed key; the keys of a last partial page (read at every step) get the id P."""

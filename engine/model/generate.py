@@ -21,7 +21,7 @@ PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024)
 # The last captured length of a step that reads every key: beyond it the GPU's attention over the whole context
 # outweighs the host's launches (an 8B model at 128K on an H200: a 1K-token question's prefill 164 ms of GPU work in
 # 169 ms), and padding would add to that work. A sparse step's GPU work is a fraction of it: eager, squeeze's 1K-token
-# prefill at 10% kept the GPU busy 53 of its 99 ms (engine/bench/results/h200-e2e-128k-prefill-1k.json).
+# prefill at 10% kept the GPU busy 53 of its 99 ms (engine/bench/results/h200-e2e-128k-prefill-1k-eager.json).
 DENSE_PREFILL_MAX = 256
 
 

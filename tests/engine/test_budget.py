@@ -50,6 +50,28 @@ def test_read_fraction_counts_a_kv_heads_keys_once_and_the_index():
     assert Lookup(selection=None, index_elements=torch.zeros(1)).read_fraction(4, 10) == 1.0
 
 
+@pytest.mark.parametrize("settings", [{}, {"bounds": "int8"}, {"group": "query"}, {"page_size": 32}])
+def test_quest_reads_every_plan_as_its_lookups_do(settings):
+    """QuestPolicy.reads counts each plan's pages without a lookup where a row is a KV head; each value equals
+    Lookup.read_fraction of the method's own lookup at that plan (Method.reads), decode steps and a question's
+    prefill alike, a last partial page included (300 keys in pages of 16 or 32)."""
+    from engine.attention.method import LayerIndex, LayerKeys, Method
+    from engine.methods import make_method
+
+    g = torch.Generator().manual_seed(9)
+    hq, hkv, d, n, tail = 4, 2, 16, 300, 8
+    keys = torch.randn(hkv, n + tail, d, generator=g)
+    queries = torch.randn(hq, 40, d, generator=g)
+    policy = make_method("quest", settings)
+    index = LayerIndex(tensors=policy.build(LayerKeys(layer_idx=0, keys=keys[:, :n], tail=tail), {}, {}),
+                       num_keys=n + tail, tail=tail)
+    plans = [policy.plan_keys({}, f, f, f) for f in KEYS_GRID]
+    for q, pos in ((queries[:, -1:], torch.tensor([n + tail - 1])), (queries[:, 5:17], torch.arange(n - 12, n))):
+        fast = policy.reads(q, index, plans, d**-0.5, pos)
+        assert fast == pytest.approx(Method.reads(policy, q, index, plans, d**-0.5, pos), abs=1e-12)
+        assert len(set(fast)) > 5  # the plans read different amounts: the grid is exercised
+
+
 @pytest.mark.parametrize("settings", [{}, {"group": "query"}, {"centroids": "exact", "level1_ratio": 0.05}])
 def test_hsqueeze_reads_every_plan_as_its_lookups_do(settings):
     """HierarchicalSqueezePolicy.reads scores level 1 once and level 2 once per level-1 threshold; each value equals
