@@ -112,6 +112,24 @@ class SparseAttentionConfig:
             raise ValueError(f"split needs chunk >= 1 and workers >= 1, got chunk={self.chunk} workers={self.workers}")
 
 
+@dataclass(frozen=True)
+class DecodeTiles:
+    """A decode step's split-KV tiles (plan's knobs, the defaults above): keys per inner step (halved for D = 256),
+    warps and pipeline stages of a worker, and persistent workers per SM. `python -m engine.bench.union --sweep`
+    times alternatives on a GPU."""
+
+    block_n: int = DECODE_BLOCK_N
+    num_warps: int = DECODE_WARPS
+    num_stages: int = DECODE_STAGES
+    workers_per_sm: int = DECODE_WORKERS_PER_SM
+
+    def __post_init__(self):
+        if self.block_n < 32 or self.block_n & (self.block_n - 1) or min(self.num_warps, self.num_stages,
+                                                                          self.workers_per_sm) < 1:
+            raise ValueError(f"decode tiles need a power-of-two block_n >= 32 and positive warps, stages and "
+                             f"workers: {self}")
+
+
 @functools.lru_cache(maxsize=None)
 def _has_tma(device: torch.device) -> bool:
     """Tensor descriptors: Triton >= 3.4 on a GPU of compute capability 9 or more (Hopper's copy engine)."""
@@ -139,7 +157,8 @@ def packed_buffer_entries(capacity: int, head_dim: int, elem_bytes: int) -> int:
 
 
 def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num_sms: int,
-         elem_bytes: int = 2, tma: bool = False, dense: bool = False, extra_items: int = 0) -> SparseAttentionConfig:
+         elem_bytes: int = 2, tma: bool = False, dense: bool = False, extra_items: int = 0,
+         tiles: DecodeTiles = DecodeTiles()) -> SparseAttentionConfig:
     """The default config for M = G * Lq query rows per row, from shapes only (never from device values).
 
     capacity: selection.indices.numel() (an upper bound of the selected keys of all rows together).
@@ -147,10 +166,11 @@ def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num
     dense: every key of every row, in order (`dense_attention`): the loads are contiguous already, nothing is packed.
     extra_items: work items each row has beside its keys' in a decode step (kernels/union_ops.py: new tokens, follow
     rows), taken out of its share of the workers.
+    tiles: a decode step's tiles (DecodeTiles; the defaults unless a benchmark sweeps them).
     """
     if num_m <= DECODE_MAX_M:
-        block_n = DECODE_BLOCK_N if head_dim <= 128 else DECODE_BLOCK_N // 2
-        target_workers = DECODE_WORKERS_PER_SM * num_sms
+        block_n = tiles.block_n if head_dim <= 128 else tiles.block_n // 2
+        target_workers = tiles.workers_per_sm * num_sms
         # dense: every key, so items sized for all of them (cut for a tenth, full attention's step at 128K merged 410
         # partials a row: 8.6 us a layer on an H200)
         expected = capacity if dense else min(capacity, int(rows * num_keys * DECODE_EXPECTED_FRACTION))
@@ -158,8 +178,8 @@ def plan(num_m: int, rows: int, head_dim: int, capacity: int, num_keys: int, num
         chunk = block_n * triton.cdiv(triton.cdiv(max(1, expected // rows), row_items), block_n)
         chunk = min(max(chunk, DECODE_MIN_CHUNK), DECODE_MAX_CHUNK)
         workers = max(1, min(max_items(capacity, rows, num_keys, chunk), target_workers))
-        return SparseAttentionConfig(split=True, block_m=16, block_n=block_n, num_warps=DECODE_WARPS,
-                                     num_stages=DECODE_STAGES, chunk=chunk, workers=workers)
+        return SparseAttentionConfig(split=True, block_m=16, block_n=block_n, num_warps=tiles.num_warps,
+                                     num_stages=tiles.num_stages, chunk=chunk, workers=workers)
     # H200, 128K, 32/8, 1024 new tokens, 16% kept, packed K/V, copy included (engine/bench/tune.py):
     # 128 x 128 tiles on 8 warps, 3 stages: 0.73 ms through tensor descriptors, 0.77 ms through plain loads;
     # 64 x 128 on 4 warps 0.84 ms (the 64-row tiles read every key block from L2 twice as often). Head dim 256:

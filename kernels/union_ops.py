@@ -39,7 +39,10 @@ def union_attention(
     follow: FollowRows | None = None,
     out: torch.Tensor | None = None,
     tally: StepTally | None = None,
+    tiles: sparse_ops.DecodeTiles = sparse_ops.DecodeTiles(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """kernels.reference.union.union_attention's signature and semantics; tiles: the split launch's
+    (sparse_ops.DecodeTiles: the defaults unless a benchmark sweeps them)."""
     check_qkv(q, k_new, v_new)
     hq, lq, d = q.shape
     hkv, n_new = k_new.shape[:2]
@@ -70,10 +73,10 @@ def union_attention(
     extra = NEW_ITEMS_EXPECTED + int(with_follow)
     sms = sparse_ops.num_sms(q.device)
     cfg = sparse_ops.plan(num_m, rows, d, capacity, num_keys, sms, k.element_size(), dense=selection is None,
-                          extra_items=extra)
+                          extra_items=extra, tiles=tiles)
     items = sparse_ops.max_items(capacity, rows, num_keys, cfg.chunk) + rows * (triton.cdiv(n_new, cfg.chunk)
                                                                                 + int(with_follow))
-    workers = max(1, min(items, sparse_ops.DECODE_WORKERS_PER_SM * sms))  # the plan's, counting these items too
+    workers = max(1, min(items, tiles.workers_per_sm * sms))  # the plan's, counting these items too
     part_out = torch.empty(items, num_m, d, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(items, num_m, device=q.device, dtype=torch.float32)
     if out is None:

@@ -1,6 +1,7 @@
 """A decode step's attention at one layer: the union kernel against the kernels it replaces.
 
-    python -m engine.bench.union [--shape llama3-8b] [--context 131072] [--budget 0.1] [--follow 72] [--out FILE]
+    python -m engine.bench.union [--shape llama3-8b] [--context 131072] [--budget 0.1] [--follow 72] [--run 64]
+                                 [--sweep] [--out FILE]
 
 One global layer of the shape (random bf16 K/V, Hq/Hkv heads), one query token: a selection of `budget` of the
 keys per KV head in contiguous runs (a clustered layout's ranges), `follow` follow rows through a layout order, and
@@ -8,20 +9,24 @@ a new-token buffer with `--new` visible slots. Times, replayed from CUDA graphs,
 (one split-KV launch over the selection, the new tokens and the follow rows, one merge into the model's layout) and
 (b) the sparse, follow and causal kernels in turn (kernels.union_ops.union_in_turn: four launches), for the
 selection and for every key (full attention); checks that both give the same output. Prints one JSON document (us
-per call), with the registers and spills of the kernels where Triton reports them.
+per call), with the registers and spills of the kernels where Triton reports them. `--sweep` also times the union
+kernel over the selection at every split-KV tiling of SWEEP (kernels.sparse_ops.DecodeTiles: keys per inner step,
+warps, pipeline stages, workers per SM), fastest first, each checked against the default's output.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
+from dataclasses import asdict
 
 import torch
 
 from engine.bench.e2e.models import SHAPES
 from engine.bench.e2e.report import emit
 from engine.bench.kernels import bench_graph
-from kernels import union_ops
+from kernels import sparse_ops, union_ops
 from kernels.backend import TRITON
 from kernels.jit.sparse import sparse_attn_fwd_kernel
 from kernels.jit.union import union_attn_fwd_kernel
@@ -36,6 +41,28 @@ def clustered_selection(hkv: int, n: int, budget: float, run: int, gen: torch.Ge
     keys = (keep[:, :, None] * run + torch.arange(run)).reshape(hkv, -1)  # [Hkv, kept]
     indptr = torch.arange(hkv + 1) * keys.shape[1]
     return Selection(indptr.to(device), keys.reshape(-1).to(device, torch.int32), n)
+
+
+# The tilings --sweep times: keys per inner step x warps x pipeline stages x workers per SM
+SWEEP = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3, 4), "workers_per_sm": (2, 3, 4)}
+
+
+def sweep(call, want: torch.Tensor) -> list[dict]:
+    """call(tiles) -> the union's output [Hq, Lq, D]: each tiling of SWEEP timed from a CUDA graph (us), fastest
+    first; a tiling that fails to compile or run is listed with its error, one whose output differs from `want`
+    by more than bf16's rounding with its difference."""
+    rows = []
+    for values in itertools.product(*SWEEP.values()):
+        tiles = sparse_ops.DecodeTiles(**dict(zip(SWEEP, values)))
+        entry = dict(zip(SWEEP, values))
+        try:
+            error = float((call(tiles).float() - want).abs().max())
+            entry.update(union_us=round(bench_graph(lambda t=tiles: call(t)) * 1e3, 2), max_abs_diff=error,
+                         same=error <= 2e-2)
+        except Exception as exc:  # noqa: BLE001 - a tiling the GPU cannot run is reported, not fatal
+            entry["error"] = f"{type(exc).__name__}: {str(exc)[:160]}"
+        rows.append(entry)
+    return sorted(rows, key=lambda r: r.get("union_us", float("inf")))
 
 
 def registers(kernel) -> list[dict]:
@@ -59,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new", type=int, default=100, help="new-token slots the query sees")
     parser.add_argument("--registers", default=f"{union_ops.MAX_REGISTERS},0",
                         help="kernels.union_ops.MAX_REGISTERS values to time (0: no cap)")
+    parser.add_argument("--run", type=int, default=64, help="keys per run of the selection (a cluster, a page)")
+    parser.add_argument("--sweep", action="store_true", help="also time the split launch's tilings (SWEEP)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -74,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     q = torch.randn(hq, 1, d, device=device, dtype=torch.bfloat16)
     k_start = n
     q_pos = torch.tensor([k_start + args.new - 1], device=device)
-    selection = clustered_selection(hkv, n, args.budget, 64, gen, device)
+    selection = clustered_selection(hkv, n, args.budget, args.run, gen, device)
     indexed = n - 64
     order = torch.stack([torch.randperm(indexed, generator=gen) for _ in range(hkv)]).to(device, torch.int32)
     follow = FollowRows(torch.randperm(indexed, generator=gen)[: args.follow].to(device), 0, indexed, order)
@@ -82,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     scale = d ** -0.5
     result: dict = {"bench": "union", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                     "shape": args.shape, "context": n, "budget": args.budget, "follow_rows": args.follow,
-                    "new_tokens": args.new, "cases": {}}
+                    "new_tokens": args.new, "run": args.run, "cases": {}}
     caps = [int(x) for x in args.registers.split(",")]
     for (case, sel, rows), cap in ((c, cap) for c in (("selection", selection, follow), ("every key", None, None))
                                    for cap in caps):
@@ -99,6 +128,15 @@ def main(argv: list[str] | None = None) -> int:
         result["cases"][f"{case}, registers {cap or 'uncapped'}"] = {
             "union_us": round(bench_graph(one) * 1e3, 2), "in_turn_us": round(bench_graph(in_turn) * 1e3, 2),
             "max_abs_diff": error}
+    if args.sweep:
+        union_ops.MAX_REGISTERS = caps[0]
+
+        def tiled(tiles):
+            return union_ops.union_attention(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow,
+                                             out=out, tiles=tiles)[0]
+
+        result["default_tiles"] = asdict(sparse_ops.DecodeTiles())
+        result["sweep"] = sweep(tiled, tiled(sparse_ops.DecodeTiles()).float().clone())
     result["registers"] = {"union_attn_fwd_kernel": registers(union_attn_fwd_kernel),
                            "sparse_attn_fwd_kernel": registers(sparse_attn_fwd_kernel)}
     emit(result, args.out)

@@ -118,6 +118,27 @@ def test_kernel_matches_reference(shape, dtype):
         assert torch.equal(got[2].cpu(), want[2])
 
 
+@pytest.mark.parametrize("tiles", [dict(block_n=32, num_warps=8, num_stages=2, workers_per_sm=2),
+                                   dict(block_n=128, num_warps=4, num_stages=4, workers_per_sm=4)])
+def test_other_tiles_attend_the_same(tiles):
+    """A decode step under another split-KV tiling (what `engine.bench.union --sweep` times): the same output, lse
+    and fresh follow rows as the reference, and a bad tiling refused."""
+    from kernels.sparse_ops import DecodeTiles
+
+    q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(4, 8, 2, 2, 1, 700, 300, 150, 8, True)
+    want = reference.union_attention(q, k, v, sel, SCALE, k_new[:, :150], v_new[:, :150], q_pos, k_start, follow)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    sel = Selection(on(sel.indptr), on(sel.indices), sel.num_keys)
+    follow = FollowRows(on(follow.positions), follow.first, follow.indexed, on(follow.order))
+    got = union_ops.union_attention(*(on(x) for x in (q, k, v)), sel, SCALE, on(k_new), on(v_new), on(q_pos),
+                                    k_start, follow, tiles=DecodeTiles(**tiles))
+    torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[2].cpu(), want[2])
+    with pytest.raises(ValueError):
+        DecodeTiles(block_n=48)
+
+
 def test_a_query_that_sees_no_new_token_has_only_the_fixed_part():
     """Positions before the new tokens' first slot (a step replayed over an empty buffer): no new-token item, the
     fixed part alone."""
