@@ -11,6 +11,10 @@ from plotly.subplots import make_subplots
 from app.render import HIGH, LOW, cluster_colour
 
 FONT = dict(family="system-ui, sans-serif", size=12)
+TICK_LABELS_PX = 24  # an axis's tick labels at FONT's size, with their padding
+ROLE_NOTE_PX = 30  # the heatmap's R / S note: one line under the head labels
+AXIS_TITLE_PX = 48  # the projection's x tick labels and axis title, which its legend goes under
+LEGEND_PX = 40  # the projection's legend: one row of four entries (two on a narrow page)
 SCALE = [[0.0, "rgb(%d,%d,%d)" % LOW], [1.0, "rgb(%d,%d,%d)" % HIGH]]  # kept fraction 0 -> 1, as the app's CSS
 
 
@@ -51,11 +55,13 @@ def heatmap_figure(stats: dict) -> go.Figure:
             hovertemplate=("layer %{y}, head %{x}<br>%{z:.1f}% of the keys kept (%{customdata} of "
                            f"{fixed})<extra>{title}</extra>")), row=1, col=col)
         fig.update_yaxes(autorange="reversed", row=1, col=col)
-    fig.update_layout(height=120 + 34 * max(1, len(layers)), margin=dict(l=10, r=10, t=40, b=10), font=FONT,
-                      plot_bgcolor="white", paper_bgcolor="white")
-    if roles:
+    note = ROLE_NOTE_PX if roles else 0  # room under the head labels for the R / S note
+    fig.update_layout(height=120 + 34 * max(1, len(layers)) + note, margin=dict(l=10, r=10, t=40, b=10 + note),
+                      font=FONT, plot_bgcolor="white", paper_bgcolor="white")
+    if roles:  # below the plots' head labels (TICK_LABELS_PX), never on them
         fig.add_annotation(text="R: a retrieval head (every key); S: a streaming head (the first and the last tokens)",
-                           x=0, y=-0.02, xref="paper", yref="paper", yanchor="top", showarrow=False, font=FONT)
+                           x=0, y=0, xref="paper", yref="paper", xanchor="left", yanchor="top",
+                           yshift=-TICK_LABELS_PX, showarrow=False, font=FONT)
     return fig
 
 
@@ -101,9 +107,11 @@ def projection_figure(proj) -> go.Figure:
                            + (" (retrieved)" if retrieved else "") + "<extra></extra>")))
     caption = (f"layer {proj.layer}, KV head {proj.kv_head}: {len(pts)} of {proj.total} keys, {len(hit)} of "
                f"{len(shown)} clusters retrieved; the two components hold {100 * proj.explained:.0f}% of the variance")
-    fig.update_layout(title=dict(text=caption, font=dict(size=12)), height=420, font=FONT,
-                      margin=dict(l=10, r=10, t=50, b=10), plot_bgcolor="#fcfcfd", paper_bgcolor="white",
-                      legend=dict(orientation="h", y=-0.05), dragmode="zoom",
+    plot_px = 330  # the plotting area; the legend sits under the x axis's title, in the bottom margin
+    fig.update_layout(title=dict(text=caption, font=dict(size=12)), height=50 + plot_px + AXIS_TITLE_PX + LEGEND_PX,
+                      font=FONT, margin=dict(l=10, r=10, t=50, b=AXIS_TITLE_PX + LEGEND_PX), plot_bgcolor="#fcfcfd",
+                      paper_bgcolor="white", dragmode="zoom",
+                      legend=dict(orientation="h", x=0, xanchor="left", yanchor="top", y=-AXIS_TITLE_PX / plot_px),
                       xaxis=dict(title="component 1", zeroline=False), yaxis=dict(title="component 2", zeroline=False))
     return fig
 

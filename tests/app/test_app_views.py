@@ -153,6 +153,11 @@ def test_projection_of_one_head_marks_the_retrieved_clusters(ctx):
     assert len(drawn["retrieved centroids"].x) == 1 and drawn["retrieved centroids"].marker.symbol == "diamond"
     assert "cluster %{customdata[0]}" in drawn["other keys"].hovertemplate.replace("key of ", "")
     assert fig.layout.title.text.startswith(f"layer {LAYER}, KV head 0: 10 of ")
+    # the legend hangs under the x axis's title (its tick labels and title take AXIS_TITLE_PX), inside the margin
+    plot_px = fig.layout.height - fig.layout.margin.t - fig.layout.margin.b
+    legend_top_px = -fig.layout.legend.y * plot_px
+    assert fig.layout.legend.yanchor == "top" and legend_top_px >= figures.AXIS_TITLE_PX - 1
+    assert fig.layout.margin.b >= legend_top_px + figures.LEGEND_PX - 1
     with pytest.raises(ValueError, match="no squeeze index"):
         ContextInspector(store).projection(cid, "squeeze", LAYER + 1, 0, [])
     assert ContextInspector(store).unit_labels(cid, "quest") == {}  # not built for this context
@@ -222,7 +227,10 @@ def test_heatmap_marks_duo_heads_as_retrieval_or_streaming():
              "kept_fraction_decode": [[1.0, 1.0], [0.08, 0.08]], "steps": 3, "extra": {"unit": "head"}}
     fig = figures.heatmap_figure(stats)
     assert [list(row) for row in fig.data[0].text] == [["R", "R"], ["S", "S"]]
-    assert any("R: a retrieval head (every key)" in a.text for a in fig.layout.annotations)
+    note = next(a for a in fig.layout.annotations if "R: a retrieval head (every key)" in a.text)
+    # under the head labels (not on them), in a bottom margin made for it
+    assert note.y == 0 and note.yanchor == "top" and note.yshift <= -figures.TICK_LABELS_PX
+    assert fig.layout.margin.b >= figures.TICK_LABELS_PX + 16  # a line of 12-px text
 
 
 def test_small_formatters():
