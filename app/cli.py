@@ -45,7 +45,7 @@ def _progress(enabled: bool):
 
 
 # Methods that learn something once per model (Method.prepare): what `squeeze train` trains.
-QUICK_COMMANDS = ("list", "delete")  # answered without loading torch or transformers (nor `squeeze --help`)
+QUICK_COMMANDS = ("list", "delete", "repair")  # answered without loading torch or transformers (nor `squeeze --help`)
 SHOWN_VALUES = 64  # an artifact of at most this many values is printed whole by `squeeze train`
 
 
@@ -201,6 +201,18 @@ def cmd_delete(args) -> int:
     return 0
 
 
+def cmd_repair(args) -> int:
+    """Rebuild a damaged cache index from the rows it can still read (storage.salvage_index)."""
+    from storage import salvage_index  # noqa: PLC0415
+
+    report = salvage_index(args.cache_dir or default_cache_dir())
+    if args.json:
+        print(json.dumps({"copied": report.copied, "lost": report.lost, "damaged": str(report.damaged)}))
+    else:
+        print("\n".join(report.lines()))
+    return 0
+
+
 def cmd_serve(args) -> int:
     from app.serve import check_exposure, parse_auth  # noqa: PLC0415 - (no gradio, no torch: checked first)
 
@@ -345,6 +357,10 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
     p = sub.add_parser("delete", parents=[common], help="delete a cached document and its contexts")
     p.add_argument("doc_id")
     p.set_defaults(func=cmd_delete)
+    p = sub.add_parser("repair", parents=[common],
+                       help="rebuild a damaged cache index from the rows it can still read (the damaged file is kept "
+                            "beside it as index.db.damaged-TIME)")
+    p.set_defaults(func=cmd_repair)
     p = sub.add_parser("serve", parents=[common], help="the web app: upload, chat, and what attention retrieved")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: localhost only; another needs a "
                                                         "login: --auth-file or --auth)")

@@ -23,6 +23,7 @@ from .documents import (
 )
 from .errors import AmbiguousIdError, DamagedArtifactError, MissingArtifactError, NotFoundError, StorageError
 from .repositories.jobs import INTERRUPTED
+from .salvage import SalvageReport, salvage_index
 from .store import Store
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "NoTextError",
     "NotAFileError",
     "NotFoundError",
+    "SalvageReport",
     "StorageError",
     "Store",
     "UnsupportedTypeError",
@@ -46,5 +48,6 @@ __all__ = [
     "load_document",
     "load_document_bytes",
     "read_tensors",
+    "salvage_index",
     "write_tensors",
 ]

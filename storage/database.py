@@ -138,9 +138,9 @@ class Database:
         if problems != ["ok"]:
             found = "; ".join(line.strip() for p in problems for line in p.splitlines()
                               if line.strip() and not line.startswith("***"))
-            raise StorageError(f"the cache index {path} is damaged ({found[:200]}): move it aside (its "
-                               "documents' files stay under blobs/, unread) and prepare the documents again, or "
-                               "give another --cache-dir")
+            raise StorageError(f"the cache index {path} is damaged ({found[:200]}): `squeeze repair --cache-dir "
+                               f"{self.root}` rebuilds it from the rows it can still read (the damaged file is kept "
+                               "beside it), or move it aside and prepare the documents again")
 
     def _check_read_only_schema(self) -> None:
         """A read-only index is read as it is: it must be of this version's schema (it cannot be migrated)."""

@@ -18,6 +18,7 @@ from storage import (
     Store,
     load_document_bytes,
     read_tensors,
+    salvage_index,
     write_tensors,
 )
 from storage.blobs import TEMP_SUFFIX
@@ -771,5 +772,73 @@ def test_a_damaged_index_is_refused_at_open_with_what_to_do(tmp_path):
     assert len(data) > 4 * page
     data[2 * page : 3 * page] = b"\xa5" * page  # a whole b-tree page garbled
     index.write_bytes(bytes(data))
-    with pytest.raises(StorageError, match=r"index\.db is damaged .* move it aside"):
+    with pytest.raises(StorageError, match=r"index\.db is damaged .* `squeeze repair --cache-dir .*` rebuilds it"):
         Store(tmp_path)
+
+
+def _filled_cache(root, documents: int = 40) -> None:
+    """A cache with `documents` documents, each a context and a chat of two turns (a few pages of each table)."""
+    with Store(root) as store:
+        for i in range(documents):
+            context = new_context(store, text=f"note {i} " * 50)
+            chat = store.chats.create(context["doc_id"], context["id"])
+            for t in range(2):
+                store.chats.add_turn(chat, f"question {i}.{t}?", f"answer {i}.{t} " * 20, "squeeze", 0.9, {"n": t})
+
+
+def _rows(path, table: str) -> list[tuple]:
+    import sqlite3
+
+    with sqlite3.connect(path) as conn:
+        return conn.execute(f'SELECT * FROM "{table}" ORDER BY rowid').fetchall()
+
+
+def test_an_intact_index_salvaged_keeps_every_row(tmp_path):
+    """The salvage of an index nothing damaged copies every row of every table as it was (the reference case of
+    the salvage: the same rows, ids included), keeps the old file beside it, and the cache opens as before."""
+    _filled_cache(tmp_path, documents=5)
+    report = salvage_index(tmp_path)
+    assert report.damaged.is_file() and report.damaged.name.startswith("index.db.damaged-")
+    assert sum(report.lost.values()) == 0 and report.copied["documents"] == 5 and report.copied["turns"] == 10
+    for table in ("documents", "contexts", "chats", "turns", "jobs", "artifacts"):
+        assert _rows(tmp_path / "index.db", table) == _rows(report.damaged, table), table
+    with Store(tmp_path) as store:
+        assert len(store.documents.list()) == 5
+    assert "documents: 5 kept" in report.lines()
+
+
+def test_a_damaged_index_is_rebuilt_from_the_rows_it_can_read(tmp_path, capsys):
+    """A garbled page of index.db: `squeeze repair` keeps every row it can still read, drops the rows whose parent
+    was lost (a chat without its document), keeps the damaged file, and the cache opens, lists and reads again."""
+    import sqlite3
+
+    from app.cli import main
+
+    _filled_cache(tmp_path)
+    index = tmp_path / "index.db"
+    before = {t: len(_rows(index, t)) for t in ("documents", "contexts", "chats", "turns")}
+    data = bytearray(index.read_bytes())
+    page = 4096
+    hit = data.index(b"note 20 note 20") // page  # a leaf page of the documents table
+    data[hit * page : (hit + 1) * page] = b"\xa5" * page  # garbled
+    index.write_bytes(bytes(data))
+    with pytest.raises(StorageError, match="squeeze repair"):
+        Store(tmp_path)
+    assert main(["repair", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "the damaged index is kept as" in out and "lost" in out
+    damaged = next(p for p in tmp_path.glob("index.db.damaged-*") if not p.name.endswith(("-wal", "-shm")))
+    with sqlite3.connect(index) as conn:
+        assert conn.execute("PRAGMA quick_check").fetchone()[0] == "ok"
+        assert conn.execute("PRAGMA foreign_key_check").fetchall() == []
+    after = {t: len(_rows(index, t)) for t in before}
+    assert 0 < after["documents"] < before["documents"]  # the garbled page's documents lost, the others kept
+    assert after["chats"] == after["contexts"] == after["documents"]  # a lost document's rows went with it
+    assert after["turns"] == 2 * after["chats"]
+    with Store(tmp_path) as store:
+        docs = store.documents.list()
+        assert len(docs) == after["documents"]
+        for doc in docs:  # every kept chat's turns read back
+            for chat in store.chats.list(doc["id"]):
+                assert all(t["question"].startswith("question ") for t in store.chats.turns(chat["id"]))
+    assert damaged.stat().st_size == len(data)
