@@ -140,7 +140,8 @@ def doc_status(services: Services, doc_id: str, method: str | None = None,
                          f"could not be prepared: {failed['error'] or 'unknown error'}")
     if name is None:
         return DocStatus(doc_id, doc_id, "unknown", None, False, None, "no such document")
-    return DocStatus(doc_id, name, "unknown", None, False, job, "not prepared for this model yet")
+    return DocStatus(doc_id, name, "unknown", None, False, job,
+                     "not prepared for this model yet; upload the file again to prepare it")
 
 
 def library_rows(services: Services) -> list[dict]:

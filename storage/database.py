@@ -247,8 +247,8 @@ class Database:
         """Bring the schema up to :data:`SCHEMA_VERSION`, each migration in one transaction.
 
         A script runs statement by statement on the open transaction (``executescript``
-        would commit first and run the rest outside it), so a failed migration leaves
-        the index as it was.
+        would commit first and run the rest outside it), and a Python step on that
+        transaction's database, so a failed migration leaves the index as it was.
         """
         with self.transaction() as db:
             db.execute(VERSION_TABLE_SQL)
@@ -262,8 +262,11 @@ class Database:
                     )
                 if version <= current:
                     continue
-                for statement in split_statements(script):
-                    db.conn.execute(statement)
+                if callable(script):
+                    script(db)
+                else:
+                    for statement in split_statements(script):
+                        db.conn.execute(statement)
                 db.table("schema_version").insert({"version": version, "applied_at": now()})
 
     def schema_version(self) -> int:

@@ -19,6 +19,13 @@ Policies:
   line are dropped, runs of 3+ newlines collapse to one blank line, and the
   text is stripped.  PDF pages are normalised one by one and joined with
   :data:`PAGE_SEPARATOR`, so ``page_starts`` indexes the final text exactly.
+* Page furniture is left out of a PDF's text (:func:`strip_page_furniture`): a line among the first or last
+  :data:`FURNITURE_EDGE_LINES` non-empty lines of its page that recurs there on at least half of the pages with
+  text, and on at least :data:`FURNITURE_MIN_PAGES` of them: the same words (a running header or footer), or
+  the same words with a number that counts the pages ("Page 12 of 40", "- 12 -", a bare "12").  A number alone
+  goes only when it counts the pages.  Each page is cut on its own, so the page map still places every
+  remaining character on its page.  A model that reads the furniture between the pages writes it after its
+  answers.
 """
 
 from __future__ import annotations
@@ -27,8 +34,11 @@ import bisect
 import codecs
 import hashlib
 import io
+import math
 import re
-from dataclasses import dataclass
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
 
 from pypdf import PasswordType, PdfReader
@@ -54,6 +64,13 @@ _BOMS = (  # UTF-32 first: its little-endian BOM starts with the UTF-16 one
 _TRAILING_SPACE = re.compile(r"[ \t\f\v\u00a0]+$", re.MULTILINE)
 _BLANK_RUN = re.compile(r"\n{3,}")
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+FURNITURE_EDGE_LINES = 3  # a page's first and last this many non-empty lines can be furniture, no others
+FURNITURE_MIN_PAGES = 3  # a line is furniture when it recurs on at least this many pages ...
+FURNITURE_MIN_SHARE = 0.5  # ... and on at least this share of the pages with text
+FURNITURE_MAX_CHARS = 120  # a longer line is body text, however often it recurs
+_DIGITS = re.compile(r"\d+")
+_LETTER = re.compile(r"[^\W\d_]")
 
 
 # --------------------------------------------------------------------------- errors
@@ -210,7 +227,7 @@ def load_document_bytes(data: bytes, name: str) -> Document:
         reason = "the file holds only whitespace" if data else "the file is empty"
         raise EmptyDocumentError(name, reason)
     if kind == "pdf":
-        text, starts = _join_pages([_normalise(p) for p in _pdf_page_texts(data, name)])
+        text, starts = _join_pages(strip_page_furniture([_normalise(p) for p in _pdf_page_texts(data, name)]))
         if not text:
             raise NoTextError(name, len(starts))
     else:
@@ -251,6 +268,95 @@ def _join_pages(pages: list[str]) -> tuple[str, tuple[int, ...]]:
         pos += len(page)
     starts.extend([pos] * waiting)
     return "".join(parts), tuple(starts)
+
+
+def page_texts(text: str, page_starts: Sequence[int]) -> list[str]:
+    """The normalised text of each page of a document's ``text`` (as :func:`_join_pages` joined them; an empty
+    page's is ``""``), from its page map: len(page_starts) strings."""
+    ends = (*page_starts[1:], len(text))
+    return [text[start:end].strip() for start, end in zip(page_starts, ends)]
+
+
+def without_furniture(doc: Document) -> Document:
+    """``doc`` with its pages' furniture left out (:func:`strip_page_furniture`) and its page map made again for the
+    text that remains; a text file's document as it is (it has no pages)."""
+    if doc.kind != "pdf":
+        return doc
+    text, starts = _join_pages(strip_page_furniture(page_texts(doc.text, doc.page_starts)))
+    return replace(doc, text=text, page_starts=starts)
+
+
+def strip_page_furniture(pages: list[str]) -> list[str]:
+    """Normalised page texts without their page furniture (the module docstring says which lines are), each
+    normalised again: len(pages) strings. The pages come back as they are when fewer than
+    :data:`FURNITURE_MIN_PAGES` have text, or when no text would be left."""
+    filled = sum(1 for page in pages if page)
+    if filled < FURNITURE_MIN_PAGES:
+        return list(pages)
+    need = max(FURNITURE_MIN_PAGES, math.ceil(FURNITURE_MIN_SHARE * filled))
+    cut = _furniture(_edge_lines(pages), need)
+    if not cut:
+        return list(pages)
+    out = []
+    for p, page in enumerate(pages):
+        kept = (line for i, line in enumerate(page.split("\n")) if (p, i) not in cut)
+        out.append(_normalise("\n".join(kept)))
+    return out if any(out) else list(pages)
+
+
+@dataclass(frozen=True)
+class _EdgeLine:
+    """One of the first or last :data:`FURNITURE_EDGE_LINES` non-empty lines of a page."""
+
+    page: int  # index of its page in the document
+    line: int  # index of the line among its page's lines
+    side: str  # "top" | "bottom"
+    text: str  # the line with its whitespace collapsed
+
+
+def _edge_lines(pages: list[str]) -> list[_EdgeLine]:
+    """The lines of every page that may be furniture: its first and last few non-empty ones, short enough."""
+    out = []
+    for p, page in enumerate(pages):
+        lines = page.split("\n")
+        filled = [i for i, line in enumerate(lines) if line.strip()]
+        for side, picked in (("top", filled[:FURNITURE_EDGE_LINES]), ("bottom", filled[-FURNITURE_EDGE_LINES:])):
+            for i in picked:
+                text = " ".join(lines[i].split())
+                if len(text) <= FURNITURE_MAX_CHARS:
+                    out.append(_EdgeLine(p, i, side, text))
+    return out
+
+
+def _furniture(edges: list[_EdgeLine], need: int) -> set[tuple[int, int]]:
+    """(page, line) of each edge line that is furniture: one with words that recurs unchanged on the same side of
+    at least ``need`` pages, or one whose shape (its numbers as ``#``) recurs there and whose number counts the
+    pages (:func:`_page_numbered`)."""
+    same: dict[tuple[str, str], list[_EdgeLine]] = defaultdict(list)  # (side, text) -> its lines
+    shaped: dict[tuple[str, str], list[_EdgeLine]] = defaultdict(list)  # (side, shape) -> its lines
+    for edge in edges:
+        if _LETTER.search(edge.text):
+            same[(edge.side, edge.text)].append(edge)
+        if _DIGITS.search(edge.text):
+            shaped[(edge.side, _DIGITS.sub("#", edge.text))].append(edge)
+    found = {(e.page, e.line) for group in same.values() if len({e.page for e in group}) >= need for e in group}
+    for group in shaped.values():
+        if len({e.page for e in group}) >= need:
+            found |= _page_numbered(group, need)
+    return found
+
+
+def _page_numbered(group: list[_EdgeLine], need: int) -> set[tuple[int, int]]:
+    """(page, line) of the lines of one shape whose number at one place counts the pages: that number minus its
+    page's index is the same on at least ``need`` pages (only those lines; none when no place does)."""
+    numbers = [[int(n) for n in _DIGITS.findall(edge.text)] for edge in group]
+    for place in range(len(numbers[0])):
+        offsets = [found[place] - edge.page for found, edge in zip(numbers, group)]
+        pages = Counter(offset for offset, _ in {(o, e.page) for o, e in zip(offsets, group)})
+        offset, count = pages.most_common(1)[0]
+        if count >= need:
+            return {(edge.page, edge.line) for edge, o in zip(group, offsets) if o == offset}
+    return set()
 
 
 def _one_line(exc: BaseException) -> str:

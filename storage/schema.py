@@ -1,12 +1,18 @@
 """The SQLite schema of the store's index, as numbered migrations.
 
-Each migration is a SQL script applied once, in order, inside one
-transaction; ``schema_version`` records which ones ran.  To change the
-schema, append ``(N, "ALTER TABLE ...")`` to :data:`MIGRATIONS`; never edit an
-applied one.
+Each migration is a SQL script (or a Python step over the rows, for what SQL cannot say) applied once, in order,
+inside one transaction; ``schema_version`` records which ones ran.  To change the schema, append
+``(N, "ALTER TABLE ...")`` to :data:`MIGRATIONS`; never edit an applied one.
 """
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import sqlite_utils
+
+from .documents import Document, without_furniture
 
 VERSION_TABLE_SQL = """
 CREATE TABLE IF NOT EXISTS schema_version (
@@ -199,5 +205,26 @@ _V7 = """
 ALTER TABLE documents ADD COLUMN deleted_at TEXT;
 """
 
-MIGRATIONS: tuple[tuple[int, str], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4), (5, _V5), (6, _V6), (7, _V7))
+
+def _v8(db: sqlite_utils.Database) -> None:
+    """8: a PDF's text leaves out its page furniture (storage.documents.strip_page_furniture). Each stored PDF's
+    text is made again from its stored pages, with its page map; where that changes the text, its contexts go (their
+    tokens and offsets are the old text's; their files are left for Store.remove_orphan_files), its chats and jobs
+    stay without them."""
+    for row in list(db.query("SELECT * FROM documents WHERE kind = 'pdf'")):
+        stored = Document(name=row["name"], kind=row["kind"], text=row["text"],
+                          page_starts=tuple(json.loads(row["page_starts"])), sha256=row["sha256"])
+        doc = without_furniture(stored)
+        if doc.text == stored.text:
+            continue
+        db.execute("UPDATE documents SET text = ?, chars = ?, page_starts = ? WHERE id = ?",
+                   [doc.text, len(doc.text), json.dumps(list(doc.page_starts)), row["id"]])
+        db.execute("UPDATE jobs SET context_id = NULL WHERE doc_id = ?", [row["id"]])
+        db.execute("DELETE FROM contexts WHERE doc_id = ?", [row["id"]])  # cascades to artifacts and builds
+
+
+Migration = str | Callable[[sqlite_utils.Database], None]  # SQL statements, or a step over the rows
+
+MIGRATIONS: tuple[tuple[int, Migration], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4), (5, _V5), (6, _V6),
+                                                 (7, _V7), (8, _v8))
 SCHEMA_VERSION = MIGRATIONS[-1][0]

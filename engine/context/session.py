@@ -24,7 +24,7 @@ from engine.model.graph import StepGraphs, graphs_supported
 from engine.model.load import LoadedModel
 from engine.model.prefill import Progress, global_scale, no_progress
 from engine.model.sampling import GenerationOptions, Sampler
-from engine.text.prompt import HISTORY_TOKENS, Exchange, cut_at_stop, held_back, prompt_format, turn_ids
+from engine.text.prompt import HISTORY_TOKENS, Exchange, answer_held_back, cut_answer, prompt_format, turn_ids
 from kernels.backend import Backend
 
 
@@ -209,9 +209,10 @@ class ContextSession:
         history: the chat's earlier exchanges, oldest first (the latest that fit `history_tokens` and the model's
         context go into the input, after the document: new tokens, read densely); options: how tokens are chosen
         (None: greedy). The answer's stop strings count from its first non-blank character (engine.text.prompt.cut_at_stop):
-        an answer that opens with blank lines goes on; a piece that could begin a stop string is held back until the
-        next tokens tell (engine.text.prompt.held_back), so a stream never shows a stop string's start. until: the answer
-        also ends once until(its text so far) holds (squeeze eval's needles: the key said)."""
+        an answer that opens with blank lines goes on; it also ends at a line that is only a page number after a
+        finished sentence (engine.text.prompt.cut_answer); a piece that could begin a stop string or such a line is
+        held back until the next tokens tell (engine.text.prompt.answer_held_back), so a stream never shows either.
+        until: the answer also ends once until(its text so far) holds (squeeze eval's needles: the key said)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
         lm = self.lm
@@ -241,8 +242,8 @@ class ContextSession:
                 ended = True
                 break
             generated.append(token)
-            text, stopped = cut_at_stop(lm.tokenizer.decode(generated, skip_special_tokens=True), fmt.stop_strings)
-            visible = text if stopped else text[:len(text) - held_back(text, fmt.stop_strings)]
+            text, stopped = cut_answer(lm.tokenizer.decode(generated, skip_special_tokens=True), fmt.stop_strings)
+            visible = text if stopped else text[:len(text) - answer_held_back(text, fmt.stop_strings)]
             visible = visible.rstrip("\ufffd")  # (a character whose bytes are not all there yet decodes as U+FFFD)
             if visible.startswith(shown) and len(visible) > len(shown):
                 yield Delta(visible[len(shown):])
@@ -250,6 +251,7 @@ class ContextSession:
             if stopped or (until is not None and until(text)):
                 break
         tokens.close()  # hands the replayed steps' statistics to the recorder
+        text = cut_answer(text, fmt.stop_strings, final=True)[0]  # (its last line is a whole one now)
         if text.startswith(shown) and len(text) > len(shown):  # the end held back: no stop string after all
             yield Delta(text[len(shown):])
         self.cache.reset_dynamic()

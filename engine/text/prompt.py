@@ -5,11 +5,14 @@ the chat, oldest dropped first past a token limit, and the question).
 Two formats (`prompt_format`): the base-model one ("Question: ... Answer:" after the document; the answer ends at
 a blank line or a new question), and the tokenizer's chat template, split at the document so that the document's
 K/V are the same for every turn: the fixed context is the template's text up to the end of the document, a turn is
-the rest of the template's rendering of the whole conversation (checked to begin with that same text).
+the rest of the template's rendering of the whole conversation (checked to begin with that same text). In both, an
+answer also ends at a line that is only a page number after a finished sentence (`cut_answer`): the model carrying
+on with the document's page footers rather than answering.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +23,12 @@ EXCHANGE_TEMPLATE = "\n\nQuestion: {question}\nAnswer: {answer}"  # an earlier t
 STOP_STRINGS = ("\n\n", "\nQuestion:", "\nAnswer:")  # a base model answers, then starts a new paragraph, question or answer
 ANSWER_RESERVE = 1024  # tokens of the model's context kept free for the question and the answer
 HISTORY_TOKENS = 1024  # at most this many tokens of a chat's earlier turns go into a turn's input
+# A line that is only a page's number ("18", "- 18 -", "Page 18", "18 of 40", "p. 18") after an answer's finished
+# sentence is no answer: the model goes on writing the document, whose pages end with such lines.
+_PAGE_LINE = re.compile(r"[ \t]*[-\u2013\u2014]?[ \t]*(?:(?:page|p\.)[ \t]*)?\d{1,4}"
+                        r"(?:[ \t]*(?:/|of)[ \t]*\d{1,4})?[ \t]*[-\u2013\u2014]?[ \t]*", re.IGNORECASE)
+_PAGE_LINE_START = re.compile(r"[ \t\d/.\-\u2013\u2014pageofPAGEOF]{0,24}")  # what may still become one
+_SENTENCE_END = re.compile(r"[.!?\u2026)\]\"'\u201d\u2019*`]$")  # an answer's text that has ended its sentence
 _DOCUMENT = "\x00DOCUMENT\x00"  # stands for the document where a chat template is rendered
 _QUESTION = "\x00QUESTION\x00"
 
@@ -106,6 +115,46 @@ def held_back(text: str, stops: Sequence[str]) -> int:
                 best = k
                 break
     return best
+
+
+def page_line_at(text: str, final: bool = False) -> int | None:
+    """Where an answer so far ends when one of its lines is only a page number after a finished sentence (the end
+    of that sentence: the blank lines and the number go), or None. A line counts once a newline ends it, the last
+    one too when `final` (the answer is over)."""
+    lines = text.split("\n")
+    at = len(lines[0]) + 1  # where lines[i] starts
+    for i in range(1, len(lines)):
+        line = lines[i]
+        if (i < len(lines) - 1 or final) and _PAGE_LINE.fullmatch(line):
+            before = text[:at].rstrip()
+            if _SENTENCE_END.search(before):
+                return len(before)
+        at += len(line) + 1
+    return None
+
+
+def page_line_held(text: str) -> int:
+    """How many trailing characters of an answer so far could still become a page-number line after its finished
+    sentence (page_line_at): a stream shows them once the next tokens tell."""
+    at = text.rfind("\n")
+    if at < 0 or not _PAGE_LINE_START.fullmatch(text[at + 1:]):
+        return 0
+    before = text[:at].rstrip()
+    return len(text) - len(before) if _SENTENCE_END.search(before) else 0
+
+
+def cut_answer(text: str, stops: Sequence[str], final: bool = False) -> tuple[str, bool]:
+    """The answer so far up to its first stop string (cut_at_stop) or page-number line (page_line_at), and whether
+    it ends there. final: the answer is over (its last line counts as ended)."""
+    text, stopped = cut_at_stop(text, stops)
+    at = page_line_at(text, final or stopped)
+    return (text[:at], True) if at is not None else (text, stopped)
+
+
+def answer_held_back(text: str, stops: Sequence[str]) -> int:
+    """How many trailing characters of an answer so far a stream holds back: those that could start a stop string
+    (held_back) or become a page-number line (page_line_held)."""
+    return max(held_back(text, stops), page_line_held(text))
 
 
 def _clean(text: str) -> str:

@@ -14,7 +14,17 @@ from engine.context.settings import ContextSettings
 from engine.methods import make_method
 from engine.model.load import load_model
 from engine.model.sampling import GenerationOptions, Sampler, greedy, top_p_filter
-from engine.text.prompt import BasePrompt, ChatPrompt, Exchange, cut_at_stop, prompt_format, tokenize_document, turn_ids
+from engine.text.prompt import (
+    BasePrompt,
+    ChatPrompt,
+    Exchange,
+    answer_held_back,
+    cut_answer,
+    cut_at_stop,
+    prompt_format,
+    tokenize_document,
+    turn_ids,
+)
 from kernels.backend import REFERENCE
 from tests.engine.test_engine_tiny import plain_greedy
 from tests.support.tiny_models import CHAT_TEMPLATE, byte_tokenizer, make_tiny_model
@@ -90,6 +100,33 @@ def test_a_stream_holds_back_what_could_start_a_stop_string(text, held):
     from engine.text.prompt import STOP_STRINGS, held_back
 
     assert held_back(text, STOP_STRINGS) == held
+
+
+ANSWER = "The ferry leaves at 7:40 from pier 3."
+
+
+@pytest.mark.parametrize("text,stops,final,want", [
+    (f"{ANSWER}\n18\n\nFerry timetable", (), False, (ANSWER, True)),  # the document's footer, then its next page
+    (f"{ANSWER}\n\n- 19 -\n", (), False, (ANSWER, True)),
+    (f"{ANSWER}\nPage 20 of 40\n", (), False, (ANSWER, True)),
+    (f"{ANSWER}\n18\n\nFerry", ("\n\n", "\nQuestion:"), False, (ANSWER, True)),  # cut at a stop string, then here
+    (f"{ANSWER}\n21", (), False, (f"{ANSWER}\n21", False)),  # the line may still go on
+    (f"{ANSWER}\n21", (), True, (ANSWER, True)),  # the answer is over: its last line is whole
+    (f"{ANSWER}\n2. Bicycles travel free.", (), True, (f"{ANSWER}\n2. Bicycles travel free.", False)),  # a list
+    ("The crossings leave at:\n7\n16\n", (), True, ("The crossings leave at:\n7\n16\n", False)),  # answers
+    ("18", (), True, ("18", False)),  # an answer that is a number
+])
+def test_an_answer_ends_at_a_page_number_line_after_its_sentence(text, stops, final, want):
+    """A model that reads a document's page footers writes the next one after its answer: a line of a page number
+    alone after a finished sentence ends the answer there; numbers that answer stay."""
+    assert cut_answer(text, stops, final) == want
+
+
+@pytest.mark.parametrize("text,held", [(f"{ANSWER}\n1", 2), (f"{ANSWER}\n\nPag", 5), (f"{ANSWER}\n", 1),
+                                       (f"{ANSWER}\n- 19 -", 7), (f"{ANSWER}\nBicycles", 0),
+                                       ("The crossings leave at:\n7", 0), ("7", 0)])
+def test_a_stream_holds_back_what_could_become_a_page_number_line(text, held):
+    assert answer_held_back(text, ()) == held
 
 
 @pytest.fixture(scope="module")
@@ -240,3 +277,27 @@ def test_an_oversized_document_is_refused_from_its_start_alone(monkeypatch):
     monkeypatch.setattr(prompt, "MAX_CHARS_PER_TOKEN", 10**6)  # the whole text tokenized
     whole = tokenize_document(tok, text, max_context, truncate=True)
     assert torch.equal(cut.ids, whole.ids) and torch.equal(cut.offsets, whole.offsets)
+
+
+@pytest.mark.parametrize("after,pulled", [("\n18\n\nOrsa ferry guide\nThe ferry", "\n18\n"), ("\n19", "\n19<eos>")])
+def test_a_stream_ends_at_the_page_number_a_model_writes_after_its_answer(chat_session, monkeypatch, after, pulled):
+    """The model's tokens after its answer (scripted here) go on with the document's footer: the stream shows the
+    answer alone, never a piece of the number, and stops taking tokens once the number's line has ended (or at the
+    end-of-sequence token after it)."""
+    import engine.context.session
+
+    lm, _, session = chat_session
+    tok = lm.tokenizer
+    ids = tok(ANSWER + after, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    taken = []
+
+    def scripted(lm, step, prompt, max_new_tokens, sampler=None):
+        for token in ids[:max_new_tokens]:
+            taken.append(token)
+            yield token
+
+    monkeypatch.setattr(engine.context.session, "generate_tokens", scripted)
+    events = list(session.stream("When does the ferry leave?", "full", 0.0, max_new_tokens=len(ids)))
+    shown = "".join(e.text for e in events[:-1])
+    assert shown == events[-1].text == ANSWER
+    assert tok.decode(taken) == ANSWER + pulled

@@ -19,7 +19,7 @@ from storage import (
     load_document,
     load_document_bytes,
 )
-from storage.documents import PAGE_SEPARATOR
+from storage.documents import PAGE_SEPARATOR, page_texts, strip_page_furniture, without_furniture
 from tests.support.pdfs import make_blank_pdf, make_encrypted_pdf, make_text_pdf
 
 PAGES = [
@@ -127,6 +127,84 @@ def test_a_named_pipe_or_a_folder_is_refused_without_reading(tmp_path):
 def test_encrypted_pdf_with_empty_user_password_is_accepted():
     doc = load_document_bytes(make_encrypted_pdf("owner password only", user_password=""), "o.pdf")
     assert doc.text == "owner password only"
+
+
+# --------------------------------------------------------------------------- page furniture
+
+BODIES = [  # a specification's body text, one page each; its own numbers do not count the pages
+    "1 Scope\nThis document specifies the frame format of the widget bus.\nA frame holds 64 bytes of payload.",
+    "2 Frames\nEach frame opens with a sync word of 16 bits.\nTable 3 lists the 12 frame kinds.\n42",
+    "3 Timing\nA node answers within 250 microseconds.",
+    "4 Errors\nA node that misses 3 frames resets its link.\nSee clause 2 for the sync word.",
+    "5 Power\nThe bus draws at most 40 mA per node.",
+]
+HEADER = "Widget Bus Specification, revision 2.1"
+
+
+def furnished(bodies: list[str]) -> list[str]:
+    """Each body with the running header above it and a footer below: the page's number, then 'Page N of M'."""
+    return [f"{HEADER}\n{body}\n{n}\nPage {n} of {len(bodies)}" for n, body in enumerate(bodies, start=1)]
+
+
+def test_pdf_page_furniture_is_left_out_and_the_page_map_follows():
+    """The running header and both footers go, the body stays whole (its own numbers included, the '42' at a
+    page's foot too), and every page's start points at its body."""
+    doc = load_document_bytes(make_text_pdf(furnished(BODIES)), "spec.pdf")
+    assert doc.text == PAGE_SEPARATOR.join(BODIES)
+    assert HEADER not in doc.text and "Page 1 of" not in doc.text
+    assert doc.pages == len(BODIES)
+    for number, (start, body) in enumerate(zip(doc.page_starts, BODIES), start=1):
+        assert doc.text[start:start + len(body)] == body
+        assert doc.page_of(start) == number and doc.page_of(start + len(body) - 1) == number
+    assert doc.page_of(doc.text.index("42")) == 2
+
+
+def test_page_numbers_that_do_not_count_the_pages_and_short_documents_stay():
+    """A bare number at the same place on every page goes only when it counts the pages; words recurring on fewer
+    than half of the pages, and documents of fewer than three pages, keep everything."""
+    same_number = [f"{body}\n7" for body in BODIES]  # a '7' under every page: not a page number
+    assert load_document_bytes(make_text_pdf(same_number), "a.pdf").text == PAGE_SEPARATOR.join(same_number)
+    rare = [f"Draft\n{body}" if i < 2 else body for i, body in enumerate(BODIES)]  # 2 of 5 pages
+    assert load_document_bytes(make_text_pdf(rare), "b.pdf").text == PAGE_SEPARATOR.join(rare)
+    two = furnished(BODIES[:2])
+    assert load_document_bytes(make_text_pdf(two), "c.pdf").text == PAGE_SEPARATOR.join(two)
+    counted = [f"{body}\n- {n + 10} -" for n, body in enumerate(BODIES)]  # numbered from 10: still counts them
+    assert load_document_bytes(make_text_pdf(counted), "d.pdf").text == PAGE_SEPARATOR.join(BODIES)
+
+
+def test_only_edge_lines_are_furniture_and_a_page_of_furniture_alone_is_kept():
+    """A line that recurs on every page but sits deeper than the first and last three lines is body text; pages
+    with nothing but furniture are kept as they are rather than emptied; an empty page counts in the numbering."""
+    words = ("amber", "birch", "cedar", "dune", "elm")
+    deep = [f"{body}\nRecurring note\n{w} one\n{w} two\n{w} three" for w, body in zip(words, BODIES)]
+    assert strip_page_furniture(deep) == deep
+    only = [f"{HEADER}\n{n}" for n in range(1, 5)]
+    assert strip_page_furniture(only) == only
+    numbered = [f"{HEADER}\n{body}\n{n}" for n, body in zip((1, 2, 4, 5, 6), BODIES)]
+    with_gap = [*numbered[:2], "", *numbered[2:]]  # page 3 has no text
+    assert strip_page_furniture(with_gap) == [*BODIES[:2], "", *BODIES[2:]]
+
+
+def test_a_stored_document_is_cut_again_from_its_pages():
+    """without_furniture rebuilds a PDF document from its text and page map as extraction would have made it; a
+    text file has no pages and stays as it is."""
+    pages = furnished(BODIES)
+    old = Document(name="spec.pdf", kind="pdf", text=PAGE_SEPARATOR.join(pages),
+                   page_starts=_starts(pages), sha256="0" * 64)
+    assert page_texts(old.text, old.page_starts) == pages
+    new = without_furniture(old)
+    assert (new.text, new.page_starts) == (PAGE_SEPARATOR.join(BODIES), _starts(BODIES))
+    assert new.sha256 == old.sha256 and new.name == old.name
+    text = Document(name="n.txt", kind="txt", text=old.text, page_starts=(0,), sha256="0" * 64)
+    assert without_furniture(text) is text
+
+
+def _starts(pages: list[str]) -> tuple[int, ...]:
+    out, pos = [], 0
+    for page in pages:
+        out.append(pos)
+        pos += len(page) + len(PAGE_SEPARATOR)
+    return tuple(out)
 
 
 # --------------------------------------------------------------------------- errors

@@ -637,6 +637,44 @@ def test_a_version_3_index_gains_evals_and_keeps_its_rows(tmp_path, monkeypatch)
         assert store.evals.list(MODEL)[0]["id"] == eval_id and store.evals.latest(MODEL)["bench"] == "eval"
 
 
+def test_a_version_7_index_leaves_page_furniture_out_of_its_pdfs(tmp_path, monkeypatch):
+    """A PDF stored with its page furniture gets the text and page map extraction makes now; its contexts (made
+    from the old text) go, their files at the next clean-up, while its chats and jobs stay without them. A PDF
+    without furniture and a text file keep their text and contexts."""
+    import storage.database
+    from storage.documents import PAGE_SEPARATOR, Document
+
+    bodies = ["1 Scope\nThe widget bus carries frames.", "2 Frames\nA frame holds 64 bytes.",
+              "3 Timing\nA node answers in 250 us.", "4 Errors\nA node resets after 3 misses."]
+    pages = [f"Widget Bus Specification\n{body}\n{n}" for n, body in enumerate(bodies, start=1)]
+    starts = tuple(sum(len(p) + len(PAGE_SEPARATOR) for p in pages[:i]) for i in range(len(pages)))
+    furnished = Document(name="spec.pdf", kind="pdf", text=PAGE_SEPARATOR.join(pages), page_starts=starts,
+                         sha256="1" * 64)  # as extraction stored it before
+    clean = load_document_bytes(make_text_pdf(bodies[:2]), "clean.pdf")
+    monkeypatch.setattr(storage.database, "MIGRATIONS", MIGRATIONS[:7])
+    monkeypatch.setattr(storage.database, "SCHEMA_VERSION", 7)
+    with Store(tmp_path) as old:
+        spec_id, _ = old.documents.add(furnished)
+        context = old.contexts.context_for(spec_id, MODEL, SETTINGS)
+        path = old.root / old.artifacts.save(context["id"], "offsets", torch.zeros(3, 2))["path"]
+        old.contexts.mark_ready(context["id"], 3)
+        chat_id = old.chats.create(spec_id, context["id"])
+        job_id = old.jobs.create(spec_id, "spec.pdf", MODEL, SETTINGS, context_id=context["id"])
+        kept = [old.contexts.context_for(old.documents.add(d)[0], MODEL, SETTINGS)["id"]
+                for d in (clean, make_doc("Page 1\n\nhello"))]
+    monkeypatch.undo()
+    with Store(tmp_path) as store:
+        assert store.schema_version() == SCHEMA_VERSION
+        doc = store.documents.get(spec_id)
+        assert doc.text == PAGE_SEPARATOR.join(bodies)
+        assert [doc.text[s:s + len(b)] for s, b in zip(doc.page_starts, bodies)] == bodies
+        assert store.documents.find(spec_id)["chars"] == len(doc.text)
+        assert store.contexts.list(spec_id) == []
+        assert store.chats.get(chat_id)["context_id"] is None and store.jobs.get(job_id)["context_id"] is None
+        assert [store.contexts.get(c)["id"] for c in kept] == kept
+        assert path.exists() and store.remove_orphan_files() == 1 and not path.exists()
+
+
 def test_a_failed_migration_changes_nothing(tmp_path, monkeypatch):
     import storage.database
 
