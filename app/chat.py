@@ -9,8 +9,19 @@ import secrets
 import gradio as gr
 
 from app import render
-from app.config import CENTROID_RATIOS, LEVEL1_RATIOS, SPARSITY_MAX, SPARSITY_MIN, method_settings
+from app.config import (
+    CENTROID_RATIOS,
+    LEVEL1_RATIOS,
+    MAX_NEW_MIN,
+    REPETITIONS,
+    SPARSITY_MAX,
+    SPARSITY_MIN,
+    TEMPERATURES,
+    TOP_PS,
+    method_settings,
+)
 from app.services import Services, doc_choices, doc_status, library_rows
+from app.settings import ChatSettings
 from app.views import TurnViews
 from app.waits import Asked, WaitEnded, expected_text, index_text, load_text, training_text, waits
 from engine.serve import METHODS, REGISTRY, ContextSettings, Delta, GenerationOptions, build_order, plain_error
@@ -26,6 +37,12 @@ def new_state(config) -> dict:
 
 
 OWNER_TOKEN = re.compile(r"[0-9a-f]{32}")
+CHAT_TAB, LIBRARY_TAB = "chat", "library"  # the tabs' ids (the browser keeps the one it shows)
+
+
+def to_chat_tab() -> list:
+    """What shows the Chat tab: the tabs' update, and the tab the browser keeps (app.demo.Page's navigation)."""
+    return [gr.Tabs(selected=CHAT_TAB), CHAT_TAB]
 
 
 def owner_of(state: dict) -> str:
@@ -63,8 +80,11 @@ def compare_message(compare: dict) -> str:
 
 
 class ChatTab:
-    def __init__(self, services: Services, state: gr.State, last_doc: gr.BrowserState):
-        self.services, self.state, self.last_doc = services, state, last_doc
+    def __init__(self, services: Services, state: gr.State, last_doc: gr.BrowserState,
+                 kept_settings: gr.BrowserState):
+        """last_doc, kept_settings: what the browser keeps across reloads (the open document; the controls, as
+        `ChatSettings.as_stored`)."""
+        self.services, self.state, self.last_doc, self.kept_settings = services, state, last_doc, kept_settings
         self.views = TurnViews(services)
 
     # ------------------------------------------------------------------ layout
@@ -106,8 +126,8 @@ class ChatTab:
                                                 elem_id="sq-level1")
                     with gr.Row():
                         self.compare = gr.Checkbox(False, label="Compare with full attention", elem_id="sq-compare")
-                        self.max_new = gr.Slider(8, cfg.max_new_tokens_limit, value=cfg.max_new_tokens, step=8,
-                                                 label="Max answer tokens")
+                        self.max_new = gr.Slider(MAX_NEW_MIN, cfg.max_new_tokens_limit, value=cfg.max_new_tokens,
+                                                 step=MAX_NEW_MIN, label="Max answer tokens", elem_id="sq-max-new")
                     with gr.Row():
                         self.chats = gr.Dropdown(label="Chats of this document (newest first)", choices=[],
                                                  value=None, scale=4, elem_id="sq-chats")
@@ -119,11 +139,12 @@ class ChatTab:
                     gr.Markdown("Greedy (temperature 0) by default: the same question gets the same answer. "
                                 "The repetition penalty counts the answer's own words only, never the document's.")
                     with gr.Row():
-                        self.temperature = gr.Slider(0.0, 2.0, value=0.0, step=0.05, label="Temperature",
-                                                     elem_id="sq-temperature")
-                        self.top_p = gr.Slider(0.05, 1.0, value=1.0, step=0.05, label="Top-p", elem_id="sq-top-p")
-                        self.repetition = gr.Slider(1.0, 2.0, value=1.0, step=0.05, label="Repetition penalty",
-                                                    elem_id="sq-repetition")
+                        self.temperature = gr.Slider(*TEMPERATURES, value=TEMPERATURES[0], step=0.05,
+                                                     label="Temperature", elem_id="sq-temperature")
+                        self.top_p = gr.Slider(*TOP_PS, value=TOP_PS[1], step=0.05, label="Top-p",
+                                               elem_id="sq-top-p")
+                        self.repetition = gr.Slider(*REPETITIONS, value=REPETITIONS[0], step=0.05,
+                                                    label="Repetition penalty", elem_id="sq-repetition")
                 with gr.Accordion("The methods against full attention at equal KV budgets", open=False):
                     self.evaluation = gr.HTML("", elem_id="sq-evaluation")  # filled at each page load (app.demo)
             with gr.Column(scale=6, min_width=420, elem_id="sq-views"):
@@ -133,6 +154,12 @@ class ChatTab:
     @property
     def open_inputs(self) -> list:
         return [self.doc, self.state, self.method, self.sparsity]
+
+    @property
+    def setting_controls(self) -> list:
+        """The controls the browser keeps across reloads, in `ChatSettings`' field order."""
+        return [self.method, self.sparsity, self.max_new, self.temperature, self.top_p, self.repetition, self.compare,
+                self.centroid, self.level1]
 
     @property
     def open_outputs(self) -> list:
@@ -170,6 +197,9 @@ class ChatTab:
         for dd in (self.views.layer, self.views.head):
             dd.input(self.show_projection, proj_inputs, [self.views.projection], api_name="show_projection",
                      api_visibility="public" if dd is self.views.layer else "private")
+        for control in self.setting_controls:  # (set by the user, or restored at a page load)
+            control.change(self.remember, self.setting_controls, [self.kept_settings], api_visibility="private",
+                           show_progress="hidden", queue=False)
         self.method.change(lambda m: [gr.update(visible=has_setting(m, "centroid_ratio")),
                                       gr.update(visible=has_setting(m, "level1_ratio"))],
                            [self.method], [self.centroid, self.level1], api_visibility="private")
@@ -330,6 +360,11 @@ class ChatTab:
         self.services.stops.stop(session)
 
     # ------------------------------------------------------------------ the rest of the controls
+
+    def remember(self, *values) -> dict:
+        """What the browser keeps of the controls (`setting_controls`' values), to restore them at the next page
+        load (app.demo.Page.restore)."""
+        return ChatSettings.from_controls(values, self.services.config).as_stored()
 
     def start_new_chat(self, state: dict) -> list:
         state = {**state, "chat_id": None}

@@ -16,6 +16,10 @@ from engine.serve import (
 SPARSITY_MIN, SPARSITY_MAX = 0.5, MAX_SPARSITY  # the slider's range
 CENTROID_RATIOS = (0.01, 0.2)  # the centroid-ratio slider's range
 LEVEL1_RATIOS = (0.002, 0.05)  # the level-1 ratio slider's range (clamped to the centroid ratio)
+MAX_NEW_MIN = 8  # the fewest answer tokens the slider offers (its maximum: AppConfig.max_new_tokens_limit)
+TEMPERATURES = (0.0, 2.0)  # the Advanced sliders' ranges (0: greedy; 1: no top-p cut; 1: no penalty)
+TOP_PS = (0.05, 1.0)
+REPETITIONS = (1.0, 2.0)
 
 
 @dataclass(frozen=True)

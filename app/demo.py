@@ -6,16 +6,19 @@ from pathlib import Path
 
 import gradio as gr
 
-from app.chat import ChatTab, new_state, owner_of
+from app.chat import CHAT_TAB, LIBRARY_TAB, ChatTab, new_state, owner_of
 from app.config import AppConfig
 from app.library import LibraryTab
 from app.services import Services
+from app.settings import ChatSettings
 from engine.serve import ContextInspector, Engine, IngestWorker
 from storage import Store
 
 CSS_PATH = Path(__file__).resolve().parents[1] / "assets" / "app.css"
 LAST_DOC_KEY = "squeeze-chat-last-document"  # the browser remembers the open document across reloads
 OWNER_KEY = "squeeze-chat-owner"  # and the token its chats are kept under (app.chat.owner_of)
+TAB_KEY = "squeeze-chat-tab"  # and the tab it shows
+SETTINGS_KEY = "squeeze-chat-settings"  # and the chat's controls (app.settings.ChatSettings)
 
 INTRO = (
     "### squeeze-chat\n"
@@ -42,40 +45,75 @@ def build_demo(engine: Engine, store: Store | None = None, *, worker: IngestWork
     services = Services(engine=engine, store=store, worker=worker, inspector=ContextInspector(store), config=config)
 
     with gr.Blocks(title=config.title, fill_width=True, analytics_enabled=False) as demo:
-        state = gr.State(new_state(config))
-        last_doc = gr.BrowserState(None, storage_key=LAST_DOC_KEY)
-        owner = gr.BrowserState(None, storage_key=OWNER_KEY)
-        gr.Markdown(INTRO, elem_id="sq-intro")
-        chat = ChatTab(services, state, last_doc)
-        library = LibraryTab(services, state, chat)
-        with gr.Tabs(selected="library") as tabs:
-            with gr.Tab("Documents", id="library", elem_id="sq-tab-library"):
-                library.render()
-            with gr.Tab("Chat", id="chat", elem_id="sq-tab-chat"):
-                chat.render()
-        timer = gr.Timer(config.poll_s)
-        chat.wire(timer)
-        library.wire(tabs, timer)
-
-        # Coming back to the page: the browser's own chats (its token, made at its first visit), the library and jobs
-        # where they are, and the last document open again.
-        def restore(last, token, state, method, sparsity):
-            state = {**state, "owner": token}
-            token = owner_of(state)  # (a new browser: a new token, which it keeps)
-            jobs, rows, selected, doc, status, state = library.refresh(state)
-            if last and _exists(services, last):
-                return [jobs, rows, selected, *chat.open_document(last, state, method, sparsity),
-                        gr.Tabs(selected="chat"), token]
-            rest = [gr.skip()] * (len(chat.open_outputs) - 3)
-            return [jobs, rows, selected, state, doc, status, *rest, gr.skip(), token]
-
-        demo.load(restore, [last_doc, owner, state, chat.method, chat.sparsity],
-                  [library.jobs, library.table, library.selected, *chat.open_outputs, tabs, owner],
-                  api_visibility="private")
-        demo.load(chat.evaluation_html, None, [chat.evaluation], api_name="evaluation", show_progress="hidden")
+        page = Page(services)
+        page.render()
+        page.wire(demo)
     demo.queue(max_size=config.queue_size, default_concurrency_limit=2)
     demo.services = services  # for the caller: the worker to close, the store, the engine
+    demo.page = page  # its tabs and handlers
     return demo
+
+
+class Page:
+    """The page: the two tabs, the session's state, and what the browser keeps across reloads (the open document,
+    the token its chats are kept under, the tab it shows, the chat's controls). Built inside a `gr.Blocks`."""
+
+    def __init__(self, services: Services):
+        config = services.config
+        self.services = services
+        self.state = gr.State(new_state(config))
+        self.last_doc = gr.BrowserState(None, storage_key=LAST_DOC_KEY)
+        self.owner = gr.BrowserState(None, storage_key=OWNER_KEY)
+        self.kept_tab = gr.BrowserState(None, storage_key=TAB_KEY)
+        self.kept_settings = gr.BrowserState(None, storage_key=SETTINGS_KEY)
+        self.chat = ChatTab(services, self.state, self.last_doc, self.kept_settings)
+        self.library = LibraryTab(services, self.state, self.chat)
+
+    def render(self) -> None:
+        gr.Markdown(INTRO, elem_id="sq-intro")
+        with gr.Tabs(selected=LIBRARY_TAB) as self.tabs:
+            with gr.Tab("Documents", id=LIBRARY_TAB, elem_id="sq-tab-library") as self.library_tab:
+                self.library.render()
+            with gr.Tab("Chat", id=CHAT_TAB, elem_id="sq-tab-chat") as self.chat_tab:
+                self.chat.render()
+        self.timer = gr.Timer(self.services.config.poll_s)
+
+    @property
+    def restore_outputs(self) -> list:
+        """What a page load sets: `restore`'s outputs, in order."""
+        return [self.library.jobs, self.library.table, self.library.selected, *self.chat.open_outputs, self.tabs,
+                self.owner, *self.chat.setting_controls]
+
+    def wire(self, demo: gr.Blocks) -> None:
+        chat, library = self.chat, self.library
+        chat.wire(self.timer)
+        library.wire([self.tabs, self.kept_tab], self.timer)
+        for tab, tab_id in ((self.library_tab, LIBRARY_TAB), (self.chat_tab, CHAT_TAB)):
+            tab.select(lambda tab_id=tab_id: tab_id, None, [self.kept_tab], api_visibility="private", queue=False,
+                       show_progress="hidden")
+        demo.load(self.restore, [self.last_doc, self.owner, self.kept_tab, self.kept_settings, self.state],
+                  self.restore_outputs, api_visibility="private")
+        demo.load(chat.evaluation_html, None, [chat.evaluation], api_name="evaluation", show_progress="hidden")
+
+    def restore(self, last: str | None, token: str | None, tab: str | None, kept: dict | None, state: dict) -> list:
+        """Coming back to the page: the browser's own chats (its token, made at its first visit), the library and
+        jobs where they are, the chat's controls as this browser left them (`ChatSettings.restored`: a value no
+        longer valid is the default), the last document open again, and the tab it showed (else the Chat tab when a
+        document opens, the Documents tab when none does)."""
+        settings = ChatSettings.restored(kept, self.services.config)
+        state = {**state, "owner": token, "centroid_ratio": settings.centroid_ratio,
+                 "level1_ratio": settings.level1_ratio}
+        token = owner_of(state)  # (a new browser: a new token, which it keeps)
+        jobs, table, selected, _doc = self.library.refresh()
+        controls = settings.values() if kept is not None else [gr.skip()] * len(settings.values())
+        opens = bool(last) and _exists(self.services, last)
+        if tab not in (LIBRARY_TAB, CHAT_TAB):
+            tab = CHAT_TAB if opens else LIBRARY_TAB
+        if opens:
+            opened = self.chat.open_document(last, state, settings.method, settings.sparsity)
+        else:
+            opened = [state, *[gr.skip()] * (len(self.chat.open_outputs) - 1)]
+        return [jobs, table, selected, *opened, gr.Tabs(selected=tab), token, *controls]
 
 
 def _exists(services: Services, doc_id: str) -> bool:

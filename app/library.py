@@ -1,6 +1,10 @@
 """The Documents tab: upload (PDF, TXT, Markdown; several at once, size-limited), watch the preparation, and the
 library of cached documents with open and delete. Progress is polled, so it is where the job is whenever the
-page is (re)opened."""
+page is (re)opened.
+
+What the tab does in the background (the poll, a preparation that ends or fails, Cancel) changes the library's
+lists only: never the session's state, the open document or the selected tab. Those change when the user opens a
+document (Open, or Prepare while no document is open)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import gradio as gr
 import gradio.utils
 
 from app import render
-from app.chat import ChatTab
+from app.chat import ChatTab, to_chat_tab
 from app.services import Services, doc_choices, doc_status, error_text, library_rows, library_table
 from engine.serve import ContextSettings, document_id
 from storage import NotFoundError
@@ -22,6 +26,8 @@ HEADERS = ["Name", "Pages", "Tokens", "Status", "Added", "ID"]
 class LibraryTab:
     def __init__(self, services: Services, state: gr.State, chat: ChatTab):
         self.services, self.state, self.chat = services, state, chat
+        self.seen = gr.State(None)  # the library as the poll last sent it (to skip an unchanged one)
+        self.to_open = gr.State(None)  # the document a Prepare opens, handed to the step that opens it
 
     def render(self) -> None:
         cfg = self.services.config
@@ -58,23 +64,25 @@ class LibraryTab:
 
     @property
     def refresh_outputs(self) -> list:
-        return [self.jobs, self.table, self.selected, self.chat.doc, self.chat.status, self.state]
+        """The library's lists (the jobs, the table, the two document pickers' choices): what `refresh` returns."""
+        return [self.jobs, self.table, self.selected, self.chat.doc]
 
-    def wire(self, tabs: gr.Tabs, timer: gr.Timer) -> None:
+    def wire(self, navigation: list, timer: gr.Timer) -> None:
+        """The handlers; `navigation`: the tabs and the tab the browser keeps (what opening a document shows)."""
         chat = self.chat
-        # Upload: the files are handed to the worker; the last one opens in the Chat tab, which shows its progress.
+        # Prepare: the files are handed to the worker; the last one accepted is picked in the library, and opens in
+        # the Chat tab (which shows its progress) when no document is open there.
         self.upload_btn.click(
             self.upload, [self.files, self.truncate, self.state],
-            [self.message, self.files, self.state, *self.refresh_outputs[:-1]], api_name="upload",
-        ).then(self._open_pending, [self.state, chat.method, chat.sparsity], [*chat.open_outputs, tabs],
-               api_visibility="private")
-        timer.tick(self.poll, [self.state], self.refresh_outputs, api_name="poll", show_progress="hidden",
-                   concurrency_limit=None)
+            [self.message, self.files, self.to_open, *self.refresh_outputs], api_name="upload",
+        ).then(self.open, [self.to_open, self.state, chat.method, chat.sparsity],
+               [*chat.open_outputs, *navigation], api_visibility="private")
+        timer.tick(self.poll, [self.seen], [*self.refresh_outputs, self.seen], api_name="poll",
+                   show_progress="hidden", concurrency_limit=None)
         self.table.select(self.pick_row, [self.table], [self.selected], api_visibility="private")
         self.open_btn.click(self.open, [self.selected, self.state, chat.method, chat.sparsity],
-                            [*chat.open_outputs, tabs], api_name="open")
-        self.cancel_btn.click(self.cancel, [self.selected, self.state], [self.notice, *self.refresh_outputs[:-1]],
-                              api_name="cancel")
+                            [*chat.open_outputs, *navigation], api_name="open")
+        self.cancel_btn.click(self.cancel, [self.selected], [self.notice, *self.refresh_outputs], api_name="cancel")
         # Delete asks first (what goes: the document and how many chats), then hides the document for undo_s
         # (Undo brings it back); the poll deletes it for good after that.
         self.delete_btn.click(self.ask_delete, [self.selected], [self.confirm_row, self.confirm_text, self.notice],
@@ -84,23 +92,23 @@ class LibraryTab:
         self.keep_btn.click(lambda: [gr.update(visible=False), ""], None, [self.confirm_row, self.notice],
                             api_visibility="private")
         self.confirm_btn.click(self.delete, [self.selected, self.state],
-                               [self.notice, *self.refresh_outputs[:-1], self.state, self.confirm_row, self.undo_btn],
+                               [self.notice, *self.refresh_outputs, self.state, self.confirm_row, self.undo_btn],
                                api_name="delete").then(
             self._reopen_after_delete, [self.state, chat.method, chat.sparsity], chat.open_outputs,
             api_visibility="private")
-        self.undo_btn.click(self.undo, [self.state], [self.notice, *self.refresh_outputs[:-1], self.state,
-                                                      self.undo_btn], api_name="undo")
+        self.undo_btn.click(self.undo, [self.state], [self.notice, *self.refresh_outputs, self.state, self.undo_btn],
+                            api_name="undo")
 
     # ------------------------------------------------------------------ handlers
 
     def upload(self, files, truncate: bool, state: dict) -> list:
-        """Queue each file (too large or of another type: refused in plain words); the last accepted one opens."""
+        """Queue each file (too large, empty or of another type: refused in plain words). The last one accepted
+        (and not refused at once) is picked in the library; it is the document to open (the third output) when no
+        document is open in the Chat tab, else the open one stays and the message says how to open the new one."""
         cfg = self.services.config
-        state = dict(state)
         paths = [Path(f if isinstance(f, str) else getattr(f, "name", f)) for f in (files or [])]
         if not paths:
-            return [render.notice_html("Choose one or more files first.", "error"), gr.skip(), state,
-                    *self.refresh(state)[:-1]]
+            return [render.notice_html("Choose one or more files first.", "error"), gr.skip(), None, *self.refresh()]
         lines, opened = [], None
         if len(paths) > cfg.max_files:
             lines.append((f"Only the first {cfg.max_files} files were taken (at most {cfg.max_files} per upload).",
@@ -138,28 +146,23 @@ class LibraryTab:
                 lines.append((f"{name}: already in the library, ready", "ok"))
                 continue
             job = self.services.worker.submit_bytes(data, name, settings, truncate=bool(truncate))
-            opened = job.doc_id
             view = self.services.worker.view(job.id)
             if view.status == "failed":
                 lines.append((f"{name}: {error_text(view)}", "error"))
             else:
+                opened = job.doc_id
                 lines.append((f"{name}: {render.stage_text(view)}", "ok" if view.status == "done" else "wait"))
-        if opened is not None:
-            state["pending_open"] = opened
+        to_open = opened if opened is not None and not state.get("doc_id") else None
+        if opened is not None and to_open is None:
+            lines.append((f"{batch[opened]} is picked in the library below: Open shows it on the Chat tab.", "ok"))
         message = "".join(render.notice_html(text, kind) for text, kind in lines)
-        return [message, None, state, *self.refresh(state)[:-1]]
-
-    def _open_pending(self, state: dict, method: str, sparsity: float) -> list:
-        doc_id = state.get("pending_open")
-        if not doc_id:
-            return [gr.skip()] * (len(self.chat.open_outputs) + 1)
-        state = {**state, "pending_open": None}
-        return [*self.chat.open_document(doc_id, state, method, sparsity), gr.Tabs(selected="chat")]
+        return [message, None, to_open, *self.refresh(picked=opened)]
 
     def open(self, doc_id: str | None, state: dict, method: str, sparsity: float) -> list:
+        """Open a document in the Chat tab and show that tab (nothing happens without a document)."""
         if not doc_id:
-            return [gr.skip()] * (len(self.chat.open_outputs) + 1)
-        return [*self.chat.open_document(doc_id, state, method, sparsity), gr.Tabs(selected="chat")]
+            return [gr.skip()] * (len(self.chat.open_outputs) + 2)
+        return [*self.chat.open_document(doc_id, state, method, sparsity), *to_chat_tab()]
 
     def pick_row(self, rows, evt: gr.SelectData):
         try:
@@ -168,16 +171,16 @@ class LibraryTab:
         except (IndexError, KeyError, TypeError, ValueError):
             return gr.skip()
 
-    def cancel(self, doc_id: str | None, state: dict) -> list:
-        """Stop the document's preparation (queued or running); it can be prepared again by uploading or opening it."""
+    def cancel(self, doc_id: str | None) -> list:
+        """Stop the document's preparation (queued or running); it can be prepared again by uploading it. The open
+        document, its status line and the tab stay as they are."""
         if not doc_id:
-            return [render.notice_html("Pick a document whose preparation to cancel.", "error"),
-                    *self.refresh(state)[:-1]]
+            return [render.notice_html("Pick a document whose preparation to cancel.", "error"), *self.refresh()]
         job = self.services.worker.latest_for_document(doc_id)
         if job is None or job.status not in ("queued", "running") or not self.services.worker.cancel(job.id):
-            return [render.notice_html("That document is not being prepared.", "error"), *self.refresh(state)[:-1]]
+            return [render.notice_html("That document is not being prepared.", "error"), *self.refresh()]
         return [render.notice_html(f"Cancelling the preparation of {job.name}: it stops at its next step.", "ok"),
-                *self.refresh(state)[:-1]]
+                *self.refresh()]
 
     def ask_delete(self, doc_id: str | None) -> list:
         """The confirmation of a delete: what goes (the document, its chats), with the buttons to go on or not."""
@@ -198,26 +201,25 @@ class LibraryTab:
         state = dict(state)
         done = [gr.update(visible=False), gr.update(visible=False)]  # the confirmation row, the undo button
         if not doc_id:
-            return [render.notice_html("Pick a document to delete.", "error"), *self.refresh(state)[:-1], state,
-                    *done]
+            return [render.notice_html("Pick a document to delete.", "error"), *self.refresh(), state, *done]
         job = self.services.worker.latest_for_document(doc_id)
         if job is not None and job.status in ("queued", "running"):
             return [render.notice_html(f"{job.name} is being prepared; delete it when that has finished.", "error"),
-                    *self.refresh(state)[:-1], state, *done]
+                    *self.refresh(), state, *done]
         try:
             doc = self.services.engine.hide_document(doc_id)
         except NotFoundError:
             return [render.notice_html("That document is not in the library any more.", "error"),
-                    *self.refresh(state)[:-1], state, *done]
+                    *self.refresh(), state, *done]
         self.services.inspector.forget()
         if state.get("doc_id") == doc["id"]:
             state.update(doc_id=None, chat_id=None, reopen=True)
         state["undo"] = doc["id"]
-        refreshed = self.refresh(state)
+        refreshed = self.refresh()
         refreshed[2] = gr.update(choices=doc_choices(library_rows(self.services)), value=None)
         undo_s = self.services.config.undo_s
         note = f"Deleted {doc['name']} and its chats." + (f" Undo within {undo_s:g} s." if undo_s else "")
-        return [render.notice_html(note, "ok"), *refreshed[:-1], state, gr.update(visible=False),
+        return [render.notice_html(note, "ok"), *refreshed, state, gr.update(visible=False),
                 gr.update(visible=undo_s > 0)]
 
     def undo(self, state: dict) -> list:
@@ -226,42 +228,46 @@ class LibraryTab:
         doc_id = state.pop("undo", None)
         hide = gr.update(visible=False)
         if not doc_id:
-            return [render.notice_html("Nothing to undo.", "error"), *self.refresh(state)[:-1], state, hide]
+            return [render.notice_html("Nothing to undo.", "error"), *self.refresh(), state, hide]
         try:
             doc = self.services.engine.unhide_document(doc_id)
         except NotFoundError:
-            return [render.notice_html("Too late: that document is deleted for good.", "error"),
-                    *self.refresh(state)[:-1], state, hide]
-        return [render.notice_html(f"{doc['name']} is back, with its chats.", "ok"), *self.refresh(state)[:-1],
-                state, hide]
+            return [render.notice_html("Too late: that document is deleted for good.", "error"), *self.refresh(),
+                    state, hide]
+        return [render.notice_html(f"{doc['name']} is back, with its chats.", "ok"), *self.refresh(), state, hide]
 
     def _reopen_after_delete(self, state: dict, method: str, sparsity: float) -> list:
         if not state.get("reopen"):
             return [gr.skip()] * len(self.chat.open_outputs)
         return self.chat.open_document(None, {**state, "reopen": False}, method, sparsity)
 
-    def poll(self, state: dict) -> list:
-        """The progress and the library as they are now (unchanged parts are skipped); documents deleted longer
-        than the undo window ago are deleted for good."""
+    def poll(self, seen: list | None) -> list:
+        """The progress and the library as they are now, and the library as sent (`seen`: as this returned it
+        last; an unchanged library is skipped); documents deleted longer than the undo window ago are deleted for
+        good. Never the session's state, the open document or its status line (the chat's own poll follows those:
+        ChatTab.watch)."""
         self.services.engine.delete_hidden(self.services.config.undo_s)
-        return self.refresh(dict(state), skip_unchanged=True)
-
-    def refresh(self, state: dict, skip_unchanged: bool = False) -> list:
         rows = library_rows(self.services)
+        signature = [[r["id"], r["status"], r["tokens"]] for r in rows]
+        if signature == seen:
+            return [self.jobs_html(), gr.skip(), gr.skip(), gr.skip(), gr.skip()]
+        return [*self.refresh(rows=rows), signature]
+
+    def jobs_html(self) -> str:
+        """The preparations under way and the latest ones that failed."""
         views = self.services.worker.views()
         active = [v for v in views if v.status in ("queued", "running")]
         recent = active + [v for v in views if v.status == "failed"][-3:]
-        jobs = render.jobs_html(sorted(recent, key=lambda v: v.id),
+        return render.jobs_html(sorted(recent, key=lambda v: v.id),
                                 {v.id: error_text(v) for v in recent if v.status == "failed"})
-        signature = [[r["id"], r["status"], r["tokens"]] for r in rows]
+
+    def refresh(self, picked: str | None = None, rows: list[dict] | None = None) -> list:
+        """The library's lists as they are now (`refresh_outputs`): the jobs, the table, and the choices of the two
+        document pickers, whose values stay (`picked`: the library's picker shows this document instead)."""
+        rows = library_rows(self.services) if rows is None else rows
         choices = doc_choices(rows)
-        status = gr.skip()  # (the poll leaves it to the chat's own, which knows its method: ChatTab.watch)
-        if state.get("doc_id") and not skip_unchanged:
-            status = self.chat.status_html(doc_status(self.services, state["doc_id"]))
-        if skip_unchanged and signature == state.get("library"):
-            return [jobs, gr.skip(), gr.skip(), gr.skip(), status, gr.skip()]
-        state["library"] = signature
-        return [jobs, library_table(rows), gr.update(choices=choices), gr.update(choices=choices), status, state]
+        selected = gr.update(choices=choices) if picked is None else gr.update(choices=choices, value=picked)
+        return [self.jobs_html(), library_table(rows), selected, gr.update(choices=choices)]
 
 
 def _discard_upload(path: Path) -> None:

@@ -158,8 +158,8 @@ def library_rows(services: Services) -> list[dict]:
             status = f"preparing {round(100 * job.fraction)}%"
         elif ready is not None:
             status = "ready"
-        elif job is not None and job.status == "failed":
-            status = f"failed: {error_text(job)}"
+        elif job is not None and job.status in ("failed", "cancelled"):
+            status = ended_text(job)
         elif contexts and contexts[0]["status"] == "failed":
             status = f"failed: {contexts[0]['error']}"
         else:
@@ -170,10 +170,16 @@ def library_rows(services: Services) -> list[dict]:
     for job in jobs.values():  # uploads not in the index (yet): being extracted, or unreadable
         if job.doc_id in seen or not (job.status in ("queued", "running") or job.context_id is None):
             continue
-        status = f"failed: {error_text(job)}" if job.status == "failed" else f"preparing {round(100 * job.fraction)}%"
+        status = ended_text(job) if job.status in ("failed", "cancelled") else \
+            f"preparing {round(100 * job.fraction)}%"
         rows.insert(0, {"id": job.doc_id, "name": job.name, "pages": job.pages or "-", "tokens": job.tokens or "-",
                         "status": status, "added": "-"})
     return rows
+
+
+def ended_text(job: JobView) -> str:
+    """A library row's status for a job that ended without a context: failed (why), or cancelled."""
+    return "cancelled" if job.status == "cancelled" else f"failed: {error_text(job)}"
 
 
 def library_table(rows: list[dict]) -> list[list]:

@@ -101,8 +101,8 @@ def upload(client: Client, *paths: str, truncate: bool = False) -> dict:
 
 
 def poll(client: Client) -> dict:
-    jobs, table, _selected, _doc, status = client.predict(api_name="/poll")
-    return {"jobs": jobs, "table": table, "status": status}
+    jobs, table, _selected, _doc = client.predict(api_name="/poll")
+    return {"jobs": jobs, "table": table}
 
 
 def open_doc(client: Client, doc_id: str) -> dict:

@@ -307,7 +307,7 @@ def test_the_chat_tab_shows_the_latest_eval_of_its_model(tmp_path, monkeypatch):
     engine = Engine(tmp_path / "cache", model=EVAL_MODEL)  # named, never loaded
     services = Services(engine=engine, store=engine.store, worker=IngestWorker(engine, start=False),
                         inspector=ContextInspector(engine.store), config=AppConfig())
-    chat = ChatTab(services, state=None, last_doc=None)
+    chat = ChatTab(services, state=None, last_doc=None, kept_settings=None)
     assert "No evaluation yet for tiny-eval-&lt;model&gt;" in chat.evaluation_html()
     engine.record_eval(eval_doc("another-model"))
     assert "No evaluation yet" in chat.evaluation_html()  # another model's results are not this one's

@@ -1,0 +1,251 @@
+"""The page stays where the user put it, through the app's handlers on the tiny model: Cancel, a refused or failed
+upload and a document prepared again change the library's lists only (never the open document, its status line or
+the tab); Prepare opens its document on the Chat tab only when none is open there; and a reload restores the chat's
+controls and the tab this browser left, a stored value that is no longer valid falling back to the default."""
+
+from __future__ import annotations
+
+import gradio as gr
+import pytest
+
+from app.chat import CHAT_TAB, LIBRARY_TAB, new_state
+from app.config import AppConfig
+from app.demo import build_demo
+from app.settings import ChatSettings
+from engine.serve import METHODS
+from engine.serve.jobs import IngestWorker
+from engine.serve.service import Engine
+from tests.app.test_app import DOC, WAIT_S, write
+
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword is deprecated).*"),
+]
+
+CONFIG = AppConfig(poll_s=0.5, max_new_tokens=16)
+METHOD, SPARSITY = CONFIG.method, CONFIG.sparsity
+KEEPERS = "# Keepers\n\nWalter Jago kept the light from 1851 to 1880; his daughter Ann kept it after him.\n" * 3
+
+
+@pytest.fixture
+def demo(tiny_lm, tmp_path):
+    """The app over a cache where lighthouse.txt is prepared; its worker takes no job until a test starts it."""
+    engine = Engine(tmp_path / "cache", lm=tiny_lm)
+    engine.ingest(write(tmp_path / "lighthouse.txt", DOC))
+    demo = build_demo(engine, worker=IngestWorker(engine, start=False), config=CONFIG)
+    yield demo
+    demo.services.worker.close()
+    engine.store.close()
+
+
+@pytest.fixture
+def lighthouse(demo) -> str:
+    return demo.services.store.documents.find("lighthouse.txt")["id"]
+
+
+def named(components: list, values: list) -> dict:
+    """A handler's outputs by component (its `_id`)."""
+    assert len(components) == len(values)
+    return {c._id: v for c, v in zip(components, values)}
+
+
+def sets_value(update) -> bool:
+    """Whether an output sets its component's value (an update of choices only, or a skip, does not)."""
+    return not (isinstance(update, dict) and update.get("__type__") == "update" and "value" not in update)
+
+
+def open_lighthouse(demo, lighthouse) -> dict:
+    """The user opens lighthouse.txt from the library: its state (the Open button's first output)."""
+    page = demo.page
+    out = named([*page.chat.open_outputs, page.tabs, page.kept_tab],
+                page.library.open(lighthouse, new_state(CONFIG), METHOD, SPARSITY))
+    assert out[page.tabs._id].selected == CHAT_TAB and out[page.kept_tab._id] == CHAT_TAB
+    return out[page.state._id]
+
+
+def status_line(demo, state: dict) -> str:
+    """The line above the chat as the chat's poll shows it for the session's state."""
+    line, _hint, _seen = demo.page.chat.watch(state, METHOD, SPARSITY, CONFIG.centroid_ratio, CONFIG.level1_ratio,
+                                              {})
+    return line
+
+
+def prepare(demo, state: dict, *paths: str) -> dict:
+    """Prepare (the upload and the step after it that opens a document) as the page runs them: each output by
+    component, the second step's included."""
+    page, library = demo.page, demo.page.library
+    first = named([library.message, library.files, library.to_open, *library.refresh_outputs],
+                  library.upload(list(paths), False, state))
+    then = named([*page.chat.open_outputs, page.tabs, page.kept_tab],
+                 library.open(first[library.to_open._id], state, METHOD, SPARSITY))
+    return {**first, **{k: v for k, v in then.items() if sets_value(v)}}
+
+
+def event_outputs(demo, fn) -> list:
+    """The components each event that runs `fn` updates."""
+    found = [f.outputs for f in demo.fns.values() if f.fn == fn]
+    assert found, fn
+    return [c for outputs in found for c in outputs]
+
+
+def test_what_happens_in_the_background_never_moves_the_page(demo):
+    """The library's poll and Cancel update the library's lists only; the chat's poll updates its status line and
+    plan hint only: none of them the session's state, the tab, the open document or the document kept for a
+    reload. Each tab the user picks is kept for the next reload."""
+    page = demo.page
+    navigation = {page.state._id, page.tabs._id, page.kept_tab._id, page.last_doc._id}
+    for fn in (page.library.poll, page.library.cancel, page.chat.watch):
+        assert not navigation & {c._id for c in event_outputs(demo, fn)}, fn
+    for fn in (page.library.poll, page.library.cancel):
+        assert page.chat.status._id not in {c._id for c in event_outputs(demo, fn)}
+    ticks = [f for f in demo.fns.values() if (page.timer._id, "tick") in f.targets]
+    assert {f.fn for f in ticks} == {page.library.poll, page.chat.watch}
+    for tab, tab_id in ((page.library_tab, LIBRARY_TAB), (page.chat_tab, CHAT_TAB)):
+        (kept,) = [f for f in demo.fns.values() if (tab._id, "select") in f.targets]
+        assert [c._id for c in kept.outputs] == [page.kept_tab._id] and kept.fn() == tab_id
+
+
+def test_cancel_leaves_the_open_document_its_status_line_and_the_tab(demo, lighthouse, tmp_path):
+    page, library = demo.page, demo.page.library
+    state = open_lighthouse(demo, lighthouse)
+    prepared = prepare(demo, state, write(tmp_path / "keepers.md", KEEPERS))
+    keepers = demo.services.worker.views()[-1].doc_id
+    # Prepare while a document is open: the new one is picked in the library, the open one stays, the tab too
+    assert prepared[library.selected._id]["value"] == keepers
+    assert "keepers.md is picked in the library below: Open shows it on the Chat tab." in prepared[library.message._id]
+    assert prepared[library.to_open._id] is None
+    assert not {page.tabs._id, page.state._id, page.last_doc._id} & set(prepared)
+    assert not sets_value(prepared[page.chat.doc._id])  # its choices only
+
+    cancelled = named([library.notice, *library.refresh_outputs], library.cancel(keepers))
+    assert "Cancelling the preparation of keepers.md" in cancelled[library.notice._id]
+    assert not sets_value(cancelled[library.selected._id]) and not sets_value(cancelled[page.chat.doc._id])
+    demo.services.worker.start()
+    assert demo.services.worker.wait_idle(WAIT_S)
+    assert demo.services.worker.views()[-1].status == "cancelled"
+
+    polled = named([*library.refresh_outputs, library.seen], library.poll(None))
+    assert not sets_value(polled[library.selected._id]) and not sets_value(polled[page.chat.doc._id])
+    assert ("keepers.md (cancelled)", keepers) in polled[page.chat.doc._id]["choices"]
+    assert library.poll(polled[library.seen._id])[1:4] == [gr.skip()] * 3  # unchanged: not sent again
+    assert "lighthouse.txt: ready" in status_line(demo, state)  # the document the dropdown shows
+
+
+def test_a_refused_or_failed_upload_opens_nothing(demo, lighthouse, tmp_path):
+    page, library = demo.page, demo.page.library
+    empty, other = write(tmp_path / "empty.txt", ""), write(tmp_path / "notes.docx", b"PK\x03\x04")
+    # no document open: the first Prepare opens its document; a refused one after it opens nothing
+    assert prepare(demo, new_state(CONFIG), write(tmp_path / "keepers.md", KEEPERS))[library.to_open._id]
+    refused = prepare(demo, new_state(CONFIG), empty, other)
+    assert "empty.txt: the file is empty" in refused[library.message._id]
+    assert refused[library.to_open._id] is None and not sets_value(refused[library.selected._id])
+    assert not {page.tabs._id, page.kept_tab._id, page.state._id, page.last_doc._id} & set(refused)
+
+    # a document open: a file that fails on the worker (not a PDF inside) leaves it, and the tab, where they are
+    state = open_lighthouse(demo, lighthouse)
+    failing = prepare(demo, state, write(tmp_path / "scan.pdf", b"%PDF-1.4 not a pdf at all"))
+    assert failing[library.to_open._id] is None and not {page.tabs._id, page.state._id} & set(failing)
+    demo.services.worker.start()
+    assert demo.services.worker.wait_idle(WAIT_S)
+    assert demo.services.worker.views()[-1].status == "failed"
+    polled = named([*library.refresh_outputs, library.seen], library.poll(None))
+    assert any(row[0] == "scan.pdf" and row[3].startswith("failed") for row in polled[library.table._id])
+    assert not sets_value(polled[page.chat.doc._id])
+    assert "lighthouse.txt: ready" in status_line(demo, state)
+
+
+def test_preparing_a_document_again_leaves_the_open_one(demo, lighthouse, tmp_path):
+    """A document whose preparation was cancelled, uploaded again while another is open: it is prepared anew and
+    picked in the library; the open document, its status line and the tab stay. A new centroid ratio re-indexes
+    the open document in the background and its status line stays on it."""
+    page, library, worker = demo.page, demo.page.library, demo.services.worker
+    path = write(tmp_path / "keepers.md", KEEPERS)
+    state = open_lighthouse(demo, lighthouse)
+    prepare(demo, state, path)
+    keepers = worker.views()[-1].doc_id
+    library.cancel(keepers)
+    worker.start()
+    assert worker.wait_idle(WAIT_S)
+
+    again = prepare(demo, state, path)
+    assert worker.views()[-1].doc_id == keepers and worker.views()[-1].status in ("queued", "running", "done")
+    assert again[library.selected._id]["value"] == keepers and again[library.to_open._id] is None
+    assert not {page.tabs._id, page.state._id, page.last_doc._id} & set(again)
+    assert "lighthouse.txt: ready" in status_line(demo, state)
+    assert worker.wait_idle(WAIT_S)
+
+    state, status = page.chat.reindex(state, 0.1, CONFIG.level1_ratio)
+    assert state["doc_id"] == lighthouse and "lighthouse.txt" in status
+    polled = named([*library.refresh_outputs, library.seen], library.poll(None))
+    assert not sets_value(polled[page.chat.doc._id])
+    assert worker.wait_idle(WAIT_S)
+    assert "lighthouse.txt: ready" in status_line(demo, state)
+
+
+def test_prepare_with_no_document_open_opens_it_on_the_chat_tab(demo, tmp_path):
+    page = demo.page
+    prepared = prepare(demo, new_state(CONFIG), write(tmp_path / "keepers.md", KEEPERS))
+    keepers = demo.services.worker.views()[-1].doc_id
+    assert prepared[page.tabs._id].selected == CHAT_TAB and prepared[page.kept_tab._id] == CHAT_TAB
+    assert prepared[page.chat.doc._id]["value"] == keepers and prepared[page.state._id]["doc_id"] == keepers
+    assert "keepers.md" in prepared[page.chat.status._id]
+    assert "keepers.md" in status_line(demo, prepared[page.state._id])
+
+
+# ---------------------------------------------------------------------------------------------- a reload
+
+KEPT = {"method": "quest", "sparsity": 0.75, "max_new_tokens": 32, "temperature": 0.7, "top_p": 0.9,
+        "repetition": 1.3, "compare": True, "centroid_ratio": 0.1, "level1_ratio": 0.02}
+
+
+def restore(demo, last, tab, kept) -> dict:
+    page = demo.page
+    return named(page.restore_outputs, page.restore(last, None, tab, kept, new_state(CONFIG)))
+
+
+def controls(demo, restored: dict) -> list:
+    return [restored[c._id] for c in demo.page.chat.setting_controls]
+
+
+def test_a_reload_restores_the_controls_the_tab_and_the_document(demo, lighthouse):
+    page = demo.page
+    kept = page.chat.remember(*KEPT.values())  # what the browser keeps when the user sets the controls
+    assert kept == KEPT
+    restored = restore(demo, lighthouse, LIBRARY_TAB, kept)
+    assert controls(demo, restored) == list(KEPT.values())
+    assert restored[page.tabs._id].selected == LIBRARY_TAB  # where the user left the page
+    assert restored[page.chat.doc._id]["value"] == lighthouse
+    state = restored[page.state._id]
+    assert (state["centroid_ratio"], state["level1_ratio"], state["doc_id"]) == (0.1, 0.02, lighthouse)
+    assert "quest" in restored[page.chat.threshold._id]  # the plan hint is the restored method's
+    assert restore(demo, lighthouse, CHAT_TAB, kept)[page.tabs._id].selected == CHAT_TAB
+
+
+def test_a_first_visit_keeps_the_defaults_and_opens_the_tab_that_fits(demo, lighthouse):
+    page = demo.page
+    fresh = restore(demo, None, None, None)
+    assert controls(demo, fresh) == [gr.skip()] * len(page.chat.setting_controls)  # as rendered: the defaults
+    assert fresh[page.tabs._id].selected == LIBRARY_TAB and not sets_value(fresh[page.chat.doc._id])
+    assert restore(demo, lighthouse, None, None)[page.tabs._id].selected == CHAT_TAB  # a document opens
+    assert restore(demo, "0123456789abcdef", "elsewhere", None)[page.tabs._id].selected == LIBRARY_TAB  # a gone one
+
+
+INVALID = {"method": "retired-method", "sparsity": 1.5, "max_new_tokens": 10_000, "temperature": "hot",
+           "top_p": None, "repetition": float("nan"), "compare": "yes", "centroid_ratio": True, "level1_ratio": -1}
+
+
+def test_stored_settings_that_are_no_longer_valid_fall_back_to_the_defaults(demo, lighthouse):
+    page = demo.page
+    defaults = ChatSettings.defaults(CONFIG)
+    assert "retired-method" not in METHODS
+    restored = restore(demo, lighthouse, CHAT_TAB, INVALID)
+    assert controls(demo, restored) == defaults.values()
+    assert restored[page.chat.doc._id]["value"] == lighthouse  # no error: the document opens as ever
+    for garbage in ("not a dict", [1, 2], {}):
+        assert controls(demo, restore(demo, None, None, garbage)) == defaults.values()
+    # each value on its own: the valid ones are kept beside the invalid ones
+    mixed = {**KEPT, "method": "retired-method", "sparsity": 0.2, "max_new_tokens": 12.5}
+    assert ChatSettings.restored(mixed, CONFIG) == ChatSettings(**{**KEPT, "method": defaults.method,
+                                                                   "sparsity": defaults.sparsity,
+                                                                   "max_new_tokens": defaults.max_new_tokens})
+    assert page.chat.remember(*INVALID.values()) == defaults.as_stored()
