@@ -9,6 +9,7 @@ import gradio as gr
 from app.chat import CHAT_TAB, LIBRARY_TAB, ChatTab, new_state, owner_of
 from app.config import AppConfig
 from app.library import LibraryTab
+from app.secret import browser_secret
 from app.services import Services
 from app.settings import ChatSettings
 from engine.serve import ContextInspector, Engine, IngestWorker
@@ -62,10 +63,11 @@ class Page:
         config = services.config
         self.services = services
         self.state = gr.State(new_state(config))
-        self.last_doc = gr.BrowserState(None, storage_key=LAST_DOC_KEY)
-        self.owner = gr.BrowserState(None, storage_key=OWNER_KEY)
-        self.kept_tab = gr.BrowserState(None, storage_key=TAB_KEY)
-        self.kept_settings = gr.BrowserState(None, storage_key=SETTINGS_KEY)
+        key = browser_secret(services.store.database.root)  # the same after a restart: kept values still read
+        self.last_doc = gr.BrowserState(None, storage_key=LAST_DOC_KEY, secret=key)
+        self.owner = gr.BrowserState(None, storage_key=OWNER_KEY, secret=key)
+        self.kept_tab = gr.BrowserState(None, storage_key=TAB_KEY, secret=key)
+        self.kept_settings = gr.BrowserState(None, storage_key=SETTINGS_KEY, secret=key)
         self.chat = ChatTab(services, self.state, self.last_doc, self.kept_settings)
         self.library = LibraryTab(services, self.state, self.chat)
 

@@ -249,3 +249,30 @@ def test_stored_settings_that_are_no_longer_valid_fall_back_to_the_defaults(demo
                                                                    "sparsity": defaults.sparsity,
                                                                    "max_new_tokens": defaults.max_new_tokens})
     assert page.chat.remember(*INVALID.values()) == defaults.as_stored()
+
+
+def test_what_the_browser_keeps_is_read_again_after_a_restart(demo, tiny_lm, tmp_path):
+    """The key of the browser's kept values (the open document, the chats' owner token, the tab, the settings) is
+    the cache's own, made once and readable by its owner only: a server started again over the same cache decrypts
+    what the browser kept; another cache has another key."""
+    import stat
+
+    from app.secret import SECRET_FILE
+
+    page = demo.page
+    keys = {page.last_doc.secret, page.owner.secret, page.kept_tab.secret, page.kept_settings.secret}
+    assert len(keys) == 1 and len(next(iter(keys))) >= 32
+    path = demo.services.store.database.root / SECRET_FILE
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    again = build_demo(demo.services.engine, worker=IngestWorker(demo.services.engine, start=False), config=CONFIG)
+    try:
+        assert again.page.owner.secret == page.owner.secret  # the restarted server's
+    finally:
+        again.services.worker.close()
+    other = Engine(tmp_path / "other-cache", lm=tiny_lm)
+    elsewhere = build_demo(other, worker=IngestWorker(other, start=False), config=CONFIG)
+    try:
+        assert elsewhere.page.owner.secret != page.owner.secret
+    finally:
+        elsewhere.services.worker.close()
+        other.store.close()
