@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import re
 import sys
 import time
 
+from app.method_flags import METHOD_SETTINGS
 from engine.model.catalog import (
     DEFAULT_METHOD,
     DEFAULT_SPARSITY,
@@ -44,8 +44,6 @@ def _progress(enabled: bool):
     return report
 
 
-# Methods that learn something once per model (Method.prepare): what `squeeze train` trains.
-QUICK_COMMANDS = ("list", "delete", "repair")  # answered without loading torch or transformers (nor `squeeze --help`)
 SHOWN_VALUES = 64  # an artifact of at most this many values is printed whole by `squeeze train`
 
 
@@ -70,30 +68,25 @@ def _dest(method: str, name: str) -> str:
 
 def _method_settings(args) -> dict[str, dict]:
     """Each method's settings named on the command line (method -> {field: value}); the others stay at defaults."""
-    from engine.serve import REGISTRY  # noqa: PLC0415
-
     out: dict[str, dict] = {}
-    for method, cls in REGISTRY.items():
-        for f in dataclasses.fields(cls.Settings):
-            value = getattr(args, _dest(method, f.name), None)
+    for method, settings in METHOD_SETTINGS.items():
+        for name in settings:
+            value = getattr(args, _dest(method, name), None)
             if value is not None:
-                out.setdefault(method, {})[f.name] = value
+                out.setdefault(method, {})[name] = value
     return out
 
 
 def _method_options() -> argparse.ArgumentParser:
     """Every registered method's settings as options `--{method}-{setting}` (unset: the method's default); a
-    method's index is built, or rebuilt, with them when a question asks for the method."""
-    from engine.serve import REGISTRY  # noqa: PLC0415
-
+    method's index is built, or rebuilt, with them when a question asks for the method. Typed from
+    app/method_flags.py (no method loaded): a wrong value is refused before torch loads."""
     p = argparse.ArgumentParser(add_help=False)
     group = p.add_argument_group("method settings (each method's index is built with its own)")
-    for method, cls in REGISTRY.items():
-        defaults = cls.Settings()
-        for f in dataclasses.fields(cls.Settings):
-            default = getattr(defaults, f.name)
-            flags = [f"--{method}-{f.name.replace('_', '-')}"] + [a for a in [ALIASES.get((method, f.name))] if a]
-            group.add_argument(*flags, dest=_dest(method, f.name), type=_flag if isinstance(default, bool)
+    for method, settings in METHOD_SETTINGS.items():
+        for name, default in settings.items():
+            flags = [f"--{method}-{name.replace('_', '-')}"] + [a for a in [ALIASES.get((method, name))] if a]
+            group.add_argument(*flags, dest=_dest(method, name), type=_flag if isinstance(default, bool)
                                else type(default), default=None,
                                metavar=type(default).__name__.upper(), help=f"default {default}")
     return p
@@ -277,23 +270,6 @@ def _megabytes(text: str) -> float:
     return value
 
 
-def _without_method_settings(argv: list[str]) -> list[str]:
-    """argv without the methods' settings options (`--{method}-{setting} VALUE`, their aliases): what the quick
-    parser (which has not loaded the methods) can check, with no value of theirs taken for a positional."""
-    flags = set(ALIASES.values())
-    out, skip = [], False
-    for token in argv:
-        if skip:
-            skip = False
-            continue
-        name = token.split("=", 1)[0]
-        if name in flags or any(name.startswith(f"--{m}-") for m in METHODS):
-            skip = "=" not in token
-            continue
-        out.append(token)
-    return out
-
-
 def _sparsity(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= MAX_SPARSITY:
@@ -301,9 +277,9 @@ def _sparsity(text: str) -> float:
     return value
 
 
-def build_parser(quick: bool = False) -> argparse.ArgumentParser:
-    """The whole command line; quick: without the methods' settings options (which load the method registry,
-    torch with it): enough for `squeeze --help` and QUICK_COMMANDS."""
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line: built and checked without torch or the methods loaded (their settings' flags come
+    from app/method_flags.py), so a bad option is refused at once."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--cache-dir", default=None, help="where contexts are cached (default: $SQUEEZE_CACHE_DIR or ~/.cache/squeeze)")
     common.add_argument("--model", default=EMBEDDED_MODEL, help="transformers model id or local path (default: the embedded Gemma 3 270M)")
@@ -317,7 +293,7 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
     common.add_argument("--debug", action="store_true", help="show tracebacks")
     parser = argparse.ArgumentParser(prog="squeeze", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    method_options = argparse.ArgumentParser(add_help=False) if quick else _method_options()
+    method_options = _method_options()
     p = sub.add_parser("ingest", parents=[common, method_options], help="prefill a document and build its indexes")
     p.add_argument("path")
     p.add_argument("--methods", default="squeeze",
@@ -385,11 +361,7 @@ def build_parser(quick: bool = False) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    quick = not argv or argv[0] in (*QUICK_COMMANDS, "-h", "--help")
-    if not quick and argv[0] not in ("eval", "bench") and not {"-h", "--help"} & set(argv):
-        # the options checked before the methods (and torch with them) load: a bad one is refused at once
-        build_parser(quick=True).parse_args(_without_method_settings(argv))
-    parser = build_parser(quick=quick)
+    parser = build_parser()
     # `eval` takes every option after it as its own (argparse's remainder does not start at an option)
     args = parser.parse_args(argv[:1]) if argv[:1] == ["eval"] else parser.parse_args(argv)
     if argv[:1] == ["eval"]:

@@ -210,7 +210,7 @@ def test_one_default_turn_everywhere():
     from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY
     from engine.serve import Engine
 
-    args = build_parser(quick=True).parse_args(["ask", "doc.txt", "What was rebuilt?"])
+    args = build_parser().parse_args(["ask", "doc.txt", "What was rebuilt?"])
     assert (args.method, args.sparsity) == (DEFAULT_METHOD, DEFAULT_SPARSITY)
     assert (AppConfig().method, AppConfig().sparsity) == (DEFAULT_METHOD, DEFAULT_SPARSITY)
     stream = inspect.signature(Engine.stream).parameters
@@ -275,6 +275,10 @@ def test_the_exposure_check_loads_no_torch():
     (["ingest", "x.txt", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["serve", "--port", "99999"], "a port is a whole number from 0 to 65535"),
     (["train", "--duo-train-steps", "5", "duo", "--sparsity", "3"], "unrecognized arguments: --sparsity 3"),
+    (["ask", "x.txt", "q", "--squeeze-centroid-ratio", "abc"], "invalid float value: 'abc'"),
+    (["ask", "x.txt", "q", "--quest-page-size", "1.5"], "invalid int value: '1.5'"),
+    (["ingest", "x.txt", "--saap-dense-first-layer", "maybe"], "--saap-dense-first-layer"),
+    (["ask", "x.txt", "q", "--squeeze-no-such-setting", "1"], "unrecognized arguments: --squeeze-no-such-setting"),
 ])
 def test_bad_options_are_refused_before_torch_loads(argv, message):
     """A bad option of any command (a method's settings around it or not) is refused by argparse, exit code 2,
@@ -287,6 +291,20 @@ def test_bad_options_are_refused_before_torch_loads(argv, message):
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert done.stdout.split() == ["2", "False"]
     assert message in done.stderr
+
+
+def test_the_command_lines_method_settings_are_the_registrys():
+    """app/method_flags.py, which types the methods' flags without loading them, holds every registered method's
+    settings with their defaults: a setting added, renamed or given another default shows here."""
+    import dataclasses
+
+    from app.method_flags import METHOD_SETTINGS
+    from engine.serve import REGISTRY
+
+    assert METHOD_SETTINGS == {name: {f.name: getattr(cls.Settings(), f.name) for f in dataclasses.fields(cls.Settings)}
+                               for name, cls in REGISTRY.items()}
+    assert all(type(v) is type(getattr(REGISTRY[m].Settings(), k)) for m, s in METHOD_SETTINGS.items()
+               for k, v in s.items())
 
 
 def test_a_commands_help_lists_the_methods_settings(capsys):
