@@ -1,6 +1,8 @@
 """End to end in a real browser (Debian's chromium driven by Playwright) on the embedded model: upload the shipped
 passkey PDF, watch it being prepared, ask for the passkey, and see the answer, the kept-fraction heatmap, the
-highlighted passage and the key projection; then a follow-up that only the first turn explains. Screenshots are kept under the test's temporary directory (their paths are printed).
+highlighted passage and the key projection; then a follow-up that only the first turn explains. Screenshots are
+kept under the test's temporary directory (their paths are printed). And a first question with a method that must
+learn once per model (duo's gates, trained in seconds here) shows the training in the chat until the answer comes.
 
 assets/passkey.pdf is assets/passkey.md set as six pages with tests/support/pdfs.py (the passkey is on page 4).
 """
@@ -163,3 +165,54 @@ def test_quest_answers_the_shipped_passkey_at_90_percent_in_the_app(served):
     said = said[0]["text"] if isinstance(said, list) else said
     assert KEY in said, said
     assert "<b>quest</b> at 90% sparsity" in answer["budget"]
+
+
+# duo's gates trained in seconds (the defaults take ~17 min on 2 cores): what the test watches is the wait, not them
+QUICK_DUO = dict(train_steps=3, train_min_tokens=256, train_max_tokens=320, train_sink=16, train_recent=32,
+                 train_passkeys=1, train_words=4)
+MARKDOWN = PDF.with_suffix(".md")
+
+
+@pytest.fixture
+def served_untrained(real_lm, tmp_path_factory):
+    """The app over a fresh cache where assets/passkey.md is prepared and duo has never been trained."""
+    engine = Engine(tmp_path_factory.mktemp("cache-untrained"), lm=real_lm, methods={"duo": QUICK_DUO})
+    engine.ingest(str(MARKDOWN))
+    config = AppConfig(max_new_tokens=8)
+    demo = build_demo(engine, engine.store, config=config)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
+                            **launch_kwargs(config))
+    yield url, demo
+    demo.close()
+    demo.services.worker.close()
+
+
+def test_a_first_question_with_a_method_that_trains_says_so_in_the_chat(served_untrained, page):
+    """Choosing duo, which learns its gates once per model, says so before the question; the first question then
+    shows, where its answer will be, that duo is training and how far, and the answer replaces it."""
+    from playwright.sync_api import expect
+
+    url, demo = served_untrained
+    page.goto(url)
+    page.locator("#sq-doc-select input").click()
+    page.get_by_role("option", name=re.compile(re.escape(MARKDOWN.name))).click()
+    expect(page.locator("#sq-doc-status")).to_contain_text(f"{MARKDOWN.name}: ready", timeout=60_000)
+    page.locator("#sq-method").get_by_text("duo", exact=True).click()
+    expect(page.locator("#sq-threshold")).to_contain_text("once per model", timeout=30_000)
+    page.locator("#sq-question textarea").fill(PASSKEY_QUESTION)
+    page.click("#sq-ask")
+    chat = page.locator("#sq-chatbot")
+    expect(chat).to_contain_text("Training duo", timeout=60_000)
+    expect(page.locator("#sq-cancel-wait")).to_be_visible()
+    expect(chat).not_to_contain_text("Training duo", timeout=ANSWER_MS)  # the answer took its place
+    store = demo.services.store
+    chat_id = store.chats.list(store.documents.find(MARKDOWN.name)["id"])[0]["id"]
+    deadline = time.monotonic() + ANSWER_MS / 1000
+    while not store.chats.turns(chat_id) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    (turn,) = store.chats.turns(chat_id)
+    assert turn["method"] == "duo" and turn["question"] == PASSKEY_QUESTION
+    assert demo.services.engine.needs_preparation("duo") == []
