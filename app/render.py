@@ -267,8 +267,36 @@ def _marked(text: str, start: int, end: int, marks: Sequence[tuple[int, int, flo
     return "".join(out)
 
 
-def passages_html(text: str, passages: Sequence, context_chars: int = 80) -> str:
-    """(b) The passages whose tokens the lookup retrieved, best first, with page numbers."""
+def page_anchor(page: int) -> str:
+    """The id of page `page`'s marker in the document view (`document_html`)."""
+    return f"sq-page-{page}"
+
+
+def passage_anchor(rank: int) -> str:
+    """The id of the place where the passage `rank` (1-based, as listed by `passages_html`) starts in the document
+    view."""
+    return f"sq-passage-{rank}"
+
+
+def is_paged(page_starts: Sequence[int]) -> bool:
+    """Whether a document has pages to cite (a text file is one page: its passages are cited by their place)."""
+    return len(page_starts) > 1
+
+
+def source_link(passage, rank: int, paged: bool, label: str | None = None) -> str:
+    """A link to a passage in the document view (label: "p. N", or "passage N" where the document has no pages).
+
+    Its href is the passage's page marker (`page_anchor`; its place, `passage_anchor`, where there are no pages);
+    its data-target is the passage's place, where the app's click handler (app.views.GOTO_JS) scrolls to."""
+    href = page_anchor(passage.page) if paged else passage_anchor(rank)
+    label = label or (f"p. {passage.page}" if paged else f"passage {rank}")
+    return (f'<a class="sq-goto" href="#{href}" data-target="{passage_anchor(rank)}" '
+            f'title="show it in the whole document, retrieved tokens highlighted">{esc(label)}</a>')
+
+
+def passages_html(text: str, passages: Sequence, context_chars: int = 80, paged: bool = True) -> str:
+    """(b) The passages whose tokens the lookup retrieved, best first, each with its page number linking to that page
+    in the document view (`document_html`), or to the passage's place there when the document has no pages."""
     if not passages:
         return '<div class="sq-passages sq-empty">No clusters retrieved (full attention reads every key).</div>'
     items = []
@@ -276,26 +304,64 @@ def passages_html(text: str, passages: Sequence, context_chars: int = 80) -> str
         a = max(0, p.start - context_chars)
         b = min(len(text), p.end + context_chars)
         body = ("…" if a > 0 else "") + _marked(text, a, b, p.marks) + ("…" if b < len(text) else "")
-        items.append(f'<li class="sq-passage" data-page="{p.page}"><span class="sq-page">p. {p.page}</span>'
+        link = source_link(p, rank, paged, label=f"p. {p.page}")
+        items.append(f'<li class="sq-passage" data-page="{p.page}"><span class="sq-page">{link}</span>'
                      f'<span class="sq-text">{body}</span></li>')
     return '<ol class="sq-passages" id="sq-passages">' + "".join(items) + "</ol>"
 
 
+def cited_answer_html(answer: str, citations: Sequence, passages: Sequence, paged: bool) -> str:
+    """The answer with a citation after each sentence that a retrieved passage supports (app.citations.cite): a
+    superscript link per source, "[p. 3]" to the page in the document view, or "[passage 2]" to the passage's place
+    where the document has no pages. The answer's text is shown as it is (escaped); unsupported sentences cite
+    nothing."""
+    if not answer.strip():
+        return ""
+    out, pos = [], 0
+    for c in citations:
+        out.append(esc(answer[pos:c.end]))
+        pos = c.end
+        if c.sources:
+            links = ", ".join(source_link(passages[i], i + 1, paged) for i in c.sources)
+            out.append(f'<sup class="sq-cite">[{links}]</sup>')
+    out.append(esc(answer[pos:]))
+    cited = sum(1 for c in citations if c.sources)
+    note = (f"{cited} of {len(citations)} sentence(s) cited: each links to the "
+            f"{'page' if paged else 'place'} of the retrieved passage that best supports it")
+    if not passages:
+        note = "No passage was retrieved (full attention reads every key): there is nothing to cite."
+    elif cited < len(citations):
+        note += "; a sentence without one has no retrieved passage that holds its words"
+    return (f'<div class="sq-answer" id="sq-answer"><div class="sq-answer-text">{"".join(out)}</div>'
+            f'<div class="sq-caption">{esc(note)}</div></div>')
+
+
 def document_html(text: str, marks: Sequence[tuple[int, int, float]], page_starts: Sequence[int],
-                  tail_start: int | None = None) -> str:
+                  tail_start: int | None = None, passages: Sequence = ()) -> str:
     """The whole document with the retrieved tokens highlighted and a marker where each page starts.
 
+    Every page has an anchor (`page_anchor`: its marker, or an empty one for a page without text or a document of
+    one page), and each of `passages` one where it starts (`passage_anchor`, by its rank), for the links of
+    `passages_html` and `cited_answer_html`.
     tail_start: character where the dense tail begins (always attended; shown underlined)."""
-    cuts = sorted({0, *page_starts} | ({tail_start} if tail_start is not None else set()))
+    paged = is_paged(page_starts)
+    at = {}  # character -> the passages' ranks that start there
+    for rank, p in enumerate(passages, 1):
+        at.setdefault(min(max(0, p.start), len(text)), []).append(rank)
+    cuts = sorted({0, *page_starts, *at} | ({tail_start} if tail_start is not None else set()))
     out = ['<div class="sq-doc" id="sq-doc">']
     bounds = cuts + [len(text)]
     mi = 0
     for i, start in enumerate(cuts):
         end = bounds[i + 1]
-        if start in page_starts or start == 0:
-            page = sum(1 for s in page_starts if s <= start)
-            if len(page_starts) > 1:
-                out.append(f'<div class="sq-pagebreak">page {max(1, page)}</div>')
+        pages = [n for n, s in enumerate(page_starts, 1) if s == start]  # several: pages without text before one
+        for page in pages[:-1] if paged else pages:
+            out.append(f'<span class="sq-anchor" id="{page_anchor(page)}"></span>')
+        if paged and pages:
+            out.append(f'<div class="sq-pagebreak" id="{page_anchor(pages[-1])}">page {pages[-1]}</div>')
+        out.extend(f'<span class="sq-anchor" id="{passage_anchor(rank)}"></span>' for rank in at.get(start, ()))
+        if start == len(text):
+            continue
         while mi < len(marks) and marks[mi][1] <= start:
             mi += 1
         inner = [m for m in marks[mi:] if m[0] < end]

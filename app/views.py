@@ -1,12 +1,13 @@
 """The panel beside the chat: what attention did in a chosen turn (heatmap, KV budget and time split, retrieved
-clusters and passages, key projection). Rendered from a turn's saved statistics and the context's artifacts; the
-heatmap and the projection are interactive figures (app/figures.py)."""
+clusters and passages, the answer with each sentence's page, key projection). Rendered from a turn's saved
+statistics and the context's artifacts; the heatmap and the projection are interactive figures (app/figures.py)."""
 
 from __future__ import annotations
 
 import gradio as gr
 
 from app import figures, render
+from app.citations import cite
 from app.services import Services
 from storage import StorageError
 
@@ -17,6 +18,36 @@ CLUSTER_HEADERS = ["layer", "KV head", "unit", "keys", "score (question)", "scor
                    "text (first tokens)"]
 TOP_PASSAGES = 5
 ALL = "all"
+DOCUMENT_BOX = "sq-document-box"  # the accordion that holds the whole document
+# A click on a link to a passage (render.source_link) opens the whole document's accordion when it is closed,
+# scrolls the document to the passage's place and marks it there. Runs once per component (Gradio's
+# js_on_load, with `element` the component's node); the links are plain anchors without it.
+GOTO_JS = """
+if (element.dataset.sqGoto) return;
+element.dataset.sqGoto = "1";
+element.addEventListener("click", (event) => {
+  const link = event.target.closest("a.sq-goto");
+  if (!link) return;
+  event.preventDefault();
+  const id = link.dataset.target;
+  const show = (tries) => {
+    const target = document.getElementById(id);
+    if (target && target.offsetParent !== null) {
+      target.scrollIntoView({block: "center"});
+      document.querySelectorAll(".sq-flash").forEach((e) => e.classList.remove("sq-flash"));
+      void target.offsetWidth;
+      target.classList.add("sq-flash");
+      return;
+    }
+    if (tries === 0) {
+      const toggle = document.querySelector("#%s .label-wrap");
+      if (toggle && !toggle.classList.contains("open")) toggle.click();
+    }
+    if (tries < 40) setTimeout(() => show(tries + 1), 50);
+  };
+  show(0);
+});
+""" % DOCUMENT_BOX
 
 
 def turn_label(turn: dict) -> str:
@@ -45,8 +76,12 @@ class TurnViews:
                     "tokens, read by token ids) at full weight")
         self.clusters = gr.Dataframe(headers=CLUSTER_HEADERS, value=[], interactive=False, wrap=True, max_height=260,
                                      elem_id="sq-view-clusters")
-        self.passages = gr.HTML("", elem_id="sq-view-passages")
-        with gr.Accordion("Whole document, retrieved tokens highlighted", open=False):
+        gr.Markdown("**The answer with its sources**: after each sentence, the page of the retrieved passage that "
+                    "best supports it (its words and how strongly attention retrieved it); a click shows that page in "
+                    "the whole document below")
+        self.answer = gr.HTML("", elem_id="sq-view-answer", js_on_load=GOTO_JS)
+        self.passages = gr.HTML("", elem_id="sq-view-passages", js_on_load=GOTO_JS)
+        with gr.Accordion("Whole document, retrieved tokens highlighted", open=False, elem_id=DOCUMENT_BOX):
             self.document = gr.HTML("", elem_id="sq-view-document", max_height=500)
         gr.Markdown("**(d) Keys of one layer and KV head**, projected on two principal components")
         with gr.Row():
@@ -60,11 +95,11 @@ class TurnViews:
     def outputs(self) -> list:
         """Everything `show` returns, in order."""
         return [self.heatmap, self.budget, self.compare, self.clusters, self.passages, self.document,
-                self.layer, self.head, self.projection]
+                self.layer, self.head, self.projection, self.answer]
 
     def empty(self, message: str = "Ask a question to see what attention kept.") -> list:
         return [figures.message_figure(message), "", "", [], "", "", gr.update(choices=[], value=None),
-                gr.update(choices=[], value=None), None]
+                gr.update(choices=[], value=None), None, ""]
 
     def turn_choices(self, turns: list[dict]):
         return [(turn_label(t), t["idx"]) for t in turns]
@@ -94,17 +129,21 @@ class TurnViews:
         layer = layer if layer in layers else (layers[0] if layers else None)
         heads = list(range(data.kv_heads))
         kv_head = kv_head if kv_head in heads else 0
+        doc, paged = data.doc, render.is_paged(data.doc.page_starts)
+        shown = [] if report.get("error") else passages
+        answer = turn.get("answer") or ""
         return [
             figures.heatmap_figure(stats),
             render.budget_html(stats),
             render.compare_html(stats.get("compare")),
             self._cluster_rows(ctx, report),
             render.notice_html(f"The retrieved passages could not be worked out: {report['error']}", "error")
-            if report.get("error") else render.passages_html(data.doc.text, passages),
-            render.document_html(data.doc.text, inspector.marks(ctx, weights), data.doc.page_starts, tail_start),
+            if report.get("error") else render.passages_html(doc.text, passages, paged=paged),
+            render.document_html(doc.text, inspector.marks(ctx, weights), doc.page_starts, tail_start, shown),
             gr.update(choices=[(f"layer {i}", i) for i in layers], value=layer),
             gr.update(choices=[(f"KV head {h}", h) for h in heads], value=kv_head),
             self.projection_view(ctx, report, layer, kv_head),
+            render.cited_answer_html(answer, cite(doc.text, doc.page_starts, shown, answer), shown, paged),
         ]
 
     def projection_view(self, ctx: str, report: dict, layer: int | None, kv_head: int):

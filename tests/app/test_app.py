@@ -108,13 +108,13 @@ def poll(client: Client) -> dict:
 def open_doc(client: Client, doc_id: str) -> dict:
     out = client.predict(doc_id, "squeeze", 0.8, api_name="/open_document")
     names = ["doc", "status", "chat", "turn", "threshold", "heatmap", "budget", "compare", "clusters", "passages",
-             "document", "layer", "head", "projection", "evaluation", "last_doc", "chats"]
+             "document", "layer", "head", "projection", "answer", "evaluation", "last_doc", "chats"]
     assert len(out) == len(names)
     return dict(zip(names, out))
 
 
 ASK_NAMES = ["chat", "question", "status", "turn", "heatmap", "budget", "compare", "clusters", "passages", "document",
-             "layer", "head", "projection", "chats", "cancel"]
+             "layer", "head", "projection", "answer", "chats", "cancel"]
 
 
 def ask(client: Client, question: str, method="squeeze", sparsity=0.8, centroid=0.05, level1=0.01, compare=False,
@@ -196,6 +196,9 @@ def test_answers_stream_and_every_turn_shows_what_attention_did(app, ready_doc):
     assert first[0] in (0, 1) and first[1] in (0, 1) and int(first[3]) > 0 and first[7] == "1"
     assert '<ol class="sq-passages"' in out["passages"] and "p. 1" in out["passages"] and "<mark" in out["passages"]
     assert out["document"].count("<mark") > 10
+    # a text file has one page: each passage links to its place in the document, and the answer is shown beside them
+    assert 'href="#sq-passage-1"' in out["passages"] and 'id="sq-passage-1"' in out["document"]
+    assert out["answer"] == "" or 'class="sq-answer"' in out["answer"]
     # (d) projection of layer 0, KV head 0 keys
     proj = figure(out["projection"])
     keys = {t["name"]: len(t["x"]) for t in proj["data"]}

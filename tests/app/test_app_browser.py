@@ -108,6 +108,12 @@ def test_upload_prepare_ask_and_see_what_attention_retrieved(served, page, tmp_p
     assert passages.locator("mark.sq-hit").count() > 0
     with_key = passages.filter(has_text=KEY)
     expect(with_key.first).to_contain_text("p. 4")  # the passkey's page
+    # the answer's sentence with the passkey cites page 4; the citation opens the whole document at that passage
+    cited = page.locator("#sq-view-answer sup.sq-cite a.sq-goto", has_text="p. 4")
+    expect(cited.first).to_be_visible()
+    cited.first.click()
+    expect(page.locator("#sq-view-document .sq-doc")).to_be_visible()
+    expect(page.locator("#sq-view-document .sq-anchor.sq-flash")).to_have_count(1)
     expect(page.locator("#sq-budget")).to_contain_text("KV budget")
     projection = page.locator("#sq-view-projection .js-plotly-plot")
     expect(projection).to_be_visible()
