@@ -21,8 +21,8 @@ def budget_curves(method: Method, layers: list[CalibrationSet], scale: float, ca
     DECODE_TOKENS single tokens; prefill: windows of them, each length weighted alike), through `Method.reads`:
     the reference lookups at every key fraction (H100, Llama-3-8B shape at 128K, squeeze and Quest, 8 layers: 15 s;
     the Triton lookups took 32 s, a compilation per question length and a launch per step), or a method's own count
-    of the same reads (squeeze and duo-squeeze score a step once for all the fractions, hsqueeze its level 2 once
-    per level-1 threshold: squeeze 2.8 -> 0.08 s on an H200 at 128K)."""
+    of the same reads (squeeze, duo-squeeze and saap score a step once for all the fractions, hsqueeze its level 2
+    once per level-1 threshold, Quest counts pages: squeeze 2.8 -> 0.08 s on an H200 at 128K)."""
     plans = [method.plan_keys(calibration, keys, keys, keys) for keys in KEYS_GRID]
     d_sum, p_sum = [0.0] * len(plans), [0.0] * len(plans)
     d_n = p_w = 0.0

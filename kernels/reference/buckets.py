@@ -75,9 +75,19 @@ def take_best(score: torch.Tensor, sizes: torch.Tensor, budget: float) -> torch.
     tau, where tau is the highest bucket score whose buckets at or above it hold at least `budget` keys (every
     bucket where none does). The buckets best first until the budget, the one that reaches it included; buckets
     tied at tau all kept. O(C^2) per row, no sort."""
+    return take_best_held(score, held_keys(score, sizes), budget)
+
+
+def held_keys(score: torch.Tensor, sizes: torch.Tensor) -> torch.Tensor:
+    """score [H, C] float32, sizes [H, C] int64 -> [H, C] float32: the keys of the buckets scoring at least each
+    bucket's score (take_best's count, which no budget changes: one count serves every budget)."""
     if score.shape != sizes.shape or score.dim() != 2:
         raise ValueError(f"score and sizes must be [H, C] alike, got {tuple(score.shape)}, {tuple(sizes.shape)}")
-    held = ((score[:, None, :] >= score[:, :, None]) * sizes[:, None, :].to(torch.float32)).sum(-1)  # [H, C]
+    return ((score[:, None, :] >= score[:, :, None]) * sizes[:, None, :].to(torch.float32)).sum(-1)
+
+
+def take_best_held(score: torch.Tensor, held: torch.Tensor, budget: float) -> torch.Tensor:
+    """take_best from score [H, C] and its held_keys [H, C]: keep [H, C] bool."""
     reach = torch.where(held >= budget, score, torch.full_like(score, float("-inf"))).amax(-1)
     tau = torch.maximum(reach, score.amin(-1))
     return score >= tau[:, None]

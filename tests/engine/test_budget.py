@@ -72,6 +72,38 @@ def test_quest_reads_every_plan_as_its_lookups_do(settings):
         assert len(set(fast)) > 5  # the plans read different amounts: the grid is exercised
 
 
+@pytest.mark.parametrize("settings", [{}, {"rank": "mass"}, {"dense_first_layer": False}])
+def test_saap_reads_every_plan_as_its_lookups_do(settings):
+    """SaapPolicy.reads scores, ranks and counts the buckets once for all the plans; each value equals
+    Lookup.read_fraction of the method's own lookup at that plan (Method.reads), decode steps and a question's
+    prefill alike, in a layer read whole (the first, by default) and in a sparse one."""
+    from engine.attention.method import LayerIndex, Method
+    from engine.context.ingest import build_methods
+    from engine.index.artifacts import layer_part
+    from engine.methods import build_order, make_method, stand_ins
+
+    g = torch.Generator().manual_seed(10)
+    hq, hkv, d, n, tail = 4, 2, 16, 400, 8
+    keys = {i: torch.randn(hkv, n + tail, d, generator=g) for i in (0, 1)}
+    queries = {i: torch.randn(hq, 24, d, generator=g) for i in keys}
+    methods = [make_method(m, {"buckets": 16, "hidden": 8, **settings} if m == "saap" else None)
+               for m in build_order(["saap"])]
+    prepared = stand_ins(methods, [0, 1], hkv, d)
+    artifacts = build_methods(keys, queries, tail, methods, d**-0.5, torch.device("cpu"), prepared=prepared)
+    policy = methods[-1]
+    plans = [policy.plan_keys({}, f, f, f) for f in KEYS_GRID]
+    for layer in (0, 1):
+        own = layer_part(prepared["saap"], layer)  # the model-level parts, as a session's index holds them
+        built = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith(f"saap.layer{layer}.")}
+        index = LayerIndex({**own, **built}, n + tail, tail)
+        q = queries[layer]
+        for step, pos in ((q[:, -1:], torch.tensor([n + tail - 1])), (q[:, 2:14], torch.arange(n - 12, n))):
+            fast = policy.reads(step, index, plans, d**-0.5, pos)
+            assert fast == pytest.approx(Method.reads(policy, step, index, plans, d**-0.5, pos), abs=1e-12)
+            whole = layer == 0 and settings.get("dense_first_layer", True)
+            assert (len(set(fast)) == 1) if whole else (len(set(fast)) > 3)  # a whole layer reads every key
+
+
 @pytest.mark.parametrize("settings", [{}, {"group": "query"}, {"centroids": "exact", "level1_ratio": 0.05}])
 def test_hsqueeze_reads_every_plan_as_its_lookups_do(settings):
     """HierarchicalSqueezePolicy.reads scores level 1 once and level 2 once per level-1 threshold; each value equals

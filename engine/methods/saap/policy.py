@@ -28,6 +28,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
+from engine.attention.budget import byte_share
 from engine.attention.curves import budget_curves
 from engine.attention.method import (
     CalibrationSet,
@@ -54,7 +55,7 @@ from engine.methods.saap.partitions import (
     recent_window,
 )
 from engine.model.prefill import attention_scale
-from kernels.backend import Backend
+from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
 
 TRAINING_PREFIX = "train_"
@@ -266,6 +267,28 @@ class SaapPolicy(Method):
         selection = backend.kernel("compact").expand_groups(keep, parts.starts, layer.indexed - parts.dense,
                                                             layer.tail + parts.dense)
         return Lookup(selection=selection, index_elements=parts.read, units=keep, scores=score, sizes=parts.sizes)
+
+    def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[BucketPlan], scale: float,
+              positions: torch.Tensor | None = None) -> list[float]:
+        """Method.reads with the buckets scored, ranked and counted once for every plan (what the buckets at or
+        above each one hold does not depend on the budget): each KV head reads its best buckets' keys up to the
+        plan's keys, the dense part and the tail, and the lookup's index elements, as read_fraction counts the
+        lookup's selection (tests/engine/test_budget.py holds it to the lookups')."""
+        if positions is None:
+            raise ValueError("saap classifies de-RoPE'd queries: its lookup needs the queries' positions")
+        parts = layer.memo(("saap", q.device), lambda: LookupParts.of(layer, q.device))
+        hkv, d = parts.sizes.shape[0], q.shape[2]
+        buckets = REFERENCE.kernel("buckets")
+        score = buckets.bucket_scores(q, positions, *(layer[n] for n in LOOKUP_PARTS))
+        rank = buckets.ranking(score, parts.sizes, self.settings.rank == "per_key")
+        held = buckets.held_keys(rank, parts.sizes)
+        index, rest = float(parts.read.double().sum()), hkv * (layer.tail + parts.dense)
+        out = []
+        for plan in plans:
+            budget = float("inf") if parts.whole else plan.at(q.shape[1]) * float(layer.indexed)
+            keep = buckets.take_best_held(rank, held, budget)
+            out.append(byte_share(float((parts.sizes * keep).sum()) + rest, index, hkv, layer.num_keys, d))
+        return out
 
     def layout(self, layer: LayerIndex) -> ClusterLayout:
         return ClusterLayout.from_labels(layer["labels"], layer["counts"].shape[1], layer.tail)
