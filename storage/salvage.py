@@ -54,24 +54,39 @@ def salvage_index(root: str | Path) -> SalvageReport:
     except OSError as exc:
         raise StorageError(f"cannot move the damaged index aside in {root}: {exc}") from exc
     report = SalvageReport(damaged=damaged)
-    source = sqlite3.connect(f"{damaged.resolve().as_uri()}?mode=ro", uri=True)
-    database = Database(root)
     try:
-        with database.transaction() as db:  # all or nothing: the keys are checked once every table is in
-            target = db.conn
-            target.execute("PRAGMA defer_foreign_keys = ON")
-            read, unreadable = {}, {}
-            for table in _tables(target):
-                read[table], unreadable[table] = _copy_table(source, target, table)
-            _drop_orphans(target)
-            for table in read:
-                kept = target.execute(f'SELECT COUNT(*) FROM "{table}"').fetchone()[0]
-                report.copied[table] = kept
-                report.lost[table] = unreadable[table] + max(0, read[table] - kept)
+        _rebuild(root, damaged, report)
+    except BaseException:  # nothing half-made is left in its place: the damaged index goes back where it was
+        for suffix in ("", "-wal", "-shm"):
+            (root / (INDEX_FILE + suffix)).unlink(missing_ok=True)
+            side = root / (damaged.name + suffix)
+            if side.exists():
+                side.rename(root / (INDEX_FILE + suffix))
+        raise
+    return report
+
+
+def _rebuild(root: Path, damaged: Path, report: SalvageReport) -> None:
+    """A fresh index at root holding the damaged one's readable rows, the counts in `report`."""
+    source = sqlite3.connect(f"{damaged.resolve().as_uri()}?mode=ro", uri=True)
+    try:
+        database = Database(root)
+        try:
+            with database.transaction() as db:  # all or nothing: the keys are checked once every table is in
+                target = db.conn
+                target.execute("PRAGMA defer_foreign_keys = ON")
+                read, unreadable = {}, {}
+                for table in _tables(target):
+                    read[table], unreadable[table] = _copy_table(source, target, table)
+                _drop_orphans(target)
+                for table in read:
+                    kept = target.execute(f'SELECT COUNT(*) FROM "{table}"').fetchone()[0]
+                    report.copied[table] = kept
+                    report.lost[table] = unreadable[table] + max(0, read[table] - kept)
+        finally:
+            database.close()
     finally:
         source.close()
-        database.close()
-    return report
 
 
 def _tables(conn: sqlite3.Connection) -> list[str]:

@@ -20,6 +20,8 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     """logits [1, V] (or [V]) -> [1] int64: the index of the first maximum, as logits.argmax() gives it, in two
     reductions. torch's argmax over one row of a 128K vocabulary is one thread block's work (35 us of an H200's
     decode step of an 8B model); the maxima of GREEDY_PARTS slices, then their argmax, fill the GPU (no host sync)."""
+    if logits.dim() > 2 or (logits.dim() == 2 and logits.shape[0] != 1):
+        raise ValueError(f"greedy picks one token: logits must be [1, V] or [V], got {tuple(logits.shape)}")
     row = logits.reshape(-1)
     width = -(-row.numel() // GREEDY_PARTS)
     parts = -(-row.numel() // width)

@@ -179,6 +179,8 @@ def test_greedy_picks_the_first_maximum_as_argmax_does(device, vocab):
         tied[0, vocab // 3:] = 2.0  # every slice from a third on holds the maximum: the first one is picked
         assert int(greedy(tied)) == vocab // 3 == int(tied.argmax())
     assert greedy(logits).dtype == torch.int64 and greedy(logits).shape == (1,)
+    with pytest.raises(ValueError, match="one token"):
+        greedy(torch.zeros(2, vocab, device=device))
 
 
 def test_sampler_applies_penalty_temperature_and_top_p():

@@ -845,6 +845,24 @@ def test_an_intact_index_salvaged_keeps_every_row(tmp_path):
     assert "documents: 5 kept" in report.lines()
 
 
+def test_a_salvage_that_fails_puts_the_damaged_index_back(tmp_path, monkeypatch):
+    """A salvage stopped by an error (here: the fresh index cannot be made) leaves the damaged index where it was,
+    nothing in its place, so the cache still refuses to open rather than opening empty."""
+    import storage.salvage
+
+    _filled_cache(tmp_path, documents=2)
+    before = (tmp_path / "index.db").read_bytes()
+
+    def no_database(root):
+        raise StorageError("disk full")
+
+    monkeypatch.setattr(storage.salvage, "Database", no_database)
+    with pytest.raises(StorageError, match="disk full"):
+        salvage_index(tmp_path)
+    assert (tmp_path / "index.db").read_bytes() == before
+    assert not list(tmp_path.glob("index.db.damaged-*"))
+
+
 def test_a_damaged_index_is_rebuilt_from_the_rows_it_can_read(tmp_path, capsys):
     """A garbled page of index.db: `squeeze repair` keeps every row it can still read, drops the rows whose parent
     was lost (a chat without its document), keeps the damaged file, and the cache opens, lists and reads again."""
