@@ -2,7 +2,8 @@
 kernels.reference.buckets. A decode step's `best_buckets` in two launches (the logits spread over programs; then per
 KV head their softmax summed and the best buckets), `take_best` in one (a sort in registers, no host
 synchronisation, where torch's would be a sort, a gather, a prefix sum and a scatter). A prefill's scores (thousands
-of query rows) are the reference's batched products (cuBLAS), the pick this module's."""
+of query rows) are the reference's batched products (cuBLAS), the pick this module's. `held_keys` and
+`take_best_held` (a calibration's counts of every budget at once, off the step's path) are the reference's."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import triton
 from kernels.checks import check_valid
 from kernels.jit.buckets import logits_kernel, pick_kernel, take_best_kernel
 from kernels.reference import buckets as reference
-from kernels.reference.buckets import classify, derope, ranking
+from kernels.reference.buckets import classify, derope, held_keys, ranking, take_best_held
 
 DECODE_BLOCK_C = 64  # buckets per program of the logits (decode)
 DECODE_ROWS = 16  # the most query rows (query heads of a group x tokens) a step's scores take the kernels for
@@ -86,4 +87,5 @@ def take_best(score: torch.Tensor, sizes: torch.Tensor, budget: float) -> torch.
     return keep
 
 
-__all__ = ["best_buckets", "bucket_scores", "take_best", "classify", "derope", "ranking", "reference"]
+__all__ = ["best_buckets", "bucket_scores", "take_best", "classify", "derope", "held_keys", "ranking", "reference",
+           "take_best_held"]
