@@ -26,6 +26,8 @@ Policies:
   goes only when it counts the pages.  Each page is cut on its own, so the page map still places every
   remaining character on its page.  A model that reads the furniture between the pages writes it after its
   answers.
+* A text file with form feeds (what ``pdftotext`` and ``man`` write between pages) has pages: one per form feed,
+  cut and joined as a PDF's, its furniture left out the same way.
 """
 
 from __future__ import annotations
@@ -231,7 +233,11 @@ def load_document_bytes(data: bytes, name: str) -> Document:
         if not text:
             raise NoTextError(name, len(starts))
     else:
-        text, starts = _normalise(_decode_text(data, name)), (0,)
+        pages = _decode_text(data, name).split("\f")  # form feeds: the pages of a paged document's text export
+        if len(pages) > 1:
+            text, starts = _join_pages(strip_page_furniture([_normalise(p) for p in pages]))
+        else:
+            text, starts = _normalise(pages[0]), (0,)
         if not text:
             raise EmptyDocumentError(name, "the file holds only whitespace")
     return Document(name=name, kind=kind, text=text, page_starts=starts,

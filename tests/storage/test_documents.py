@@ -159,6 +159,18 @@ def test_pdf_page_furniture_is_left_out_and_the_page_map_follows():
     assert doc.page_of(doc.text.index("42")) == 2
 
 
+def test_a_text_file_with_form_feeds_has_pages_and_no_furniture():
+    """A text export of a paged document (pages apart by form feeds, as pdftotext writes them) gets a page map and
+    loses its furniture as a PDF does; a text file without form feeds stays one page, as it was."""
+    data = "\f".join(furnished(BODIES)).encode()
+    doc = load_document_bytes(data, "spec.txt")
+    assert doc.text == PAGE_SEPARATOR.join(BODIES) and doc.pages == len(BODIES)
+    for number, (start, body) in enumerate(zip(doc.page_starts, BODIES), start=1):
+        assert doc.text[start:start + len(body)] == body and doc.page_of(start) == number
+    plain = load_document_bytes("\n\n".join(furnished(BODIES)).encode(), "spec.md")
+    assert plain.pages == 1 and HEADER in plain.text  # no pages: nothing repeats at a page's edge
+
+
 def test_page_numbers_that_do_not_count_the_pages_and_short_documents_stay():
     """A bare number at the same place on every page goes only when it counts the pages; words recurring on fewer
     than half of the pages, and documents of fewer than three pages, keep everything."""
