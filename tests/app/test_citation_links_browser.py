@@ -18,6 +18,8 @@ from app.demo import CSS_PATH
 from app.views import DOCUMENT_BOX, TurnViews
 from engine.serve.explain import Passage
 
+LOAD_MS = 60_000  # the page loads and fills its views: seconds on a busy 2-core machine
+
 CHROMIUM = os.environ.get("SQUEEZE_CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync"]
@@ -98,7 +100,7 @@ def test_a_citation_opens_the_document_at_its_page_or_passage(served, page, tmp_
     url, paged = served
     page.goto(url)
     answer = page.locator("#sq-view-answer .sq-answer")
-    expect(answer).to_contain_text("The passkey is 48213.")
+    expect(answer).to_contain_text("The passkey is 48213.", timeout=LOAD_MS)  # the page's load fills the views
     document = page.locator("#sq-view-document .sq-doc")
     expect(document).to_be_hidden()  # the accordion starts closed
     cites = page.locator("#sq-view-answer sup.sq-cite a.sq-goto")
