@@ -174,7 +174,7 @@ def test_quest_answers_the_shipped_passkey_at_90_percent_in_the_app(served):
 
 
 # duo's gates trained in seconds (the defaults take ~17 min on 2 cores): what the test watches is the wait, not them
-QUICK_DUO = dict(train_steps=3, train_min_tokens=256, train_max_tokens=320, train_sink=16, train_recent=32,
+QUICK_DUO = dict(train_steps=6, train_min_tokens=256, train_max_tokens=320, train_sink=16, train_recent=32,
                  train_passkeys=1, train_words=4)
 MARKDOWN = PDF.with_suffix(".md")
 
