@@ -39,16 +39,22 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def served(real_lm, tmp_path_factory):
-    engine = Engine(tmp_path_factory.mktemp("cache"), lm=real_lm)
-    config = AppConfig(max_new_tokens=16)
-    demo = build_demo(engine, engine.store, config=config)
+def launch(demo, config: AppConfig) -> str:
+    """The app served on a free local port, in the background: its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     _, url, _ = demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
                             **launch_kwargs(config))
+    return url
+
+
+@pytest.fixture(scope="module")
+def served(real_lm, tmp_path_factory):
+    engine = Engine(tmp_path_factory.mktemp("cache"), lm=real_lm)
+    config = AppConfig(max_new_tokens=16)
+    demo = build_demo(engine, engine.store, config=config)
+    url = launch(demo, config)
     yield url, demo
     demo.close()
     demo.services.worker.close()
@@ -186,11 +192,7 @@ def served_untrained(real_lm, tmp_path_factory):
     engine.ingest(str(MARKDOWN))
     config = AppConfig(max_new_tokens=8)
     demo = build_demo(engine, engine.store, config=config)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                            **launch_kwargs(config))
+    url = launch(demo, config)
     yield url, demo
     demo.close()
     demo.services.worker.close()

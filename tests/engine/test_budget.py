@@ -50,12 +50,24 @@ def test_read_fraction_counts_a_kv_heads_keys_once_and_the_index():
     assert Lookup(selection=None, index_elements=torch.zeros(1)).read_fraction(4, 10) == 1.0
 
 
+def assert_reads_as_its_lookups(policy, index, plans, queries, n: int, tail: int) -> None:
+    """policy.reads equals Method.reads (each plan's own lookup, read_fraction) for a decode step (the last query)
+    and a question's prefill (12 queries), and the plans read different amounts (the grid is exercised)."""
+    from engine.attention.method import Method
+
+    d = queries.shape[2]
+    for q, pos in ((queries[:, -1:], torch.tensor([n + tail - 1])), (queries[:, 5:17], torch.arange(n - 12, n))):
+        fast = policy.reads(q, index, plans, d**-0.5, pos)
+        assert fast == pytest.approx(Method.reads(policy, q, index, plans, d**-0.5, pos), abs=1e-12)
+        assert len(set(fast)) > 5
+
+
 @pytest.mark.parametrize("settings", [{}, {"bounds": "int8"}, {"group": "query"}, {"page_size": 32}])
 def test_quest_reads_every_plan_as_its_lookups_do(settings):
     """QuestPolicy.reads counts each plan's pages without a lookup where a row is a KV head; each value equals
     Lookup.read_fraction of the method's own lookup at that plan (Method.reads), decode steps and a question's
     prefill alike, a last partial page included (300 keys in pages of 16 or 32)."""
-    from engine.attention.method import LayerIndex, LayerKeys, Method
+    from engine.attention.method import LayerIndex, LayerKeys
     from engine.methods import make_method
 
     g = torch.Generator().manual_seed(9)
@@ -66,10 +78,7 @@ def test_quest_reads_every_plan_as_its_lookups_do(settings):
     index = LayerIndex(tensors=policy.build(LayerKeys(layer_idx=0, keys=keys[:, :n], tail=tail), {}, {}),
                        num_keys=n + tail, tail=tail)
     plans = [policy.plan_keys({}, f, f, f) for f in KEYS_GRID]
-    for q, pos in ((queries[:, -1:], torch.tensor([n + tail - 1])), (queries[:, 5:17], torch.arange(n - 12, n))):
-        fast = policy.reads(q, index, plans, d**-0.5, pos)
-        assert fast == pytest.approx(Method.reads(policy, q, index, plans, d**-0.5, pos), abs=1e-12)
-        assert len(set(fast)) > 5  # the plans read different amounts: the grid is exercised
+    assert_reads_as_its_lookups(policy, index, plans, queries, n, tail)
 
 
 @pytest.mark.parametrize("settings", [{}, {"rank": "mass"}, {"dense_first_layer": False}])
@@ -109,7 +118,7 @@ def test_hsqueeze_reads_every_plan_as_its_lookups_do(settings):
     """HierarchicalSqueezePolicy.reads scores level 1 once and level 2 once per level-1 threshold; each value equals
     Lookup.read_fraction of the method's own lookup at that plan (Method.reads), decode steps and a question's
     prefill alike: the budget curves are unchanged."""
-    from engine.attention.method import CalibrationSet, LayerIndex, LayerKeys, Method
+    from engine.attention.method import CalibrationSet, LayerIndex, LayerKeys
     from engine.methods import make_method
 
     g = torch.Generator().manual_seed(8)
@@ -123,17 +132,14 @@ def test_hsqueeze_reads_every_plan_as_its_lookups_do(settings):
     index = LayerIndex(tensors=policy.build(layer, required, {}), num_keys=n + tail, tail=tail)
     calibration = policy.calibrate([CalibrationSet(index=index, queries=queries)], d**-0.5)
     plans = [policy.plan_keys(calibration, f, f, f) for f in KEYS_GRID]
-    for q, pos in ((queries[:, -1:], torch.tensor([n + tail - 1])), (queries[:, 5:17], torch.arange(n - 12, n))):
-        fast = policy.reads(q, index, plans, d**-0.5, pos)
-        assert fast == pytest.approx(Method.reads(policy, q, index, plans, d**-0.5, pos), abs=1e-12)
-        assert len(set(fast)) > 5  # the plans read different amounts: the grid is exercised
+    assert_reads_as_its_lookups(policy, index, plans, queries, n, tail)
 
 
 @pytest.mark.parametrize("settings", [{}, {"group": "query"}, {"centroids": "exact", "centroid_ratio": 0.1}])
 def test_squeeze_reads_every_plan_as_its_lookups_do(settings):
     """SqueezePolicy.reads scores once for all the plans; each value equals Lookup.read_fraction of the method's own lookup
     at that plan (Method.reads), decode steps and a question's prefill alike: the budget curves are unchanged."""
-    from engine.attention.method import CalibrationSet, LayerIndex, LayerKeys, Method
+    from engine.attention.method import CalibrationSet, LayerIndex, LayerKeys
     from engine.methods import make_method
 
     g = torch.Generator().manual_seed(7)
@@ -145,7 +151,4 @@ def test_squeeze_reads_every_plan_as_its_lookups_do(settings):
                        num_keys=n + tail, tail=tail)
     calibration = policy.calibrate([CalibrationSet(index=index, queries=queries)], d**-0.5)
     plans = [policy.plan_keys(calibration, f, f, f) for f in KEYS_GRID]
-    for q, pos in ((queries[:, -1:], torch.tensor([n + tail - 1])), (queries[:, 5:17], torch.arange(n - 12, n))):
-        fast = policy.reads(q, index, plans, d**-0.5, pos)
-        assert fast == pytest.approx(Method.reads(policy, q, index, plans, d**-0.5, pos), abs=1e-12)
-        assert len(set(fast)) > 5  # the plans read different amounts: the grid is exercised
+    assert_reads_as_its_lookups(policy, index, plans, queries, n, tail)

@@ -260,25 +260,38 @@ def test_replace_rows_equals_the_mask_by_hand():
     assert got.counts().tolist() == [6, int(mask[1].sum()), int(mask[2].sum()), 6]
 
 
+def duo_squeeze_context(seed: int, queries: int):
+    """duo-squeeze (sink 4, recent 30) built with what it requires over two layers of random keys (2 KV heads,
+    4 query heads, d 8, INDEXED + TAIL keys), stand-in gates: (the method, every artifact by its full name, the
+    layers' calibration queries [4, queries, 8])."""
+    from engine.context.ingest import build_methods
+    from engine.methods import build_order, stand_ins
+
+    g = torch.Generator().manual_seed(seed)
+    hkv, hq, d, n = 2, 4, 8, INDEXED + TAIL
+    keys = {0: torch.randn(hkv, n, d, generator=g), 1: torch.randn(hkv, n, d, generator=g)}
+    calibration = {i: torch.randn(hq, queries, d, generator=g) for i in keys}
+    methods = [make_method(m, {"sink": 4, "recent": 30} if m != "squeeze" else None)
+               for m in build_order(["duo-squeeze"])]
+    artifacts = build_methods(keys, calibration, TAIL, methods, d ** -0.5, torch.device("cpu"),
+                              prepared=stand_ins(methods, [0, 1], hkv, d))
+    return methods[-1], artifacts, calibration
+
+
+def named(artifacts: dict, prefix: str) -> dict:
+    """The artifacts under `prefix` ("method.layer0.", "method.calib."), by their short names."""
+    return {k.removeprefix(prefix): t for k, t in artifacts.items() if k.startswith(prefix)}
+
+
 def test_duo_squeeze_streams_the_low_heads_and_looks_up_the_high_ones():
     """duo-squeeze: the heads of rank >= its retrieval share read their window (the sink's and the recent tokens,
     found in squeeze's layout, then the dense rows); the others exactly squeeze's selection at the plan's threshold."""
-    from engine.context.ingest import build_methods
-    from engine.methods import build_order, stand_ins
     from kernels.backend import REFERENCE
 
-    g = torch.Generator().manual_seed(1)
-    hkv, hq, d, n = 2, 4, 8, INDEXED + TAIL
-    keys = {0: torch.randn(hkv, n, d, generator=g), 1: torch.randn(hkv, n, d, generator=g)}
-    queries = {i: torch.randn(hq, TAIL, d, generator=g) for i in keys}
-    methods = [make_method(m, {"sink": 4, "recent": 30} if m != "squeeze" else None)
-               for m in build_order(["duo-squeeze"])]
-    artifacts = build_methods(keys, queries, TAIL, methods, d ** -0.5, torch.device("cpu"),
-                              prepared=stand_ins(methods, [0, 1], hkv, d))
-    part = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.layer0.")}
-    calib = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.calib.")}
-    sq = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("squeeze.layer0.")}
-    method = methods[-1]
+    d, n = 8, INDEXED + TAIL
+    method, artifacts, queries = duo_squeeze_context(seed=1, queries=TAIL)
+    part, calib, sq = (named(artifacts, prefix) for prefix in ("duo-squeeze.layer0.", "duo-squeeze.calib.",
+                                                                "squeeze.layer0."))
     plan = method.plan(calib, 0.4)
     assert plan.retrieval_heads == 2  # half of the model's four KV heads
     index = LayerIndex(part, n, TAIL)
@@ -286,7 +299,7 @@ def test_duo_squeeze_streams_the_low_heads_and_looks_up_the_high_ones():
     got = method.lookup(q, index, plan, d ** -0.5, REFERENCE).selection.to_mask()
     squeeze = make_method("squeeze").lookup(q, LayerIndex(sq, n, TAIL), plan, d ** -0.5, REFERENCE).selection.to_mask()
     order = method.layout(index).order  # original position of each place
-    for h in range(hkv):
+    for h in range(part["rank"].numel()):
         if int(part["rank"][h]) < plan.retrieval_heads:
             assert torch.equal(got[h], squeeze[h])
         else:
@@ -300,20 +313,11 @@ def test_duo_squeeze_reads_every_plan_as_its_lookups_do():
     centroids; decode steps and a question's prefill alike, at every share of retrieval heads the grid reaches."""
     from engine.attention.budget import KEYS_GRID
     from engine.attention.method import Method
-    from engine.context.ingest import build_methods
-    from engine.methods import build_order, stand_ins
 
-    g = torch.Generator().manual_seed(3)
-    hkv, hq, d, n = 2, 4, 8, INDEXED + TAIL
-    keys = {0: torch.randn(hkv, n, d, generator=g), 1: torch.randn(hkv, n, d, generator=g)}
-    queries = {i: torch.randn(hq, TAIL + 8, d, generator=g) for i in keys}
-    methods = [make_method(m, {"sink": 4, "recent": 30} if m != "squeeze" else None)
-               for m in build_order(["duo-squeeze"])]
-    artifacts = build_methods(keys, queries, TAIL, methods, d ** -0.5, torch.device("cpu"),
-                              prepared=stand_ins(methods, [0, 1], hkv, d))
-    part = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.layer0.")}
-    calib = {k.split(".", 2)[2]: t for k, t in artifacts.items() if k.startswith("duo-squeeze.calib.")}
-    method, index = methods[-1], LayerIndex(part, n, TAIL)
+    d, n = 8, INDEXED + TAIL
+    method, artifacts, queries = duo_squeeze_context(seed=3, queries=TAIL + 8)
+    part, calib = named(artifacts, "duo-squeeze.layer0."), named(artifacts, "duo-squeeze.calib.")
+    index = LayerIndex(part, n, TAIL)
     plans = [method.plan_keys(calib, f, f, f) for f in KEYS_GRID]
     assert len({p.retrieval_heads for p in plans}) > 1  # every head retrieves at the full budget, a share below
     q = queries[0]
