@@ -85,6 +85,17 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return lo, hi
 
 
+def bound_elements(layer: LayerIndex, q: torch.Tensor) -> float:
+    """What a lookup reads of one KV head's index: every page's two bounds (and, for one-byte codes, their offsets
+    and steps), in elements of the keys' dtype: exact bounds have it; codes are counted against q's, which is the
+    keys' dtype in the engine."""
+    lo = layer["page_min"]
+    pages, d = lo.shape[1:]
+    quant = "bound_offset" in layer
+    key_size = q.element_size() if quant else lo.element_size()
+    return (pages * 2 * d * lo.element_size() + (2 * d * 4 if quant else 0)) / key_size
+
+
 class QuestPolicy(Method):
     name: ClassVar[str] = "quest"
     Settings: ClassVar[type] = QuestSettings
@@ -119,11 +130,7 @@ class QuestPolicy(Method):
         offset, step = (layer["bound_offset"], layer["bound_step"]) if quant else (None, None)
         scores = kernel.page_scores(q, lo, hi, rows, offset, step, valid)  # [rows, P]
         keep, selection = kernel.select_pages(scores, plan.pages(pages), page, layer.num_keys)
-        # every page's two bounds (+ the offsets and steps), in elements of the keys' dtype: exact bounds have it;
-        # one-byte codes are counted against q's, which is the keys' dtype in the engine
-        key_size = q.element_size() if quant else lo.element_size()
-        elements = (pages * 2 * d * lo.element_size() + (2 * d * 4 if quant else 0)) / key_size
-        read = layer.elements(hkv, elements, q.device)
+        read = layer.elements(hkv, bound_elements(layer, q), q.device)
         sizes = None  # the statistics list a question's units only: a decode step saves the launch
         if q.shape[1] > 1:
             sizes = torch.full((hkv, pages), page, dtype=torch.int64, device=q.device)
@@ -138,9 +145,7 @@ class QuestPolicy(Method):
         hkv, pages, d = lo.shape
         if group_rows(self.settings.group, q.shape[0], hkv) != hkv:
             return super().reads(q, layer, plans, scale, positions)
-        quant = "bound_offset" in layer
-        key_size = q.element_size() if quant else lo.element_size()  # as the lookup counts them
-        index = hkv * (pages * 2 * d * lo.element_size() + (2 * d * 4 if quant else 0)) / key_size
+        index = hkv * bound_elements(layer, q)
         rest = layer.num_keys - pages * self.settings.page_size  # a last partial page and the dense rows
         return [byte_share(hkv * (plan.pages(pages) * self.settings.page_size + rest), index, hkv, layer.num_keys, d)
                 for plan in plans]
