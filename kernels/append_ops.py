@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from kernels.jit.append import append_tokens_kernel
+from kernels.launch import dependent_launch
 from kernels.reference import append as reference
 
 MAX_ROWS = 1024  # (head, token) rows one program copies; more go to the reference
@@ -32,7 +33,7 @@ def append_tokens(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: 
         append_tokens_kernel[(1,)](
             k, v, k_buf, v_buf, count, n, rows, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             k_buf.stride(0), k_buf.stride(1), v_buf.stride(0), v_buf.stride(1),
-            HEAD_DIM=d, BLOCK_R=BLOCK_ROWS, num_warps=4,
+            HEAD_DIM=d, BLOCK_R=BLOCK_ROWS, num_warps=4, **dependent_launch(k.device),
         )
 
 

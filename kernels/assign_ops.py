@@ -13,6 +13,7 @@ import triton
 
 from kernels.checks import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS
 from kernels.jit.assign import nearest_centroid_kernel
+from kernels.launch import dependent_launch
 from kernels.reference import assign as reference
 
 # --- Knobs ---------------------------------------------------------------------------------------------------------
@@ -56,7 +57,7 @@ def nearest_centroid(points: torch.Tensor, centroids: torch.Tensor, bias: torch.
             x, c, b, labels, best, n, k, x.stride(0), x.stride(1), c.stride(0), c.stride(1),
             HEAD_DIM=d, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
             INPUT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+            num_warps=NUM_WARPS, num_stages=NUM_STAGES, **dependent_launch(x.device),
         )
     return labels, best
 

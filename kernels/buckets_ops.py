@@ -12,6 +12,7 @@ import triton
 
 from kernels.checks import check_valid
 from kernels.jit.buckets import logits_kernel, pick_kernel, take_best_kernel
+from kernels.launch import dependent_launch
 from kernels.reference import buckets as reference
 from kernels.reference.buckets import classify, derope, held_keys, ranking, take_best_held
 
@@ -57,14 +58,14 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
         q, positions, *params, logits, q.stride(0), q.stride(1), lq, rows, c, d // 2, hidden, GROUP=hq // hkv,
         BLOCK_R=DECODE_ROWS, BLOCK_D=max(16, triton.next_power_of_2(d // 2)),
         BLOCK_H=max(16, triton.next_power_of_2(hidden)), BLOCK_C=DECODE_BLOCK_C, PRECISION=precision(q.device),
-        num_warps=WARPS)
+        num_warps=WARPS, **dependent_launch(q.device))
     score = torch.empty(hkv, c, dtype=torch.float32, device=q.device)
     keep = torch.empty(hkv, c, dtype=torch.bool, device=q.device)
     if sizes is not None:
         _check_sizes(score, sizes)
     pick_kernel[(hkv,)](logits, score if sizes is None else sizes.contiguous(), score, keep, rows, c, 1.0 / lq,
                         float(budget), HAS_SIZES=sizes is not None, PER_KEY=per_key,
-                        BLOCK_C=max(16, triton.next_power_of_2(c)), num_warps=WARPS)
+                        BLOCK_C=max(16, triton.next_power_of_2(c)), num_warps=WARPS, **dependent_launch(logits.device))
     return score, None if sizes is None else keep
 
 
@@ -83,7 +84,8 @@ def take_best(score: torch.Tensor, sizes: torch.Tensor, budget: float) -> torch.
     keep = torch.empty(h, c, dtype=torch.bool, device=score.device)
     if h and c:
         take_best_kernel[(h,)](score.contiguous(), sizes.contiguous(), keep, c, float(budget),
-                               BLOCK_C=max(16, triton.next_power_of_2(c)), num_warps=WARPS)
+                               BLOCK_C=max(16, triton.next_power_of_2(c)), num_warps=WARPS,
+                               **dependent_launch(score.device))
     return keep
 
 

@@ -15,6 +15,7 @@ import triton
 
 from kernels.checks import LOG2E, check_qkv
 from kernels.jit.causal import causal_attn_fwd_kernel
+from kernels.launch import dependent_launch
 
 POSITION_DTYPES = (torch.int32, torch.int64)
 
@@ -120,6 +121,7 @@ def causal_attention(
         group, lq, lk, int(k_start), 0 if window is None else int(window), scale * LOG2E,
         HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, WINDOW=window is not None,
         EXACT_FP32=q.dtype == torch.float32, HAS_PRIOR=prior is not None, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        **dependent_launch(q.device),
     )
     return out, lse
 

@@ -30,6 +30,7 @@ import triton
 from kernels.checks import LOG2E, check_valid
 from kernels.compact_ops import expand_block_sums
 from kernels.jit.centroid import centroid_denominator_kernel, centroid_score_kernel, centroid_score_prefill_kernel
+from kernels.launch import dependent_launch
 
 # no kernels of their own (the calibration and the explanations use them): the backend's op names, from the reference
 from kernels.reference.centroid import (  # noqa: F401
@@ -238,6 +239,7 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
         # "tf32" is Triton's default and means nothing for 16-bit inputs
         SCALED=step is not None,
         CODES16=step is not None and q.dtype != torch.float32,  # float16 dots over 1024 + code (no conversion)
+        **dependent_launch(q.device),
     )
     strides = (
         q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
@@ -263,7 +265,7 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
             BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(hpr)), BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)),
             HAS_ALLOWED=allowed is not None, HAS_STARTS=has_starts, DOT_PRECISION=common["DOT_PRECISION"],
             SCALED=common["SCALED"], CODES16=common["CODES16"], HAS_VALID=valid is not None, num_warps=score_warps,
-            num_stages=score_stages,
+            num_stages=score_stages, **dependent_launch(q.device),
         )
         return
     centroid_score_kernel[(units, score_blocks)](

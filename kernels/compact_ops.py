@@ -6,6 +6,7 @@ import torch
 import triton
 
 from kernels.jit.compact import expand_groups_kernel, group_block_sums_kernel
+from kernels.launch import dependent_launch
 from kernels.selection import Fixed, Selection
 
 BLOCK_G = 256  # groups (clusters) per program of the standalone expansion
@@ -57,7 +58,7 @@ def expand_groups(keep: torch.Tensor, starts: torch.Tensor, total: int, tail: in
     if rows:
         keep, starts = keep.contiguous(), starts.contiguous()
         group_block_sums_kernel[(rows, nb)](keep, starts, block_sums, groups, nb, rows // starts.shape[0],
-                                           BLOCK_G=block_g, num_stages=1)
+                                           BLOCK_G=block_g, num_stages=1, **dependent_launch(keep.device))
     return expand_block_sums(keep, starts, block_sums, block_g, total, tail, fixed=fixed, sub=sub, block_k=block_k)
 
 
@@ -95,5 +96,6 @@ def expand_block_sums(keep: torch.Tensor, starts: torch.Tensor, block_sums: torc
             rows // starts.shape[0], tail, *(fixed.launch_args() if fixed is not None else (out, out, 0)),
             BLOCK_G=block_g, BLOCK_K=block_k, SUB=min(sub, block_g), RCHUNK=max(1, min(triton.next_power_of_2(rows), SUM_TILE // block_nb)),
             BLOCK_NB=block_nb, BLOCK_T=BLOCK_T, HAS_FIXED=fixed is not None, num_stages=1,  # no pipeline buffers: they would only cost occupancy
+            **dependent_launch(keep.device),
         )
     return Selection(indptr=indptr, indices=out, num_keys=num_keys)

@@ -14,6 +14,7 @@ import triton
 
 from kernels.checks import LOG2E, check_qkv
 from kernels.jit.follow import follow_attn_kernel
+from kernels.launch import dependent_launch
 from kernels.reference import follow as reference
 from kernels.selection import Selection
 
@@ -82,6 +83,7 @@ def follow_attention(
         order.stride(0) if order is not None else 0,
         HEADS_PER_ROW=heads_per_row, HAS_ORDER=order is not None, HAS_PRIOR=prior is not None, PROBES=PROBES,
         ROUNDS=search_rounds(n), BLOCK_M=block_m, BLOCK_K=block_k, HEAD_DIM=d, num_warps=4,
+        **dependent_launch(q.device),
     )
     return out, lse, fresh.view(torch.bool)
 

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from kernels.jit.gemv import gemv_kernel
+from kernels.launch import dependent_launch
 from kernels.reference import gemv as reference
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -56,6 +57,7 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         x, weight, bias if bias is not None else y, y, n, k, weight.stride(0),
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
         HAS_BIAS=bias is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **dependent_launch(x.device),
     )
     return y
 

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from kernels.jit.merge import merge_two_kernel
+from kernels.launch import dependent_launch
 from kernels.reference import merge as reference
 
 BLOCK_ROWS = 16  # (head, token) rows per program; a decode step of 32 heads is 2 programs
@@ -47,7 +48,7 @@ def merge_attention(parts: list[tuple[torch.Tensor, torch.Tensor]],
         merge_two_kernel[(triton.cdiv(n, BLOCK_ROWS),)](
             out_a, lse_a, out_b, lse_b, out, lse, n, lq,
             out_a.stride(0), out_a.stride(1), out_b.stride(0), out_b.stride(1), out.stride(0), out.stride(1),
-            HEAD_DIM=d, BLOCK_R=BLOCK_ROWS, num_warps=4,
+            HEAD_DIM=d, BLOCK_R=BLOCK_ROWS, num_warps=4, **dependent_launch(out.device),
         )
     return out, lse
 

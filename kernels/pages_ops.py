@@ -8,6 +8,7 @@ import triton
 
 from kernels.checks import check_valid
 from kernels.jit.pages import page_scores_kernel, page_threshold_kernel, page_write_kernel
+from kernels.launch import dependent_launch
 from kernels.reference._common import token_mean_and_last
 from kernels.reference.pages import dequantize_bounds, quantize_bounds  # the one-byte format: torch on both backends
 from kernels.selection import Selection
@@ -85,6 +86,7 @@ def page_scores(q: torch.Tensor, page_min: torch.Tensor, page_max: torch.Tensor,
     page_scores_kernel[(rows, triton.cdiv(pages, BLOCK_P))](
         q, pre, page_min, page_max, offset, step, out, pages, q.stride(0), page_min.stride(0), page_min.stride(1),
         HEADS_PER_ROW=hq // rows, ROWS_PER_KV=rows // hkv, REDUCED=reduced, QUANT=quant, D=d, BLOCK_P=BLOCK_P,
+        **dependent_launch(q.device),
     )
     return out
 
@@ -123,10 +125,11 @@ def select_pages(scores: torch.Tensor, k: int, page: int, num_keys: int) -> tupl
     scores = scores.contiguous()
     page_threshold_kernel[(rows,)](scores, bracket, room, above, cand, pages, k, nch, BLOCK=block, SINGLE=single,
                                    ITERS=TOP_ITERS, CHUNK=chunk,
-                                   num_warps=max(1, min(32, block // (32 * TOP_ELEMS))))
+                                   num_warps=max(1, min(32, block // (32 * TOP_ELEMS))), **dependent_launch(dev))
     page_write_kernel[(rows, nch + 1)](scores, bracket, room, above, cand, keep, indptr, indices, pages, k, nch,
                                        num_keys, per_row, PAGE=page, CHUNK=chunk,
-                                       BLOCK_N=max(16, triton.next_power_of_2(nch)), num_warps=4)
+                                       BLOCK_N=max(16, triton.next_power_of_2(nch)), num_warps=4,
+                                       **dependent_launch(dev))
     return keep, Selection(indptr=indptr, indices=indices, num_keys=num_keys)
 
 

@@ -31,6 +31,7 @@ import triton
 
 from kernels.checks import LOG2E, check_qkv
 from kernels.jit.sparse import gather_selected_kernel, sparse_attn_fwd_kernel, sparse_attn_merge_kernel
+from kernels.launch import dependent_launch
 from kernels.reference import sparse as reference
 from kernels.selection import Selection
 
@@ -297,7 +298,7 @@ def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float
     common = dict(
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r, SPLIT=cfg.split,
         EXACT_FP32=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages, DENSE=dense,
-        dense_len=num_keys if dense else 0,
+        dense_len=num_keys if dense else 0, **dependent_launch(q.device),
     )
     qk_scale = scale * LOG2E
     if cfg.gather:  # packed copies of the first `entries` selected K/V, in selection order
@@ -308,6 +309,7 @@ def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float
         gather_selected_kernel[(triton.cdiv(num_keys, GATHER_BLOCK_N), rows)](
             k, v, indptr, indices, k_packed, v_packed, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             rows, hkv, entries, HEAD_DIM=d, BLOCK_N=GATHER_BLOCK_N, num_warps=4,
+            **dependent_launch(q.device),
         )
         common.update(PACKED=True, kp_ptr=k_packed, vp_ptr=v_packed, packed_cap=entries)
         if cfg.tma:
@@ -332,7 +334,7 @@ def _launch(q, k, v, indptr, indices, capacity: int, num_keys: int, scale: float
     sparse_attn_merge_kernel[(triton.cdiv(num_m, merge_block_m), rows, d // block_d)](
         part_out, part_lse, indptr, out, lse, rows, num_m, cfg.chunk,
         HEAD_DIM=d, BLOCK_M=merge_block_m, BLOCK_I=cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
-        num_warps=MERGE_WARPS, DENSE=dense, dense_len=num_keys if dense else 0,
+        num_warps=MERGE_WARPS, DENSE=dense, dense_len=num_keys if dense else 0, **dependent_launch(q.device),
     )
     return out, lse
 

@@ -12,6 +12,7 @@ import torch
 import triton
 
 from kernels.jit.suffix import suffix_block_kernel, suffix_merge_kernel
+from kernels.launch import dependent_launch
 from kernels.reference import suffix as reference
 
 BLOCK = 1024  # context positions per program of the block kernel
@@ -40,11 +41,13 @@ def follow_step(ids: torch.Tensor, indexed_next: torch.Tensor, recent: torch.Ten
     cand_score = torch.empty(blocks * top, dtype=torch.int64, device=ids.device)
     cand_at = torch.empty(blocks * top, dtype=torch.int64, device=ids.device)
     suffix_block_kernel[(blocks,)](ids, indexed_next.view(torch.uint8), recent, token, cand_score, cand_at, n,
-                                   NGRAM=ngram, TOP=top, BLOCK=BLOCK, num_warps=4)
+                                   NGRAM=ngram, TOP=top, BLOCK=BLOCK, num_warps=4,
+                                   **dependent_launch(ids.device))
     suffix_merge_kernel[(1,)](cand_score, cand_at, recent, token, question, out, n, blocks * top, q,
                               NGRAM=ngram, TOP=top, BLOCK_C=max(16, triton.next_power_of_2(blocks * top)),
                               BLOCK_O=max(16, triton.next_power_of_2(out.numel())),
-                              BLOCK_G=max(2, triton.next_power_of_2(ngram)), num_warps=4)
+                              BLOCK_G=max(2, triton.next_power_of_2(ngram)), num_warps=4,
+                              **dependent_launch(ids.device))
     return out
 
 

@@ -9,6 +9,7 @@ import torch
 import triton
 
 from kernels.jit.tally import tally_step_kernel
+from kernels.launch import dependent_launch
 
 BLOCK_U = 1024  # units per program of the running max
 BLOCK_M = 64  # follow rows per pass of the count
@@ -47,6 +48,7 @@ def tally_step(indptr: torch.Tensor, elements: torch.Tensor, kept: torch.Tensor,
         units, scores.stride(0) if scores is not None else 0, best.stride(0) if best is not None else 0,
         ROWS=rows, BLOCK_E=BLOCK_E, BLOCK_M=BLOCK_M, BLOCK_U=BLOCK_U,
         HAS_FRESH=fresh is not None, HAS_SCORES=scores is not None, num_warps=4,
+        **dependent_launch(indptr.device),
     )
 
 

@@ -16,6 +16,7 @@ from kernels import causal_ops, follow_ops, sparse_ops, tally_ops
 from kernels.backend import TRITON
 from kernels.checks import LOG2E, check_qkv
 from kernels.jit.union import union_attn_fwd_kernel, union_merge_kernel
+from kernels.launch import dependent_launch
 from kernels.reference import union as reference
 from kernels.selection import FollowRows, Selection, StepTally
 
@@ -106,7 +107,7 @@ def union_attention(
         BLOCK_K=max(16, triton.next_power_of_2(max(m_rows, 1))), EXACT_FP32=q.dtype == torch.float32,
         DENSE=selection is None, FOLLOW=with_follow, HAS_ORDER=order is not None, PROBES=follow_ops.PROBES,
         ROUNDS=follow_ops.search_rounds(num_keys), dense_len=dense_len,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(q.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(q.device), **dependent_launch(q.device),
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
     merge_block_m = min(cfg.merge_block_m, triton.next_power_of_2(num_m))
@@ -118,7 +119,7 @@ def union_attention(
         scores.stride(0) if scores is not None else 0, tally.best.stride(0) if scores is not None else 0,
         HEAD_DIM=d, BLOCK_M=merge_block_m, BLOCK_I=cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
         DENSE=selection is None, FOLLOW=with_follow, TALLY=tally is not None, HAS_SCORES=scores is not None,
-        dense_len=dense_len, num_warps=sparse_ops.MERGE_WARPS,
+        dense_len=dense_len, num_warps=sparse_ops.MERGE_WARPS, **dependent_launch(q.device),
     )
     return out, lse, fresh.view(torch.bool) if fresh is not None else None
 

@@ -8,7 +8,10 @@ inductor kernels per layer instead of ~50 eager ones, and the engine's kernels r
 captured by engine.model.graph's CUDA graphs like eager code. Layers share their compiled code (dynamo passes a
 module's parameters as inputs); so that the layer index each layer hands to the cache does not specialise one
 compilation per layer (and exhaust dynamo's recompile limit after 8), dynamo is told to treat integer module
-attributes as inputs (`allow_unspec_int_on_nn_module`, a process-wide dynamo setting).
+attributes as inputs (`allow_unspec_int_on_nn_module`, a process-wide dynamo setting). On a GPU whose kernels the
+engine launches with programmatic dependent launch (kernels/launch.py), inductor's kernels are generated for it too
+(`triton.enable_pdl`, process-wide): a step's chain alternates between the two, and a launch with PDL after one
+without it gains nothing (engine/bench/README.md).
 
 Compilation happens at a layer's first call per input shape. `warm_up` pays it once per process, when the model is
 loaded (a stage of the load the app and the command line show): calls of three lengths over a small random context,
@@ -21,9 +24,11 @@ from __future__ import annotations
 import time
 
 import torch
+import torch._inductor.config as inductor_config
 
 from engine.model.load import LoadedModel
 from engine.model.prefill import prefill
+from kernels import launch
 from kernels.backend import Backend
 
 COMPILE_MODES = ("auto", "on", "off")
@@ -50,6 +55,8 @@ def compile_layers(lm: LoadedModel) -> int:
     """Compile every decoder layer of lm.model in place (idempotent). Returns how many layers were compiled now.
     Compilation itself happens at each layer's first call per input shape (seconds to a minute on a GPU): warm_up."""
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    if launch.supported(lm.device) and hasattr(inductor_config.triton, "enable_pdl"):
+        inductor_config.triton.enable_pdl = True
     compiled = 0
     for layer in lm.model.get_decoder().layers:
         if not _compiled(layer):

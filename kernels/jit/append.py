@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 
 @triton.jit
 def append_tokens_kernel(
@@ -13,10 +15,13 @@ def append_tokens_kernel(
     n, rows,
     stride_kh, stride_kn, stride_vh, stride_vn, stride_kbh, stride_kbn, stride_vbh, stride_vbn,
     HEAD_DIM: tl.constexpr, BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """One program: rows = Hkv * n (row r = head r // n, token r % n) of k / v [Hkv, n, HEAD_DIM] (unit stride in D)
     stored at slot count + token of kb / vb [Hkv, capacity, HEAD_DIM], BLOCK_R rows at a time; then count += n (the
     one program reads count before any store and writes it last: no other program races it)."""
+    wait_prior(PDL)
+    release_next(PDL)
     base = tl.load(count_ptr)
     d = tl.arange(0, HEAD_DIM)
     for r0 in range(0, rows, BLOCK_R):

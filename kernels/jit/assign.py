@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 
 @triton.jit
 def nearest_centroid_kernel(
@@ -17,6 +19,7 @@ def nearest_centroid_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Program (i, h): points i * BLOCK_N .. of head h against every centroid of head h, BLOCK_K at a time.
 
@@ -27,6 +30,8 @@ def nearest_centroid_kernel(
     to tf32).
     The [N, K] score matrix is never written: each tile's maximum folds into a running (best, label) per point.
     """
+    wait_prior(PDL)
+    release_next(PDL)
     pid_n = tl.program_id(0)
     h = tl.program_id(1).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)

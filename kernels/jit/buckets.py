@@ -14,6 +14,8 @@ with the sizes) and a prefix sum."""
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 
 @triton.jit
 def _hidden(q_ptr, pos_ptr, freq_ptr, w1_ptr, b1_ptr, h, r, stride_qh, stride_qt, LQ, ROWS, HALF, HIDDEN,
@@ -89,9 +91,12 @@ def logits_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_C: tl.constexpr,  # buckets per program
     PRECISION: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """A step of few query rows (decode): program (h, chunk) writes KV head h's logits of one chunk of buckets (the
     buckets spread over programs; softmax_sum_kernel normalises)."""
+    wait_prior(PDL)
+    release_next(PDL)
     h = tl.program_id(0)
     r = tl.arange(0, BLOCK_R)
     cc = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -132,7 +137,10 @@ def pick_kernel(
     HAS_SIZES: tl.constexpr,  # False: the scores alone
     PER_KEY: tl.constexpr,  # the buckets ranked by score per key (kernels.reference.buckets.ranking)
     BLOCK_C: tl.constexpr,  # >= C, a power of two
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
+    wait_prior(PDL)
+    release_next(PDL)
     h = tl.program_id(0)
     cc = tl.arange(0, BLOCK_C)
     valid = cc < C
@@ -159,7 +167,10 @@ def take_best_kernel(
     C,
     budget,  # float: keys to reach
     BLOCK_C: tl.constexpr,  # >= C, a power of two
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
+    wait_prior(PDL)
+    release_next(PDL)
     h = tl.program_id(0)
     cc = tl.arange(0, BLOCK_C)
     valid = cc < C

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.merge import merge_pair
+from kernels.launch import release_next, wait_prior
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -77,6 +78,7 @@ def causal_attn_fwd_kernel(
     WINDOW: tl.constexpr,
     EXACT_FP32: tl.constexpr,
     HAS_PRIOR: tl.constexpr = False,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Attention of BLOCK_M query rows of one KV head over the keys their positions can see. Grid
     (cdiv(M, BLOCK_M), Hkv).
@@ -92,6 +94,8 @@ def causal_attn_fwd_kernel(
     and, with WINDOW, from the block holding min position - window + 1 - k_start. Keys at or past hi are never read
     (a static buffer's unwritten slots past the newest query stay unread). Every block is masked per row.
     """
+    wait_prior(PDL)
+    release_next(PDL)
     kv_head = tl.program_id(1).to(tl.int64)
     # Tiles in reverse order: under causal masking the last tiles see the most keys, so they start first.
     offs_m = (tl.num_programs(0) - 1 - tl.program_id(0)) * BLOCK_M + tl.arange(0, BLOCK_M)

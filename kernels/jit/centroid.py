@@ -27,6 +27,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 
 @triton.jit
 def _span(indptr_ptr, unit, C, USE_LIST: tl.constexpr):
@@ -152,6 +154,7 @@ def centroid_denominator_kernel(
     SCALED: tl.constexpr,  # the centroids are uint8 codes: the queries are scaled by their step
     CODES16: tl.constexpr,  # SCALED with 16-bit queries: the dots run in float16 (_as_dot_operand)
     HAS_VALID: tl.constexpr = False,  # a block of padding tokens alone computes nothing (its partials: -inf, 0)
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
     centroid blocks split, split + NSPLIT, ... (flash style, base 2: s2 = scale2 * q . C with scale2 = scale *
@@ -159,6 +162,8 @@ def centroid_denominator_kernel(
     per-centroid offset, so a tile costs one FMA, one max, one exp2 and one add per element. Rows past the unit's
     end compute on zero queries and are not stored; with HAS_VALID, a block whose rows are all padding skips its
     centroids (no pass reads a padding row's partials)."""
+    wait_prior(PDL)
+    release_next(PDL)
     unit = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -229,6 +234,7 @@ def centroid_score_kernel(
     SCALED: tl.constexpr,
     CODES16: tl.constexpr,
     HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
     sums S = exp(s - log D) over them (mean over heads and tokens) and over its heads' last tokens, and writes
@@ -236,6 +242,8 @@ def centroid_score_kernel(
     softmax is folded into log2 D = max + log2(sum), a scalar per query row, so S costs one subtraction and one exp2.
     threshold <= 0 (keep every cluster) is passed as -1, since S >= 0. With HAS_STARTS (dense lookups only) it also
     sums the kept clusters' sizes per block of BLOCK_C centroids: the expansion's first step, fused here."""
+    wait_prior(PDL)
+    release_next(PDL)
     unit = tl.program_id(0)
     pid = tl.program_id(1)
     h0 = unit * GH
@@ -326,6 +334,7 @@ def centroid_score_prefill_kernel(
     SCALED: tl.constexpr,
     CODES16: tl.constexpr,
     HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 2 of a dense lookup over Lq > 1 tokens (the question's prefill), grid (KV head, centroid block): the
     same outputs as centroid_score_kernel, computed centroid-major. The program keeps its BLOCK_C centroids and
@@ -333,6 +342,8 @@ def centroid_score_prefill_kernel(
     tensor cores, S = exp2(s^T * scale2 - log2 D) summed over the query rows (scale2 = scale * log2(e)). The last
     token's own S (one query row per head) is a second, small product after the stream, so the stream has no
     per-token select."""
+    wait_prior(PDL)
+    release_next(PDL)
     unit = tl.program_id(0)
     cb = tl.program_id(1)
     cent_ptr += unit * stride_ch

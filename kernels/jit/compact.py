@@ -13,6 +13,8 @@ Two steps over a (row, block of BLOCK_G groups) grid, both fully parallel and fr
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 
 @triton.jit
 def kept_sizes(keep_ptr, starts_ptr, r, h, g, G, stride_kr):
@@ -33,7 +35,10 @@ def group_block_sums_kernel(
     NB,
     ROWS_PER_HEAD,
     BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
+    wait_prior(PDL)
+    release_next(PDL)
     r = tl.program_id(0)
     gb = tl.program_id(1)
     g = gb * BLOCK_G + tl.arange(0, BLOCK_G)
@@ -62,7 +67,10 @@ def expand_groups_kernel(
     BLOCK_NB: tl.constexpr,  # >= NB, a power of two
     BLOCK_T: tl.constexpr,  # positions of the tail (or of a fixed list) a program writes per step
     HAS_FIXED: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
+    wait_prior(PDL)
+    release_next(PDL)
     r = tl.program_id(0)
     gb = tl.program_id(1)
     h = r // ROWS_PER_HEAD

@@ -8,6 +8,7 @@ import triton
 import triton.language as tl
 
 from kernels.jit.merge import merge_pair
+from kernels.launch import release_next, wait_prior
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
@@ -90,6 +91,7 @@ def follow_attn_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Program (r, b): selection row r (KV head r * hkv // rows), queries b * BLOCK_M .. of its HEADS_PER_ROW x lq
     (query i: head r * HEADS_PER_ROW + i // lq, token i % lq), over the m_rows follow rows that row r does not
@@ -98,6 +100,8 @@ def follow_attn_kernel(
     on entry and the union's on exit (the two merged by log-sum-exp here: no merge kernel after this one).
     qk_scale = scale * log2(e).
     """
+    wait_prior(PDL)
+    release_next(PDL)
     r = tl.program_id(0)
     b = tl.program_id(1)
     h = (r * hkv // rows).to(tl.int64)

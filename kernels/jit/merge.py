@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 
 @triton.jit
 def merge_pair(out_a, lse_a, out_b, lse_b):
@@ -30,6 +32,7 @@ def merge_two_kernel(
     stride_ah, stride_al, stride_bh, stride_bl, stride_oh, stride_ol,
     HEAD_DIM: tl.constexpr,
     BLOCK_R: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """BLOCK_R (head, token) rows per program, row i = head i // lq, token i % lq.
 
@@ -37,6 +40,8 @@ def merge_two_kernel(
     -inf for an empty part) -> out [H, Lq, HEAD_DIM] in out's dtype and strides (unit stride in D), lse [H * Lq] fp32
     (-inf and out = 0 where both parts are empty).
     """
+    wait_prior(PDL)
+    release_next(PDL)
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     ok = rows < n_rows
     head = (rows // lq).to(tl.int64)

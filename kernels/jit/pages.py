@@ -10,6 +10,8 @@ products: one pass over the bounds, two dot products per page.
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 
 @triton.jit
 def page_scores_kernel(
@@ -30,7 +32,10 @@ def page_scores_kernel(
     QUANT: tl.constexpr,  # one-byte bounds: the bound is q+ . offset + q- . offset + (q+ * step) . c_max + ...
     D: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
+    wait_prior(PDL)
+    release_next(PDL)
     r = tl.program_id(0)
     pb = tl.program_id(1)
     h = r // ROWS_PER_KV
@@ -119,6 +124,7 @@ def page_threshold_kernel(
     SINGLE: tl.constexpr,  # the whole row fits one block: it stays in registers across the search
     ITERS: tl.constexpr,  # search steps: the bracket ends within (max - min) / 3^ITERS
     CHUNK: tl.constexpr,  # divides BLOCK when SINGLE
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """The first half of Quest's selection, one program per row: a bracket [lo, hi) of the K-th score, and per
     chunk the pages above it and the candidates within it (what page_write_kernel's programs need to place their
@@ -132,6 +138,8 @@ def page_threshold_kernel(
     histogram per round, tl.histogram over 2^11 bins, ~0.6 ms; compacting the bracket's pages once they were
     under 2048 and counting only those in the last steps (a cumsum over the row, then a scratch buffer), longer.)
     A row in registers (SINGLE) is read once; a longer one is re-read from the cache at each step."""
+    wait_prior(PDL)
+    release_next(PDL)
     row = tl.program_id(0)
     p = tl.arange(0, BLOCK)
     if SINGLE:
@@ -189,10 +197,13 @@ def page_write_kernel(
     PAGE: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK_N: tl.constexpr,  # a power of two >= NCH
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """The second half, a program per (row, chunk of pages): every page at or above hi and the first candidates
     (page order) until K pages, their keys written where the chunks before put theirs; the program past the last
     chunk writes the keys every row reads and the CSR offsets."""
+    wait_prior(PDL)
+    release_next(PDL)
     row = tl.program_id(0)
     n = tl.program_id(1)
     base = row.to(tl.int64) * PER_ROW

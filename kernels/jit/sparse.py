@@ -18,6 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
@@ -244,6 +246,7 @@ def sparse_attn_fwd_kernel(
     TMA: tl.constexpr = False,
     DENSE: tl.constexpr = False,
     dense_len=0,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Sparse attention forward. Grid axis 0: blocks of BLOCK_M query rows (of M = group * lq).
 
@@ -257,6 +260,8 @@ def sparse_attn_fwd_kernel(
     k_desc / v_desc describe them. DENSE: row r's entries indptr[r] .. indptr[r + 1] - 1 are the keys 0 .. of its
     KV head in order; indices is not read, nor indptr: row r's entries are r * dense_len .. (r + 1) * dense_len - 1.
     """
+    wait_prior(PDL)
+    release_next(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     num_m = group * lq
@@ -308,11 +313,14 @@ def gather_selected_kernel(
     rows, num_kv_heads, cap,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Copy the first `cap` entries of the key list (the selected keys and values, in selection order: entry n of
     the CSR list -> buffer row n) into packed [cap, HEAD_DIM] buffers. Grid (key blocks, rows): program (t, r)
     copies entries indptr[r] + t * BLOCK_N ... of row r below cap, or nothing past the row's end (the grid covers
     the longest possible row)."""
+    wait_prior(PDL)
+    release_next(PDL)
     row = tl.program_id(1)
     start = tl.load(indptr_ptr + row).to(tl.int64) + tl.program_id(0) * BLOCK_N
     end = tl.minimum(tl.load(indptr_ptr + row + 1).to(tl.int64), cap)
@@ -339,6 +347,7 @@ def sparse_attn_merge_kernel(
     BLOCK_R: tl.constexpr,
     DENSE: tl.constexpr = False,
     dense_len=0,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Log-sum-exp merge of the split-KV partials. Grid (cdiv(num_m, BLOCK_M), rows, HEAD_DIM // BLOCK_D): BLOCK_M
     query rows of one row and one slice of the head dimension per program; the row's partials are read BLOCK_I at
@@ -347,6 +356,8 @@ def sparse_attn_merge_kernel(
     part_out [items, num_m, HEAD_DIM] fp32 (normalised), part_lse [items, num_m] fp32 (base 2) ->
     out [rows * num_m, HEAD_DIM] fp32, lse [rows * num_m] fp32 (natural log; 0 and -inf for a row with no keys).
     """
+    wait_prior(PDL)
+    release_next(PDL)
     row = tl.program_id(1)
     first, n_items, _ = item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)

@@ -6,15 +6,20 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 
 @triton.jit
 def suffix_block_kernel(
     ids_ptr, next_ptr, recent_ptr, token_ptr, cand_score_ptr, cand_at_ptr, n,
     NGRAM: tl.constexpr, TOP: tl.constexpr, BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Program b: positions b * BLOCK .. of the context; each scored as kernels.reference.suffix.suffix_scores
     against the recent tokens after this step's (recent [NGRAM] before the step, token [1]: the suffix is recent[1:]
     then token); the block's TOP best (score, position) written to cand_score / cand_at [blocks, TOP]."""
+    wait_prior(PDL)
+    release_next(PDL)
     b = tl.program_id(0)
     p = b * BLOCK + tl.arange(0, BLOCK)
     ok = p < n
@@ -41,10 +46,13 @@ def suffix_block_kernel(
 def suffix_merge_kernel(
     cand_score_ptr, cand_at_ptr, recent_ptr, token_ptr, question_ptr, out_ptr, n, n_cand, n_question,
     NGRAM: tl.constexpr, TOP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """One program: the TOP best of the n_cand candidates -> the positions after them (-1 where none or past the
     context) in out[0:TOP], the question's n_question rows in out[TOP:], then out sorted with repeats set to -1;
     and recent shifted by one with this step's token appended (after the block kernel has read it)."""
+    wait_prior(PDL)
+    release_next(PDL)
     c = tl.arange(0, BLOCK_C)
     score = tl.load(cand_score_ptr + c, mask=c < n_cand, other=-3)
     where_at = tl.load(cand_at_ptr + c, mask=c < n_cand, other=0)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.launch import release_next, wait_prior
+
 
 @triton.jit
 def tally_step_kernel(
@@ -12,10 +14,13 @@ def tally_step_kernel(
     n_elements, n_fresh, stride_fresh, n_units, stride_scores, stride_best,
     ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_U: tl.constexpr, HAS_FRESH: tl.constexpr, HAS_SCORES: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Program 0 adds each row's kept keys (indptr [ROWS + 1], plus its fresh follow rows [ROWS, n_fresh] int8)
     into kept [ROWS] fp32 and the elements [n_elements] into read [1] fp32; program (p, r) takes the running max of
     units p * BLOCK_U ... of row r: best [ROWS, n_units] fp32 = max(best, scores [ROWS, n_units])."""
+    wait_prior(PDL)
+    release_next(PDL)
     pid = tl.program_id(0)
     if pid == 0 and tl.program_id(1) == 0:
         for r in tl.static_range(ROWS):

@@ -23,6 +23,7 @@ from kernels.jit.follow import follow_keys, fresh_rows
 from kernels.jit.merge import merge_pair
 from kernels.jit.sparse import attend, bounds, item_plan, merge_items
 from kernels.jit.tally import running_max, tally_row
+from kernels.launch import release_next, wait_prior
 
 
 @triton.jit
@@ -71,6 +72,7 @@ def union_attn_fwd_kernel(
     PROBES: tl.constexpr,
     ROUNDS: tl.constexpr,
     dense_len=0,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Grid (cdiv(M, BLOCK_M), workers), M = group * lq query rows per row.
 
@@ -82,6 +84,8 @@ def union_attn_fwd_kernel(
     key) and part_lse [items, M] fp32 (base 2; -inf for such an item): the selection's items first, then row r's
     short items at total + r * (new-token items + FOLLOW) ...
     """
+    wait_prior(PDL)
+    release_next(PDL)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     num_m = group * lq
@@ -154,6 +158,7 @@ def union_merge_kernel(
     BLOCK_F: tl.constexpr = 64,
     BLOCK_E: tl.constexpr = 128,
     BLOCK_U: tl.constexpr = 512,
+    PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Each row's items merged by log-sum-exp (the same plan as union_attn_fwd_kernel, derived on the device): its
     selection's BLOCK_I at a time, its few short items BLOCK_S at a time. Grid (cdiv(M, BLOCK_M), rows,
@@ -164,6 +169,8 @@ def union_merge_kernel(
     of each row adds its kept keys and fresh follow rows (fresh [rows, m_rows] int8, written by the split launch)
     into kept [rows], row 0 the elements [n_elements] into read [1]; with HAS_SCORES the row's programs share its
     running max of the unit scores [rows, n_units] into best."""
+    wait_prior(PDL)
+    release_next(PDL)
     row = tl.program_id(1)
     num_m = group * lq
     first_item, n_items, total = item_plan(indptr_ptr, rows, chunk, BLOCK_R, DENSE, dense_len)

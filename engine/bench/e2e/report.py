@@ -21,6 +21,7 @@ from engine.context.settings import ContextSettings
 from engine.methods import METHODS, REGISTRY, build_order, make_method
 from engine.model.catalog import DEFAULT_SPARSITY
 from engine.model.compiled import compile_layers, wants_compile, warm_up
+from kernels import launch
 from kernels.dispatch import backend_for
 
 
@@ -90,6 +91,7 @@ def run(args: argparse.Namespace) -> dict:
                settings={"sparsity": args.sparsity, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
                          "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs, "compile": args.compile,
+                         "pdl": args.pdl,
                          "context_settings": settings.as_dict(),
                          "method_settings": {m: make_method(m, method_settings.get(m)).settings.as_dict()
                                              for m in build_order(methods)},
@@ -173,6 +175,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="torch.compile the decoder layers around the engine's attention (engine.model.compiled): "
                              "'auto' (the product's default) on one GPU; 'both': the engine's phases without, then "
                              "with compiled layers, in one run")
+    parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
+                        help="launch the engine's and inductor's kernels with programmatic dependent launch where the "
+                             "GPU has it (kernels/launch.py; the product's default)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time plain transformers (CUDA only)")
     parser.add_argument("--chunk", type=int, default=4096, help="the peer's prefill chunk")
@@ -201,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus < 1 or (args.gpus > 1 and (args.device != "cuda" or torch.cuda.device_count() < args.gpus)):
         parser.error(f"--gpus {args.gpus}: needs --device cuda and that many GPUs "
                      f"({torch.cuda.device_count()} here)")
+    launch.ENABLED = args.pdl  # before any kernel is compiled: the process's one setting
     result = run(args)
     emit(result, args.out)
     return 1 if failed(result) else 0
