@@ -227,9 +227,11 @@ def test_token_lookups_are_timed_and_read_their_budget(one_thread):
 
 def test_idle_time_splits_gaps_between_kernels_from_waits_on_the_host():
     """Two steps of three kernels (us): 1 us between kernels, 200 us waiting between the steps; an overlapping
-    kernel (a second stream) leaves no gap."""
+    kernel (a second stream, or one launched with PDL waiting in the one before) leaves no gap and adds no busy
+    time: 10 + 9 + 9 us a step."""
     from engine.bench.e2e.runner import idle_time
 
     step = [(0.0, 10.0), (11.0, 20.0), (15.0, 19.0), (21.0, 30.0)]
     kernels = step + [(start + 230.0, end + 230.0) for start, end in step]
-    assert idle_time(kernels, 2) == {"idle_between_kernels_ms_per_step": 0.002, "idle_waiting_host_ms_per_step": 0.1}
+    assert idle_time(kernels, 2) == {"gpu_busy_ms_per_step": 0.028, "idle_between_kernels_ms_per_step": 0.002,
+                                     "idle_waiting_host_ms_per_step": 0.1}

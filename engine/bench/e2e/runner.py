@@ -238,7 +238,7 @@ def profile_decode(lm: LoadedModel, session: ContextSession, method: str, sparsi
     # profiler may miss the first launch of its window
     steps = min((e.count for e in events), default=PROFILE_STEPS) or PROFILE_STEPS
     return {"steps_profiled": steps, "kernels_per_step": sum(e.count for e in events) / steps,
-            "gpu_ms_per_step": round(sum(e.self_device_time_total for e in events) / steps / 1e3, 3),
+            "kernel_ms_per_step": round(sum(e.self_device_time_total for e in events) / steps / 1e3, 3),
             **idle_time(kernels, steps)}
 
 
@@ -246,10 +246,12 @@ HOST_GAP_US = 50.0  # an idle GPU for longer than this between two kernels of re
 
 
 def idle_time(kernels: list[tuple[float, float]], steps: int) -> dict:
-    """Where the GPU idles over `steps` decode steps, from their kernels' (start, end) times in microseconds:
-    between two kernels of a step (the launch of the next, ~1 us each inside a CUDA graph), or waiting for the host
-    (a gap over HOST_GAP_US: the host reading a token back, launching the next step). Milliseconds per step."""
-    between = waiting = 0.0
+    """Where the GPU is busy and where it idles over `steps` decode steps, from their kernels' (start, end) times in
+    microseconds: busy while any kernel runs (kernels launched with PDL overlap the one before them, waiting in it,
+    so their summed times, kernel_ms_per_step, exceed the step); idle between two kernels of a step (the launch of the
+    next, ~1 us each inside a CUDA graph without PDL), or waiting for the host (a gap over HOST_GAP_US: the host
+    reading a token back, launching the next step). Milliseconds per step."""
+    busy = between = waiting = 0.0
     last_end = None
     for start, end in sorted(kernels):
         if last_end is not None and start > last_end:
@@ -258,17 +260,20 @@ def idle_time(kernels: list[tuple[float, float]], steps: int) -> dict:
                 waiting += gap
             else:
                 between += gap
+        busy += max(0.0, end - max(start, last_end if last_end is not None else start))
         last_end = end if last_end is None else max(last_end, end)
-    return {"idle_between_kernels_ms_per_step": round(between / steps / 1e3, 3),
+    return {"gpu_busy_ms_per_step": round(busy / steps / 1e3, 3),
+            "idle_between_kernels_ms_per_step": round(between / steps / 1e3, 3),
             "idle_waiting_host_ms_per_step": round(waiting / steps / 1e3, 3)}
+
 
 def profile_prefill(lm: LoadedModel, session: ContextSession, method: str, sparsity: float, prompt: torch.Tensor,
                     path: str, tag: str = "") -> dict:
     """torch.profiler over one question's prefill (a turn of one token, after an untimed one of the same length),
     appending its table by host time and by GPU time to `path`. Returns the question's tokens, the profiled turn's
     wall milliseconds (its statistics, TurnRecorder.finish, and the profiler's own cost included), the GPU's busy
-    milliseconds (its kernels' times summed) and the kernels it runs: a GPU time far under the wall time says the
-    prefill waits on the host."""
+    milliseconds (while any kernel runs; kernel_ms: their times summed) and the kernels it runs: a GPU time far
+    under the wall time says the prefill waits on the host."""
     from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
 
     timed_turn(lm, session, method, sparsity, prompt, 1)
@@ -280,11 +285,14 @@ def profile_prefill(lm: LoadedModel, session: ContextSession, method: str, spars
         wall = time.perf_counter() - start
     averages = prof.key_averages()
     events = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
+               if e.device_type == torch.autograd.DeviceType.CUDA]
     with open(path, "a") as f:
         f.write(f"== {tag}{method}, a {prompt.numel()}-token question's prefill, by host time\n")
         f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
         f.write(f"== {tag}{method}, a {prompt.numel()}-token question's prefill, by GPU time\n")
         f.write(averages.table(sort_by="self_device_time_total", row_limit=20) + "\n")
     return {"tokens": int(prompt.numel()), "wall_ms": round(wall * 1e3, 3),
-            "gpu_ms": round(sum(e.self_device_time_total for e in events) / 1e3, 3),
+            "gpu_ms": idle_time(kernels, 1)["gpu_busy_ms_per_step"],
+            "kernel_ms": round(sum(e.self_device_time_total for e in events) / 1e3, 3),
             "kernels": sum(e.count for e in events)}
