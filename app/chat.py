@@ -20,7 +20,7 @@ from app.config import (
     TOP_PS,
     method_settings,
 )
-from app.services import Services, doc_choices, doc_status, library_rows
+from app.services import Services, doc_choices, doc_status, library_rows, needs_preparing
 from app.settings import ChatSettings
 from app.views import TurnViews
 from app.waits import Asked, WaitEnded, expected_text, index_text, load_text, training_text, waits
@@ -217,8 +217,11 @@ class ChatTab:
     # ------------------------------------------------------------------ opening a document
 
     def open_document(self, doc_id: str | None, state: dict, method: str | None = None,
-                      sparsity: float | None = None) -> list:
-        """Show a document: its status, its latest chat, the views of its last turn."""
+                      sparsity: float | None = None, prepare: bool = True) -> list:
+        """Show a document: its status, its latest chat, the views of its last turn. `prepare`: a document of the
+        library with no context for this model (never prepared for it, its context dropped, or its preparation
+        cancelled) is prepared again from its stored text, its progress shown as any preparation's (the user opened
+        it; a page coming back to the document it showed passes False)."""
         cfg = self.services.config
         method, sparsity = method or cfg.method, cfg.sparsity if sparsity is None else sparsity
         state = dict(state)
@@ -229,6 +232,9 @@ class ChatTab:
                     gr.update(choices=[], value=None), "", *self.views.empty(), self.evaluation_html(), None,
                     gr.update(choices=[], value=None)]
         status = doc_status(self.services, doc_id, method, overrides(state))
+        if prepare and needs_preparing(self.services, status):
+            self.services.worker.submit_document(doc_id, ContextSettings())
+            status = doc_status(self.services, doc_id, method, overrides(state))
         try:
             chats = store.chats.list(doc_id, owner_of(state))  # this browser's chats only
         except StorageError:

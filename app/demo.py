@@ -112,7 +112,7 @@ class Page:
         if tab not in (LIBRARY_TAB, CHAT_TAB):
             tab = CHAT_TAB if opens else LIBRARY_TAB
         if opens:
-            opened = self.chat.open_document(last, state, settings.method, settings.sparsity)
+            opened = self.chat.open_document(last, state, settings.method, settings.sparsity, prepare=False)
         else:
             opened = [state, *[gr.skip()] * (len(self.chat.open_outputs) - 1)]
         return [jobs, table, selected, *opened, gr.Tabs(selected=tab), token, *controls]

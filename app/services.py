@@ -108,6 +108,7 @@ def doc_status(services: Services, doc_id: str, method: str | None = None,
         contexts = model_contexts(services, doc_id)
     except NotFoundError:
         name, contexts = None, []
+    again = "open it from the library to prepare it" if name is not None else "upload it again to prepare it"
     job = services.worker.latest_for_document(doc_id)
     if name is None and job is not None:
         name = job.name
@@ -133,7 +134,7 @@ def doc_status(services: Services, doc_id: str, method: str | None = None,
         return DocStatus(doc_id, name, "failed", None, False, job, f"could not be prepared: {error_text(job)}")
     if job is not None and job.status == "cancelled":
         return DocStatus(doc_id, name, "failed", None, False, job,
-                         "its preparation was cancelled; upload it again, or open it from the library, to prepare it")
+                         f"its preparation was cancelled; {again}")
     failed = next((c for c in contexts if c["status"] == "failed"), None)
     if failed is not None:
         return DocStatus(doc_id, name, "failed", None, False, job,
@@ -141,7 +142,22 @@ def doc_status(services: Services, doc_id: str, method: str | None = None,
     if name is None:
         return DocStatus(doc_id, doc_id, "unknown", None, False, None, "no such document")
     return DocStatus(doc_id, name, "unknown", None, False, job,
-                     "not prepared for this model yet; upload the file again to prepare it")
+                     f"not prepared for this model yet; {again}")
+
+
+def needs_preparing(services: Services, status: DocStatus) -> bool:
+    """Whether opening the document should prepare it: it is in the library (its text stored) and has no context
+    for this model, none is being prepared, and none failed for a reason a new attempt would meet again (only a
+    cancelled preparation is tried again)."""
+    if status.state not in ("unknown", "failed") or status.name is None:
+        return False
+    if status.state == "failed" and not (status.job is not None and status.job.status == "cancelled"):
+        return False
+    try:
+        services.store.documents.find(status.doc_id)
+    except NotFoundError:
+        return False
+    return True
 
 
 def library_rows(services: Services) -> list[dict]:

@@ -182,6 +182,52 @@ def test_preparing_a_document_again_leaves_the_open_one(demo, lighthouse, tmp_pa
     assert "lighthouse.txt: ready" in status_line(demo, state)
 
 
+def test_opening_a_stored_document_without_a_context_prepares_it_again(demo, lighthouse, tmp_path):
+    """A document of the library whose context is gone (the store's migration that re-cuts a PDF's text drops it,
+    as here; or one prepared for another model) is prepared again from its stored text when the user opens it, and
+    is ready again; so is one whose preparation was cancelled. Coming back to the page does not start it; an
+    upload cancelled before its text was stored, and a preparation that failed, are left as they are."""
+    page, worker, store = demo.page, demo.services.worker, demo.services.store
+    with store.transaction() as db:  # what the migration does to a document whose text changed
+        db.execute("UPDATE jobs SET context_id = NULL WHERE doc_id = ?", [lighthouse])
+        db.execute("DELETE FROM contexts WHERE doc_id = ?", [lighthouse])
+    restored = named(page.chat.open_outputs, page.chat.open_document(lighthouse, new_state(CONFIG), METHOD,
+                                                                      SPARSITY, prepare=False))
+    assert "not prepared for this model yet; open it from the library to prepare it" in \
+        restored[page.chat.status._id]
+    assert worker.views() == []  # a page coming back to it started nothing
+
+    state = open_lighthouse(demo, lighthouse)
+    (job,) = worker.views()
+    assert job.doc_id == lighthouse and job.status == "queued"
+    assert "ready" not in status_line(demo, state)
+    open_lighthouse(demo, lighthouse)
+    assert len(worker.views()) == 1  # opened again while it waits: the same preparation
+    worker.cancel(job.id)
+    worker.start()
+    assert worker.wait_idle(WAIT_S) and worker.views()[-1].status == "cancelled"
+    assert "its preparation was cancelled; open it from the library to prepare it" in status_line(demo, state)
+    open_lighthouse(demo, lighthouse)  # cancelled, opened again: prepared again
+    assert worker.wait_idle(WAIT_S) and worker.views()[-1].status == "done"
+    assert "lighthouse.txt: ready" in status_line(demo, state)
+
+    worker.close()  # an upload cancelled while it waited: its text was never stored, so only uploading it helps
+    demo.services.worker = worker = IngestWorker(demo.services.engine, start=False)
+    prepare(demo, state, write(tmp_path / "keepers.md", KEEPERS))
+    keepers = worker.views()[-1]
+    worker.cancel(keepers.id)
+    worker.start()
+    assert worker.wait_idle(WAIT_S) and worker.views()[-1].status == "cancelled"
+    opened = named(page.chat.open_outputs, page.chat.open_document(keepers.doc_id, state, METHOD, SPARSITY))
+    assert "its preparation was cancelled; upload it again to prepare it" in opened[page.chat.status._id]
+    jobs = len(worker.views())
+
+    prepare(demo, state, write(tmp_path / "scan.pdf", b"%PDF-1.4 not a pdf at all"))  # failed: left as it is
+    assert worker.wait_idle(WAIT_S) and worker.views()[-1].status == "failed"
+    page.chat.open_document(worker.views()[-1].doc_id, state, METHOD, SPARSITY)
+    assert len(worker.views()) == jobs + 1
+
+
 def test_prepare_with_no_document_open_opens_it_on_the_chat_tab(demo, tmp_path):
     page = demo.page
     prepared = prepare(demo, new_state(CONFIG), write(tmp_path / "keepers.md", KEEPERS))
