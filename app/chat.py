@@ -20,7 +20,7 @@ from app.config import (
     TOP_PS,
     method_settings,
 )
-from app.services import Services, doc_choices, doc_status, library_rows, needs_preparing
+from app.services import Services, doc_choices, doc_status, library_rows, needs_preparing, session_of
 from app.settings import ChatSettings
 from app.views import TurnViews
 from app.waits import Asked, WaitEnded, expected_text, index_text, load_text, training_text, waits
@@ -217,7 +217,7 @@ class ChatTab:
     # ------------------------------------------------------------------ opening a document
 
     def open_document(self, doc_id: str | None, state: dict, method: str | None = None,
-                      sparsity: float | None = None, prepare: bool = True) -> list:
+                      sparsity: float | None = None, prepare: bool = True, request: gr.Request = None) -> list:
         """Show a document: its status, its latest chat, the views of its last turn. `prepare`: a document of the
         library with no context for this model (never prepared for it, its context dropped, or its preparation
         cancelled) is prepared again from its stored text, its progress shown as any preparation's (the user opened
@@ -228,6 +228,7 @@ class ChatTab:
         store = self.services.store
         if not doc_id:
             state.update(doc_id=None, chat_id=None)
+            self.services.shown.show(session_of(request), None, None)
             return [state, gr.update(value=None), render.notice_html("No document open."), [],
                     gr.update(choices=[], value=None), "", *self.views.empty(), self.evaluation_html(), None,
                     gr.update(choices=[], value=None)]
@@ -241,6 +242,7 @@ class ChatTab:
             chats = []
         turns = store.chats.turns(chats[0]["id"]) if chats else []
         state.update(doc_id=doc_id, chat_id=chats[0]["id"] if chats else None)
+        self.services.shown.show(session_of(request), doc_id, state["chat_id"])
         history = [m for t in turns for m in turn_messages(t)]
         last = turns[-1] if turns else None
         return [state, gr.update(value=doc_id, choices=doc_choices(library_rows(self.services))),
@@ -308,28 +310,46 @@ class ChatTab:
                 yield refuse(f"{status.name} cannot be asked: {status.message}.")
             return
         ctx = status.context_id
-        session = request.session_hash if request is not None else "-"
+        session = session_of(request)
         stop, cancel = services.stops.flag(session), services.cancels.flag(session)
         stop.clear()
         cancel.clear()
+        where = [state["doc_id"], state.get("chat_id")]  # the chat the answer goes into
+        cancel_hidden = False
+
+        def on_page(outputs: list) -> list:
+            """`outputs` while the session shows the chat the answer goes into; while it shows another document or
+            chat (opened meanwhile), nothing but Cancel hidden once: the page stays on what the user opened, and the
+            turn is still saved to its own chat."""
+            nonlocal cancel_hidden
+            if services.shown.shows(session, *where):
+                return outputs
+            update = [gr.skip()] * (len(outputs) - 1) + [gr.skip() if cancel_hidden else hidden]
+            cancel_hidden = True
+            return update
+
         history += [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
         yield [history, "", state, self.status_html(status), gr.skip(), *skip_views]
         try:  # the pending answer's place says what the question waits for, until the turn can start
             for wait in waits(services, Asked(state["doc_id"], ctx, method, asked), stop, cancel):
                 history[-1] = {"role": "assistant", "content": wait.text}
-                yield [history, gr.skip(), gr.skip(), render.notice_html(wait.text, "wait"), gr.skip(),
-                       *skip_views[:-1], gr.update(visible=True, interactive=wait.cancellable)]
+                yield on_page([history, gr.skip(), gr.skip(), render.notice_html(wait.text, "wait"), gr.skip(),
+                               *skip_views[:-1], gr.update(visible=True, interactive=wait.cancellable)])
         except WaitEnded as ended:  # no answer: the chat keeps only questions and answers; the question goes back
             del history[-2:]
             gr.Warning(ended.text)
-            yield [history, question, state, render.notice_html(ended.text, ended.kind), gr.skip(),
-                   *skip_views[:-1], hidden]
+            yield on_page([history, question, state, render.notice_html(ended.text, ended.kind), gr.skip(),
+                           *skip_views[:-1], hidden])
             return
         if state.get("chat_id") is None:
             state["chat_id"] = store.chats.create(state["doc_id"], ctx, owner=owner_of(state))
+            if services.shown.shows(session, *where):  # the session shows the new chat from now on
+                services.shown.show(session, state["doc_id"], state["chat_id"])
+            where[1] = state["chat_id"]
         history[-1] = {"role": "assistant", "content": ""}
-        yield [history, gr.skip(), state, self.status_html(doc_status(services, state["doc_id"], method, asked)),
-               gr.skip(), *skip_views[:-1], hidden]
+        yield on_page([history, gr.skip(), state,
+                       self.status_html(doc_status(services, state["doc_id"], method, asked)), gr.skip(),
+                       *skip_views[:-1], hidden])
 
         text, recorded = "", None
         turn = services.turns.answer(state["chat_id"], ctx, question, method, float(sparsity), int(max_new), compare,
@@ -339,29 +359,31 @@ class ChatTab:
                 if isinstance(event, Delta):
                     text += event.text
                     history[-1] = {"role": "assistant", "content": text}
-                    yield [history, gr.skip(), gr.skip(), gr.skip(), gr.skip(), *skip_views]
+                    yield on_page([history, gr.skip(), gr.skip(), gr.skip(), gr.skip(), *skip_views])
                 else:
                     recorded = event
         except Exception as exc:  # noqa: BLE001 - shown in plain words, the app keeps running
             history[-1] = {"role": "assistant", "content": f"*Could not answer: {plain_error(exc)}*"}
-            yield [history, gr.skip(), state, render.notice_html(plain_error(exc), "error"), gr.skip(), *skip_views]
+            yield on_page([history, gr.skip(), state, render.notice_html(plain_error(exc), "error"), gr.skip(),
+                           *skip_views])
             return
         finally:
             turn.close()
         history[-1:] = turn_messages(recorded.row)[1:]
         turns = store.chats.turns(state["chat_id"])
-        yield [history, gr.skip(), state, self.status_html(doc_status(services, state["doc_id"], method, asked)),
-               gr.update(choices=self.views.turn_choices(turns), value=recorded.row["idx"]),
-               *self.views.show(recorded.row), self.chat_choices(state["doc_id"], state["chat_id"], owner_of(state)),
-               hidden]
+        yield on_page([history, gr.skip(), state,
+                       self.status_html(doc_status(services, state["doc_id"], method, asked)),
+                       gr.update(choices=self.views.turn_choices(turns), value=recorded.row["idx"]),
+                       *self.views.show(recorded.row),
+                       self.chat_choices(state["doc_id"], state["chat_id"], owner_of(state)), hidden])
 
     def stop(self, request: gr.Request) -> None:
-        self.services.stops.stop(request.session_hash if request is not None else "-")
+        self.services.stops.stop(session_of(request))
 
     def cancel_wait(self, request: gr.Request) -> None:
         """Cancel what this session's question waits for (a training, an index build): it stops at its next step,
         and the question is not answered. (During the model's load: stop waiting; the load goes on.)"""
-        session = request.session_hash if request is not None else "-"
+        session = session_of(request)
         self.services.cancels.stop(session)
         self.services.stops.stop(session)
 
@@ -372,8 +394,9 @@ class ChatTab:
         load (app.demo.Page.restore)."""
         return ChatSettings.from_controls(values, self.services.config).as_stored()
 
-    def start_new_chat(self, state: dict) -> list:
+    def start_new_chat(self, state: dict, request: gr.Request = None) -> list:
         state = {**state, "chat_id": None}
+        self.services.shown.show(session_of(request), state.get("doc_id"), None)
         return [state, [], gr.update(choices=[], value=None), *self.views.empty(),
                 self.chat_choices(state.get("doc_id"), None, owner_of(state))]
 
@@ -403,7 +426,7 @@ class ChatTab:
                 choices = []
         return gr.update(choices=choices, value=chat_id if any(c[1] == chat_id for c in choices) else None)
 
-    def open_chat(self, chat_id, state: dict) -> list:
+    def open_chat(self, chat_id, state: dict, request: gr.Request = None) -> list:
         """Reopen an earlier chat of the open document: its turns shown, the next question goes on from them."""
         state = dict(state)
         try:
@@ -416,6 +439,7 @@ class ChatTab:
                     self.chat_choices(state.get("doc_id"), state.get("chat_id"), owner)]
         turns = self.services.store.chats.turns(chat["id"])
         state["chat_id"] = chat["id"]
+        self.services.shown.show(session_of(request), state.get("doc_id"), chat["id"])
         last = turns[-1] if turns else None
         return [state, [m for t in turns for m in turn_messages(t)],
                 gr.update(choices=self.views.turn_choices(turns), value=last["idx"] if last else None),

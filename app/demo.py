@@ -97,7 +97,8 @@ class Page:
                   self.restore_outputs, api_visibility="private")
         demo.load(chat.evaluation_html, None, [chat.evaluation], api_name="evaluation", show_progress="hidden")
 
-    def restore(self, last: str | None, token: str | None, tab: str | None, kept: dict | None, state: dict) -> list:
+    def restore(self, last: str | None, token: str | None, tab: str | None, kept: dict | None, state: dict,
+                request: gr.Request = None) -> list:
         """Coming back to the page: the browser's own chats (its token, made at its first visit), the library and
         jobs where they are, the chat's controls as this browser left them (`ChatSettings.restored`: a value no
         longer valid is the default), the last document open again, and the tab it showed (else the Chat tab when a
@@ -112,7 +113,8 @@ class Page:
         if tab not in (LIBRARY_TAB, CHAT_TAB):
             tab = CHAT_TAB if opens else LIBRARY_TAB
         if opens:
-            opened = self.chat.open_document(last, state, settings.method, settings.sparsity, prepare=False)
+            opened = self.chat.open_document(last, state, settings.method, settings.sparsity, prepare=False,
+                                             request=request)
         else:
             opened = [state, *[gr.skip()] * (len(self.chat.open_outputs) - 1)]
         return [jobs, table, selected, *opened, gr.Tabs(selected=tab), token, *controls]

@@ -158,11 +158,11 @@ class LibraryTab:
         message = "".join(render.notice_html(text, kind) for text, kind in lines)
         return [message, None, to_open, *self.refresh(picked=opened)]
 
-    def open(self, doc_id: str | None, state: dict, method: str, sparsity: float) -> list:
+    def open(self, doc_id: str | None, state: dict, method: str, sparsity: float, request: gr.Request = None) -> list:
         """Open a document in the Chat tab and show that tab (nothing happens without a document)."""
         if not doc_id:
             return [gr.skip()] * (len(self.chat.open_outputs) + 2)
-        return [*self.chat.open_document(doc_id, state, method, sparsity), *to_chat_tab()]
+        return [*self.chat.open_document(doc_id, state, method, sparsity, request=request), *to_chat_tab()]
 
     def pick_row(self, rows, evt: gr.SelectData):
         try:
@@ -236,10 +236,10 @@ class LibraryTab:
                     state, hide]
         return [render.notice_html(f"{doc['name']} is back, with its chats.", "ok"), *self.refresh(), state, hide]
 
-    def _reopen_after_delete(self, state: dict, method: str, sparsity: float) -> list:
+    def _reopen_after_delete(self, state: dict, method: str, sparsity: float, request: gr.Request = None) -> list:
         if not state.get("reopen"):
             return [gr.skip()] * len(self.chat.open_outputs)
-        return self.chat.open_document(None, {**state, "reopen": False}, method, sparsity)
+        return self.chat.open_document(None, {**state, "reopen": False}, method, sparsity, request=request)
 
     def poll(self, seen: list | None) -> list:
         """The progress and the library as they are now, and the library as sent (`seen`: as this returned it

@@ -30,6 +30,34 @@ class StopFlags:
         self.flag(session).set()
 
 
+def session_of(request) -> str:
+    """A browser session's key: Gradio's session hash of the request ("-" for a handler called without one)."""
+    return request.session_hash if request is not None else "-"
+
+
+class ShownChats:
+    """The document and chat each browser session shows, as the handlers that change them record it: an answer
+    updates the page only while its session still shows the chat it answers in (it is saved to that chat either
+    way). A session nothing recorded shows whatever it asks about. Holds the latest MAX_SESSIONS sessions."""
+
+    MAX_SESSIONS = 10_000
+
+    def __init__(self) -> None:
+        self._shown: dict[str, tuple[str | None, int | None]] = {}
+        self._lock = threading.Lock()
+
+    def show(self, session: str, doc_id: str | None, chat_id: int | None) -> None:
+        with self._lock:
+            self._shown.pop(session, None)
+            self._shown[session] = (doc_id, chat_id)
+            while len(self._shown) > self.MAX_SESSIONS:
+                del self._shown[next(iter(self._shown))]
+
+    def shows(self, session: str, doc_id: str | None, chat_id: int | None) -> bool:
+        with self._lock:
+            return self._shown.get(session, (doc_id, chat_id)) == (doc_id, chat_id)
+
+
 @dataclass
 class Services:
     engine: Engine
@@ -39,6 +67,7 @@ class Services:
     config: AppConfig
     stops: StopFlags = field(default_factory=StopFlags)
     cancels: StopFlags = field(default_factory=StopFlags)  # Cancel of what a question waits for, per session
+    shown: ShownChats = field(default_factory=ShownChats)  # the document and chat each session shows
     turns: Turns | None = None  # made from the engine when not given
     preparer: Preparer | None = None  # likewise: methods' model-level artifacts learned in the background
     _loader: threading.Thread | None = field(default=None, init=False, repr=False)

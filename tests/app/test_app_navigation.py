@@ -5,6 +5,8 @@ controls and the tab this browser left, a stored value that is no longer valid f
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import gradio as gr
 import pytest
 
@@ -226,6 +228,50 @@ def test_opening_a_stored_document_without_a_context_prepares_it_again(demo, lig
     assert worker.wait_idle(WAIT_S) and worker.views()[-1].status == "failed"
     page.chat.open_document(worker.views()[-1].doc_id, state, METHOD, SPARSITY)
     assert len(worker.views()) == jobs + 1
+
+
+def test_an_answer_leaves_the_page_alone_once_the_user_opens_another_document(demo, lighthouse, tmp_path):
+    """A question still being answered when its browser opens another document (or chat): the page stays on what
+    the user opened (the answer's later updates change nothing but hide Cancel, once), the turn is saved to the
+    chat it was asked in, and coming back to that chat shows it. An answer whose session stays put updates the
+    page to the end (the same handler, the control)."""
+    page, worker, store = demo.page, demo.services.worker, demo.services.store
+    worker.start()
+    prepare(demo, new_state(CONFIG), write(tmp_path / "keepers.md", KEEPERS))
+    assert worker.wait_idle(WAIT_S) and worker.views()[-1].status == "done"
+    keepers = worker.views()[-1].doc_id
+    browser = SimpleNamespace(session_hash="browser-1")
+
+    def opened(doc_id, state):
+        return named(page.chat.open_outputs, page.chat.open_document(doc_id, state, METHOD, SPARSITY,
+                                                                      request=browser))[page.state._id]
+
+    def asking(state, question):
+        return page.chat.ask(question, [], state, METHOD, SPARSITY, CONFIG.centroid_ratio, CONFIG.level1_ratio,
+                             False, 8, request=browser)
+
+    state = opened(lighthouse, new_state(CONFIG))
+    stayed = list(asking(state, "Who kept the light?"))
+    assert stayed[-1][0][-1]["role"] == "assistant" and stayed[-1][0][-1]["content"]  # the answer, on the page
+    assert stayed[-1][2]["doc_id"] == lighthouse
+
+    state = opened(lighthouse, stayed[-1][2])
+    answer = asking(state, "Who kept it after him?")
+    first = next(answer)  # the question shown, its answer pending
+    assert first[0][-2] == {"role": "user", "content": "Who kept it after him?"}
+    elsewhere = opened(keepers, state)  # the user opens another document meanwhile
+    later = list(answer)
+    assert later, "the answer went on"
+    assert later[0][:-1] == [gr.skip()] * (len(later[0]) - 1) and later[0][-1] == gr.update(visible=False)
+    assert all(update == [gr.skip()] * len(update) for update in later[1:])
+    assert elsewhere["doc_id"] == keepers
+
+    (chat,) = store.chats.list(lighthouse, elsewhere["owner"])
+    assert [t["question"] for t in store.chats.turns(chat["id"])] == ["Who kept the light?", "Who kept it after him?"]
+    back = named(page.chat.open_outputs, page.chat.open_document(lighthouse, elsewhere, METHOD, SPARSITY,
+                                                                  request=browser))
+    assert [m["content"] for m in back[page.chat.chatbot._id] if m["role"] == "user"] == \
+        ["Who kept the light?", "Who kept it after him?"]
 
 
 def test_prepare_with_no_document_open_opens_it_on_the_chat_tab(demo, tmp_path):
