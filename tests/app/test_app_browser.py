@@ -22,10 +22,8 @@ from app.config import AppConfig
 from app.demo import build_demo, launch_kwargs
 from engine.bench.passkey import PASSKEY_QUESTION
 from engine.serve.service import Engine
+from tests.support.browser import needs_chromium
 
-CHROMIUM = os.environ.get("SQUEEZE_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 PDF = Path(__file__).resolve().parents[2] / "assets" / "passkey.pdf"
 KEY = "48213"
 FOLLOW_UP = "Repeat that number."
@@ -35,7 +33,7 @@ ANSWER_MS = 300_000
 pytestmark = [
     pytest.mark.slow,
     pytest.mark.filterwarnings("ignore:.*(no_silent_downcasting|copy keyword is deprecated).*"),
-    pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no chromium at {CHROMIUM} (apt-get install chromium)"),
+    needs_chromium,
 ]
 
 
@@ -61,14 +59,8 @@ def served(real_lm, tmp_path_factory):
 
 
 @pytest.fixture
-def page():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield browser.new_page(viewport={"width": 1500, "height": 1100})
-        finally:
-            browser.close()
+def viewport() -> dict:
+    return {"width": 1500, "height": 1100}
 
 
 def test_upload_prepare_ask_and_see_what_attention_retrieved(served, page, tmp_path_factory):

@@ -4,10 +4,8 @@ opens the closed "Whole document" accordion and scrolls the document to that pag
 
 from __future__ import annotations
 
-import os
 import re
 import socket
-from pathlib import Path
 
 import gradio as gr
 import pytest
@@ -17,12 +15,10 @@ from app.citations import cite
 from app.demo import CSS_PATH
 from app.views import DOCUMENT_BOX, TurnViews
 from engine.serve.explain import Passage
+from tests.support.browser import needs_chromium
 
 LOAD_MS = 60_000  # the page loads and fills its views: seconds on a busy 2-core machine
 
-CHROMIUM = os.environ.get("SQUEEZE_CHROMIUM", "/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync"]
 FILLER = "The tide came in and went out again over the grey stones of the bay. " * 12
 PAGES = [f"The lighthouse was built of granite in 1852. {FILLER}",
          f"{FILLER}The keeper rang the bronze bell every hour during fog. {FILLER}",
@@ -30,8 +26,7 @@ PAGES = [f"The lighthouse was built of granite in 1852. {FILLER}",
 TEXT = "\n\n".join(PAGES)
 ANSWER = "The passkey is 48213. The keeper rang the bronze bell in fog."
 
-pytestmark = pytest.mark.skipif(not Path(CHROMIUM).exists(),
-                                reason=f"no chromium at {CHROMIUM} (apt-get install chromium)")
+pytestmark = needs_chromium
 
 
 def found(starts: tuple[int, ...]) -> list[Passage]:
@@ -67,17 +62,6 @@ def served(request):
                             css_paths=[CSS_PATH])
     yield url, request.param
     demo.close()
-
-
-@pytest.fixture
-def page():
-    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
-    with sync_api.sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield browser.new_page(viewport={"width": 1200, "height": 900})
-        finally:
-            browser.close()
 
 
 def in_view(page, selector: str) -> bool:
