@@ -1,15 +1,18 @@
 """`squeeze eval`: every registered sparse method beside full attention at equal KV budgets, on one model.
 
     squeeze eval [--parts needles,recall,agreement] [--budgets 0.05,0.1,0.2,0.3] [--lengths 2048,4096]
-                 [--depths 0.1,0.3,0.5,0.7,0.9] [--keys 1] [--needle-tokens 64] [--document FILE]
+                 [--depths 0.1,0.3,0.5,0.7,0.9] [--keys 1] [--tasks passkey,paraphrase,multikey,vartrack]
+                 [--needle-tokens 64] [--document FILE]
                  [--document-tokens N] [--questions FILE]
                  [--set METHOD.SETTING=VALUE] [--follow SETTING=VALUE] [--no-follow] [--token-lookups]
                  [--out FILE] [--plot FILE] [--table] [--no-save] [--sink N] [--model M] [--device D] [--cache-dir DIR]
 
 Parts (each in its own module):
-- needles (engine.bench.needles): passkeys at several depths of haystacks of real essays; success = the key in
-  the answer (as the app gives it: 64 tokens at most, cut at the stop strings; the share within the first 12
-  tokens, the earlier runs' answers, beside it), full attention's beside it;
+- needles (engine.bench.needles): passkeys at several depths of haystacks of real essays, and with --tasks the
+  needles that matching the question's words does not find (engine.bench.tasks: a paraphrased passkey, one of
+  several similar keys, a chain of assignments); success = the key in the answer (as the app gives it: 64 tokens
+  at most, cut at the stop strings; the share within the first 12 tokens, the earlier runs' answers, beside it),
+  full attention's beside it;
 - agreement and recall (engine.bench.fidelity): over one document and a fixed set of questions about it, the
   top-1 next-token agreement and KL divergence with full attention on teacher-forced answers, and the attention
   recall of each method's selections against the oracle top-k at the same budget, per global layer and head.
@@ -36,6 +39,7 @@ from engine.bench.needles import ANSWER_TOKENS as NEEDLE_TOKENS
 from engine.bench.needles import SHORT_ANSWER
 from engine.bench.oracle import OraclePolicy
 from engine.bench.settings import parse_follow, parse_settings
+from engine.bench.tasks import TASKS
 from engine.context.settings import ContextSettings
 from engine.serve.evals import full_attention_found
 
@@ -54,12 +58,18 @@ def summarize(doc: dict) -> list[dict]:
                                                   "needles_short": None, "needles_decided": None,
                                                   "recall": None, "units": None,
                                                   "oracle": None, "top1": None, "top1_decided": None, "kl": None,
-                                                  "read_prefill": None, "read_decode": None, "_reads": []})
+                                                  "read_prefill": None, "read_decode": None, "tasks": {},
+                                                  "_reads": []})
 
     for r in (doc.get("needles") or {}).get("summary", []):
-        row(r["method"], r["budget"]).update(needles=r["as_good_as_full"],
-                                             needles_short=r.get("as_good_as_full_short"),
-                                             needles_decided=r.get("found_decided"))
+        task = r.get("task", "passkey")
+        if task == "passkey":
+            row(r["method"], r["budget"]).update(needles=r["as_good_as_full"],
+                                                 needles_short=r.get("as_good_as_full_short"),
+                                                 needles_decided=r.get("found_decided"))
+        else:  # the tasks lexical matching does not solve (engine.bench.tasks), each in its own entry
+            row(r["method"], r["budget"])["tasks"][task] = {"as_good_as_full": r["as_good_as_full"],
+                                                            "found_decided": r.get("found_decided")}
         row(r["method"], r["budget"])["_reads"].append((r["read_prefill"], r["read_decode"]))
     for r in (doc.get("recall") or {}).get("rows", []):
         decode = r.get("decode") or r.get("prefill") or {}
@@ -89,11 +99,13 @@ def table(doc: dict) -> str:
         return "-" if value is None else format(value, spec)
 
     found = full_attention_found(doc.get("full") or {})
+    tasks = sorted({t for r in doc["summary"] for t in r.get("tasks") or {}})
     lines = [f"Model {doc['model']} on {doc['device']}, {doc['created']}" + (f"; {found}" if found else ""),
              "",
              f"| method | KV budget | needles as good as full ({SHORT_ANSWER} tokens; found where full is decided) | "
-             "recall (unit ceiling; oracle) | top-1 (decided) | KL | read (question / answer) |",
-             "|---|---|---|---|---|---|---|"]
+             + "".join(f"{t} (decided) | " for t in tasks)
+             + "recall (unit ceiling; oracle) | top-1 (decided) | KL | read (question / answer) |",
+             "|---|---|---|" + "---|" * len(tasks) + "---|---|---|---|"]
     for r in doc["summary"]:
         recall = "-" if r["recall"] is None else \
             f"{r['recall']:.3f} ({cell(r.get('units'), '.3f')}; {cell(r['oracle'], '.3f')})"
@@ -103,7 +115,13 @@ def table(doc: dict) -> str:
             brackets = [cell(short, ".0%"), format(decided, ".0%")]
         found = cell(r["needles"], ".0%") + (f" ({'; '.join(brackets)})" if brackets else "")
         top1 = cell(r["top1"], ".1%") + ("" if r.get("top1_decided") is None else f" ({r['top1_decided']:.1%})")
-        lines.append(f"| {r['method']} | {r['budget']:.0%} | {found} | {recall} | "
+        others = ""
+        for t in tasks:
+            got = (r.get("tasks") or {}).get(t)
+            others += "- | " if got is None else (cell(got["as_good_as_full"], ".0%")
+                                                  + ("" if got["found_decided"] is None
+                                                     else f" ({got['found_decided']:.0%})") + " | ")
+        lines.append(f"| {r['method']} | {r['budget']:.0%} | {found} | {others}{recall} | "
                      f"{top1} | {cell(r['kl'], '.4f')} | "
                      f"{cell(r['read_prefill'], '.3f')} / {cell(r['read_decode'], '.3f')} |")
     return "\n".join(lines)
@@ -113,7 +131,8 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
         keys: int, document: Path, questions: list[str], answer_tokens: int, progress=lambda *a: None,
         context: ContextSettings | None = None, prepared: dict | None = None,
         settings: dict[str, dict] | None = None, follow: FollowSettings | None = None,
-        needle_tokens: int = NEEDLE_TOKENS, document_tokens: int | None = None, token_lookups: bool = False) -> dict:
+        needle_tokens: int = NEEDLE_TOKENS, document_tokens: int | None = None, token_lookups: bool = False,
+        tasks: tuple[str, ...] = ("passkey",)) -> dict:
     """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc).
     context: how the documents become contexts (None: the defaults; e.g. another sink); prepared: method -> its
     model-level artifacts (needed by a method that learns per model: main gets them from the cache's store, training
@@ -121,7 +140,8 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
     the follow rows every sparse step adds (engine.attention.follow; None: the defaults); needle_tokens: a needle answer's
     most tokens; document_tokens: the document placed in the middle of the essays, this many tokens in all (None:
     the document alone); token_lookups: a question's prefill looks up each of its tokens on its own, as decode steps
-    do (engine.context.session.ContextSession; the recall part's closed form keeps one lookup for the question)."""
+    do (engine.context.session.ContextSession; the recall part's closed form keeps one lookup for the question);
+    tasks: what the needles hide and ask (engine.bench.tasks)."""
     from engine.bench import fidelity, needles
     from engine.text.corpus import embedded, essays_dir
 
@@ -134,9 +154,10 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
     if "needles" in parts:
         doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()],
                                      context=context, prepared=prepared, settings=settings, follow=follow,
-                                     answer_tokens=needle_tokens, token_lookups=token_lookups)
-        # full attention's figures: any (method, budget) row's, the same contexts
-        first = next(r for r in doc["needles"]["summary"] if (r["method"], r["budget"]) == (methods[0], budgets[0]))
+                                     answer_tokens=needle_tokens, token_lookups=token_lookups, tasks=tasks)
+        # full attention's figures: any (method, budget) row's of the first task, the same contexts
+        first = next(r for r in doc["needles"]["summary"]
+                     if (r["task"], r["method"], r["budget"]) == (tasks[0], methods[0], budgets[0]))
         doc["full"] = {"needles_found": first["full_found"], "needles_cells": first["cells"],
                        "needles_decided": first["decided"]}
     if "recall" in parts or "agreement" in parts:
@@ -175,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="2048,4096", help="needles: haystack tokens, comma-separated")
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needles: where the key goes")
     parser.add_argument("--keys", type=int, default=1, help="needles: passkeys per (length, depth)")
+    parser.add_argument("--tasks", default="passkey",
+                        help=f"needles: what each cell hides and asks, comma-separated, of {', '.join(TASKS)} "
+                             "(engine.bench.tasks)")
     parser.add_argument("--needle-tokens", type=int, default=NEEDLE_TOKENS,
                         help=f"needles: an answer's most tokens (default {NEEDLE_TOKENS}, the app's; the share found "
                              f"within the first {SHORT_ANSWER} is reported beside it)")
@@ -224,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--document-tokens must be at least 1")
     if args.needle_tokens < 1:
         parser.error("--needle-tokens must be at least 1")
+    tasks = tuple(t for t in args.tasks.split(",") if t)
+    if not tasks or set(tasks) - set(TASKS):
+        parser.error(f"--tasks: choose from {', '.join(TASKS)}")
     if args.no_follow and args.follow:
         parser.error("--follow and --no-follow exclude each other")
     if args.sink is not None and args.sink < 0:
@@ -259,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     prepared = {name: engine.prepared(name, training) for name in build_order(methods)}
     doc = run(engine.lm, parts, methods, budgets, [int(x) for x in args.lengths.split(",") if x],
               _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress, context,
-              prepared, settings, follow, args.needle_tokens, args.document_tokens, args.token_lookups)
+              prepared, settings, follow, args.needle_tokens, args.document_tokens, args.token_lookups, tasks)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))

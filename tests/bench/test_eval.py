@@ -136,7 +136,7 @@ def test_summary_joins_the_parts_per_method_and_budget():
                                     "needles_decided": None, "recall": 0.7,
                                     "units": 0.8, "oracle": 0.9, "top1": 0.9, "top1_decided": 1.0, "kl": 0.1,
                                     "read_prefill": 0.09,
-                                    "read_decode": 0.12}
+                                    "read_decode": 0.12, "tasks": {}}
     assert rows["quest", 0.1]["recall"] == 0.5 and rows["quest", 0.1]["top1"] is None  # decode absent: prefill's
     text = evaluate.table(_doc(evaluate.summarize(doc)))
     assert "| squeeze | 10% | 80% | 0.700 (0.800; 0.900) | 90.0% (100.0%) | 0.1000 | 0.090 / 0.120 |" in text
