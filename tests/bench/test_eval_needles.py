@@ -19,6 +19,37 @@ def test_the_essays_are_there():
     assert len(list(essays_dir().glob("*.txt"))) >= 40
 
 
+def test_the_held_out_essays_are_the_ones_no_setting_was_chosen_on():
+    """The tuning set is the essays a haystack of up to 32K tokens reads from the start (every needle grid, training
+    text and setting so far); the held-out ones are the rest, disjoint from it, and their haystacks hold no tuning
+    essay's text; the table names the set."""
+    from engine.text.corpus import HELD_OUT_FROM, essay_files
+
+    tuning, held_out = essay_files("tuning"), essay_files("held-out")
+    everything = sorted(essays_dir().glob("*.txt"))
+    assert tuning == everything[:HELD_OUT_FROM] and held_out == everything[HELD_OUT_FROM:] and len(held_out) >= 20
+    # the first eleven hold the 32K tokens saap's training reads (at ~4 characters a token)
+    assert sum(len(p.read_text(errors="replace")) for p in tuning[:11]) > 32768 * 3
+    with pytest.raises(ValueError, match="unknown essay set"):
+        essay_files("validation")
+
+    class Words:  # a tokenizer of words, enough for haystack's joining and cutting
+        def __call__(self, text, add_special_tokens=False):
+            return {"input_ids": text.split(" ")}
+
+        def decode(self, ids):
+            return " ".join(ids)
+
+    text = haystack(Words(), 5000, files=held_out)
+    assert len(text.split(" ")) == 5000
+    openings = [p.read_text(errors="replace").strip()[:200] for p in tuning]
+    assert not any(opening in text for opening in openings)
+    assert held_out[0].read_text(errors="replace").strip()[:200] in text
+    doc = {"model": "m", "device": "cpu", "created": "now", "full": {}, "summary": [],
+           "needles": {"essays": "held-out", "summary": []}}
+    assert "needles in the held-out essays" in table(doc).splitlines()[0]
+
+
 def test_passkeys_are_five_digits_and_repeatable():
     keys = passkeys(4, seed=1)
     assert keys == passkeys(4, seed=1) and all(len(k) == 5 and k.isdigit() for k in keys)
