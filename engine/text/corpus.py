@@ -13,9 +13,10 @@ from pathlib import Path
 
 ESSAYS = "PaulGrahamEssays"  # the package's folder of essays
 ASSETS = Path(__file__).resolve().parents[1] / "assets"
-# The essays (by name) before this one are the tuning set: every needle grid, training text and setting chosen so
-# far read at most the first eleven of the 49 (32K tokens: saap's training text); the rest are held out, for
-# reporting settings on text that was not used to choose them (`squeeze eval --essays held-out`).
+# The essays (by name) before this one are the tuning set: the needle grids, training texts and settings chosen
+# on them in engine/bench/results read at most the first eleven of the 49 (32K tokens: saap's training text); the
+# rest are held out, for reporting settings on text that was not used to choose them (`squeeze eval --essays
+# held-out`).
 HELD_OUT_FROM = 24
 ESSAY_SETS = ("tuning", "held-out")
 

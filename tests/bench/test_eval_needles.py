@@ -20,9 +20,9 @@ def test_the_essays_are_there():
 
 
 def test_the_held_out_essays_are_the_ones_no_setting_was_chosen_on():
-    """The tuning set is the essays a haystack of up to 32K tokens reads from the start (every needle grid, training
-    text and setting so far); the held-out ones are the rest, disjoint from it, and their haystacks hold no tuning
-    essay's text; the table names the set."""
+    """The tuning set is the essays a haystack of up to 32K tokens reads from the start (every other needle grid,
+    training text and chosen setting in the results); the held-out ones are the rest, disjoint from it, and their
+    haystacks hold no tuning essay's text; the table names the set."""
     from engine.text.corpus import HELD_OUT_FROM, essay_files
 
     tuning, held_out = essay_files("tuning"), essay_files("held-out")
