@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ from engine.serve.service import Engine
 from engine.serve.turns import EMPTY_ANSWER, Turns, same_answer
 from engine.text.prompt import ANSWER_RESERVE, Exchange
 from storage import NotFoundError
+from tests.support.serving import serve_locally
 from tests.support.tiny_models import QUICK_TRAINING
 
 pytestmark = [
@@ -64,18 +64,10 @@ class RunningApp:
         self.worker.close()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(engine: Engine, worker: IngestWorker | None = None, **config) -> RunningApp:
     cfg = AppConfig(max_upload_mb=UPLOAD_MB, poll_s=0.5, max_new_tokens=16, **config)
     demo = build_demo(engine, engine.store, worker=worker or IngestWorker(engine), config=cfg)
-    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
-                            **launch_kwargs(cfg))
-    return RunningApp(url, demo, engine)
+    return RunningApp(serve_locally(demo, **launch_kwargs(cfg)), demo, engine)
 
 
 @pytest.fixture(scope="module")
@@ -570,8 +562,7 @@ def test_an_app_served_with_logins_asks_for_them(app, ready_doc):
     """`squeeze serve --auth-file` hands its logins to Gradio: without one no client gets in; with one it does."""
     cfg = AppConfig(max_upload_mb=UPLOAD_MB, poll_s=0.5, max_new_tokens=16)
     demo = build_demo(app.engine, app.store, worker=app.worker, config=cfg)
-    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
-                            auth=[("ana", "s3cret")], **launch_kwargs(cfg))
+    url = serve_locally(demo, auth=[("ana", "s3cret")], **launch_kwargs(cfg))
     try:
         with pytest.raises(Exception):  # noqa: B017, PT011 - refused at the door, whatever the client makes of it
             Client(url, verbose=False)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import time
 from pathlib import Path
 
@@ -23,6 +22,7 @@ from app.demo import build_demo, launch_kwargs
 from engine.bench.passkey import PASSKEY_QUESTION
 from engine.serve.service import Engine
 from tests.support.browser import needs_chromium
+from tests.support.serving import serve_locally
 
 PDF = Path(__file__).resolve().parents[2] / "assets" / "passkey.pdf"
 KEY = "48213"
@@ -37,25 +37,17 @@ pytestmark = [
 ]
 
 
-def launch(demo, config: AppConfig) -> str:
-    """The app served on a free local port, in the background: its URL."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                            **launch_kwargs(config))
-    return url
+def serving(engine: Engine, config: AppConfig):
+    """The app over `engine` served on a free local port while the generator is open: (URL, demo)."""
+    demo = build_demo(engine, engine.store, config=config)
+    yield serve_locally(demo, **launch_kwargs(config)), demo
+    demo.close()
+    demo.services.worker.close()
 
 
 @pytest.fixture(scope="module")
 def served(real_lm, tmp_path_factory):
-    engine = Engine(tmp_path_factory.mktemp("cache"), lm=real_lm)
-    config = AppConfig(max_new_tokens=16)
-    demo = build_demo(engine, engine.store, config=config)
-    url = launch(demo, config)
-    yield url, demo
-    demo.close()
-    demo.services.worker.close()
+    yield from serving(Engine(tmp_path_factory.mktemp("cache"), lm=real_lm), AppConfig(max_new_tokens=16))
 
 
 @pytest.fixture
@@ -182,12 +174,7 @@ def served_untrained(real_lm, tmp_path_factory):
     """The app over a fresh cache where assets/passkey.md is prepared and duo has never been trained."""
     engine = Engine(tmp_path_factory.mktemp("cache-untrained"), lm=real_lm, methods={"duo": QUICK_DUO})
     engine.ingest(str(MARKDOWN))
-    config = AppConfig(max_new_tokens=8)
-    demo = build_demo(engine, engine.store, config=config)
-    url = launch(demo, config)
-    yield url, demo
-    demo.close()
-    demo.services.worker.close()
+    yield from serving(engine, AppConfig(max_new_tokens=8))
 
 
 def test_a_first_question_with_a_method_that_trains_says_so_in_the_chat(served_untrained, page):

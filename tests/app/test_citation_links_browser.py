@@ -5,7 +5,6 @@ opens the closed "Whole document" accordion and scrolls the document to that pag
 from __future__ import annotations
 
 import re
-import socket
 
 import gradio as gr
 import pytest
@@ -16,6 +15,7 @@ from app.demo import CSS_PATH
 from app.views import DOCUMENT_BOX, TurnViews
 from engine.serve.explain import Passage
 from tests.support.browser import needs_chromium
+from tests.support.serving import serve_locally
 
 LOAD_MS = 60_000  # the page loads and fills its views: seconds on a busy 2-core machine
 
@@ -55,12 +55,7 @@ def served(request):
         views = TurnViews(services=None)
         views.render()
         demo.load(lambda: views_html(request.param), None, [views.answer, views.passages, views.document])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=port, prevent_thread_lock=True, quiet=True,
-                            css_paths=[CSS_PATH])
-    yield url, request.param
+    yield serve_locally(demo, css_paths=[CSS_PATH]), request.param
     demo.close()
 
 

@@ -65,7 +65,7 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path, monkeypatch):
     from engine.serve.jobs import IngestWorker
     from engine.serve.turns import Turns
     from engine.text.prompt import Exchange
-    from tests.app.test_app import free_port
+    from tests.support.serving import serve_locally
 
     engine = Engine(tmp_path / "cache", lm=tiny_lm)
     docs = {}
@@ -81,8 +81,7 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setattr(Turns, "answer", held_answer)
     cfg = AppConfig(poll_s=0.5, max_new_tokens=8)
     demo = build_demo(engine, engine.store, worker=IngestWorker(engine), config=cfg)
-    _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True, quiet=True,
-                            **launch_kwargs(cfg))
+    url = serve_locally(demo, **launch_kwargs(cfg))
     plan = [("ferry.txt", "When does it leave?"), ("ferry.txt", "How much is a ticket?"),
             ("lighthouse.txt", "When was it lit?"), ("lighthouse.txt", "Who built it?")]
     errors, chats, jobs = [], {}, {}
