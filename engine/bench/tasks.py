@@ -42,6 +42,14 @@ class Needle:
     key: str
 
 
+def insert_all(text: str, placed: list[tuple[float, str]]) -> str:
+    """Each (depth, sentence) inserted (engine.bench.passkey.insert_sentence), the deepest first, so that the
+    shallower depths stay where they were."""
+    for at, sentence in sorted(placed, reverse=True):
+        text = insert_sentence(text, sentence, at)
+    return text
+
+
 def _passkey(text: str, key: str, depth: float, rng: random.Random) -> Needle:
     return Needle(insert_passkey(text, key, depth), PASSKEY_QUESTION, key)
 
@@ -65,9 +73,7 @@ def _multikey(text: str, key: str, depth: float, rng: random.Random) -> Needle:
         shift = (i - asked) / len(COLOURS)
         placed.append(((depth + shift) % 1.0, MULTIKEY_SENTENCE.format(colour=colour,
                                                                     key=key if i == asked else next(keys))))
-    for at, sentence in sorted(placed, reverse=True):  # the deepest first: the shallower depths stay where they were
-        text = insert_sentence(text, sentence, at)
-    return Needle(text, MULTIKEY_QUESTION.format(colour=COLOURS[asked]), key)
+    return Needle(insert_all(text, placed), MULTIKEY_QUESTION.format(colour=COLOURS[asked]), key)
 
 
 def _vartrack(text: str, key: str, depth: float, rng: random.Random) -> Needle:
@@ -77,9 +83,7 @@ def _vartrack(text: str, key: str, depth: float, rng: random.Random) -> Needle:
     placed = [(depth, VARTRACK_FIRST.format(name=a, key=key)),
               (depth + rest / 3, VARTRACK_NEXT.format(name=b, previous=a)),
               (depth + 2 * rest / 3, VARTRACK_NEXT.format(name=c, previous=b))]
-    for at, sentence in sorted(placed, reverse=True):
-        text = insert_sentence(text, sentence, at)
-    return Needle(text, VARTRACK_QUESTION.format(name=c), key)
+    return Needle(insert_all(text, placed), VARTRACK_QUESTION.format(name=c), key)
 
 
 TASKS: dict[str, Callable[[str, str, float, random.Random], Needle]] = {

@@ -232,14 +232,19 @@ def profile_decode(lm: LoadedModel, session: ContextSession, method: str, sparsi
     with open(path, "a") as f:
         f.write(f"== {tag}{method}, {PROFILE_STEPS} decode steps\n")
         f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=30) + "\n")
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = kernel_spans(prof)
     # steps whose kernels the profile holds: every kernel of a replayed step runs once or more in each, and the
     # profiler may miss the first launch of its window
     steps = min((e.count for e in events), default=PROFILE_STEPS) or PROFILE_STEPS
     return {"steps_profiled": steps, "kernels_per_step": sum(e.count for e in events) / steps,
             "kernel_ms_per_step": round(sum(e.self_device_time_total for e in events) / steps / 1e3, 3),
             **idle_time(kernels, steps)}
+
+
+def kernel_spans(prof) -> list[tuple[float, float]]:
+    """(start, end) in microseconds of every GPU kernel a torch.profiler run recorded."""
+    return [(e.time_range.start, e.time_range.end) for e in prof.events()
+            if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 HOST_GAP_US = 50.0  # an idle GPU for longer than this between two kernels of replayed steps is waiting on the host
@@ -285,8 +290,7 @@ def profile_prefill(lm: LoadedModel, session: ContextSession, method: str, spars
         wall = time.perf_counter() - start
     averages = prof.key_averages()
     events = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
-    kernels = [(e.time_range.start, e.time_range.end) for e in prof.events()
-               if e.device_type == torch.autograd.DeviceType.CUDA]
+    kernels = kernel_spans(prof)
     with open(path, "a") as f:
         f.write(f"== {tag}{method}, a {prompt.numel()}-token question's prefill, by host time\n")
         f.write(averages.table(sort_by="self_cpu_time_total", row_limit=30) + "\n")
