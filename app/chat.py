@@ -489,7 +489,15 @@ class ChatTab:
             if job is not None and job.active:
                 return f"{index_text(method, job)} A question waits for it."
             return f"The {method} index is built at the first question (or in the background after a slider change)."
-        return f"At {float(sparsity):.0%} sparsity, {method} uses: {plan.describe()}"
+        text = f"At {float(sparsity):.0%} sparsity, {method} uses: {plan.describe()}"
+        try:
+            lowest = self.services.engine.lowest_budget(status.context_id, method, asked)
+        except (StorageError, ValueError):
+            lowest = None
+        if lowest is not None and 1.0 - float(sparsity) < lowest:
+            text += (f". On this document {method} reads at least {lowest:.1%} of the K/V bytes (its index and the "
+                     f"dense rows): sparsity above {1.0 - lowest:.0%} reads that")
+        return text
 
     def learning_text(self, method: str) -> str | None:
         """What `method` still has to learn once per model before it answers (None: nothing): how far its training

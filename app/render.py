@@ -125,6 +125,8 @@ def notice_html(text: str, kind: str = "info") -> str:
 
 # ---------------------------------------------------------------------- (c) budget and time split
 
+BUDGET_SLACK = 0.01  # read above the asked budget by more than this is explained beside the figures
+
 
 def budget_html(stats: dict) -> str:
     """(c) The KV budget (turn and prefill), the plan the method used, and where the turn's time went."""
@@ -148,18 +150,30 @@ def budget_html(stats: dict) -> str:
     method = stats.get("method", "?")
     sparsity = stats.get("sparsity", 0.0)
     plan = (stats.get("extra") or {}).get("plan", "")  # the plan the turn ran, in its own words
+    asked = 1.0 - float(sparsity)
     return (
         '<div class="sq-budget" id="sq-budget">'
         f'<div class="sq-row"><b>{esc(method)}</b>{f" at {100 * sparsity:.0f}% sparsity" if sparsity else ""}'
         f'{f" · {esc(plan)}" if plan else ""}</div>'
         f'<div class="sq-row">KV budget <b class="sq-kv">{100 * budget:.1f}%</b> of the fixed context\'s K/V bytes per '
-        f'step (question prefill {100 * prefill:.1f}%'
+        f'step, asked <b class="sq-asked">{100 * asked:.1f}%</b> (question prefill {100 * prefill:.1f}%'
         f'{f", answer {100 * float(decode):.1f}%" if decode is not None else ""})</div>'
+        f'{budget_note(budget, asked)}'
         f'<div class="sq-bar sq-kvbar"><div class="sq-fill" style="width:{min(100.0, 100 * budget):.1f}%"></div></div>'
         f'<div class="sq-row">Time {total:.2f} s · first token {float(t.get("first_token_s", 0.0)):.2f} s · '
         f'{float(t.get("tokens_per_s", 0.0)):.1f} tokens/s · {stats.get("new_tokens", 0)} tokens</div>'
         f'<div class="sq-stack">{bar}</div><div class="sq-keys">{keys}</div></div>'
     )
+
+
+def budget_note(read: float, asked: float, slack: float = BUDGET_SLACK) -> str:
+    """A line where a turn read more than it asked for (a document whose index and dense rows alone take more than
+    the budget, or a GPU's lookups on their calibrated thresholds); nothing where it read what it asked."""
+    if read <= asked + slack:
+        return ""
+    return (f'<div class="sq-row sq-note">This turn read {100 * (read - asked):.1f} points more than asked: on this '
+            f'document the method\'s index and the dense rows take that much of the budget (the slider\'s hint says '
+            f'how low it reaches), or, on a GPU, the method kept its calibrated threshold.</div>')
 
 
 def compare_html(compare: dict | None) -> str:

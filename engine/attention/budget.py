@@ -59,3 +59,25 @@ def keys_for(curve: torch.Tensor, budget: float) -> float:
             t = 0.0 if hi == lo else (budget - lo) / (hi - lo)
             return KEYS_GRID[i + 1] + t * (KEYS_GRID[i] - KEYS_GRID[i + 1])
     return KEYS_GRID[-1]
+
+
+def cut_threshold(score: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor | float) -> torch.Tensor:
+    """The score threshold at which a lookup's units with score > it hold as close to `keys` keys as whole units
+    allow (best first, over every row: a row that scores higher keeps more): what keeps a turn at the budget it asked
+    for, whatever its question, where a calibrated threshold keeps what the calibration's queries would.
+
+    score: [rows, U] float32; sizes: [rows, U] keys of each unit (0: never counted); keys: the keys to keep, a float
+    or a [] tensor. Returns [] float32 on score's device: +inf where `keys` <= 0 (nothing), -1 where every unit holds
+    fewer (everything). No host synchronisation (a captured step's lookup may run it)."""
+    flat = score.reshape(-1).float()
+    order = torch.argsort(flat, descending=True)
+    held = torch.cumsum(sizes.reshape(-1)[order].double(), 0)  # keys of the best 1, 2, ... units
+    want = keys.to(torch.float64).reshape(1) if isinstance(keys, torch.Tensor) else \
+        torch.full((1,), float(keys), dtype=torch.float64, device=flat.device)  # (a fill: no copy from the host)
+    n = torch.searchsorted(held, want)  # the fewest best units that reach `keys`: units 0 .. n
+    over = held[n.clamp(max=held.numel() - 1)] - want
+    under = want - torch.where(n > 0, held[(n - 1).clamp(min=0)], torch.zeros_like(want))
+    last = torch.where(over > under, n - 1, n)  # the nearer of n - 1 and n units past the cut
+    ranked = torch.cat([flat[order], flat.new_full((1,), -1.0)])
+    threshold = ranked[(last + 1).clamp(min=0, max=flat.numel())]
+    return torch.where(want > 0, threshold, torch.full_like(threshold, float("inf"))).reshape(())

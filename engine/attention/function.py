@@ -120,14 +120,16 @@ def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor
     and the new tokens their positions see (kernels/union_ops.py), written into out [Hq, Lq, D]."""
     method, recorder = step.method, step.recorder
     timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
+    follow, rows = step.follow, None
+    if method.sparse and follow is not None and follow.positions.numel():
+        rows = FollowRows(follow.positions.to(q.device), follow.fixed_rows.sink, follow.fixed_rows.indexed,
+                          layout_order(method, index))
     with timed("lookup"):
-        lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos, step.valid)
+        lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos, step.valid, rows)
     tally = recorder.tally(layer.layer_idx, lookup) if recorder is not None else None
     with timed("attention"):
-        follow, rows = step.follow, None
-        if lookup.selection is not None and follow is not None and follow.positions.numel():
-            rows = FollowRows(follow.positions.to(q.device), follow.fixed_rows.sink, follow.fixed_rows.indexed,
-                              layout_order(method, index))
+        if lookup.selection is None:
+            rows = None
         _, _, fresh = step.backend.kernel("union").union_attention(
             q, layer.fixed_keys, layer.fixed_values, lookup.selection, scale, k_new, v_new, q_pos, layer.fixed_len,
             rows, out=out, tally=tally)  # the step's statistics added by the union's merge

@@ -31,7 +31,7 @@ import torch
 from engine.attention.budget import keys_for, read_fraction
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout
-from kernels.selection import Selection
+from kernels.selection import FollowRows, Selection
 
 Tensors = dict[str, torch.Tensor]  # artifacts by name
 
@@ -243,12 +243,14 @@ class Method(ABC):
 
     @abstractmethod
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               follow: FollowRows | None = None) -> Lookup:
         """q: [Hq, Lq, D] the step's queries (Lq > 1: the question's prefill), RoPE applied; positions: [Lq] int64
         on q's device, their positions (a method that works on de-RoPE'd queries needs them; the engine always
         passes them); valid: [1] int64 on q's device, how many of the Lq tokens are real, the first ones (a question
         padded to a captured length: a score pooled over the step's tokens must count the real ones only; None:
-        all of them). No host synchronisation."""
+        all of them); follow: the rows the step reads besides its selection (engine.attention.follow), for a lookup
+        that cuts its scores to the budget left (None: the plan's reserve for them). No host synchronisation."""
 
     def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[StepPlan], scale: float,
               positions: torch.Tensor | None = None) -> list[float]:

@@ -20,6 +20,7 @@ import torch
 from engine.attention.method import LayerIndex, LayerKeys, Lookup, Method, StepPlan, Tensors, check_budget
 from engine.bench.recall import full_probs
 from kernels.backend import Backend
+from kernels.selection import FollowRows
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,8 @@ class OraclePolicy(Method):
         return KeysPlan(budget=check_budget(budget), keys=check_budget(decode_keys))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: KeysPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               follow: FollowRows | None = None) -> Lookup:
         """q: [Hq, Lq, D] -> the selection of the heaviest keys per KV head (one for the step's Lq tokens)."""
         keys = layer["keys"]
         hkv, indexed = keys.shape[:2]

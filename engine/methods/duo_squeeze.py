@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import byte_share
+from engine.attention.budget import byte_share, cut_threshold
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -28,10 +28,20 @@ from engine.attention.method import (
     check_budget,
 )
 from engine.methods.duo.policy import Window
-from engine.methods.squeeze import SqueezePolicy, ThresholdPlan, centroid_elements, code_step, kept_keys, threshold_plan
+from engine.methods.squeeze import (
+    SqueezePolicy,
+    ThresholdPlan,
+    centroid_elements,
+    code_step,
+    cut_keys,
+    exact_room,
+    kept_keys,
+    threshold_plan,
+    with_room,
+)
 from kernels.backend import Backend
 from kernels.layout import ClusterLayout
-from kernels.selection import Fixed
+from kernels.selection import Fixed, FollowRows
 
 # what the lookup reads of squeeze's index (the codes' offsets and steps where its centroids are one-byte codes)
 SQUEEZE_PARTS = ("labels", "centroids", "counts", "key_starts", "centroid_offset", "centroid_step")
@@ -99,19 +109,37 @@ class DuoSqueezePolicy(Method):
         return HeadThresholdPlan(budget=plan.budget, decode=plan.decode, prefill=plan.prefill,
                                  retrieval_heads=retrieval)
 
+    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> HeadThresholdPlan:
+        """Method.plan, with the room each lookup cuts its retrieval heads' scores to read (squeeze.exact_room)."""
+        return with_room(super().plan(calibration, budget, reserve), reserve)
+
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadThresholdPlan, scale: float,
-               backend: Backend, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
+               backend: Backend, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               follow: FollowRows | None = None) -> Lookup:
         """squeeze's lookup for every KV head (one row each), the streaming heads' rows their windows instead
         (written by the lookup's expansion)."""
         hkv = layer["counts"].shape[0]
         (threshold,) = plan.at(q.shape[1])
         fixed, retrieval = layer.memo(("duo-squeeze", plan.retrieval_heads, q.device),
                                       lambda: streaming_heads(layer, plan.retrieval_heads, q.device))
-        keep, score, selection = backend.kernel("centroid").cluster_select(
-            q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
-            layer.tail, fixed=fixed, step=code_step(layer), valid=valid)
-        # every head's centroids are scored (q has the keys' dtype in the engine)
-        read = layer.elements(hkv, centroid_elements(layer, q.element_size()), q.device)
+        index = centroid_elements(layer, q.element_size())  # every head's centroids are scored, per KV head
+        read = layer.elements(hkv, index, q.device)
+        cut = exact_room(plan, q, follow, hkv)
+        centroid = backend.kernel("centroid")
+        if cut is None:
+            keep, score, selection = centroid.cluster_select(
+                q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
+                layer.tail, fixed=fixed, step=code_step(layer), valid=valid)
+        else:  # the retrieval heads' best clusters up to the room's keys, beside the streaming heads' windows
+            keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, hkv,
+                                                step=code_step(layer), valid=valid)
+            streaming = (~retrieval).sum()  # [] the heads that read their windows (dense rows included)
+            room, besides = cut
+            keys = cut_keys(room, layer, hkv, q.shape[2], hkv * index,
+                            streaming * (layer["window"].shape[1] - layer.tail) + besides)
+            keep = keep & (score > cut_threshold(score, layer["counts"] * retrieval, keys))
+            selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail,
+                                                                fixed=fixed)
         return Lookup(selection=selection, index_elements=read, units=keep & retrieval, scores=score,
                       sizes=layer["counts"])
 

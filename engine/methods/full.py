@@ -8,6 +8,7 @@ from typing import ClassVar
 import torch
 
 from engine.attention.method import LayerIndex, Lookup, Method, StepPlan, Tensors
+from kernels.selection import FollowRows
 
 
 @dataclass(frozen=True)
@@ -37,5 +38,6 @@ class FullPolicy(Method):
         return EveryKey()
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: StepPlan, scale: float, backend,
-               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               follow: FollowRows | None = None) -> Lookup:
         return Lookup(selection=None, index_elements=q.new_zeros(0))  # no index read (and no launch: empty)

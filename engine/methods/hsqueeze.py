@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import byte_share
+from engine.attention.budget import byte_share, cut_threshold
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -25,6 +25,8 @@ from engine.methods.squeeze import (
     check_threshold_settings,
     cluster_points,
     code_step,
+    cut_keys,
+    exact_room,
     float_centroids,
     num_centroids,
     prefill_samples,
@@ -32,10 +34,12 @@ from engine.methods.squeeze import (
     stored_centroids,
     threshold_plan,
     weighted_samples,
+    with_room,
 )
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
 from kernels.reference.centroid import row_scores, select_clusters
+from kernels.selection import FollowRows
 
 
 @dataclass(frozen=True)
@@ -210,8 +214,14 @@ class HierarchicalSqueezePolicy(Method):
         """decode's (T1, T2) and the question prefill's (its own where calibrated, else decode's)."""
         return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold_l1", "threshold_l2"))
 
+    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> ThresholdPlan:
+        """Method.plan, with the room each lookup cuts its level-2 scores to read (squeeze.exact_room; the level-1
+        threshold stays the calibrated one: it only sets the candidates)."""
+        return with_room(super().plan(calibration, budget, reserve), reserve)
+
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               follow: FollowRows | None = None) -> Lookup:
         """Level 1 over all C1 centroids; level 2 only over the kept level-1 clusters' children (eq. 3); the
         layer's K/V are stored permuted by cluster (`layout`), layer["key_starts"] says where."""
         hq, hkv = q.shape[0], layer["counts"].shape[0]
@@ -219,15 +229,31 @@ class HierarchicalSqueezePolicy(Method):
         c2 = layer["centroids"].shape[1]
         t1, t2 = plan.at(q.shape[1])
         centroid = backend.kernel("centroid")
-        _, _, candidates = centroid.cluster_select(q, layer["l1_centroids"], layer["l1_counts"], scale, t1, rows,
-                                                   layer["l1_child_starts"], c2,
-                                                   step=code_step(layer, "l1_"), valid=valid)  # level-2 ids, per row
-        keep, score = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale, t2, rows, candidates,
+        cut = exact_room(plan, q, follow, hkv) if rows == hkv else None
+        if cut is None:
+            _, _, candidates = centroid.cluster_select(q, layer["l1_centroids"], layer["l1_counts"], scale, t1, rows,
+                                                       layer["l1_child_starts"], c2,
+                                                       step=code_step(layer, "l1_"), valid=valid)  # level-2 ids
+        else:  # the best level-1 clusters up to the keys level 1 keeps at this room (at least level 2's)
+            keep1, score1 = centroid.cluster_keep(q, layer["l1_centroids"], layer["l1_counts"], scale, 0.0, rows,
+                                                  step=code_step(layer, "l1_"), valid=valid)
+            room, besides = cut
+            share = 1.0 - level1_prune(1.0 - room, self.settings)
+            least = share * hkv * layer.indexed  # level 1 keeps at least this share, and at least level 2's keys
+            keys1 = cut_keys(room, layer, hkv, q.shape[2], hkv * centroid_elements(layer, q.element_size()), besides)
+            keys1 = torch.clamp(keys1, min=least) if isinstance(keys1, torch.Tensor) else max(keys1, least)
+            keep1 = keep1 & (score1 > cut_threshold(score1, layer["l1_counts"], keys1))
+            candidates = backend.kernel("compact").expand_groups(keep1, layer["l1_child_starts"], c2)
+        keep, score = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale,
+                                                  t2 if cut is None else 0.0, rows, candidates,
                                                   step=code_step(layer), valid=valid)
         survivors = candidates.counts().reshape(hkv, rows // hkv).sum(dim=1).float()  # [Hkv] level-2 centroids read
-        selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
         key_size = q.element_size()  # q has the keys' dtype in the engine
         read = centroid_elements(layer, key_size, "l1_") + centroid_elements(layer, key_size, scored=survivors)
+        if cut is not None:  # the candidates' best level-2 clusters up to the room's keys
+            keep = keep & (score > cut_threshold(score, layer["counts"] * keep,
+                                                 cut_keys(cut[0], layer, hkv, q.shape[2], read.sum(), cut[1])))
+        selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 
     def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[ThresholdPlan], scale: float,

@@ -35,6 +35,7 @@ from engine.attention.method import (
 )
 from kernels.backend import Backend
 from kernels.reference.pages import quantize_bounds
+from kernels.selection import FollowRows
 
 GROUPS = ("kv", "query")
 BOUNDS = ("exact", "int8")
@@ -118,7 +119,8 @@ class QuestPolicy(Method):
         return PagePlan(budget=check_budget(budget), keys=check_budget(decode_keys))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: PagePlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               follow: FollowRows | None = None) -> Lookup:
         """Page scores (one kernel), then the top pages and their keys (one kernel: k is a static shape, and every
         row reads the same number of keys)."""
         lo, hi = layer["page_min"], layer["page_max"]

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import byte_share
+from engine.attention.budget import KEYS_GRID, byte_share, cut_threshold
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -25,6 +25,7 @@ from engine.index.thresholds import SPARSITY_GRID, pooled_thresholds, prefill_wi
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
 from kernels.reference.centroid import dequantize_centroids, quantize_centroids, row_scores, select_clusters
+from kernels.selection import FollowRows
 
 GROUPS = ("kv", "query")
 CENTROIDS = ("exact", "int8")
@@ -80,13 +81,20 @@ class SqueezeSettings(MethodSettings):
 
 @dataclass(frozen=True)
 class ThresholdPlan(StepPlan):
-    """A turn of a threshold method: decode's thresholds (one per level of the lookup) and the question prefill's."""
+    """A turn of a threshold method: decode's thresholds (one per level of the lookup) and the question prefill's;
+    room: (decode, prefill) shares of the fixed K/V bytes the method's lookups may read (the budget less what the
+    engine reads besides), where each lookup cuts its own scores to read that (`exact_room`); None: the thresholds
+    alone (a plan made from key fractions, as the budget's calibration makes them)."""
 
     decode: tuple[float, ...]
     prefill: tuple[float, ...]
+    room: tuple[float, float] | None = None
 
     def describe(self) -> str:
         th = ", ".join(f"{x:.3g}" for x in self.decode)
+        if self.room is not None:  # (a GPU's lookups keep the thresholds: exact_room)
+            return (f"its best clusters up to {self.room[1]:.1%} of the K/V bytes in the question's lookups, "
+                    f"{self.room[0]:.1%} in the answer's (threshold {th} on a GPU)")
         if self.prefill != self.decode:
             th += " (prefill " + ", ".join(f"{x:.3g}" for x in self.prefill) + ")"
         return f"threshold {th}"
@@ -98,6 +106,42 @@ class ThresholdPlan(StepPlan):
     def at(self, lq: int) -> tuple[float, ...]:
         """The thresholds of a step of `lq` query tokens (Lq > 1: the question's prefill)."""
         return self.prefill if lq > 1 else self.decode
+
+
+def with_room(plan: ThresholdPlan, reserve: tuple[float, float]) -> ThresholdPlan:
+    """`plan` with the room its lookups may read in each phase: its budget less `reserve` (Method.plan's)."""
+    if plan.budget >= 1.0:
+        return plan
+    return replace(plan, room=tuple(max(plan.budget - r, 1e-6) for r in reserve))
+
+
+def exact_room(plan: ThresholdPlan, q: torch.Tensor, follow: FollowRows | None, hkv: int
+               ) -> tuple[float, torch.Tensor | float] | None:
+    """(room, keys read besides): the share of the fixed K/V bytes this lookup cuts its scores to read
+    (cut_threshold) and the keys the step reads besides its units and the dense rows, or None where it keeps what
+    its calibrated threshold keeps. With the step's follow rows: the budget, and each indexed follow row once per KV
+    head (those a row already keeps are not read twice: a few keys under); without them, the plan's room (its
+    reserve for them left out). On the CPU every lookup cuts (its sort is nothing beside the model's step); on a GPU
+    each keeps its threshold, since the cut's sort and gathers cost more than the lookup's own launches (an H200, 8B
+    shape, 128K, 10%: a 64-token question's prefill 15.0 -> 18.1 ms with squeeze, hsqueeze's 23.6 against full
+    attention's 18.6)."""
+    if plan.room is None or q.device.type != "cpu":
+        return None
+    if follow is None:
+        return (plan.room[0] if q.shape[1] == 1 else plan.room[1]), 0.0
+    p = follow.positions
+    return plan.budget, hkv * ((p >= follow.first) & (p < follow.first + follow.indexed)).sum()
+
+
+def cut_keys(room: float, layer: LayerIndex, hkv: int, head_dim: int, index: torch.Tensor | float,
+             fixed: torch.Tensor | float = 0.0) -> torch.Tensor | float:
+    """The keys a lookup's units may hold to read `room` of the layer's fixed K/V bytes (byte_share inverted): less
+    the index elements it reads (index: over every KV head), the dense tail of every row (rows == Hkv) and `fixed`
+    keys read besides (a streaming head's window); at least the fewest keys a plan keeps (KEYS_GRID's last share of
+    the indexed keys), where the index and the tail alone take more than the room."""
+    keys = room * hkv * layer.num_keys - index / (2 * head_dim) - hkv * layer.tail - fixed
+    least = KEYS_GRID[-1] * hkv * layer.indexed
+    return torch.clamp(keys, min=least) if isinstance(keys, torch.Tensor) else max(keys, least)
 
 
 def num_centroids(indexed: int, ratio: float) -> int:
@@ -254,18 +298,33 @@ class SqueezePolicy(Method):
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> ThresholdPlan:
         return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold",))
 
+    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> ThresholdPlan:
+        """Method.plan, with the room each lookup cuts its scores to read (exact_room)."""
+        return with_room(super().plan(calibration, budget, reserve), reserve)
+
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               follow: FollowRows | None = None) -> Lookup:
         """The selection is of positions in the layer's K/V stored permuted by cluster (`layout`);
         layer["key_starts"] says where each cluster lies."""
         hq, hkv = q.shape[0], layer["counts"].shape[0]
         rows = group_rows(self.settings.group, hq, hkv)
         (threshold,) = plan.at(q.shape[1])
-        keep, score, selection = backend.kernel("centroid").cluster_select(
-            q, layer["centroids"], layer["counts"], scale, threshold, rows, layer["key_starts"], layer.indexed,
-            layer.tail, step=code_step(layer), valid=valid)
-        # every centroid and its count (q has the keys' dtype in the engine)
-        read = layer.elements(hkv, centroid_elements(layer, q.element_size()), q.device)
+        index = centroid_elements(layer, q.element_size())  # every centroid and its count, per KV head
+        read = layer.elements(hkv, index, q.device)
+        cut = exact_room(plan, q, follow, hkv) if rows == hkv else None
+        centroid = backend.kernel("centroid")
+        if cut is None:
+            keep, score, selection = centroid.cluster_select(
+                q, layer["centroids"], layer["counts"], scale, threshold, rows, layer["key_starts"], layer.indexed,
+                layer.tail, step=code_step(layer), valid=valid)
+        else:  # every cluster scored, the best ones kept up to the room's keys
+            keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, rows,
+                                                step=code_step(layer), valid=valid)
+            room, besides = cut
+            keep = keep & (score > cut_threshold(score, layer["counts"],
+                                                 cut_keys(room, layer, hkv, q.shape[2], hkv * index, besides)))
+            selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 
     def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[ThresholdPlan], scale: float,

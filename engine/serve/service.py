@@ -390,12 +390,25 @@ class Engine:
         if self.stale_methods(context_id, [method], overrides):
             return None
         built = self.method(method, overrides)
-        prefix = names.method_calib_name(method, "")
-        wanted = [a["name"] for a in self.store.artifacts.list(context_id) if a["name"].startswith(prefix)]
-        calibration = {n[len(prefix):]: t for n, t in self.store.artifacts.load(context_id, wanted).items()}
         ctx = self.store.contexts.get(context_id)
         rows = ContextSettings.from_dict(ctx["settings"]).rows(int(ctx["tokens"]))
-        return turn_plan(built, calibration, sparsity, self.follow, rows.tokens)
+        return turn_plan(built, self._calibration(context_id, method), sparsity, self.follow, rows.tokens)
+
+    def lowest_budget(self, context_id: str, method: str, overrides: Overrides | None = None) -> float | None:
+        """The least KV budget the method's lookups read on the context, in the phase that reads more: what they read
+        at the fewest keys a plan keeps (its index and the dense rows, mostly), from the stored calibration's
+        measured reads; None while the method is not built with the settings asked for, or has no such reads."""
+        if self.stale_methods(context_id, [method], overrides):
+            return None
+        curves = [c for n, c in self._calibration(context_id, method).items() if n in ("budget_decode",
+                                                                                     "budget_prefill")]
+        return max(float(c[-1]) for c in curves) if curves else None
+
+    def _calibration(self, context_id: str, method: str) -> dict:
+        """The method's stored calibration of the context, by its short names."""
+        prefix = names.method_calib_name(method, "")
+        wanted = [a["name"] for a in self.store.artifacts.list(context_id) if a["name"].startswith(prefix)]
+        return {n[len(prefix):]: t for n, t in self.store.artifacts.load(context_id, wanted).items()}
 
     def stream(self, context_id: str, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
                max_new_tokens: int = 64, progress: Progress | None = None, history: Sequence[Exchange] = (),

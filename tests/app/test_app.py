@@ -162,7 +162,24 @@ def test_upload_prepares_in_the_background_and_the_library_lists_it(app, tmp_pat
     assert re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d", added)
     opened = open_doc(client, doc_id)
     assert "keepers.md: ready" in opened["status"] and opened["chat"] == []
-    assert opened["threshold"].startswith("At 80% sparsity, squeeze uses: threshold ")
+    assert opened["threshold"].startswith("At 80% sparsity, squeeze uses: its best clusters up to ")
+
+
+def test_the_plan_hint_says_how_low_the_budget_reaches_on_the_document(app, ready_doc):
+    """Before the question: where the asked budget is below what the method's index and the dense rows alone read on
+    this (short) document, the hint says the least it reads; the answer then shows the asked budget beside the read
+    one and why they differ; at 80% sparsity it reads what it asked."""
+    client = app.client()
+    open_doc(client, ready_doc)
+    lowest = app.engine.lowest_budget(app.store.contexts.list(ready_doc)[0]["id"], "squeeze")
+    assert 0.01 < lowest < 0.2
+    hint = client.predict("squeeze", 0.99, 0.05, 0.01, api_name="/threshold")
+    assert f"On this document squeeze reads at least {lowest:.1%} of the K/V bytes" in hint
+    assert "reads at least" not in client.predict("squeeze", 0.8, 0.05, 0.01, api_name="/threshold")
+    out, _ = ask(client, "Who kept the light?", sparsity=0.99)
+    assert 'asked <b class="sq-asked">1.0%</b>' in out["budget"] and "more than asked" in out["budget"]
+    out, _ = ask(client, "Who kept the light?", sparsity=0.8)
+    assert 'asked <b class="sq-asked">20.0%</b>' in out["budget"] and "more than asked" not in out["budget"]
 
 
 def test_answers_stream_and_every_turn_shows_what_attention_did(app, ready_doc):

@@ -208,6 +208,9 @@ def test_heatmap_figure_and_budget_markup():
     stats["extra"] = {"plan": "threshold 0.000265 (prefill 0.000301)", "unit": "cluster"}
     budget = render.budget_html(stats)
     assert "20.0%" in budget and "26.0%" in budget and "threshold 0.000265 (prefill 0.000301)" in budget
+    assert 'asked <b class="sq-asked">20.0%</b>' in budget and "more than asked" not in budget
+    over = render.budget_html({**stats, "sparsity": 0.9})  # read 20% where 10% was asked: said beside the figures
+    assert 'asked <b class="sq-asked">10.0%</b>' in over and "read 10.0 points more than asked" in over
     assert "rest of the model 0.60 s" in budget and "replayed" not in budget  # old turns: no timed_steps
     replayed = {**stats, "timings": {**stats["timings"], "timed_steps": 2}}  # 2 eager steps timed, 3 replayed
     assert "lookup and attention timed over 2 of 5 steps; the 3 replayed from a CUDA graph" in render.budget_html(replayed)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.budget import KEYS_GRID, keys_for
+from engine.attention.budget import KEYS_GRID, cut_threshold, keys_for
 from engine.attention.method import Lookup
 from kernels.selection import Selection
 
@@ -37,6 +37,18 @@ def test_keys_for_ignores_a_non_monotone_point():
     curve[i] = 0.1  # 0.3 of the keys "read" 0.1
     assert keys_for(curve, 0.2) == pytest.approx(0.2)
     assert 0.275 <= keys_for(curve, 0.29) <= 0.35  # within the interval the lifted point spans
+
+
+@pytest.mark.parametrize("keys,kept", [(0, 0), (4, 0), (10, 10), (16, 10), (30, 30), (40, 40), (44, 45), (55, 55),
+                                       (100, 55), (torch.tensor(31.0), 30)])
+def test_cut_threshold_keeps_the_best_units_nearest_the_keys_asked(keys, kept):
+    """Units taken best first over every row (the second row's 0.4 before the first's 0.3), up to the count nearest
+    the keys asked (16: 10 rather than 30); none for none; all (the empty unit's score included) past their total;
+    the keys as a host number or a device tensor."""
+    score = torch.tensor([[0.5, 0.1, 0.3], [0.2, 0.4, 0.0]])
+    sizes = torch.tensor([[10, 10, 10], [5, 20, 0]])
+    cut = cut_threshold(score, sizes, keys)
+    assert cut.shape == () and int(sizes[score > cut].sum()) == kept
 
 
 def test_read_fraction_counts_a_kv_heads_keys_once_and_the_index():

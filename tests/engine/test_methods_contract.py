@@ -223,9 +223,9 @@ class Probe(QuestPolicy):
         assert "learned" in prepared, "build did not get the model-level artifacts"
         return super().build(layer, required, prepared)
 
-    def lookup(self, q, layer, plan, scale, backend, positions=None, valid=None):
+    def lookup(self, q, layer, plan, scale, backend, positions=None, valid=None, follow=None):
         assert "learned" in layer, "the lookup's index lacks the model-level artifacts"
-        return super().lookup(q, layer, plan, scale, backend, positions, valid)
+        return super().lookup(q, layer, plan, scale, backend, positions, valid, follow)
 
 
 def test_model_level_artifacts_are_made_once_and_stored_apart(tmp_path, monkeypatch):

@@ -36,7 +36,7 @@ from engine.index.artifacts import layer_name
 from engine.methods.duo.data import GateData
 from engine.methods.duo.gates import GateTraining, rank_heads, timed, train_gates
 from kernels.backend import Backend
-from kernels.selection import Selection, entry_rows
+from kernels.selection import FollowRows, Selection, entry_rows
 
 TRAINING_PREFIX = "train_"  # the settings the gates depend on (with `seed`): the key of the stored gates
 # A training token (the full-attention and the gated forward, the backward) costs about two tokens of an ingest:
@@ -183,7 +183,8 @@ class DuoPolicy(Method):
         return HeadPlan(budget=check_budget(budget), full=full, extra=min(extra, cost))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               follow: FollowRows | None = None) -> Lookup:
         """One row per KV head; the same selection at every step of the plan (made at the first)."""
         selection = layer.memo(("duo", plan.full, plan.extra, q.device),
                                lambda: head_selection(layer, Window.of(self.settings, layer.indexed, layer.tail),

@@ -57,6 +57,7 @@ from engine.methods.saap.partitions import (
 from engine.model.prefill import attention_scale
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
+from kernels.selection import FollowRows
 
 TRAINING_PREFIX = "train_"
 # A prompt token of the training costs about three tokens of an ingest: the defaults (4 prompts of 4,096 tokens)
@@ -252,7 +253,8 @@ class SaapPolicy(Method):
                           prefill=check_budget(prefill_keys))
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: BucketPlan, scale: float, backend: Backend,
-               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> Lookup:
+               positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+               follow: FollowRows | None = None) -> Lookup:
         """One selection row per KV head: its query heads' bucket scores summed, the best buckets up to the plan's
         keys, the dense part, every bucket in a dense layer."""
         if positions is None:
