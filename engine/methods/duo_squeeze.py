@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import byte_share, cut_threshold
+from engine.attention.budget import KEYS_GRID, byte_share, cut_threshold
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -33,7 +33,6 @@ from engine.methods.squeeze import (
     ThresholdPlan,
     centroid_elements,
     code_step,
-    cut_keys,
     exact_room,
     kept_keys,
     threshold_plan,
@@ -65,9 +64,11 @@ class DuoSqueezeSettings(MethodSettings):
 
 @dataclass(frozen=True)
 class HeadThresholdPlan(ThresholdPlan):
-    """squeeze's thresholds for the heads of rank < `retrieval_heads`; the others stream."""
+    """squeeze's thresholds for the heads of rank < `retrieval_heads`; the others stream. heads: the model's KV heads
+    over its global layers (what the retrieval heads are a share of)."""
 
     retrieval_heads: int = 0
+    heads: int = 0
 
     def describe(self) -> str:
         return f"{self.retrieval_heads} retrieval head(s) at " + super().describe()
@@ -107,7 +108,7 @@ class DuoSqueezePolicy(Method):
         heads = int(calibration["heads"])
         retrieval = heads if check_budget(budget) >= 1.0 else round(self.settings.retrieval * heads)
         return HeadThresholdPlan(budget=plan.budget, decode=plan.decode, prefill=plan.prefill,
-                                 retrieval_heads=retrieval)
+                                 retrieval_heads=retrieval, heads=heads)
 
     def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> HeadThresholdPlan:
         """Method.plan, with the room each lookup cuts its retrieval heads' scores to read (squeeze.exact_room)."""
@@ -130,13 +131,10 @@ class DuoSqueezePolicy(Method):
             keep, score, selection = centroid.cluster_select(
                 q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
                 layer.tail, fixed=fixed, step=code_step(layer), valid=valid)
-        else:  # the retrieval heads' best clusters up to the room's keys, beside the streaming heads' windows
+        else:  # the retrieval heads' best clusters up to their share of the room (retrieval_keys)
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, hkv,
                                                 step=code_step(layer), valid=valid)
-            streaming = (~retrieval).sum()  # [] the heads that read their windows (dense rows included)
-            room, besides = cut
-            keys = cut_keys(room, layer, hkv, q.shape[2], hkv * index,
-                            streaming * (layer["window"].shape[1] - layer.tail) + besides)
+            keys = retrieval_keys(plan, layer, cut, index, q.shape[2], hkv) * retrieval.sum()
             keep = keep & (score > cut_threshold(score, layer["counts"] * retrieval, keys))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail,
                                                                 fixed=fixed)
@@ -164,6 +162,22 @@ class DuoSqueezePolicy(Method):
 
     def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
         return layer["labels"]
+
+
+def retrieval_keys(plan: HeadThresholdPlan, layer: LayerIndex, cut: tuple, index: float, head_dim: int,
+                   hkv: int) -> torch.Tensor | float:
+    """The keys each retrieval head's clusters may hold so that the model's heads together read the room: every head
+    reads its index (`index` elements) and the step's follow rows (cut = (room, keys read besides over the layer's
+    hkv heads): squeeze.exact_room), a streaming head its window, a retrieval head its clusters and the dense rows;
+    the streaming heads' unread share goes to the retrieval heads (a layer of streaming heads alone reads less than
+    the room, so the others read more). At least KEYS_GRID's fewest."""
+    room, besides = cut
+    heads, retrieving = plan.heads, plan.retrieval_heads
+    per_head = room * layer.num_keys - index / (2 * head_dim) - besides / hkv  # keys a head may read on average
+    window = layer["window"].shape[1]  # a streaming head's keys, its dense rows included
+    keys = (heads * per_head - (heads - retrieving) * window) / max(retrieving, 1) - layer.tail
+    least = KEYS_GRID[-1] * layer.indexed
+    return torch.clamp(keys, min=least) if isinstance(keys, torch.Tensor) else max(keys, least)
 
 
 def streaming_heads(layer: LayerIndex, retrieval_heads: int, device: torch.device) -> tuple[Fixed, torch.Tensor]:

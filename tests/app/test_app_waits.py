@@ -13,7 +13,7 @@ import pytest
 from app.render import format_seconds
 from engine.serve.jobs import IngestWorker
 from engine.serve.service import Engine
-from tests.app.test_app import ASK_NAMES, DOC, WAIT_S, ask, launch, open_doc, texts, write
+from tests.app.test_app import ASK_NAMES, DOC, QUEST_HINT, WAIT_S, ask, launch, open_doc, texts, write
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -162,6 +162,6 @@ def test_the_plan_hint_says_built_at_the_first_question_only_while_it_is_not_bui
         assert "built at the first question" in hint
         ask(second, "How many steps?", method="quest", sparsity=0.9)
         _status, hint = first.predict("quest", 0.9, 0.05, 0.01, api_name="/watch")
-        assert re.fullmatch(r"At 90% sparsity, quest uses: top [0-9.]+% of the pages", hint)
+        assert re.fullmatch(QUEST_HINT, hint)
     finally:
         app.close()
