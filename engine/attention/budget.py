@@ -7,14 +7,17 @@ KEYS_GRID (`read_fraction`, as engine.attention.stats counts a turn's kv_budget)
 those curves (`keys_for`), so that a budget of 0.1 reads about 10% of the bytes whatever the method's index costs
 (centroids, page bounds) and whatever the phase keeps (a prefill's union of tokens). A budget below what the index
 and the dense tail alone cost cannot be met: the plan keeps the fewest keys the grid has, and the turn's
-statistics show what was read.
+statistics show what was read. On the CPU a lookup also cuts its own scores at the budget (`exact_room`,
+`cut_threshold`), so that a turn reads what it asked on any question, not what the calibration's queries would.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from kernels.selection import Selection
+from kernels.selection import FollowRows, Selection
 
 # Key fractions measured, from 1 down to 0.01: denser than the thresholds' calibration grid (SPARSITY_GRID), whose
 # interpolated thresholds may read less between two of its points than a line between their reads (hsqueeze's two
@@ -81,3 +84,29 @@ def cut_threshold(score: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor |
     ranked = torch.cat([flat[order], flat.new_full((1,), -1.0)])
     threshold = ranked[(last + 1).clamp(min=0, max=flat.numel())]
     return torch.where(want > 0, threshold, torch.full_like(threshold, float("inf"))).reshape(())
+
+
+def with_room(plan, reserve: tuple[float, float]):
+    """`plan` (a StepPlan with a `room` field) with the room its lookups may read in each phase: its budget less
+    `reserve` (Method.plan's share for the follow rows); as it is at a budget of 1."""
+    if plan.budget >= 1.0:
+        return plan
+    return replace(plan, room=tuple(max(plan.budget - r, 1e-6) for r in reserve))
+
+
+def exact_room(plan, q: torch.Tensor, follow: FollowRows | None, hkv: int
+               ) -> tuple[float, torch.Tensor | float] | None:
+    """(room, keys read besides): the share of the fixed K/V bytes a lookup cuts its scores to read (cut_threshold,
+    or a number of units) and the keys the step reads besides its units and the dense rows; None where it keeps what
+    its plan's calibration keeps. With the step's follow rows: the budget, and each indexed follow row once per KV
+    head (those a row already keeps are not read twice: a few keys under); without them, the plan's room (its
+    reserve for them left out). On the CPU every lookup cuts (its sort is nothing beside the model's step); on a GPU
+    each keeps its plan, since the cut's sort and gathers cost more than the lookup's own launches (an H200, 8B
+    shape, 128K, 10%: a 64-token question's prefill 15.0 -> 18.1 ms with squeeze, hsqueeze's 23.6 against full
+    attention's 18.6)."""
+    if getattr(plan, "room", None) is None or q.device.type != "cpu":
+        return None
+    if follow is None:
+        return (plan.room[0] if q.shape[1] == 1 else plan.room[1]), 0.0
+    p = follow.positions
+    return plan.budget, hkv * ((p >= follow.first) & (p < follow.first + follow.indexed)).sum()

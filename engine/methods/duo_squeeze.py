@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import KEYS_GRID, byte_share, cut_threshold
+from engine.attention.budget import KEYS_GRID, byte_share, cut_threshold, exact_room, with_room
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -33,10 +33,8 @@ from engine.methods.squeeze import (
     ThresholdPlan,
     centroid_elements,
     code_step,
-    exact_room,
     kept_keys,
     threshold_plan,
-    with_room,
 )
 from kernels.backend import Backend
 from kernels.layout import ClusterLayout
@@ -111,7 +109,8 @@ class DuoSqueezePolicy(Method):
                                  retrieval_heads=retrieval, heads=heads)
 
     def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> HeadThresholdPlan:
-        """Method.plan, with the room each lookup cuts its retrieval heads' scores to read (squeeze.exact_room)."""
+        """Method.plan, with the room each lookup cuts its retrieval heads' scores to read
+        (engine.attention.budget.exact_room)."""
         return with_room(super().plan(calibration, budget, reserve), reserve)
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadThresholdPlan, scale: float,
@@ -168,9 +167,9 @@ def retrieval_keys(plan: HeadThresholdPlan, layer: LayerIndex, cut: tuple, index
                    hkv: int) -> torch.Tensor | float:
     """The keys each retrieval head's clusters may hold so that the model's heads together read the room: every head
     reads its index (`index` elements) and the step's follow rows (cut = (room, keys read besides over the layer's
-    hkv heads): squeeze.exact_room), a streaming head its window, a retrieval head its clusters and the dense rows;
-    the streaming heads' unread share goes to the retrieval heads (a layer of streaming heads alone reads less than
-    the room, so the others read more). At least KEYS_GRID's fewest."""
+    hkv heads): engine.attention.budget.exact_room), a streaming head its window, a retrieval head its clusters and
+    the dense rows; the streaming heads' unread share goes to the retrieval heads (a layer of streaming heads alone
+    reads less than the room, so the others read more). At least KEYS_GRID's fewest."""
     room, besides = cut
     heads, retrieving = plan.heads, plan.retrieval_heads
     per_head = room * layer.num_keys - index / (2 * head_dim) - besides / hkv  # keys a head may read on average

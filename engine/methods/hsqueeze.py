@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import byte_share, cut_threshold
+from engine.attention.budget import byte_share, cut_threshold, exact_room, with_room
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -26,7 +26,6 @@ from engine.methods.squeeze import (
     cluster_points,
     code_step,
     cut_keys,
-    exact_room,
     float_centroids,
     num_centroids,
     prefill_samples,
@@ -34,7 +33,6 @@ from engine.methods.squeeze import (
     stored_centroids,
     threshold_plan,
     weighted_samples,
-    with_room,
 )
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
@@ -215,8 +213,8 @@ class HierarchicalSqueezePolicy(Method):
         return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold_l1", "threshold_l2"))
 
     def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> ThresholdPlan:
-        """Method.plan, with the room each lookup cuts its level-2 scores to read (squeeze.exact_room; the level-1
-        threshold stays the calibrated one: it only sets the candidates)."""
+        """Method.plan, with the room each lookup cuts its scores to read (engine.attention.budget.exact_room): level 1
+        keeps at least 1 - level1_prune of the keys, level 2 the room's among its candidates."""
         return with_room(super().plan(calibration, budget, reserve), reserve)
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend,

@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from engine.attention.budget import byte_share
+from engine.attention.budget import byte_share, exact_room, with_room
 from engine.attention.method import (
     LayerIndex,
     LayerKeys,
@@ -63,11 +63,16 @@ class QuestSettings(MethodSettings):
 @dataclass(frozen=True)
 class PagePlan(StepPlan):
     """A top-K turn: each step reads the best `keys` fraction of the pages (at least one), in both phases (the
-    same pages read the same bytes in both)."""
+    same pages read the same bytes in both); room: as ThresholdPlan's (engine.attention.budget.exact_room: on the
+    CPU each lookup keeps the pages that read it, the step's follow rows counted)."""
 
     keys: float = 1.0
+    room: tuple[float, float] | None = None
 
     def describe(self) -> str:
+        if self.room is not None:  # (a GPU's lookups keep the top share: exact_room)
+            return (f"its best pages up to {self.room[1]:.1%} of the K/V bytes in the question's lookups, "
+                    f"{self.room[0]:.1%} in the answer's (top {self.keys:.1%} of the pages on a GPU)")
         return f"top {self.keys:.1%} of the pages"
 
     def pages(self, total: int) -> int:
@@ -84,6 +89,16 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     lo = F.pad(keys, (0, 0, 0, pad), value=float("inf")).view(hkv, pages, page_size, d).amin(dim=2)
     hi = F.pad(keys, (0, 0, 0, pad), value=float("-inf")).view(hkv, pages, page_size, d).amax(dim=2)
     return lo, hi
+
+
+def room_pages(cut: tuple, layer: LayerIndex, q: torch.Tensor, pages: int, page: int, hkv: int) -> int:
+    """The pages each KV head keeps to read the room of cut = (room, keys read besides over the heads:
+    engine.attention.budget.exact_room) beside its bounds and the keys past its full pages (the dense rows, a last
+    partial page): the nearest whole number, at least one. On the CPU only (it reads the follow rows' count)."""
+    room, besides = cut
+    rest = layer.num_keys - pages * page
+    keys = room * layer.num_keys - bound_elements(layer, q) / (2 * q.shape[2]) - rest - float(besides) / hkv
+    return max(1, min(pages, round(keys / page)))
 
 
 def bound_elements(layer: LayerIndex, q: torch.Tensor) -> float:
@@ -118,6 +133,10 @@ class QuestPolicy(Method):
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> PagePlan:
         return PagePlan(budget=check_budget(budget), keys=check_budget(decode_keys))
 
+    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> PagePlan:
+        """Method.plan, with the room each lookup's pages may read (engine.attention.budget.exact_room)."""
+        return with_room(super().plan(calibration, budget, reserve), reserve)
+
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: PagePlan, scale: float, backend: Backend,
                positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                follow: FollowRows | None = None) -> Lookup:
@@ -131,7 +150,9 @@ class QuestPolicy(Method):
         quant = "bound_offset" in layer
         offset, step = (layer["bound_offset"], layer["bound_step"]) if quant else (None, None)
         scores = kernel.page_scores(q, lo, hi, rows, offset, step, valid)  # [rows, P]
-        keep, selection = kernel.select_pages(scores, plan.pages(pages), page, layer.num_keys)
+        cut = exact_room(plan, q, follow, hkv) if rows == hkv else None
+        k = plan.pages(pages) if cut is None else room_pages(cut, layer, q, pages, page, hkv)
+        keep, selection = kernel.select_pages(scores, k, page, layer.num_keys)
         read = layer.elements(hkv, bound_elements(layer, q), q.device)
         sizes = None  # the statistics list a question's units only: a decode step saves the launch
         if q.shape[1] > 1:

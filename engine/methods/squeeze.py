@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import KEYS_GRID, byte_share, cut_threshold
+from engine.attention.budget import KEYS_GRID, byte_share, cut_threshold, exact_room, with_room
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -106,31 +106,6 @@ class ThresholdPlan(StepPlan):
     def at(self, lq: int) -> tuple[float, ...]:
         """The thresholds of a step of `lq` query tokens (Lq > 1: the question's prefill)."""
         return self.prefill if lq > 1 else self.decode
-
-
-def with_room(plan: ThresholdPlan, reserve: tuple[float, float]) -> ThresholdPlan:
-    """`plan` with the room its lookups may read in each phase: its budget less `reserve` (Method.plan's)."""
-    if plan.budget >= 1.0:
-        return plan
-    return replace(plan, room=tuple(max(plan.budget - r, 1e-6) for r in reserve))
-
-
-def exact_room(plan: ThresholdPlan, q: torch.Tensor, follow: FollowRows | None, hkv: int
-               ) -> tuple[float, torch.Tensor | float] | None:
-    """(room, keys read besides): the share of the fixed K/V bytes this lookup cuts its scores to read
-    (cut_threshold) and the keys the step reads besides its units and the dense rows, or None where it keeps what
-    its calibrated threshold keeps. With the step's follow rows: the budget, and each indexed follow row once per KV
-    head (those a row already keeps are not read twice: a few keys under); without them, the plan's room (its
-    reserve for them left out). On the CPU every lookup cuts (its sort is nothing beside the model's step); on a GPU
-    each keeps its threshold, since the cut's sort and gathers cost more than the lookup's own launches (an H200, 8B
-    shape, 128K, 10%: a 64-token question's prefill 15.0 -> 18.1 ms with squeeze, hsqueeze's 23.6 against full
-    attention's 18.6)."""
-    if plan.room is None or q.device.type != "cpu":
-        return None
-    if follow is None:
-        return (plan.room[0] if q.shape[1] == 1 else plan.room[1]), 0.0
-    p = follow.positions
-    return plan.budget, hkv * ((p >= follow.first) & (p < follow.first + follow.indexed)).sum()
 
 
 def cut_keys(room: float, layer: LayerIndex, hkv: int, head_dim: int, index: torch.Tensor | float,

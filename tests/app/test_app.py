@@ -106,7 +106,8 @@ def open_doc(client: Client, doc_id: str) -> dict:
 
 
 # The plan hint of Quest at 90% on the short test document (whose index and dense rows alone take more than 10%)
-QUEST_HINT = r"At 90% sparsity, quest uses: top [0-9.]+% of the pages\. On this document quest reads at least .*"
+QUEST_HINT = (r"At 90% sparsity, quest uses: its best pages up to .* \(top [0-9.]+% of the pages on a GPU\)\. "
+              r"On this document quest reads at least .*")
 ASK_NAMES = ["chat", "question", "status", "turn", "heatmap", "budget", "compare", "clusters", "passages", "document",
              "layer", "head", "projection", "answer", "chats", "cancel"]
 
