@@ -13,8 +13,6 @@ statistics show what was read. On the CPU a lookup also cuts its own scores at t
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from kernels.selection import FollowRows, Selection
@@ -86,12 +84,9 @@ def cut_threshold(score: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor |
     return torch.where(want > 0, threshold, torch.full_like(threshold, float("inf"))).reshape(())
 
 
-def with_room(plan, reserve: tuple[float, float]):
-    """`plan` (a StepPlan with a `room` field) with the room its lookups may read in each phase: its budget less
-    `reserve` (Method.plan's share for the follow rows); as it is at a budget of 1."""
-    if plan.budget >= 1.0:
-        return plan
-    return replace(plan, room=tuple(max(plan.budget - r, 1e-6) for r in reserve))
+def at_least(keys: torch.Tensor | float, least: float) -> torch.Tensor | float:
+    """`keys` (a host number, or a device tensor a lookup computed) raised to `least`, in its own kind."""
+    return torch.clamp(keys, min=least) if isinstance(keys, torch.Tensor) else max(keys, least)
 
 
 def exact_room(plan, q: torch.Tensor, follow: FollowRows | None, hkv: int

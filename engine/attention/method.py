@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import ClassVar
 
 import torch
@@ -226,15 +226,19 @@ class Method(ABC):
         the host: each phase's key fraction from the calibrated reads (engine.attention.budget), then plan_keys.
         A calibration without them (made by hand, or by a tool that skips them) reads the budget as key fractions.
         reserve: (decode, prefill) shares of the bytes that the engine reads besides the method's selection in each
-        phase (engine.attention.follow), left out of what the method may read (at least the fewest keys it keeps)."""
+        phase (engine.attention.follow), left out of what the method may read (at least the fewest keys it keeps).
+        A plan with a `room` field gets those shares there: its lookups may cut their own scores to them."""
         budget = check_budget(budget)
         if budget >= 1.0:  # every key (what the index costs on top is the price of asking for all)
             return self.plan_keys(calibration, 1.0, 1.0, 1.0)
-        room = [max(budget - r, 1e-6) for r in reserve]
+        room = (max(budget - reserve[0], 1e-6), max(budget - reserve[1], 1e-6))
         decode = keys_for(calibration["budget_decode"], room[0]) if "budget_decode" in calibration else room[0]
         prefill = keys_for(calibration["budget_prefill"], room[1]) if "budget_prefill" in calibration else \
             (decode if "budget_decode" in calibration else room[1])
-        return self.plan_keys(calibration, budget, decode, prefill)
+        plan = self.plan_keys(calibration, budget, decode, prefill)
+        if any(f.name == "room" for f in fields(plan)):  # its lookups cut to it (engine.attention.budget.exact_room)
+            plan = replace(plan, room=room)
+        return plan
 
     @abstractmethod
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> StepPlan:

@@ -16,7 +16,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import KEYS_GRID, byte_share, cut_threshold, exact_room, with_room
+from engine.attention.budget import KEYS_GRID, at_least, byte_share, cut_threshold, exact_room
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -108,11 +108,6 @@ class DuoSqueezePolicy(Method):
         return HeadThresholdPlan(budget=plan.budget, decode=plan.decode, prefill=plan.prefill,
                                  retrieval_heads=retrieval, heads=heads)
 
-    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> HeadThresholdPlan:
-        """Method.plan, with the room each lookup cuts its retrieval heads' scores to read
-        (engine.attention.budget.exact_room)."""
-        return with_room(super().plan(calibration, budget, reserve), reserve)
-
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadThresholdPlan, scale: float,
                backend: Backend, positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                follow: FollowRows | None = None) -> Lookup:
@@ -175,8 +170,7 @@ def retrieval_keys(plan: HeadThresholdPlan, layer: LayerIndex, cut: tuple, index
     per_head = room * layer.num_keys - index / (2 * head_dim) - besides / hkv  # keys a head may read on average
     window = layer["window"].shape[1]  # a streaming head's keys, its dense rows included
     keys = (heads * per_head - (heads - retrieving) * window) / max(retrieving, 1) - layer.tail
-    least = KEYS_GRID[-1] * layer.indexed
-    return torch.clamp(keys, min=least) if isinstance(keys, torch.Tensor) else max(keys, least)
+    return at_least(keys, KEYS_GRID[-1] * layer.indexed)
 
 
 def streaming_heads(layer: LayerIndex, retrieval_heads: int, device: torch.device) -> tuple[Fixed, torch.Tensor]:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import byte_share, cut_threshold, exact_room, with_room
+from engine.attention.budget import at_least, byte_share, cut_threshold, exact_room
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -212,11 +212,6 @@ class HierarchicalSqueezePolicy(Method):
         """decode's (T1, T2) and the question prefill's (its own where calibrated, else decode's)."""
         return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold_l1", "threshold_l2"))
 
-    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> ThresholdPlan:
-        """Method.plan, with the room each lookup cuts its scores to read (engine.attention.budget.exact_room): level 1
-        keeps at least 1 - level1_prune of the keys, level 2 the room's among its candidates."""
-        return with_room(super().plan(calibration, budget, reserve), reserve)
-
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend,
                positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                follow: FollowRows | None = None) -> Lookup:
@@ -237,9 +232,8 @@ class HierarchicalSqueezePolicy(Method):
                                                   step=code_step(layer, "l1_"), valid=valid)
             room, besides = cut
             share = 1.0 - level1_prune(1.0 - room, self.settings)
-            least = share * hkv * layer.indexed  # level 1 keeps at least this share, and at least level 2's keys
-            keys1 = cut_keys(room, layer, hkv, q.shape[2], hkv * centroid_elements(layer, q.element_size()), besides)
-            keys1 = torch.clamp(keys1, min=least) if isinstance(keys1, torch.Tensor) else max(keys1, least)
+            keys1 = at_least(cut_keys(room, layer, hkv, q.shape[2], hkv * centroid_elements(layer, q.element_size()),
+                                      besides), share * hkv * layer.indexed)  # at least level 2's keys and this share
             keep1 = keep1 & (score1 > cut_threshold(score1, layer["l1_counts"], keys1))
             candidates = backend.kernel("compact").expand_groups(keep1, layer["l1_child_starts"], c2)
         keep, score = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale,

@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from engine.attention.budget import byte_share, exact_room, with_room
+from engine.attention.budget import byte_share, exact_room
 from engine.attention.method import (
     LayerIndex,
     LayerKeys,
@@ -132,10 +132,6 @@ class QuestPolicy(Method):
 
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> PagePlan:
         return PagePlan(budget=check_budget(budget), keys=check_budget(decode_keys))
-
-    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> PagePlan:
-        """Method.plan, with the room each lookup's pages may read (engine.attention.budget.exact_room)."""
-        return with_room(super().plan(calibration, budget, reserve), reserve)
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: PagePlan, scale: float, backend: Backend,
                positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,

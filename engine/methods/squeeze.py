@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import KEYS_GRID, byte_share, cut_threshold, exact_room, with_room
+from engine.attention.budget import KEYS_GRID, at_least, byte_share, cut_threshold, exact_room
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -115,8 +115,7 @@ def cut_keys(room: float, layer: LayerIndex, hkv: int, head_dim: int, index: tor
     keys read besides (a streaming head's window); at least the fewest keys a plan keeps (KEYS_GRID's last share of
     the indexed keys), where the index and the tail alone take more than the room."""
     keys = room * hkv * layer.num_keys - index / (2 * head_dim) - hkv * layer.tail - fixed
-    least = KEYS_GRID[-1] * hkv * layer.indexed
-    return torch.clamp(keys, min=least) if isinstance(keys, torch.Tensor) else max(keys, least)
+    return at_least(keys, KEYS_GRID[-1] * hkv * layer.indexed)
 
 
 def num_centroids(indexed: int, ratio: float) -> int:
@@ -272,10 +271,6 @@ class SqueezePolicy(Method):
 
     def plan_keys(self, calibration: Tensors, budget: float, decode_keys: float, prefill_keys: float) -> ThresholdPlan:
         return threshold_plan(calibration, budget, decode_keys, prefill_keys, ("threshold",))
-
-    def plan(self, calibration: Tensors, budget: float, reserve: tuple[float, float] = (0.0, 0.0)) -> ThresholdPlan:
-        """Method.plan, with the room each lookup cuts its scores to read (exact_room)."""
-        return with_room(super().plan(calibration, budget, reserve), reserve)
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: ThresholdPlan, scale: float, backend: Backend,
                positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
