@@ -481,19 +481,16 @@ class ChatTab:
         if learning:
             return learning
         try:
-            plan = self.services.engine.plan(status.context_id, method, float(sparsity), asked)
+            planned = self.services.engine.plan_and_floor(status.context_id, method, float(sparsity), asked)
         except (StorageError, ValueError):
             return ""
-        if plan is None:
+        if planned is None:
             job = status.job
             if job is not None and job.active:
                 return f"{index_text(method, job)} A question waits for it."
             return f"The {method} index is built at the first question (or in the background after a slider change)."
+        plan, lowest = planned
         text = f"At {float(sparsity):.0%} sparsity, {method} uses: {plan.describe()}"
-        try:
-            lowest = self.services.engine.lowest_budget(status.context_id, method, asked)
-        except (StorageError, ValueError):
-            lowest = None
         if lowest is not None and 1.0 - float(sparsity) < lowest:
             text += (f". On this document {method} reads at least {lowest:.1%} of the K/V bytes (its index and the "
                      f"dense rows): sparsity above {1.0 - lowest:.0%} reads that")

@@ -387,22 +387,23 @@ class Engine:
         """The plan a turn of `method` at `sparsity` runs on the context (engine.context.plan.turn_plan, as the
         session calls it), from the stored calibration: no model loads. None while the method is not built with the
         settings asked for (`overrides`, else the engine's): its first turn builds it."""
+        planned = self.plan_and_floor(context_id, method, sparsity, overrides)
+        return None if planned is None else planned[0]
+
+    def plan_and_floor(self, context_id: str, method: str, sparsity: float = DEFAULT_SPARSITY,
+                       overrides: Overrides | None = None) -> tuple[StepPlan, float | None] | None:
+        """`plan`'s plan and the least KV budget the method's lookups read on the context, in the phase that reads
+        more: what they read at the fewest keys a plan keeps (its index and the dense rows, mostly), from the
+        stored calibration's measured reads (None without them), both from one read of it; None as `plan`."""
         if self.stale_methods(context_id, [method], overrides):
             return None
         built = self.method(method, overrides)
         ctx = self.store.contexts.get(context_id)
         rows = ContextSettings.from_dict(ctx["settings"]).rows(int(ctx["tokens"]))
-        return turn_plan(built, self._calibration(context_id, method), sparsity, self.follow, rows.tokens)
-
-    def lowest_budget(self, context_id: str, method: str, overrides: Overrides | None = None) -> float | None:
-        """The least KV budget the method's lookups read on the context, in the phase that reads more: what they read
-        at the fewest keys a plan keeps (its index and the dense rows, mostly), from the stored calibration's
-        measured reads; None while the method is not built with the settings asked for, or has no such reads."""
-        if self.stale_methods(context_id, [method], overrides):
-            return None
-        curves = [c for n, c in self._calibration(context_id, method).items() if n in ("budget_decode",
-                                                                                     "budget_prefill")]
-        return max(float(c[-1]) for c in curves) if curves else None
+        calibration = self._calibration(context_id, method)
+        curves = [calibration[n] for n in ("budget_decode", "budget_prefill") if n in calibration]
+        floor = max(float(c[-1]) for c in curves) if curves else None
+        return turn_plan(built, calibration, sparsity, self.follow, rows.tokens), floor
 
     def _calibration(self, context_id: str, method: str) -> dict:
         """The method's stored calibration of the context, by its short names."""

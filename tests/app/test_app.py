@@ -174,7 +174,7 @@ def test_the_plan_hint_says_how_low_the_budget_reaches_on_the_document(app, read
     one and why they differ; at 80% sparsity it reads what it asked."""
     client = app.client()
     open_doc(client, ready_doc)
-    lowest = app.engine.lowest_budget(app.store.contexts.list(ready_doc)[0]["id"], "squeeze")
+    _, lowest = app.engine.plan_and_floor(app.store.contexts.list(ready_doc)[0]["id"], "squeeze")
     assert 0.01 < lowest < 0.2
     hint = client.predict("squeeze", 0.99, 0.05, 0.01, api_name="/threshold")
     assert f"On this document squeeze reads at least {lowest:.1%} of the K/V bytes" in hint
