@@ -118,9 +118,9 @@ def run(lm, lengths: list[int], depths: list[float], budgets: list[float], metho
                               # None: the answer ended at its first token (no decode step read anything)
                               "kv_budget_decode": answer.stats.kv_budget_decode or None})
     progress(len(cases), len(cases), "needles: done")
-    return {"bench": "needles", "model": lm.model_id, "answer_tokens": answer_tokens, "tasks": list(tasks), "essays": essays,
-            "lengths": lengths, "depths": depths, "budgets": budgets, "methods": methods, "keys": keys,
-            "cells": cells, "summary": summarize(cells)}
+    return {"bench": "needles", "model": lm.model_id, "answer_tokens": answer_tokens, "tasks": list(tasks),
+            "essays": essays, "lengths": lengths, "depths": depths, "budgets": budgets, "methods": methods,
+            "keys": keys, "cells": cells, "summary": summarize(cells)}
 
 
 def full_margin(session, tokens: list[int], question: str = PASSKEY_QUESTION) -> float:
@@ -136,11 +136,12 @@ def full_margin(session, tokens: list[int], question: str = PASSKEY_QUESTION) ->
 
 def summarize(cells: list[dict]) -> list[dict]:
     """Per (task, method, budget) (a cell without a task: the passkey's): cells, found, full attention's found on
-    the same contexts, the share of the cells where the method is as good as full attention (found, or full attention missed too), the same share with
-    answers cut at SHORT_ANSWER tokens (`as_good_as_full_short`; None where the cells do not say where the key
-    ends), the cells where full attention found the key with no near-tie on the way (`decided`: full_margin at
-    least DECIDED_MARGIN) and the share of them the method found (`found_decided`; both None where the cells do
-    not say), mean reads (decode's over the cells whose answer had decode steps; None without any)."""
+    the same contexts, the share of the cells where the method is as good as full attention (found, or full
+    attention missed too), the same share with answers cut at SHORT_ANSWER tokens (`as_good_as_full_short`; None
+    where the cells do not say where the key ends), the cells where full attention found the key with no near-tie
+    on the way (`decided`: full_margin at least DECIDED_MARGIN) and the share of them the method found
+    (`found_decided`; both None where the cells do not say), mean reads (decode's over the cells whose answer had
+    decode steps; None without any)."""
     groups: dict[tuple[str, str, float], list[dict]] = {}
     for cell in cells:
         groups.setdefault((cell.get("task", "passkey"), cell["method"], cell["budget"]), []).append(cell)
