@@ -28,14 +28,7 @@ from engine.attention.method import (
     check_budget,
 )
 from engine.methods.duo.policy import Window
-from engine.methods.squeeze import (
-    SqueezePolicy,
-    ThresholdPlan,
-    centroid_elements,
-    code_step,
-    kept_keys,
-    threshold_plan,
-)
+from engine.methods.squeeze import SqueezePolicy, ThresholdPlan, centroid_elements, code_step, kept_keys, threshold_plan
 from kernels.backend import Backend
 from kernels.layout import ClusterLayout
 from kernels.selection import Fixed, FollowRows
