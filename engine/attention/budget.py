@@ -96,9 +96,9 @@ def exact_room(plan, q: torch.Tensor, follow: FollowRows | None, hkv: int
     its plan's calibration keeps. With the step's follow rows: the budget, and each indexed follow row once per KV
     head (those a row already keeps are not read twice: a few keys under); without them, the plan's room (its
     reserve for them left out). On the CPU every lookup cuts (its sort is nothing beside the model's step); on a GPU
-    each keeps its plan, since the cut's sort and gathers cost more than the lookup's own launches (an H200, 8B
-    shape, 128K, 10%: a 64-token question's prefill 15.0 -> 18.1 ms with squeeze, hsqueeze's 23.6 against full
-    attention's 18.6)."""
+    each keeps its plan, since the cut's torch sort and gathers cost more than the lookup's own launches (with it, a
+    short question's prefill of hsqueeze was slower than full attention's on an H200): the cut belongs inside the
+    lookup's kernels there."""
     if getattr(plan, "room", None) is None or q.device.type != "cpu":
         return None
     if follow is None:
