@@ -233,20 +233,26 @@ def test_many_clusters_start_from_random_points_deterministically():
 # ---------------------------------------------------------------- query_metric and metric_kmeans
 
 
-def test_query_metric_is_the_square_root_of_the_queries_second_moment():
-    """query_moment is the mean outer product of the group's unit queries; W is symmetric and W W = that + ridge / D
-    * I, per KV head."""
+def test_query_metric_factors_the_queries_second_moment():
+    """query_moment is the mean outer product of the group's unit queries; W is lower triangular and W W^T = that +
+    ridge / D * I, per KV head: |x W|^2 = x (M + ridge / D * I) x^T, the squared logit error a metric k-means
+    weighs."""
     g = _gen(11)
     q = torch.randn(6, 40, 8, generator=g) * torch.linspace(0.1, 3, 8)  # anisotropic, 3 query heads per KV head
     w = query_metric(query_moment(q, kv_heads=2))
     assert w.shape == (2, 8, 8) and w.dtype == torch.float32
-    torch.testing.assert_close(w, w.transpose(1, 2), atol=1e-6, rtol=0)
+    assert torch.equal(w, w.tril())
+    x = torch.randn(5, 8, generator=g, dtype=torch.float64)
     for head in range(2):
         qn = torch.nn.functional.normalize(q[3 * head : 3 * head + 3].double(), dim=-1).reshape(-1, 8)
         want = qn.T @ qn / qn.shape[0] + QUERY_RIDGE / 8 * torch.eye(8, dtype=torch.float64)
-        torch.testing.assert_close((w[head] @ w[head]).double(), want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close((w[head] @ w[head].T).double(), want, atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close((x @ w[head].double()).square().sum(-1), ((x @ want) * x).sum(-1),
+                                   atol=1e-6, rtol=1e-5)
     with pytest.raises(ValueError, match="multiple of 4"):
         query_moment(q, kv_heads=4)
+    with pytest.raises(ValueError, match="positive ridge"):
+        query_metric(query_moment(q, kv_heads=2), ridge=0.0)
 
 
 def test_metric_kmeans_under_the_identity_recovers_separated_clusters():
