@@ -68,7 +68,8 @@ class _Timing:
 
 @dataclass(frozen=True)
 class JobView:
-    """A snapshot of a job for display, from its row in the store: `fraction` of the whole ingest done, `eta_s`
+    """A snapshot of a job for display, from its row in the store: `fraction` of the job's work done (of the
+    stages it runs: an index rebuild's start at clustering), `eta_s`
     seconds left (None: unknown), `position` in the queue (0: running or finished).
 
     status: "queued" | "running" | "done" | "failed"
@@ -331,7 +332,15 @@ class IngestWorker:
         return max(0.0, (end - _parse(row["created_at"])).total_seconds())  # a job of another worker
 
     def _fraction(self, row: dict) -> float:
-        """Share of the ingest done: the finished stages' shares plus the current stage's share times its progress."""
+        """Share of the job's work done: the finished stages' shares plus the current stage's share times its
+        progress, over the stages the job runs (an index rebuild over a stored context starts at clustering: the
+        stages it passed without running them count neither as done nor as work)."""
+        whole = self._whole_fraction(row)
+        skipped = self._skipped_share(row)
+        return whole if skipped <= 0 else max(0.0, (whole - skipped) / (1.0 - skipped))
+
+    def _whole_fraction(self, row: dict) -> float:
+        """Share of a whole ingest behind the job: every stage before the current one counted as done."""
         if row["status"] == "done":
             return 1.0
         if row["stage"] not in STAGES:
@@ -339,6 +348,15 @@ class IngestWorker:
         before = sum(self._share[s] for s in STAGES[: STAGES.index(row["stage"])])
         within = row["done"] / row["total"] if row["total"] else 0.0
         return min(1.0, before + self._share[row["stage"]] * within)
+
+    def _skipped_share(self, row: dict) -> float:
+        """Share of a whole ingest in the stages before the current one that this job never began (on this
+        worker's marks; none for another worker's job), below 1."""
+        timing = self._timing.get(row["id"])
+        if timing is None or row["status"] == "done" or row["stage"] not in STAGES:
+            return 0.0
+        skipped = sum(self._share[s] for s in STAGES[: STAGES.index(row["stage"])] if s not in timing.stages)
+        return min(skipped, 0.99)
 
     def _estimate_total(self, row: dict) -> float | None:
         """Seconds a whole ingest of this job should take, from the seconds per token learned on this machine."""
@@ -373,11 +391,11 @@ class IngestWorker:
             return None  # the model's loading time is not known; nor are another worker's marks
         if timing.started is None:
             return self._estimate_total(row)  # the ingest itself has not begun
-        fraction = self._fraction(row)
+        fraction = self._fraction(row)  # of the job's own work: the rate below its elapsed time is of that work
         by_rate = None
-        total = self._estimate_total(row)
+        total = self._estimate_total(row)  # a whole ingest's: what is left of it is what is left of the job
         if total is not None:
-            by_rate = max(0.0, total * (1.0 - fraction))
+            by_rate = max(0.0, total * (1.0 - self._whole_fraction(row)))
         if fraction >= MIN_FRACTION_FOR_ETA:
             elapsed = now - timing.started
             by_progress = elapsed * (1.0 - fraction) / fraction

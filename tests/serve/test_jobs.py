@@ -32,8 +32,9 @@ class ScriptedEngine:
     """Engine stand-in: `ingest` reports every stage, advancing the fake clock by the stage's default share of
     INGEST_S, and snapshots the worker's view of the job half-way through each stage."""
 
-    def __init__(self, store: Store, clock: Clock, fail: Exception | None = None, gate: threading.Event | None = None):
-        self.store, self.clock, self.fail, self.gate = store, clock, fail, gate
+    def __init__(self, store: Store, clock: Clock, fail: Exception | None = None, gate: threading.Event | None = None,
+                 stages: tuple[str, ...] = STAGES):
+        self.store, self.clock, self.fail, self.gate, self.stages = store, clock, fail, gate, stages
         self.model_id = "scripted"
         self.model_loaded = False
         self.load_step: LoadStep | None = None
@@ -80,7 +81,7 @@ class ScriptedEngine:
             ctx = self.store.contexts.context_for(doc_id, self.model_id, settings.as_dict())
             if self.fail is not None:
                 raise self.fail
-            for stage in STAGES:
+            for stage in self.stages:
                 total = TOKENS if stage == "prefill" else 4
                 report(stage, 0, total)
                 self.clock.now += INGEST_S * DEFAULT_STAGE_SHARE[stage] / 2
@@ -103,7 +104,7 @@ def store():
 
 def make(store, **kwargs):
     clock = Clock()
-    engine = ScriptedEngine(store, clock, **{k: kwargs.pop(k) for k in ("fail", "gate") if k in kwargs})
+    engine = ScriptedEngine(store, clock, **{k: kwargs.pop(k) for k in ("fail", "gate", "stages") if k in kwargs})
     start = kwargs.pop("start", True)
     worker = IngestWorker(engine, clock=clock, start=False, **kwargs)
     engine.worker = worker
@@ -129,6 +130,26 @@ def test_stages_in_order_and_the_time_left_shrinks_as_it_runs(store):
         for snap in engine.snapshots[2:]:
             assert snap.eta_s == pytest.approx(INGEST_S * (1 - snap.fraction), rel=1e-6)
         assert [s.eta_s for s in engine.snapshots[2:]] == sorted((s.eta_s for s in engine.snapshots[2:]), reverse=True)
+    finally:
+        worker.close()
+
+
+def test_an_index_rebuild_counts_only_the_stages_it_runs(store):
+    """A job over a stored context (an index rebuilt for new settings) passes tokenizing and the prefill without
+    running them: its fraction is of its own stages and its time left what those have left, not the rest of a whole
+    ingest extrapolated from a fraction that counted the prefill as done."""
+    index_only = ("extracting", "clustering", "calibrating", "saving")
+    engine, worker = make(store, stages=index_only, seconds_per_token=INGEST_S / TOKENS)
+    try:
+        worker.submit_bytes(TEXT, "guide.txt")
+        assert worker.wait_idle(10)
+        own = sum(DEFAULT_STAGE_SHARE[s] for s in index_only)
+        # (while it extracts, nothing says the context is stored: it is estimated as a whole ingest)
+        for stage, snap in list(zip(index_only, engine.snapshots))[1:]:
+            after = sum(DEFAULT_STAGE_SHARE[s] for s in index_only[index_only.index(stage) + 1 :])
+            left = INGEST_S * (DEFAULT_STAGE_SHARE[stage] / 2 + after)  # half of this stage, then the rest
+            assert snap.fraction == pytest.approx(1 - left / (INGEST_S * own), rel=1e-6)
+            assert snap.eta_s == pytest.approx(left, rel=1e-6)
     finally:
         worker.close()
 
