@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-from app.method_flags import METHOD_SETTINGS
+from app.method_flags import METHOD_SETTINGS, RANGES, Range
 from engine.model.catalog import (
     DEFAULT_METHOD,
     DEFAULT_SPARSITY,
@@ -77,6 +77,17 @@ def _method_settings(args) -> dict[str, dict]:
     return out
 
 
+def _ranged(kind: type, allowed: Range | None):
+    """An argparse type: `kind` (int, float, str) of the text, refused outside `allowed` (None: any)."""
+    def convert(text: str):
+        value = kind(text)  # a ValueError: argparse says "invalid int value: ..."
+        if allowed is not None and not allowed.allows(value):
+            raise argparse.ArgumentTypeError(f"must be {allowed.text()}, got {text}")
+        return value
+    convert.__name__ = kind.__name__  # what argparse names in "invalid ... value"
+    return convert
+
+
 def _method_options() -> argparse.ArgumentParser:
     """Every registered method's settings as options `--{method}-{setting}` (unset: the method's default); a
     method's index is built, or rebuilt, with them when a question asks for the method. Typed from
@@ -87,7 +98,7 @@ def _method_options() -> argparse.ArgumentParser:
         for name, default in settings.items():
             flags = [f"--{method}-{name.replace('_', '-')}"] + [a for a in [ALIASES.get((method, name))] if a]
             group.add_argument(*flags, dest=_dest(method, name), type=_flag if isinstance(default, bool)
-                               else type(default), default=None,
+                               else _ranged(type(default), RANGES.get((method, name))), default=None,
                                metavar=type(default).__name__.upper(), help=f"default {default}")
     return p
 

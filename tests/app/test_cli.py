@@ -172,8 +172,9 @@ def test_method_options_build_that_index_once(tiny, capsys, tmp_path):
     code, out, _ = run(capsys, "ask", default["doc_id"], *ask, "--method", "quest", "--quest-page-size", "8")
     assert code == 0 and json.loads(out)["method"] == "quest"
     assert built()["quest"]["page_size"] == 8
-    code, _, err = run(capsys, "ask", default["doc_id"], *ask, "--quest-page-size", "6")
-    assert code == 1 and "page_size must be a power of two" in err
+    with pytest.raises(SystemExit) as refused:  # by the parser, before anything loads
+        run(capsys, "ask", default["doc_id"], *ask, "--quest-page-size", "6")
+    assert refused.value.code == 2 and "must be a power of two, got 6" in capsys.readouterr().err
     code, _, err = run(capsys, "ingest", str(root / "doc.txt"), *common, "--methods", "squeeze,nope")
     assert code == 1 and "unknown method(s) nope" in err
 
@@ -277,6 +278,10 @@ def test_the_exposure_check_loads_no_torch():
     (["train", "--duo-train-steps", "5", "duo", "--sparsity", "3"], "unrecognized arguments: --sparsity 3"),
     (["ask", "x.txt", "q", "--squeeze-centroid-ratio", "abc"], "invalid float value: 'abc'"),
     (["ask", "x.txt", "q", "--quest-page-size", "1.5"], "invalid int value: '1.5'"),
+    (["ask", "x.txt", "q", "--squeeze-centroid-ratio", "2"], "--squeeze-centroid-ratio/--centroid-ratio: must be in "
+                                                              "(0, 1], got 2"),
+    (["ingest", "x.txt", "--quest-page-size", "12"], "must be a power of two, got 12"),
+    (["train", "duo", "--duo-train-lr", "0"], "--duo-train-lr: must be above 0, got 0"),
     (["ingest", "x.txt", "--saap-dense-first-layer", "maybe"], "--saap-dense-first-layer"),
     (["ask", "x.txt", "q", "--squeeze-no-such-setting", "1"], "unrecognized arguments: --squeeze-no-such-setting"),
 ])
@@ -305,6 +310,58 @@ def test_the_command_lines_method_settings_are_the_registrys():
                                for name, cls in REGISTRY.items()}
     assert all(type(v) is type(getattr(REGISTRY[m].Settings(), k)) for m, s in METHOD_SETTINGS.items()
                for k, v in s.items())
+
+
+def _probes(kind: type, allowed) -> tuple[list, list]:
+    """Values of a setting of type `kind` inside `allowed` (its closed bounds, one between, a large one) and just
+    outside it (open bounds, one step past closed ones)."""
+    step = 1 if kind is int else 1e-3
+    inside, outside = [], []
+    if allowed.pow2:
+        return [1, 2, 1024], [0, 3, 12, -2]
+    if allowed.zero:
+        inside.append(kind(0))
+        outside.append(kind(allowed.low) / 2 if kind is float else -1)
+    for bound, is_open, sign in ((allowed.low, allowed.low_open, -1), (allowed.high, allowed.high_open, 1)):
+        if bound is None:
+            inside.append(kind(10**5 if sign > 0 else -(10**5)))
+            continue
+        outside.append(kind(bound) if is_open else kind(bound) + sign * step)
+        if not is_open:
+            inside.append(kind(bound))
+    if allowed.low is not None and allowed.high is not None:
+        inside.append(kind((allowed.low + allowed.high) / 2) if kind is float else kind(allowed.low + 1))
+    elif allowed.low is not None:
+        inside.append(kind(allowed.low + 1 + step))
+    return inside, outside
+
+
+def test_the_command_lines_ranges_are_what_the_methods_settings_refuse():
+    """Each range app/method_flags.py declares (read without torch) refuses what the method's own settings refuse
+    just past its bounds and takes what they take within (a setting bound to another, duo's train_min_tokens <=
+    train_max_tokens, within the other's default only); every number setting without a range takes anything."""
+    from app.method_flags import METHOD_SETTINGS, RANGES
+    from engine.methods import make_method
+
+    duo = METHOD_SETTINGS["duo"]
+    related = {("duo", "train_min_tokens"): lambda v: v <= duo["train_max_tokens"],
+               ("duo", "train_max_tokens"): lambda v: v >= duo["train_min_tokens"]}
+    for (method, name), allowed in RANGES.items():
+        kind = type(METHOD_SETTINGS[method][name])
+        inside, outside = _probes(kind, allowed)
+        for value in outside:
+            assert not allowed.allows(value), (method, name, value)
+            with pytest.raises(ValueError):
+                make_method(method, {name: value})
+        for value in inside:
+            assert allowed.allows(value), (method, name, value)
+            if (method, name) not in related or related[method, name](value):
+                make_method(method, {name: value})
+    for method, settings in METHOD_SETTINGS.items():
+        for name, default in settings.items():
+            if type(default) in (int, float) and (method, name) not in RANGES:
+                for value in (-(10**9), 0, 10**9):
+                    make_method(method, {name: type(default)(value)})  # declare its range if this refuses it
 
 
 def test_a_commands_help_lists_the_methods_settings(capsys):
