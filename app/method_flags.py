@@ -19,7 +19,7 @@ METHOD_SETTINGS: dict[str, dict[str, bool | int | float | str]] = {
         "prefill_threshold": "calibrated", "centroids": "int8",
     },
     "quest": {
-        "page_size": 16, "group": "kv", "bounds": "exact",
+        "page_size": 16, "group": "kv", "bounds": "int8",
     },
     "duo": {
         "sink": 64, "recent": 256, "train_steps": 100, "train_lr": 0.02, "train_reg": 0.05, "train_sink": 128,

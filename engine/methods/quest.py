@@ -44,12 +44,13 @@ BOUNDS = ("exact", "int8")
 @dataclass(frozen=True)
 class QuestSettings(MethodSettings):
     """page_size: consecutive keys per page (Quest: 16); group: "kv" or "query" (see the module docstring);
-    bounds: "exact" (the keys' own dtype, as the paper) or "int8" (one byte per bound, rounded outwards:
-    kernels.reference.pages.quantize_bounds; half the bytes a step reads for its page scores, a looser bound)."""
+    bounds: "int8" (default: one byte per bound, rounded outwards: kernels.reference.pages.quantize_bounds; half
+    the bytes a step reads for its page scores, a looser bound, and a budget leaves that much more to pages) or
+    "exact" (the keys' own dtype, as the paper)."""
 
     page_size: int = 16
     group: str = "kv"
-    bounds: str = "exact"
+    bounds: str = "int8"
 
     def __post_init__(self) -> None:
         if self.page_size < 1 or self.page_size & (self.page_size - 1):

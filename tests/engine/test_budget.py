@@ -74,7 +74,7 @@ def assert_reads_as_its_lookups(policy, index, plans, queries, n: int, tail: int
         assert len(set(fast)) > 5
 
 
-@pytest.mark.parametrize("settings", [{}, {"bounds": "int8"}, {"group": "query"}, {"page_size": 32}])
+@pytest.mark.parametrize("settings", [{}, {"bounds": "exact"}, {"group": "query"}, {"page_size": 32}])
 def test_quest_reads_every_plan_as_its_lookups_do(settings):
     """QuestPolicy.reads counts each plan's pages without a lookup where a row is a KV head; each value equals
     Lookup.read_fraction of the method's own lookup at that plan (Method.reads), decode steps and a question's

@@ -43,8 +43,8 @@ SMALL_CONTEXT = {"hsqueeze": {"level1_prune": 0.3}, "duo": {"sink": 8, "recent":
                  "duo-squeeze": {"sink": 8, "recent": 48, "retrieval": 0.75}, "saap": {"buckets": 32, "hidden": 16}}
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run compiled on a GPU, interpreted otherwise
 # Every method is checked with its defaults, and these with their other index too: float centroids (the paper's;
-# one byte is the default, duo-squeeze reads squeeze's) and one-byte page bounds.
-OTHER_INDEX = {"squeeze": {"centroids": "exact"}, "hsqueeze": {"centroids": "exact"}, "quest": {"bounds": "int8"}}
+# one byte is the default, duo-squeeze reads squeeze's) and exact page bounds (the paper's; one byte is the default).
+OTHER_INDEX = {"squeeze": {"centroids": "exact"}, "hsqueeze": {"centroids": "exact"}, "quest": {"bounds": "exact"}}
 CASES = [pytest.param(n, "defaults", id=n) for n in SPARSE_METHODS] + [
     pytest.param(n, "other index", id=f"{n}-other-index") for n in ("squeeze", "hsqueeze", "duo-squeeze", "quest")]
 

@@ -184,8 +184,8 @@ def test_quest_retrieves_the_passkey_at_90_percent(answers_at_90, depth):
     queries the passkey's page ranks 10th-118th of 248 by the group's summed bound where the exact q . k ranks it
     first or second, and alone it answers at a 40% budget only. With the follow rows
     (engine.attention.follow: the question's rows, read again by every decode step of the turn) it answers at 90% sparsity
-    (a 10% KV budget: 6.25 points for the bounds, 0.8 for the tail): the answer's first digit comes from the decode
-    step after "Answer: ", whose own recent tokens occur everywhere."""
+    (a 10% KV budget: 1.6 points for its one-byte bounds, 0.8 for the tail): the answer's first digit comes from the
+    decode step after "Answer: ", whose own recent tokens occur everywhere."""
     answer = answers_at_90(depth, "quest")
     assert KEY in answer.text, f"quest@{SPARSITY} at depth {depth} answered {answer.text!r}"
     assert abs(answer.stats.kv_budget_prefill - (1 - SPARSITY)) <= 0.01, answer.stats.kv_budget_prefill
