@@ -64,6 +64,8 @@ class Range:
             return "a power of two"
         if self.low is not None and self.high is not None:
             return f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}{')' if self.high_open else ']'}"
+        if self.low is None and self.high is None:
+            return "any number"
         said = f"{'above' if self.low_open else 'at least'} {self.low:g}" if self.low is not None else \
             f"{'below' if self.high_open else 'at most'} {self.high:g}"
         return f"0 or {said}" if self.zero else said

@@ -188,9 +188,9 @@ def query_metric(moment: torch.Tensor, ridge: float = QUERY_RIDGE) -> torch.Tens
     a centroid c, |(k - c) W|^2 = (k - c)(M + ridge / D * I)(k - c)^T is the mean squared error of the logit q . c
     standing in for q . k over those query directions (plus the ridge's share of |k - c|^2, for directions the queries
     seen do not cover): Euclidean k-means of x W clusters keys by what a lookup gets wrong. Any factor gives the same
-    distances (two differ by a rotation); the Cholesky factor is one batched factorisation where an eigendecomposition
-    took ~130 launches and 13 ms a layer of 8 heads of 128 dimensions on an H200, with no wait for the host.
-    ridge > 0 keeps the matrix positive definite."""
+    distances (two differ by a rotation); the Cholesky factor is one batched factorisation with no wait for the host,
+    where a symmetric square root by eigendecomposition took a hundred launches a matrix (engine/bench/README.md,
+    "The ingest against the peer's prefill"). ridge > 0 keeps the matrix positive definite."""
     if ridge <= 0:
         raise ValueError(f"query_metric needs a positive ridge (a positive definite metric), got {ridge}")
     d = moment.shape[-1]

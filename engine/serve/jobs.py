@@ -68,9 +68,9 @@ class _Timing:
 
 @dataclass(frozen=True)
 class JobView:
-    """A snapshot of a job for display, from its row in the store: `fraction` of the job's work done (of the
-    stages it runs: an index rebuild's start at clustering), `eta_s`
-    seconds left (None: unknown), `position` in the queue (0: running or finished).
+    """A snapshot of a job for display, from its row in the store: `fraction` of the job's work done (of the stages
+    it runs: an index rebuild starts at clustering), `eta_s` seconds left (None: unknown), `position` in the queue
+    (0: running or finished).
 
     status: "queued" | "running" | "done" | "failed"
     stage: LOADING, one of STAGES, or "queued"/"ready"/"failed"; done/total count the stage's units (while the
