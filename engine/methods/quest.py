@@ -45,8 +45,8 @@ BOUNDS = ("exact", "int8")
 class QuestSettings(MethodSettings):
     """page_size: consecutive keys per page (Quest: 16); group: "kv" or "query" (see the module docstring);
     bounds: "int8" (default: one byte per bound, rounded outwards: kernels.reference.pages.quantize_bounds; half
-    the bytes a step reads for its page scores, a looser bound, and a budget leaves that much more to pages) or
-    "exact" (the keys' own dtype, as the paper)."""
+    the bytes a step reads for its page scores with bf16 keys, a quarter with float32 ones, a looser bound, and a
+    budget leaves the bytes saved to pages) or "exact" (the keys' own dtype, as the paper)."""
 
     page_size: int = 16
     group: str = "kv"

@@ -105,9 +105,8 @@ def open_doc(client: Client, doc_id: str) -> dict:
     return dict(zip(names, out))
 
 
-# The plan hint of Quest at 90% on the short test document (whose index and dense rows alone take more than 10%)
-# (with one-byte bounds a 10% budget is above what Quest's index and the dense rows read on the test document: the
-# hint adds no "reads at least" line)
+# The plan hint of Quest at 90% on the short test document: with one-byte bounds a 10% budget is above what Quest's
+# index and the dense rows read there, so the hint adds no "reads at least" line
 QUEST_HINT = r"At 90% sparsity, quest uses: its best pages up to .* \(top [0-9.]+% of the pages on a GPU\)"
 ASK_NAMES = ["chat", "question", "status", "turn", "heatmap", "budget", "compare", "clusters", "passages", "document",
              "layer", "head", "projection", "answer", "chats", "cancel"]
