@@ -17,6 +17,7 @@ from engine.attention.function import register
 from engine.model.catalog import EMBEDDED_MODEL  # noqa: F401 - (re-exported: its home before the catalog)
 from engine.model.fused import fuse_projections
 from engine.model.gemv import use_token_products
+from engine.model.token_layer import use_token_layers
 from kernels.dispatch import backend_for
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -298,8 +299,9 @@ def load_model(name: str | None = None, device: str = "auto", convert_dir: Path 
     devices = layer_devices(model)
     if len(set(devices)) == 1:  # (layers spread by accelerate keep their hooks' modules as they are)
         fuse_projections(model)
-        if devices[0].type == "cuda":  # one token's products by the GEMV kernel
+        if devices[0].type == "cuda":  # one token's products by the GEMV kernel, the MLP's elementwise work in them
             use_token_products(model, backend_for(devices[0]))
+            use_token_layers(model, backend_for(devices[0]))
     if progress is not None:
         progress(STEP_DONE, len(steps.names), len(steps.names))
     return LoadedModel(

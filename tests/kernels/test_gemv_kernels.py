@@ -1,6 +1,7 @@
-"""One token's matrix-vector product (kernels/jit/gemv.py) against its reference (F.linear), at every shape class the
-wrapper takes: rows and columns that fill the blocks or not, with and without a bias, and the calls it hands to the
-reference (several tokens, a weight without a unit stride in K). Without CUDA the kernel runs in the Triton
+"""One token's matrix-vector product (kernels/jit/gemv.py) against its reference (F.linear), and a gated MLP's down
+product with its SiLU and residual add against the model's own arithmetic, at every shape class the wrapper takes:
+rows and columns that fill the blocks or not, with and without a bias, and the calls it hands to the reference
+(several tokens, a weight without a unit stride in K). Without CUDA the kernel runs in the Triton
 interpreter (tests/conftest.py): float32 and float16 there; bfloat16 on a GPU."""
 
 from __future__ import annotations
@@ -47,3 +48,28 @@ def test_other_calls_go_to_the_reference():
     torch.testing.assert_close(gemv_ops.gemv(x[:1], w), reference.gemv(x[:1], w))
     with pytest.raises(ValueError, match="weight"):
         gemv_ops.gemv(x, torch.randn(16, 8).to(DEVICE))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,k,bias,residual", [(64, 256, False, True), (40, 128, True, False), (37, 100, False, True)])
+def test_gated_gemv_matches_silu_times_up_then_the_product(dtype, n, k, bias, residual):
+    """silu(gate) * up read by the down product (each rounded as the model's eager MLP rounds), plus the residual."""
+    g = torch.Generator().manual_seed(n * k + 1)
+    gate_up = (2 * torch.randn(1, 2 * k, generator=g)).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    b = torch.randn(n, generator=g).to(DEVICE, dtype) if bias else None
+    res = torch.randn(1, n, generator=g).to(DEVICE, dtype) if residual else None
+    got = gemv_ops.gated_gemv(gate_up, w, b, res)
+    want = reference.gated_gemv(gate_up, w, b, res)
+    assert got.shape == (1, n) and got.dtype == dtype
+    torch.testing.assert_close(got.float(), want.float(), **TOL[dtype])
+
+
+def test_the_gated_product_hands_other_calls_to_the_reference_and_refuses_bad_shapes():
+    w = torch.randn(16, 32).to(DEVICE)
+    gu = torch.randn(3, 64).to(DEVICE)
+    torch.testing.assert_close(gemv_ops.gated_gemv(gu, w), reference.gated_gemv(gu, w))  # several tokens
+    with pytest.raises(ValueError, match="gate_up"):
+        gemv_ops.gated_gemv(torch.randn(1, 32).to(DEVICE), w)
+    with pytest.raises(ValueError, match="residual"):
+        gemv_ops.gated_gemv(gu[:1], w, residual=torch.randn(1, 8).to(DEVICE))

@@ -10,6 +10,7 @@ import torch
 from engine.model.fused import fuse_projections
 from engine.model.gemv import use_token_products
 from engine.model.load import LoadedModel, layer_devices, load_model
+from engine.model.token_layer import use_token_layers
 from kernels.dispatch import backend_for
 
 GiB = 1 << 30
@@ -101,10 +102,11 @@ def spread(model: torch.nn.Module, gpus: int) -> None:
 
     dispatch_model(model, even_device_map(model, gpus))
 
-def build_shape(name: str, device: str, gpus: int = 1) -> BenchModel:
+def build_shape(name: str, device: str, gpus: int = 1, token_layers: bool = True) -> BenchModel:
     """The random-weight model of SHAPES[name], built on `device` (bf16 on CUDA, fp32 on the CPU), seed SEED,
-    with the engine's attention; with gpus > 1 spread over that many GPUs (spread). No tokenizer: its ids are
-    random."""
+    with the engine's attention; with gpus > 1 spread over that many GPUs (spread). On one GPU its one-token
+    products go to the GEMV kernel and, with token_layers, its layers end in the gated down product
+    (engine.model.token_layer), as engine.model.load.load_model does. No tokenizer: its ids are random."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from engine.attention.function import register
@@ -121,14 +123,19 @@ def build_shape(name: str, device: str, gpus: int = 1) -> BenchModel:
         spread(model, gpus)
     elif device == "cuda":  # as engine.model.load.load_model does on one GPU
         use_token_products(model, backend_for(torch.device(device)))
+        if token_layers:
+            use_token_layers(model, backend_for(torch.device(device)))
     return BenchModel(model=model, tokenizer=None, model_id=f"random-{name}",
                       device=model.get_input_embeddings().weight.device, dtype=dtype,
                       layer_devices=layer_devices(model))
 
-def open_model(shape: str | None, model: str | None, device: str, gpus: int = 1) -> BenchModel:
-    """The named random-weight shape or the real model `model`, on one device or split over `gpus` GPUs."""
+def open_model(shape: str | None, model: str | None, device: str, gpus: int = 1,
+               token_layers: bool = True) -> BenchModel:
+    """The named random-weight shape or the real model `model`, on one device or split over `gpus` GPUs; without
+    token_layers, a shape's layers keep their own MLP (engine.model.token_layer; a real model's are swapped by the load
+    wherever it routes the products)."""
     if model is None:
-        return build_shape(shape, device, gpus)
+        return build_shape(shape, device, gpus, token_layers)
     lm = load_model(model, device)
     if gpus > 1:
         spread(lm.model, gpus)

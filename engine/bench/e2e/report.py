@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict:
                  **_versions(), "shape": args.shape if args.model is None else None, "model": args.model,
                  "follow": args.follow, "token_lookups": args.token_lookups}
     log(f"building {args.model or args.shape} on {device}" + (f" and {args.gpus - 1} more GPUs" * (args.gpus > 1)))
-    lm = open_model(args.shape, args.model, args.device, args.gpus)
+    lm = open_model(args.shape, args.model, args.device, args.gpus, args.token_layers)
     compiled_first = args.compile in ("auto", "on") and wants_compile(args.compile, lm)
     if compiled_first:  # as the product does by default on one GPU: compiled, then warmed up, once per process
         compile_layers(lm)
@@ -90,8 +90,8 @@ def run(args: argparse.Namespace) -> dict:
                layers_per_device=layers_per_device(lm), context=fixed_len,
                settings={"sparsity": args.sparsity, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
-                         "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs, "compile": args.compile,
-                         "pdl": args.pdl,
+                         "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs,
+                         "compile": args.compile, "pdl": args.pdl, "token_layers": args.token_layers,
                          "context_settings": settings.as_dict(),
                          "method_settings": {m: make_method(m, method_settings.get(m)).settings.as_dict()
                                              for m in build_order(methods)},
@@ -178,6 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                         help="launch the engine's and inductor's kernels with programmatic dependent launch where the "
                              "GPU has it (kernels/launch.py; the product's default)")
+    parser.add_argument("--token-layers", action=argparse.BooleanOptionalAction, default=True,
+                        help="a random-weight shape's one-token steps end each Llama-style layer in the gated down "
+                             "product (engine.model.token_layer; the product's default)")
     parser.add_argument("--peer", action=argparse.BooleanOptionalAction, default=True,
                         help="also time plain transformers (CUDA only)")
     parser.add_argument("--chunk", type=int, default=4096, help="the peer's prefill chunk")
