@@ -35,6 +35,7 @@ def main() -> None:
                     time.sleep(1)
             page.locator("#sq-upload input[type=file]").set_input_files("assets/passkey.pdf")
             expect(page.locator("#sq-upload")).to_contain_text(re.compile(r"passkey\s*\.pdf"), timeout=60_000)
+            expect(page.locator("#sq-upload td.download a").first).to_be_visible(timeout=60_000)  # uploaded
             page.click("#sq-prepare")
             expect(page.locator("#sq-doc-status")).to_contain_text("passkey.pdf: ready", timeout=900_000)
             page.locator("#sq-question textarea").fill("What is the secret passkey?")

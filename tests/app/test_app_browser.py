@@ -66,6 +66,8 @@ def test_upload_prepare_ask_and_see_what_attention_retrieved(served, page, tmp_p
     # the file list shows the name's stem and extension in separate elements: "passkey .pdf" or "passkey.pdf"
     name = re.compile(re.escape(PDF.stem) + r"\s*" + re.escape(PDF.suffix))
     expect(page.locator("#sq-upload")).to_contain_text(name, timeout=60_000)
+    # the name shows while the file is still on its way; its download link (with its size) once the server has it
+    expect(page.locator("#sq-upload td.download a").first).to_be_visible(timeout=60_000)
     started = time.perf_counter()
     page.click("#sq-prepare")
 
