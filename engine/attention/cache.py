@@ -143,6 +143,11 @@ class FixedContextLayer(DynamicLayer):
         self.new_keys = self.new_values = self.new_len = None
         self.host_new = 0
 
+    def fork(self) -> "FixedContextLayer":
+        """The same fixed part (its K/V tensors and indexes, not copies) with new-token buffers of its own: another
+        sequence over the same context."""
+        return FixedContextLayer(self.fixed_keys, self.fixed_values, self.fixed_len, self.sliding_window, self.indexes)
+
 
 class FixedContextCache(Cache):
     """One FixedContextLayer per decoder layer. `reset_dynamic()` between turns keeps the document cached."""
@@ -196,3 +201,31 @@ class FixedContextCache(Cache):
     def release_new(self) -> None:
         for layer in self.layers:
             layer.release_new()
+
+    def fork(self) -> "FixedContextCache":
+        """Another sequence over the same fixed context: every layer's fixed part shared (FixedContextLayer.fork),
+        new-token buffers of its own (allocated by its first turn's reserve)."""
+        return FixedContextCache([layer.fork() for layer in self.layers])
+
+
+class BatchCache(FixedContextCache):
+    """The cache of one call over several sequences (engine.attention.function.BatchStep), each with its own
+    FixedContextCache: row b of a layer's new K/V goes to caches[b]. What transformers asks of a cache besides
+    (the sequence length, the mask sizes) is the first sequence's; the engine's attention masks each sequence by
+    its own positions."""
+
+    def __init__(self, caches: list[FixedContextCache]):
+        if not caches or len({len(c.layers) for c in caches}) != 1:
+            raise ValueError("a batch needs one or more caches of as many layers each")
+        super().__init__(caches[0].layers)
+        self.caches = caches
+
+    @torch.compiler.disable
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
+               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """key_states / value_states: [B, Hkv, n, D], row b for caches[b]. Returns them unchanged."""
+        if key_states.shape[0] != len(self.caches):
+            raise ValueError(f"{key_states.shape[0]} rows of new K/V for {len(self.caches)} sequences")
+        for b, cache in enumerate(self.caches):
+            cache.layers[layer_idx].update(key_states[b : b + 1], value_states[b : b + 1])
+        return key_states, value_states

@@ -23,6 +23,7 @@ static shapes and no host synchronisation: a captured decode step finds its rows
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -133,6 +134,15 @@ class Follow:
         # an occurrence counts where the token after it is indexed: the dense rows (the sink and the last tokens)
         # are read by every step anyway, and a document's end that repeats the question would take every row
         self.indexed_next = self.stored_rows(self.position + 1)[1]
+
+    def fork(self) -> "Follow":
+        """Another sequence's follow rows over the same context: the context's tables shared (not copies), the
+        turn's state (its recent tokens, the question's rows, the step's rows) its own."""
+        other = copy.copy(self)
+        other.recent, other.question, other.step_rows = (t.clone() for t in (self.recent, self.question,
+                                                                             self.step_rows))
+        other.positions = self.positions[:0]
+        return other
 
     def begin(self, ids: torch.Tensor, valid: torch.Tensor | None = None) -> None:
         """ids: [n] int64 on the device, the tokens of the next forward call (n > 1: a question's prefill, which

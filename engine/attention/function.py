@@ -87,6 +87,16 @@ class StepContext:
     valid: torch.Tensor | None = None
 
 
+@dataclass
+class BatchStep:
+    """One forward call over one token of each of several sequences (a batched decode step): steps[b] is sequence
+    b's StepContext, with its own cache (engine.attention.cache.BatchCache holds them for the call), method, plan,
+    recorder, follow rows and position. Each sequence's attention is the one a call of its own would compute; the
+    sequences are attended one after another."""
+
+    steps: list[StepContext]
+
+
 def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
     """Attention of q over the layer's fixed context where no method's lookup runs: a sliding layer's last window
     (dense, masked by distance), an ingest's prefill (every key). Returns (out [Hq, Lq, D], lse [Hq, Lq]) float32."""
@@ -151,40 +161,46 @@ def squeeze_attention(
     squeeze_step: StepContext | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """query: [1, Hq, Lq, D] (the call's tokens; their K/V are already in the layer's new-token buffers).
+    """query: [B, Hq, Lq, D] (the call's tokens; their K/V are already in the layers' new-token buffers): B = 1 with
+    a StepContext, or one row per sequence of a BatchStep.
 
-    Returns (out [1, Lq, Hq, D] in the query's dtype, None).
+    Returns (out [B, Lq, Hq, D] in the query's dtype, None).
     """
     if squeeze_step is None:
         raise RuntimeError(
             f"attn_implementation={ATTN_NAME!r} needs a squeeze_step=StepContext(...) keyword in the model call; "
             "use engine.context.session.Session to run the model"
         )
-    if query.shape[0] != 1:
-        raise ValueError(f"the fixed-context engine runs batch 1, got batch {query.shape[0]}")
     if softcap is not None or getattr(module, "attn_logit_softcapping", None):
         raise NotImplementedError("attention logit soft-capping (e.g. Gemma 2) is not supported by the engine")
-    if squeeze_step.positions is None:
-        raise RuntimeError("StepContext.positions must hold the call's query positions")
+    steps = squeeze_step.steps if isinstance(squeeze_step, BatchStep) else [squeeze_step]
+    if query.shape[0] != len(steps):
+        raise ValueError(f"a call over {len(steps)} sequence(s) got a batch of {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    layer: FixedContextLayer = squeeze_step.cache.layers[module.layer_idx]
-    q = query[0]  # [Hq, Lq, D]
+    outs = [_attend(module, query[b], scale, step) for b, step in enumerate(steps)]
+    return (outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)), None
+
+
+def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepContext) -> torch.Tensor:
+    """One sequence's attention at `module`'s layer: q [Hq, Lq, D] -> [Lq, Hq, D] in q's dtype."""
+    if step.positions is None:
+        raise RuntimeError("StepContext.positions must hold the call's query positions")
+    layer: FixedContextLayer = step.cache.layers[module.layer_idx]
     with _current_device(q.device):
-        q_pos = squeeze_step.positions.to(q.device)  # [Lq]; a no-op unless layers sit on several devices
-        k_new, v_new = layer.new_kv(squeeze_step.static)  # [Hkv, n, D], slot i at position fixed_len + i
-        if squeeze_step.capture is not None and layer.sliding_window is None:
-            squeeze_step.capture.take(module.layer_idx, q, q_pos)
-        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], device=q.device, dtype=query.dtype)  # [Lq, Hq, D]
+        q_pos = step.positions.to(q.device)  # [Lq]; a no-op unless layers sit on several devices
+        k_new, v_new = layer.new_kv(step.static)  # [Hkv, n, D], slot i at position fixed_len + i
+        if step.capture is not None and layer.sliding_window is None:
+            step.capture.take(module.layer_idx, q, q_pos)
+        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], device=q.device, dtype=q.dtype)  # [Lq, Hq, D]
         has_fixed = layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0
-        if has_fixed and layer.sliding_window is None and squeeze_step.method is not None:
-            _looked_up(layer, q, q_pos, scale, squeeze_step, k_new, v_new, out.transpose(0, 1))
+        if has_fixed and layer.sliding_window is None and step.method is not None:
+            _looked_up(layer, q, q_pos, scale, step, k_new, v_new, out.transpose(0, 1))
         else:
-            fixed = _fixed_part(layer, q, q_pos, scale, squeeze_step) if has_fixed else None
+            fixed = _fixed_part(layer, q, q_pos, scale, step) if has_fixed else None
             # the new tokens' part, merged with the fixed part's straight into the layout the model reads next
-            squeeze_step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
-                                                                   layer.sliding_window, prior=fixed,
-                                                                   out=out.transpose(0, 1))
-    return out.unsqueeze(0), None
+            step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
+                                                           layer.sliding_window, prior=fixed, out=out.transpose(0, 1))
+    return out
 
 
 def _current_device(device: torch.device):

@@ -1,0 +1,39 @@
+"""One decode step of several sequences in one forward call: each over its own fixed context, with its own method,
+plan and new tokens.
+
+Sequence b is a StepContext of its own (engine.attention.function.StepContext: a context's cache, or a fork of it
+for a second sequence over the same context, FixedContextCache.fork) whose question was prefilled alone
+(engine.model.generate.forward_step). A step feeds each sequence's last token at its own position; the model's
+products, norms and MLPs run once over the B tokens, and each sequence's attention is the one a call of its own
+would compute (engine.attention.function.BatchStep), so its logits are those of its step alone, up to the order in
+which a batched product sums.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention.cache import BatchCache
+from engine.attention.function import BatchStep, StepContext
+from engine.model.load import LoadedModel
+
+
+def forward_batch(lm: LoadedModel, steps: list[StepContext], tokens: torch.Tensor,
+                  positions: list[int]) -> torch.Tensor:
+    """One call over tokens [B] int64, token b at positions[b] of sequence steps[b] (its K/V joins that sequence's
+    new tokens). Returns the logits [B, V] on the device."""
+    if tokens.shape != (len(steps),) or len(positions) != len(steps) or not steps:
+        raise ValueError(f"one token and one position per sequence: {len(steps)} sequences, tokens "
+                         f"{tuple(tokens.shape)}, {len(positions)} positions")
+    tokens = tokens.to(lm.device)
+    for b, step in enumerate(steps):
+        step.positions = torch.full((1,), positions[b], dtype=torch.int64, device=lm.device)
+        if step.follow is not None:
+            step.follow.begin(tokens[b : b + 1])
+        if step.recorder is not None:
+            step.recorder.begin_step()
+    position_ids = torch.stack([step.positions for step in steps])  # [B, 1]
+    out = lm.model(input_ids=tokens[:, None], position_ids=position_ids,
+                   past_key_values=BatchCache([step.cache for step in steps]), use_cache=True, logits_to_keep=1,
+                   squeeze_step=BatchStep(steps))
+    return out.logits[:, -1]
