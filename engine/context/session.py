@@ -3,19 +3,18 @@ turn."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
 
 import torch
 
 from engine.attention.cache import FixedContextCache, FixedContextLayer
 from engine.attention.follow import Follow, FollowSettings
 from engine.attention.function import StepContext
-from engine.attention.stats import TurnRecorder, TurnStats
+from engine.attention.stats import TurnRecorder
 from engine.context.ingest import build_methods
 from engine.context.plan import follows, turn_plan
 from engine.context.settings import ContextSettings
+from engine.context.turn import Answer, Delta, Turn
 from engine.index import artifacts as names
 from engine.methods import REGISTRY, LayerIndex, Method, StepPlan, Tensors, build_order, make_method
 from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY
@@ -23,38 +22,9 @@ from engine.model.generate import full_logits, generate_tokens
 from engine.model.graph import StepGraphs, graphs_supported
 from engine.model.load import LoadedModel
 from engine.model.prefill import Progress, global_scale, no_progress
-from engine.model.sampling import GenerationOptions, Sampler
-from engine.text.prompt import HISTORY_TOKENS, Exchange, answer_held_back, cut_answer, prompt_format, turn_ids
+from engine.model.sampling import GenerationOptions
+from engine.text.prompt import HISTORY_TOKENS, Exchange, prompt_format, turn_ids
 from kernels.backend import Backend
-
-
-@dataclass
-class Delta:
-    """A piece of the answer's text, streamed as it is generated."""
-
-    text: str
-
-
-@dataclass
-class Answer:
-    """The whole answer and what attention did while producing it.
-
-    plan: the plan the turn's lookups used; unit_scores: what they scored (engine.attention.stats.TurnRecorder.unit_scores:
-    the explanations' input, tensors that are not part of the saved statistics)
-    """
-
-    text: str
-    stats: TurnStats
-    plan: StepPlan | None = None
-    unit_scores: dict = field(default_factory=dict)
-    history: int = 0  # earlier exchanges of the chat in the turn's input
-    follow: list[int] = field(default_factory=list)  # document tokens the turn read as follow rows (engine.attention.follow)
-    tokens: list[int] = field(default_factory=list)  # the answer's token ids (through the one that ends a stop string)
-
-    @property
-    def empty(self) -> bool:
-        """The model said nothing (it ended at once, or only with blank lines)."""
-        return not self.text.strip()
 
 
 class ContextSession:
@@ -199,6 +169,22 @@ class ContextSession:
         prompt = turn_ids(self.lm.tokenizer, prompt_format(self.lm.tokenizer), question).ids
         return full_logits(self.lm, self.step_context(method, sparsity, None), prompt)
 
+    def turn(self, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
+             max_new_tokens: int = 64, history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
+             history_tokens: int = HISTORY_TOKENS, until: Callable[[str], bool] | None = None,
+             fork: bool = False) -> Turn:
+        """A turn over this context (engine.context.turn; the arguments: stream's). fork: the turn reads a fork of
+        the session's cache and follow rows, so that it may be under way beside another turn over the context (in
+        the same layout: the method's), and steps eagerly (the session's captured steps read its own cache)."""
+        if max_new_tokens < 1:  # (before the step context: it may put the K/V in the method's layout)
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        step = self.step_context(method, sparsity, self.recorder())
+        if fork:
+            step.cache = step.cache.fork()
+            step.follow = step.follow.fork() if step.follow is not None else None
+            step.graphs = None
+        return Turn(self.lm, self.fixed_len, step, question, max_new_tokens, history, options, history_tokens, until)
+
     def stream(self, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
                max_new_tokens: int = 64,
                history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
@@ -213,64 +199,19 @@ class ContextSession:
         finished sentence (engine.text.prompt.cut_answer); a piece that could begin a stop string or such a line is
         held back until the next tokens tell (engine.text.prompt.answer_held_back), so a stream never shows either.
         until: the answer also ends once until(its text so far) holds (squeeze eval's needles: the key said)."""
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        lm = self.lm
-        most = lm.max_context - self.fixed_len - 1  # the question needs a token at least
-        if max_new_tokens > most:
-            raise ValueError(f"an answer of {max_new_tokens} tokens does not fit: the model's context holds "
-                             f"{lm.max_context} tokens and the document takes {self.fixed_len}; ask for at most "
-                             f"{max(most, 0)} (less a long question's tokens)")
-        fmt = prompt_format(lm.tokenizer)
-        turn = turn_ids(lm.tokenizer, fmt, question, history, history_tokens,
-                        room=lm.max_context - self.fixed_len - max_new_tokens)
-        recorder = self.recorder()
-        step = self.step_context(method, sparsity, recorder)
-        opts = options or GenerationOptions()
-        sampler = None if opts.greedy else Sampler(opts, lm.model.config.vocab_size, lm.device)
-        eos = lm.eos_ids()
-        generated: list[int] = []
-        ended = False  # by an end-of-sequence token: the step after the last answer token ran too
-        text = ""
-        start = time.perf_counter()
-        first = None
-        tokens = generate_tokens(lm, step, turn.ids, max_new_tokens, sampler)
-        shown = ""  # what the pieces have said (a possible stop string's start is held back)
+        turn = self.turn(question, method, sparsity, max_new_tokens, history, options, history_tokens, until)
+        tokens = generate_tokens(self.lm, turn.step, turn.prompt, max_new_tokens, turn.sampler)
         for token in tokens:
-            first = first if first is not None else time.perf_counter() - start
-            if token in eos:
-                ended = True
-                break
-            generated.append(token)
-            text, stopped = cut_answer(lm.tokenizer.decode(generated, skip_special_tokens=True), fmt.stop_strings)
-            visible = text if stopped else text[:len(text) - answer_held_back(text, fmt.stop_strings)]
-            visible = visible.rstrip("\ufffd")  # (a character whose bytes are not all there yet decodes as U+FFFD)
-            if visible.startswith(shown) and len(visible) > len(shown):
-                yield Delta(visible[len(shown):])
-                shown = visible
-            if stopped or (until is not None and until(text)):
+            piece = turn.feed(token)
+            if piece is not None:
+                yield piece
+            if turn.done:
                 break
         tokens.close()  # hands the replayed steps' statistics to the recorder
-        text = cut_answer(text, fmt.stop_strings, final=True)[0]  # (its last line is a whole one now)
-        if text.startswith(shown) and len(text) > len(shown):  # the end held back: no stop string after all
-            yield Delta(text[len(shown):])
-        self.cache.reset_dynamic()
-        total = time.perf_counter() - start
-        decode_s = max(total - (first or 0.0), 1e-9)
-        timings = {
-            "first_token_s": round(first or 0.0, 6),
-            "total_s": round(total, 6),
-            "tokens_per_s": round((len(generated) - 1) / decode_s, 3) if len(generated) > 1 else 0.0,
-        }
-        stats = recorder.finish(method, round(1.0 - step.plan.budget, 6), len(generated), timings)  # the plan's
-        stats.extra.update(unit=step.method.unit, plan=step.plan.describe(), history=turn.history,
-                           generation=opts.to_json())
-        follow = []
-        if step.follow is not None:  # the decode steps' inputs: every answer token but the last, unless eos came
-            inputs = generated if ended else generated[:-1]
-            follow = step.follow.turn_positions(turn.ids, torch.tensor(inputs, dtype=torch.int64))
-        yield Answer(text=text.strip(), stats=stats, plan=step.plan, unit_scores=recorder.unit_scores(),
-                     history=turn.history, follow=follow, tokens=generated)
+        piece, answer = turn.finish()
+        if piece is not None:
+            yield piece
+        yield answer
 
     def ask(self, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
             max_new_tokens: int = 64,

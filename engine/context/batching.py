@@ -1,0 +1,74 @@
+"""Turns answered together: each question prefilled alone when its turn joins, then every turn's next token from
+one forward call a step (engine.model.batch.forward_batch), each turn over its own context, method and plan.
+
+A turn may join between any two steps and leaves when its answer ends; the others go on undisturbed. With greedy
+choice a turn's tokens are those it gets alone (tests/engine/test_batching.py). Every call runs eagerly (a lone
+turn on a GPU replays its steps from CUDA graphs instead: engine.model.generate).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.context.turn import Delta, Turn
+from engine.model.batch import forward_batch
+from engine.model.generate import forward_step
+from engine.model.load import LoadedModel
+from engine.model.sampling import greedy
+
+
+class TurnBatch:
+    """The turns being answered together over one model."""
+
+    def __init__(self, lm: LoadedModel):
+        self.lm = lm
+        self.turns: list[Turn] = []  # the turns under way, in the order they joined
+        self._next: dict[int, tuple[torch.Tensor, int]] = {}  # id(turn) -> (its next input token [1], position)
+
+    def __len__(self) -> int:
+        return len(self.turns)
+
+    def join(self, turn: Turn) -> Delta | None:
+        """Prefill the turn's question alone and take its first token: the piece it shows, if any. A turn whose
+        answer ends there (turn.done) does not stay."""
+        step, prompt = turn.step, turn.prompt
+        with torch.inference_mode():
+            step.cache.reset_dynamic()
+            step.cache.reserve(prompt.numel() + turn.max_new_tokens)
+            start = step.cache.get_seq_length()
+            token = self._pick(turn, forward_step(self.lm, step, prompt.to(self.lm.device), start))
+        piece = turn.feed(int(token))
+        if not turn.done:
+            self.turns.append(turn)
+            self._next[id(turn)] = (token, start + prompt.numel())
+        return piece
+
+    def step(self) -> list[tuple[Turn, Delta | None]]:
+        """One forward call over every turn's last token: each turn with the piece its next token shows. Turns
+        whose answer ended leave the batch (turn.done)."""
+        if not self.turns:
+            return []
+        inputs = [self._next[id(t)] for t in self.turns]
+        with torch.inference_mode():
+            logits = forward_batch(self.lm, [t.step for t in self.turns], torch.cat([tok for tok, _ in inputs]),
+                                   [pos for _, pos in inputs])
+            tokens = [self._pick(t, logits[b : b + 1]) for b, t in enumerate(self.turns)]
+        out = []
+        for turn, token, (_, position) in zip(list(self.turns), tokens, inputs):
+            out.append((turn, turn.feed(int(token))))
+            if turn.done:
+                self.leave(turn)
+            else:
+                self._next[id(turn)] = (token, position + 1)
+        return out
+
+    def leave(self, turn: Turn) -> None:
+        """Take a turn out of the batch (its answer ended, or it was cancelled); the others are not touched."""
+        if turn in self.turns:
+            self.turns.remove(turn)
+            del self._next[id(turn)]
+
+    @staticmethod
+    def _pick(turn: Turn, logits: torch.Tensor) -> torch.Tensor:
+        """The turn's next token from logits [1, V] (greedy, or its sampler's): [1] int64."""
+        return greedy(logits) if turn.sampler is None else turn.sampler.pick(logits)
