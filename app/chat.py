@@ -23,8 +23,17 @@ from app.config import (
 from app.services import Services, doc_choices, doc_status, library_rows, needs_preparing, session_of
 from app.settings import ChatSettings
 from app.views import TurnViews
-from app.waits import Asked, WaitEnded, expected_text, index_text, load_text, training_text, waits
-from engine.serve import METHODS, REGISTRY, ContextSettings, Delta, GenerationOptions, build_order, plain_error
+from app.waits import Asked, WaitEnded, expected_text, index_text, load_text, queue_text, training_text, waits
+from engine.serve import (
+    METHODS,
+    REGISTRY,
+    ContextSettings,
+    Delta,
+    GenerationOptions,
+    Waiting,
+    build_order,
+    plain_error,
+)
 from storage import NotFoundError, StorageError
 
 
@@ -175,10 +184,12 @@ class ChatTab:
                       self.temperature, self.top_p, self.repetition]
         ask_outputs = [self.chatbot, self.question, self.state, self.status, self.views.turn, *self.views.outputs,
                        self.chats, self.cancel_btn]
+        at_once = self.services.config.questions_at_once  # the engine's scheduler batches or queues them
         for asked in (self.ask_btn.click(self.ask, ask_inputs, ask_outputs, api_name="ask", concurrency_id="model",
-                                         concurrency_limit=1, show_progress="minimal"),
+                                         concurrency_limit=at_once, show_progress="minimal"),
                       self.question.submit(self.ask, ask_inputs, ask_outputs, api_visibility="private",
-                                           concurrency_id="model", concurrency_limit=1, show_progress="minimal")):
+                                           concurrency_id="model", concurrency_limit=at_once,
+                                           show_progress="minimal")):
             # the turn may have built the method's index: the hint then names the plan it runs, not the build
             asked.then(self.show_threshold, [self.state, *controls], [self.threshold], api_visibility="private",
                        show_progress="hidden")
@@ -355,11 +366,19 @@ class ChatTab:
         turn = services.turns.answer(state["chat_id"], ctx, question, method, float(sparsity), int(max_new), compare,
                                      stop, options, overrides=asked)
         try:
+            told = None
             for event in turn:
                 if isinstance(event, Delta):
                     text += event.text
                     history[-1] = {"role": "assistant", "content": text}
                     yield on_page([history, gr.skip(), gr.skip(), gr.skip(), gr.skip(), *skip_views])
+                elif isinstance(event, Waiting):  # other users' questions fill the model's batch: its place
+                    if event.ahead != told:
+                        told = event.ahead
+                        wait = queue_text(event.ahead)
+                        history[-1] = {"role": "assistant", "content": wait}
+                        yield on_page([history, gr.skip(), gr.skip(), render.notice_html(wait, "wait"), gr.skip(),
+                                       *skip_views])
                 else:
                     recorded = event
         except Exception as exc:  # noqa: BLE001 - shown in plain words, the app keeps running

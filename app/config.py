@@ -25,12 +25,15 @@ REPETITIONS = (1.0, 2.0)
 @dataclass(frozen=True)
 class AppConfig:
     """max_upload_mb: per file; max_files: per upload; queue_size: requests waiting in Gradio's queue at most
-    (beyond it a request is refused at once); poll_s: how often an open page refreshes the progress; undo_s: how
-    long a deleted document can be brought back."""
+    (beyond it a request is refused at once); questions_at_once: questions handed to the engine at once (its
+    scheduler answers up to its batch of them together and tells the others their place; beyond this many, Gradio's
+    queue holds them); poll_s: how often an open page refreshes the progress; undo_s: how long a deleted document
+    can be brought back."""
 
     max_upload_mb: float = 50.0
     max_files: int = 10
     queue_size: int = 32
+    questions_at_once: int = 8
     poll_s: float = 1.0
     undo_s: float = 30.0  # a deleted document can be brought back this long (then it is deleted for good)
     method: str = DEFAULT_METHOD
@@ -48,6 +51,8 @@ class AppConfig:
             raise ValueError(f"max_files must be at least 1, got {self.max_files}")
         if self.queue_size < 1:
             raise ValueError(f"queue_size must be at least 1, got {self.queue_size}")
+        if self.questions_at_once < 1:
+            raise ValueError(f"questions_at_once must be at least 1, got {self.questions_at_once}")
         if self.poll_s <= 0:
             raise ValueError(f"poll_s must be positive, got {self.poll_s}")
         if self.undo_s < 0:

@@ -152,3 +152,10 @@ def _indexing(services: Services, asked: Asked, stop: threading.Event, cancel: t
 def expected_text(seconds: float | None) -> str:
     """'about 17 min on this machine', or 'several minutes on a CPU' before any ingest was timed here."""
     return "several minutes on a CPU" if seconds is None else f"about {format_seconds(seconds)} on this machine"
+
+
+def queue_text(ahead: int) -> str:
+    """What a question queued behind other users' says (engine.serve.Waiting: `ahead` questions before it)."""
+    if ahead == 0:
+        return "Waiting for the model: yours is next (other users' questions fill it now)."
+    return f"Waiting for the model: {ahead} question{'s' * (ahead != 1)} ahead of yours."

@@ -3,6 +3,7 @@ turn."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
@@ -128,6 +129,12 @@ class ContextSession:
         """Whether `method`'s steps read the follow rows (engine.attention.follow)."""
         return self.follow is not None and follows(method, self.follow_settings)
 
+    def layout_key(self, method: str) -> str | None:
+        """The order of the fixed K/V that `method`'s turns read: its name where it keeps them in an order of its
+        own (Method.layout), None where it reads them as stored. Turns of one key can be under way together."""
+        m = self.method(method)
+        return m.name if type(m).layout is not Method.layout else None
+
     def arrange(self, method: Method | None) -> None:
         """Put every global layer's fixed K/V in `method`'s layout (None: as stored, engine.attention.rows), in place: the tensors
         keep their storage, so captured decode steps stay valid. A copy of one layer at a time; the layouts are
@@ -199,13 +206,19 @@ class ContextSession:
         finished sentence (engine.text.prompt.cut_answer); a piece that could begin a stop string or such a line is
         held back until the next tokens tell (engine.text.prompt.answer_held_back), so a stream never shows either.
         until: the answer also ends once until(its text so far) holds (squeeze eval's needles: the key said)."""
-        turn = self.turn(question, method, sparsity, max_new_tokens, history, options, history_tokens, until)
-        tokens = generate_tokens(self.lm, turn.step, turn.prompt, max_new_tokens, turn.sampler)
+        yield from self.run(self.turn(question, method, sparsity, max_new_tokens, history, options, history_tokens,
+                                      until))
+
+    def run(self, turn: Turn, stop: threading.Event | None = None) -> Iterator[Delta | Answer]:
+        """A turn of this session's (`turn`) answered alone: its pieces, then its Answer (stream's events). On a GPU
+        its decode steps are replayed from CUDA graphs. stop: once set, no more tokens are taken (the Answer then
+        holds what was said)."""
+        tokens = generate_tokens(self.lm, turn.step, turn.prompt, turn.max_new_tokens, turn.sampler)
         for token in tokens:
             piece = turn.feed(token)
             if piece is not None:
                 yield piece
-            if turn.done:
+            if turn.done or (stop is not None and stop.is_set()):
                 break
         tokens.close()  # hands the replayed steps' statistics to the recorder
         piece, answer = turn.finish()

@@ -5,7 +5,8 @@ this package, never from its modules (tests/test_rooms.py).
 (preparation in the background, its progress in the store), `turns.Turns` (a chat turn answered, explained and
 recorded), `explain.ContextInspector` (what a turn retrieved, from a context's artifacts), `preparer.Preparer`
 (what a method learns once per model, in the background), `writer` (artifacts saved while an ingest runs),
-`evals` (`squeeze eval`'s results as shown). With them, the names of the engine's lower rooms that its users need.
+`evals` (`squeeze eval`'s results as shown), `scheduler` (every user's turns on one model: together, or queued
+with their place told). With them, the names of the engine's lower rooms that its users need.
 """
 
 from engine.context.session import Answer, Delta
@@ -18,6 +19,7 @@ from engine.serve.evals import full_attention_found
 from engine.serve.explain import ContextInspector
 from engine.serve.jobs import LOADING, STAGES, IngestWorker, JobView, document_id, plain_error
 from engine.serve.preparer import Preparer, PrepView
+from engine.serve.scheduler import Waiting
 from engine.serve.service import Engine, IngestReport, Overrides
 from engine.serve.turns import EMPTY_ANSWER, RecordedTurn, Turns
 
@@ -25,6 +27,6 @@ __all__ = [
     "Answer", "ContextInspector", "ContextSettings", "DEFAULT_METHOD", "DEFAULT_SPARSITY", "Delta", "EMBEDDED_MODEL",
     "EMPTY_ANSWER", "Engine", "GenerationOptions", "HierarchicalSettings", "IngestReport", "IngestWorker", "JobView",
     "LOADING", "MAX_SPARSITY", "METHODS", "Overrides", "PrepView", "Preparer", "REGISTRY", "RecordedTurn",
-    "SPARSE_METHODS", "STAGES", "SqueezeSettings", "Turns", "build_order", "document_id", "full_attention_found",
-    "make_method", "plain_error",
+    "SPARSE_METHODS", "STAGES", "SqueezeSettings", "Turns", "Waiting", "build_order", "document_id",
+    "full_attention_found", "make_method", "plain_error",
 ]

@@ -20,6 +20,7 @@ from engine.methods import REGISTRY, Method, MethodSettings, Preparation, StepPl
 from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY, GenerationOptions, default_cache_dir
 from engine.model.compiled import compile_layers, wants_compile, warm_up
 from engine.model.load import EMBEDDED_MODEL, STEP_DONE, LoadedModel, LoadStep, ModelLoadError, load_model, model_id_for
+from engine.serve.scheduler import Request, Scheduler, Waiting, default_batch
 from engine.serve.writer import ArtifactWriter
 from engine.text.prompt import DocumentTooLongError, Exchange, prompt_format, tokenize_document
 from kernels.backend import Backend
@@ -66,13 +67,14 @@ class Engine:
     missing or was built with others;
     follow: the follow rows every sparse step adds (engine.attention.follow; None: the defaults);
     load_progress: told each step of the model's load as (step, done, total) (the CLI prints them; the app's jobs
-    read `load_step`).
+    read `load_step`);
+    max_batch: the turns answered together, the rest queued (engine.serve.scheduler; None: default_batch).
     """
 
     def __init__(self, cache_dir: str | Path | None = None, model: str | None = None, device: str = "auto",
                  backend: str | None = None, lm: LoadedModel | None = None, compile: str | bool = "auto",
                  methods: Overrides | None = None, follow: FollowSettings | None = None,
-                 load_progress: Progress | None = None):
+                 load_progress: Progress | None = None, max_batch: int | None = None):
         self.store = Store(Path(cache_dir) if cache_dir else default_cache_dir())
         self.store.jobs.recover_interrupted()
         self.store.remove_orphan_files(min_age_s=ORPHAN_MIN_AGE_S)  # what killed ingests left
@@ -91,6 +93,8 @@ class Engine:
         self.load_progress = load_progress  # told each step of the model's load, whoever loads it
         self._device_lock = threading.RLock()  # building a method's index and answering share the open context
         self._session: tuple[str, ContextSession] | None = None
+        self.max_batch = max_batch  # turns answered together (None: default_batch of the model's device)
+        self._scheduler: Scheduler | None = None
 
     @property
     def lm(self) -> LoadedModel:
@@ -411,18 +415,41 @@ class Engine:
         wanted = [a["name"] for a in self.store.artifacts.list(context_id) if a["name"].startswith(prefix)]
         return {n[len(prefix):]: t for n, t in self.store.artifacts.load(context_id, wanted).items()}
 
+    @property
+    def scheduler(self) -> Scheduler:
+        """The turns' scheduler (engine.serve.scheduler): `max_batch` turns together, the model loaded first to
+        choose it where it was not given."""
+        if self._scheduler is None:
+            batch = self.max_batch if self.max_batch is not None else default_batch(self.lm.device)
+            with self._device_lock:
+                if self._scheduler is None:
+                    self._scheduler = Scheduler(batch, lambda: self.lm)
+        return self._scheduler
+
     def stream(self, context_id: str, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
                max_new_tokens: int = 64, progress: Progress | None = None, history: Sequence[Exchange] = (),
                options: GenerationOptions | None = None, overrides: Overrides | None = None,
-               ) -> Iterator[Delta | Answer]:
-        """The answer's pieces, then the Answer; the method's index is built first if the context lacks it with the
-        settings asked for (`overrides`: this request's, else the engine's). history, options: ContextSession.stream's
-        (the chat's earlier exchanges; how tokens are chosen)."""
+               ) -> Iterator[Delta | Answer | Waiting]:
+        """Waiting(ahead) while the turn is queued behind others (engine.serve.scheduler), then the answer's pieces,
+        then the Answer; the method's index is built first if the context lacks it with the settings asked for
+        (`overrides`: this request's, else the engine's). history, options: ContextSession.stream's (the chat's
+        earlier exchanges; how tokens are chosen). Closing the stream early ends the turn."""
         check_sparsity(sparsity)
-        with self._device_lock:
-            self.ensure_methods(context_id, [method], progress, overrides)
-            session = self.session(context_id)
-        yield from session.stream(question, method, sparsity, max_new_tokens, history, options)
+
+        def prepare() -> ContextSession:
+            with self._device_lock:
+                self.ensure_methods(context_id, [method], progress, overrides)
+                return self.session(context_id)
+
+        def joinable() -> bool:
+            opened = self._session
+            return opened is not None and opened[0] == context_id and not self.stale_methods(context_id, [method],
+                                                                                             overrides)
+
+        def make(session: ContextSession, fork: bool):
+            return session.turn(question, method, sparsity, max_new_tokens, history, options, fork=fork)
+
+        yield from self.scheduler.stream(Request(context_id, method, prepare, joinable, make))
 
     def ask(self, context_id: str, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
             max_new_tokens: int = 64, history: Sequence[Exchange] = (), options: GenerationOptions | None = None,

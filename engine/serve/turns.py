@@ -12,6 +12,7 @@ from engine.methods import REGISTRY
 from engine.model.sampling import GenerationOptions
 from engine.serve.explain import explain_turn
 from engine.serve.jobs import plain_error
+from engine.serve.scheduler import Waiting
 from engine.serve.service import Engine, Overrides
 from engine.text.prompt import Exchange
 
@@ -48,8 +49,9 @@ class Turns:
 
     def answer(self, chat_id: int, context_id: str, question: str, method: str, sparsity: float, max_new_tokens: int,
                compare: bool = False, stop: threading.Event | None = None, options: GenerationOptions | None = None,
-               overrides: Overrides | None = None) -> Iterator[Delta | RecordedTurn]:
-        """Yield the answer's pieces, then the RecordedTurn. The chat's earlier turns are the model's input before
+               overrides: Overrides | None = None) -> Iterator[Delta | Waiting | RecordedTurn]:
+        """Yield Waiting(ahead) while the turn is queued behind other users' (engine.serve.scheduler), the answer's
+        pieces, then the RecordedTurn. The chat's earlier turns are the model's input before
         the question (engine.text.prompt: the latest that fit). `stop` set while it streams ends the answer there:
         what was said is kept (marked as stopped, without statistics). sparsity: as the user set it (the method's
         plan says what it means: full attention reads everything); options: how tokens are chosen (None: greedy);
@@ -66,6 +68,8 @@ class Turns:
                     yield event
                 elif isinstance(event, Answer):
                     answer = event
+                elif isinstance(event, Waiting):
+                    yield event
                 if stop is not None and stop.is_set():
                     stopped = answer is None
                     break
@@ -73,7 +77,8 @@ class Turns:
             stream.close()
         if stopped:
             text = text.strip()
-            ran = round(1.0 - self.engine.session(context_id).plan(method, sparsity).budget, 6)
+            plan = self.engine.plan(context_id, method, sparsity, overrides)  # (from the store: no context loads)
+            ran = round(1.0 - plan.budget, 6) if plan is not None else sparsity
             stats = {"stopped": True, "context_id": context_id, "method": method, "sparsity": ran}
             self.store.chats.add_turn(chat_id, question, text + STOPPED_MARK, method, ran, stats)
         else:

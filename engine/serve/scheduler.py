@@ -1,0 +1,223 @@
+"""Every user's turns on one model: a thread that owns the model's steps, answers up to `max_batch` turns together
+and keeps the rest in a queue, first come first served, each told its place.
+
+The first turn in the queue joins the turns under way when the batch has room and it can run beside them: over the
+context they read (the engine keeps one on the device), with its method's index built, in the same order of the
+K/V (ContextSession.layout_key). Otherwise it, and everything behind it, waits until the batch has drained (no turn
+overtakes another). Admitted, a turn's question is prefilled alone, then it takes one token a step with the others
+(engine.context.batching.TurnBatch). With max_batch = 1 each turn runs alone through its session's own path (on a
+GPU its steps replayed from CUDA graphs). A turn whose reader goes away (its stream closed: the user stopped it or
+left) leaves at the next step; the others go on.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.context.batching import TurnBatch
+from engine.context.session import ContextSession
+from engine.context.turn import Answer, Delta, Turn
+from engine.model.load import LoadedModel
+
+CPU_BATCH = 4  # turns answered together by default on the CPU
+WAIT_REPEAT_S = 0.5  # a queued turn's Waiting is yielded again this often (its reader may stop it meanwhile)
+
+
+def default_batch(device: torch.device) -> int:
+    """Turns answered together by default: CPU_BATCH on the CPU; one on a GPU, where a lone turn's steps are replayed
+    from CUDA graphs and a batched step runs eagerly (its kernels one sequence after another)."""
+    return 1 if device.type == "cuda" else CPU_BATCH
+
+
+@dataclass(frozen=True)
+class Waiting:
+    """A turn is queued: `ahead` turns are before it (0: it is next)."""
+
+    ahead: int
+
+
+@dataclass(eq=False)
+class Request:
+    """A turn asked for. prepare(): its context's session with the method's index built (slow the first time:
+    called when the turn is admitted); joinable(): whether its session is open with the index built, so that it
+    can join turns under way without building or loading anything; make(session, fork): its Turn (fork: another
+    turn over the context is under way). Its events (Delta, Answer, Waiting, an exception; None ends them) go to
+    `events`."""
+
+    context_id: str
+    method: str
+    prepare: Callable[[], ContextSession]
+    joinable: Callable[[], bool]
+    make: Callable[[ContextSession, bool], Turn]
+    events: queue.Queue = field(default_factory=queue.Queue)
+    gone: threading.Event = field(default_factory=threading.Event)  # its reader closed the stream
+    told: int | None = None  # the place last told
+    session: ContextSession | None = None
+    turn: Turn | None = None
+
+
+class Scheduler:
+    """Steps the turns of every request together (the module docstring); lm(): the model (loaded on first use)."""
+
+    def __init__(self, max_batch: int, lm: Callable[[], LoadedModel]):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be at least 1, got {max_batch}")
+        self.max_batch = max_batch
+        self._lm = lm
+        self._waiting: deque[Request] = deque()
+        self._active: list[Request] = []
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._batch: TurnBatch | None = None
+        self._alone: Request | None = None  # the turn running alone (max_batch 1)
+
+    def stream(self, request: Request) -> Iterator[Delta | Answer | Waiting]:
+        """Queue the request and yield its events: Waiting(ahead) while it waits (each time its place changes, and
+        every WAIT_REPEAT_S), then the answer's pieces and its Answer. An exception of its turn is raised here. Closing the stream early
+        takes the turn out, waiting or under way."""
+        with self._cond:
+            self._waiting.append(request)
+            if self._alone is not None:  # a turn runs alone: the loop tells places again only after it
+                request.told = len(self._waiting) - 1
+                request.events.put(Waiting(request.told))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="squeeze-scheduler", daemon=True)
+                self._thread.start()
+            self._cond.notify_all()
+        try:
+            last = None
+            while True:
+                try:
+                    event = request.events.get(timeout=WAIT_REPEAT_S if isinstance(last, Waiting) else None)
+                except queue.Empty:  # still waiting: said again, so that a reader may stop between two events
+                    event = last
+                if event is None:
+                    return
+                if isinstance(event, BaseException):
+                    raise event
+                last = event
+                yield event
+        finally:
+            request.gone.set()
+            with self._cond:
+                self._cond.notify_all()
+
+    def queued(self) -> int:
+        """Turns waiting now."""
+        with self._cond:
+            return len(self._waiting)
+
+    # ------------------------------------------------------------------------------------------ the thread
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                for request in [r for r in self._waiting if r.gone.is_set()]:  # readers gone while waiting
+                    self._waiting.remove(request)
+                    request.events.put(None)
+                while not self._waiting and not self._active:
+                    self._cond.wait()
+                admitted = self._admit()
+                for ahead, request in enumerate(self._waiting):
+                    if request.told != ahead:
+                        request.told = ahead
+                        request.events.put(Waiting(ahead))
+            if admitted is not None:
+                self._start(admitted)
+            elif self._active:
+                self._step()
+
+    def _admit(self) -> Request | None:
+        """The first waiting request, taken from the queue, if it may start now (under the lock)."""
+        if not self._waiting or len(self._active) >= self.max_batch:
+            return None
+        first = self._waiting[0]
+        if self._active:
+            under_way = self._active[0]
+            if (first.context_id != under_way.context_id or not first.joinable()
+                    or under_way.session.layout_key(first.method) != under_way.session.layout_key(under_way.method)):
+                return None
+        return self._waiting.popleft()
+
+    def _start(self, request: Request) -> None:
+        """Open the request's turn and take its first token; with max_batch 1, run it whole."""
+        try:
+            request.session = request.prepare()
+            request.turn = request.make(request.session, bool(self._active))
+            if self.max_batch == 1:
+                with self._cond:
+                    self._alone = request
+                try:
+                    for event in request.session.run(request.turn, stop=request.gone):
+                        request.events.put(event)
+                finally:
+                    with self._cond:
+                        self._alone = None
+                request.events.put(None)
+                return
+            if self._batch is None:
+                self._batch = TurnBatch(self._lm())
+            piece = self._batch.join(request.turn)
+        except BaseException as exc:  # noqa: BLE001 - raised by the turn's reader
+            self._fail(request, exc)
+            return
+        if piece is not None:
+            request.events.put(piece)
+        if request.turn.done:
+            self._finish(request)
+        else:
+            with self._cond:
+                self._active.append(request)
+
+    def _step(self) -> None:
+        """One step of every turn under way; turns that ended or whose reader left go."""
+        for request in [r for r in self._active if r.gone.is_set()]:
+            self._batch.leave(request.turn)
+            request.turn.step.cache.reset_dynamic()
+            self._leave(request)
+            request.events.put(None)
+        if not self._active:
+            return
+        by_turn = {id(r.turn): r for r in self._active}
+        try:
+            results = self._batch.step()
+        except BaseException as exc:  # noqa: BLE001 - every turn of the step failed with it
+            for request in list(self._active):
+                self._batch.leave(request.turn)
+                self._fail(request, exc)
+            return
+        for turn, piece in results:
+            request = by_turn[id(turn)]
+            if piece is not None:
+                request.events.put(piece)
+            if turn.done:
+                self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        try:
+            piece, answer = request.turn.finish()
+        except BaseException as exc:  # noqa: BLE001
+            self._fail(request, exc)
+            return
+        if piece is not None:
+            request.events.put(piece)
+        request.events.put(answer)
+        request.events.put(None)
+        self._leave(request)
+
+    def _fail(self, request: Request, exc: BaseException) -> None:
+        if request.turn is not None:
+            request.turn.step.cache.reset_dynamic()
+        request.events.put(exc)
+        request.events.put(None)
+        self._leave(request)
+
+    def _leave(self, request: Request) -> None:
+        with self._cond:
+            if request in self._active:
+                self._active.remove(request)

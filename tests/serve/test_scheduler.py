@@ -1,0 +1,114 @@
+"""engine.serve.scheduler through Engine.stream: turns asked at once are answered as each is alone (greedy: the same
+text and tokens); turns over the open document join one batch, a turn over another document waits (told its
+place) until that batch has drained; a closed stream leaves the queue or the batch and frees its place; with a
+batch of one each turn runs alone, the next told it is next (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from engine.context.session import ContextSession
+from engine.context.turn import Answer, Delta
+from engine.model.load import load_model
+from engine.serve.scheduler import Waiting
+from engine.serve.service import Engine
+from tests.support.tiny_models import make_tiny_model
+
+FERRY = "The ferry to Orsa leaves at 7:40 from pier 3. Tickets cost 12 crowns; bicycles travel free. " * 6
+LIGHT = "Callow Head Light was first lit in 1847 and was kept by the Marr family for ninety years. " * 6
+TOKENS = 48  # long enough that the first turns are under way while the others are asked
+ASKED = [("ferry", "When does the ferry leave?"), ("ferry", "What do tickets cost?"),
+         ("light", "When was it first lit?"), ("light", "Who kept the light?")]
+
+
+@pytest.fixture(scope="module")
+def lm(tmp_path_factory):
+    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama_gqa")), "cpu")
+
+
+def _engine(lm, tmp_path, max_batch: int) -> tuple[Engine, dict[str, str]]:
+    engine = Engine(tmp_path / "cache", lm=lm, max_batch=max_batch)
+    contexts = {}
+    for name, text in (("ferry", FERRY), ("light", LIGHT)):
+        (tmp_path / f"{name}.txt").write_text(text)
+        contexts[name] = engine.ingest(tmp_path / f"{name}.txt").context_id
+    return engine, contexts
+
+
+def _drain(stream, first: list) -> tuple[list, Answer | None]:
+    """The rest of a stream's events after `first` (the ones already read), and its Answer."""
+    events = list(first) + list(stream)
+    answers = [e for e in events if isinstance(e, Answer)]
+    return events, answers[0] if answers else None
+
+
+def _solo(engine: Engine, contexts: dict) -> list[Answer]:
+    return [engine.ask(contexts[doc], q, "squeeze", 0.5, TOKENS) for doc, q in ASKED]
+
+
+def test_turns_asked_together_are_answered_as_alone(lm, tmp_path):
+    engine, contexts = _engine(lm, tmp_path, max_batch=4)
+    solo = _solo(engine, contexts)
+    streams = [engine.stream(contexts[doc], q, "squeeze", 0.5, TOKENS) for doc, q in ASKED]
+    firsts = [[next(s)] for s in streams]  # each queued in order: the ferry's two start, the light's wait
+    assert all(not isinstance(f[0], Waiting) for f in firsts[:2])
+    assert firsts[2] == [Waiting(0)] and firsts[3] == [Waiting(1)]
+    results = [None] * 4
+
+    def drain(i: int) -> None:
+        results[i] = _drain(streams[i], firsts[i])
+
+    threads = [threading.Thread(target=drain, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for (events, answer), want in zip(results, solo):
+        assert answer is not None and answer.tokens == want.tokens and answer.text == want.text
+        said = "".join(e.text for e in events if isinstance(e, Delta))
+        assert said.strip() == want.text
+    assert engine.scheduler.queued() == 0
+
+
+def test_a_closed_stream_frees_its_place(lm, tmp_path):
+    engine, contexts = _engine(lm, tmp_path, max_batch=2)
+    solo = _solo(engine, contexts)
+    ferry = contexts["ferry"]
+    first = engine.stream(ferry, ASKED[0][1], "squeeze", 0.5, TOKENS)
+    second = engine.stream(ferry, ASKED[1][1], "squeeze", 0.5, TOKENS)
+    third = engine.stream(contexts["light"], ASKED[2][1], "squeeze", 0.5, TOKENS)
+    fourth = engine.stream(ferry, ASKED[0][1], "squeeze", 0.5, TOKENS)
+    heads = [next(first), next(second)]
+    assert next(third) == Waiting(0) and next(fourth) == Waiting(1)
+    third.close()  # left while waiting: the fourth is next
+    assert next(fourth) == Waiting(0)
+    second.close()  # left mid-answer: its place in the batch goes to the fourth
+    events, answer = _drain(fourth, [])
+    assert answer.tokens == solo[0].tokens
+    events, answer = _drain(first, heads[:1])
+    assert answer.tokens == solo[0].tokens and answer.text == solo[0].text
+    assert engine.scheduler.queued() == 0
+
+
+def test_a_batch_of_one_answers_one_turn_at_a_time(lm, tmp_path, monkeypatch):
+    engine, contexts = _engine(lm, tmp_path, max_batch=1)
+    solo = _solo(engine, contexts)
+    gate, run = threading.Event(), ContextSession.run
+
+    def held(self, turn, stop=None):  # the lone turn's first piece, then it waits for the test
+        for i, event in enumerate(run(self, turn, stop)):
+            yield event
+            if i == 0:
+                assert gate.wait(60)
+
+    monkeypatch.setattr(ContextSession, "run", held)
+    ferry = contexts["ferry"]
+    first = engine.stream(ferry, ASKED[0][1], "squeeze", 0.5, TOKENS)
+    head = next(first)
+    second = engine.stream(ferry, ASKED[1][1], "squeeze", 0.5, TOKENS)
+    assert next(second) == Waiting(0)  # told at once, while the first runs
+    gate.set()
+    assert _drain(first, [head])[1].tokens == solo[0].tokens
+    assert _drain(second, [])[1].tokens == solo[1].tokens
