@@ -79,8 +79,8 @@ class Scheduler:
 
     def stream(self, request: Request) -> Iterator[Delta | Answer | Waiting]:
         """Queue the request and yield its events: Waiting(ahead) while it waits (each time its place changes, and
-        every WAIT_REPEAT_S), then the answer's pieces and its Answer. An exception of its turn is raised here. Closing the stream early
-        takes the turn out, waiting or under way."""
+        every WAIT_REPEAT_S), then the answer's pieces and its Answer. An exception of its turn is raised here.
+        Closing the stream early takes the turn out, waiting or under way."""
         with self._cond:
             self._waiting.append(request)
             if self._alone is not None:  # a turn runs alone: the loop tells places again only after it
@@ -122,7 +122,11 @@ class Scheduler:
                     request.events.put(None)
                 while not self._waiting and not self._active:
                     self._cond.wait()
-                admitted = self._admit()
+                try:
+                    admitted = self._admit()
+                except BaseException as exc:  # noqa: BLE001 - the first waiting turn cannot say whether it joins
+                    self._fail(self._waiting.popleft(), exc, locked=True)
+                    continue
                 for ahead, request in enumerate(self._waiting):
                     if request.told != ahead:
                         request.told = ahead
@@ -139,8 +143,10 @@ class Scheduler:
         first = self._waiting[0]
         if self._active:
             under_way = self._active[0]
-            if (first.context_id != under_way.context_id or not first.joinable()
-                    or under_way.session.layout_key(first.method) != under_way.session.layout_key(under_way.method)):
+            if first.context_id != under_way.context_id or not first.joinable():
+                return None
+            layout = under_way.session.layout_key  # (the method is built: joinable)
+            if layout(first.method) != layout(under_way.method):
                 return None
         return self._waiting.popleft()
 
@@ -210,12 +216,14 @@ class Scheduler:
         request.events.put(None)
         self._leave(request)
 
-    def _fail(self, request: Request, exc: BaseException) -> None:
+    def _fail(self, request: Request, exc: BaseException, locked: bool = False) -> None:
+        """End a request with `exc` (raised by its reader); locked: the caller holds the lock."""
         if request.turn is not None:
             request.turn.step.cache.reset_dynamic()
         request.events.put(exc)
         request.events.put(None)
-        self._leave(request)
+        if not locked:
+            self._leave(request)
 
     def _leave(self, request: Request) -> None:
         with self._cond:

@@ -112,3 +112,13 @@ def test_a_batch_of_one_answers_one_turn_at_a_time(lm, tmp_path, monkeypatch):
     gate.set()
     assert _drain(first, [head])[1].tokens == solo[0].tokens
     assert _drain(second, [])[1].tokens == solo[1].tokens
+
+
+def test_a_turn_that_fails_is_raised_to_its_reader_and_the_others_go_on(lm, tmp_path):
+    engine, contexts = _engine(lm, tmp_path, max_batch=2)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        list(engine.stream(contexts["ferry"], "When?", "squeeze", 0.5, 0))
+    with pytest.raises(Exception, match="no-such-context|not found|No such|no such"):
+        list(engine.stream("no-such-context", "When?", "squeeze", 0.5, 4))
+    answer = [e for e in engine.stream(contexts["ferry"], ASKED[0][1], "squeeze", 0.5, 4) if isinstance(e, Answer)]
+    assert len(answer) == 1 and answer[0].stats.new_tokens >= 1
