@@ -235,6 +235,8 @@ def cmd_bench(args) -> int:
         from engine.bench.kernels import main as bench_main  # noqa: PLC0415
     elif args.which == "e2e":
         from engine.bench.e2e.report import main as bench_main  # noqa: PLC0415
+    elif args.which == "serve":
+        from engine.bench.serve import main as bench_main  # noqa: PLC0415
     else:
         from engine.bench.capture import main as bench_main  # noqa: PLC0415
     return bench_main(args.rest)
@@ -358,8 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-upload-mb", type=_megabytes, default=50.0, help="largest file accepted, per file")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="benchmarks that print JSON: `kernels` (GPU), `capture` (real keys for it), "
-                                     "`e2e` (ingest, prefill and decode through the engine, beside transformers)")
-    p.add_argument("which", choices=("kernels", "capture", "e2e"))
+                                     "`e2e` (ingest, prefill and decode through the engine, beside transformers), "
+                                     "`serve` (many users at once through the engine)")
+    p.add_argument("which", choices=("kernels", "capture", "e2e", "serve"))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `squeeze bench kernels --help`)")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)

@@ -1,10 +1,10 @@
 """Every user's turns on one model: a thread that owns the model's steps, answers up to `max_batch` turns together
 and keeps the rest in a queue, first come first served, each told its place.
 
-The first turn in the queue joins the turns under way when the batch has room and it can run beside them: over the
-context they read (the engine keeps one on the device), with its method's index built, in the same order of the
-K/V (ContextSession.layout_key). Otherwise it, and everything behind it, waits until the batch has drained (no turn
-overtakes another). Admitted, a turn's question is prefilled alone, then it takes one token a step with the others
+The first turn in the queue joins the turns under way when the batch has room and it can run beside them: its
+method's index built, its context open or openable beside theirs (the engine keeps up to max_batch contexts on the
+device), and, over a context that other turns read, in their order of its K/V (ContextSession.layout_key).
+Otherwise it, and everything behind it, waits until the turns under way have drained (no turn overtakes another). Admitted, a turn's question is prefilled alone, then it takes one token a step with the others
 (engine.context.batching.TurnBatch). With max_batch = 1 each turn runs alone through its session's own path (on a
 GPU its steps replayed from CUDA graphs). A turn whose reader goes away (its stream closed: the user stopped it or
 left) leaves at the next step; the others go on.
@@ -108,6 +108,11 @@ class Scheduler:
             with self._cond:
                 self._cond.notify_all()
 
+    def contexts_in_use(self) -> set[str]:
+        """The contexts that turns under way read."""
+        with self._cond:
+            return {r.context_id for r in [*self._active, *([self._alone] if self._alone else [])]}
+
     def queued(self) -> int:
         """Turns waiting now."""
         with self._cond:
@@ -142,19 +147,21 @@ class Scheduler:
             return None
         first = self._waiting[0]
         if self._active:
-            under_way = self._active[0]
-            if first.context_id != under_way.context_id or not first.joinable():
+            if not first.joinable():
                 return None
-            layout = under_way.session.layout_key  # (the method is built: joinable)
-            if layout(first.method) != layout(under_way.method):
-                return None
+            same = [r for r in self._active if r.context_id == first.context_id]
+            if same:  # over one context, turns read its K/V in one order
+                layout = same[0].session.layout_key  # (the method is built: joinable)
+                if layout(first.method) != layout(same[0].method):
+                    return None
         return self._waiting.popleft()
 
     def _start(self, request: Request) -> None:
         """Open the request's turn and take its first token; with max_batch 1, run it whole."""
         try:
             request.session = request.prepare()
-            request.turn = request.make(request.session, bool(self._active))
+            request.turn = request.make(request.session, any(r.context_id == request.context_id
+                                                                 for r in self._active))
             if self.max_batch == 1:
                 with self._cond:
                     self._alone = request

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +93,7 @@ class Engine:
         self.load_step: LoadStep | None = None  # while the model loads: the step under way (for progress views)
         self.load_progress = load_progress  # told each step of the model's load, whoever loads it
         self._device_lock = threading.RLock()  # building a method's index and answering share the open context
-        self._session: tuple[str, ContextSession] | None = None
+        self._sessions: OrderedDict[str, ContextSession] = OrderedDict()  # open contexts, least recently used first
         self.max_batch = max_batch  # turns answered together (None: default_batch of the model's device)
         self._scheduler: Scheduler | None = None
 
@@ -256,8 +257,7 @@ class Engine:
             return IngestReport(doc_id, ctx["id"], ctx["tokens"], doc.pages, time.perf_counter() - start, cached=True)
         if ctx["status"] != "running":  # (a running one is another ingest's, writing its files now)
             with self._device_lock:  # a failed or damaged build's files, and any session over them: rebuilt below
-                if self._session is not None and self._session[0] == ctx["id"]:
-                    self._session = None
+                self._sessions.pop(ctx["id"], None)
                 self.store.artifacts.clear(ctx["id"])
         own = job is None
         if own:
@@ -370,11 +370,13 @@ class Engine:
         return out
 
     def session(self, context_id: str) -> ContextSession:
-        """The context on the model's device (the last one opened stays open), with every method built for it, each
-        with the settings it was built with (ensure_methods builds the others)."""
+        """The context on the model's device, with every method built for it, each with the settings it was built
+        with (ensure_methods builds the others). Contexts stay open, up to the scheduler's batch of them (one before
+        a turn is asked); opening another first closes the least recently used one that no turn reads now."""
         with self._device_lock:
-            if self._session is None or self._session[0] != context_id:
-                self._session = None  # free the previous context before loading the next
+            session = self._sessions.get(context_id)
+            if session is None:
+                self._make_room()  # free the contexts to close before loading the next
                 ctx = self.store.contexts.get(context_id)
                 current = self.built_methods(context_id)
                 wanted = [r["name"] for r in self.store.artifacts.list(context_id)
@@ -383,8 +385,34 @@ class Engine:
                 session = ContextSession(self.lm, artifacts, ContextSettings.from_dict(ctx["settings"]), self.backend,
                                          methods=current, prepared={n: self.prepared_for(m) for n, m in current.items()},
                                          follow=self.follow)
-                self._session = (context_id, session)
-            return self._session[1]
+                self._sessions[context_id] = session
+            self._sessions.move_to_end(context_id)
+            return session
+
+    def _open_limit(self) -> int:
+        return self._scheduler.max_batch if self._scheduler is not None else 1
+
+    def _idle_sessions(self) -> list[str]:
+        """The open contexts that no turn under way reads, least recently used first."""
+        busy = self._scheduler.contexts_in_use() if self._scheduler is not None else set()
+        return [c for c in list(self._sessions) if c not in busy]
+
+    def _make_room(self) -> None:
+        """Close idle contexts until one more fits under the limit (a context a turn reads stays open)."""
+        idle = self._idle_sessions()
+        while len(self._sessions) >= self._open_limit() and idle:
+            self._sessions.pop(idle.pop(0), None)
+
+    def can_open(self, context_id: str) -> bool:
+        """Whether a turn over `context_id` can start now without closing a context that a turn reads."""
+        return (context_id in self._sessions or len(self._sessions) < self._open_limit()
+                or bool(self._idle_sessions()))
+
+    def _forget(self, context_ids) -> None:
+        """Close these contexts (their files change or go); turns under way keep what they read."""
+        with self._device_lock:
+            for context_id in context_ids:
+                self._sessions.pop(context_id, None)
 
     def plan(self, context_id: str, method: str, sparsity: float = DEFAULT_SPARSITY,
              overrides: Overrides | None = None) -> StepPlan | None:
@@ -441,10 +469,8 @@ class Engine:
                 self.ensure_methods(context_id, [method], progress, overrides)
                 return self.session(context_id)
 
-        def joinable() -> bool:
-            opened = self._session
-            return opened is not None and opened[0] == context_id and not self.stale_methods(context_id, [method],
-                                                                                             overrides)
+        def joinable() -> bool:  # (called by the scheduler's thread under its lock: takes no other lock)
+            return self.can_open(context_id) and not self.stale_methods(context_id, [method], overrides)
 
         def make(session: ContextSession, fork: bool):
             return session.turn(question, method, sparsity, max_new_tokens, history, options, fork=fork)
@@ -487,7 +513,7 @@ class Engine:
 
     def delete_document(self, doc_id: str) -> str:
         doc = self.store.documents.find(doc_id)
-        self._session = None
+        self._forget(c["id"] for c in self.store.contexts.list(doc["id"]))
         self.store.documents.delete(doc["id"])
         return doc["id"]
 
@@ -504,10 +530,7 @@ class Engine:
         files); returns their ids."""
         gone = []
         for doc_id in self.store.documents.hidden(older_than_s):
-            with self._device_lock:  # its context may be the open one
-                if self._session is not None and self._session[0] in {c["id"] for c in
-                                                                       self.store.contexts.list(doc_id)}:
-                    self._session = None
+            self._forget(c["id"] for c in self.store.contexts.list(doc_id))  # its contexts may be open
             try:
                 self.store.documents.delete(doc_id)
             except NotFoundError:  # another page's poll deleted it first

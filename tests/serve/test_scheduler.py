@@ -1,7 +1,7 @@
-"""engine.serve.scheduler through Engine.stream: turns asked at once are answered as each is alone (greedy: the same
-text and tokens); turns over the open document join one batch, a turn over another document waits (told its
-place) until that batch has drained; a closed stream leaves the queue or the batch and frees its place; with a
-batch of one each turn runs alone, the next told it is next (tiny model, CPU)."""
+"""engine.serve.scheduler through Engine.stream: turns asked at once, over two documents, are answered in one batch
+and each as it is alone (greedy: the same text and tokens); beyond the batch a turn waits, told its place; a closed
+stream leaves the queue or the batch and frees its place; with a batch of one each turn runs alone, the next told
+it is next; a turn that fails is raised to its reader and the others go on (tiny model, CPU)."""
 
 from __future__ import annotations
 
@@ -52,9 +52,8 @@ def test_turns_asked_together_are_answered_as_alone(lm, tmp_path):
     engine, contexts = _engine(lm, tmp_path, max_batch=4)
     solo = _solo(engine, contexts)
     streams = [engine.stream(contexts[doc], q, "squeeze", 0.5, TOKENS) for doc, q in ASKED]
-    firsts = [[next(s)] for s in streams]  # each queued in order: the ferry's two start, the light's wait
-    assert all(not isinstance(f[0], Waiting) for f in firsts[:2])
-    assert firsts[2] == [Waiting(0)] and firsts[3] == [Waiting(1)]
+    firsts = [[next(s)] for s in streams]  # all four under way at once: two documents in one batch
+    assert not any(isinstance(f[0], Waiting) for f in firsts)
     results = [None] * 4
 
     def drain(i: int) -> None:

@@ -1,0 +1,35 @@
+"""`squeeze bench serve` on a tiny model on the CPU: three users over their own documents asked at once, every
+method's answers the same as each user's lone answer, and the report's figures consistent (first token before the
+end, p50 <= p95, every user's tokens counted)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.bench.serve import main, percentile
+from tests.support.tiny_models import make_tiny_model
+
+
+def test_percentiles_interpolate_between_ranks():
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+    assert percentile([1.0, 2.0], 95) == pytest.approx(1.95)
+    assert percentile([], 50) == 0.0
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_three_users_at_once_get_their_lone_answers(tmp_path, capsys):
+    model = make_tiny_model(tmp_path / "model", "llama_gqa")
+    out = tmp_path / "serve.json"
+    assert main(["--model", str(model), "--device", "cpu", "--users", "3", "--tokens", "6", "--batch", "3",
+                 "--methods", "squeeze,full", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert json.loads(capsys.readouterr().out) == report
+    assert report["batch"] == 3 and report["documents"] == 3 and set(report["methods"]) == {"squeeze", "full"}
+    for entry in report["methods"].values():
+        assert entry["same_answers"] == 3
+        together = entry["together"]
+        assert together["tokens"] == sum(u["tokens"] for u in entry["per_user"]) > 0
+        assert together["first_s_p50"] <= together["first_s_p95"]
+        assert all(u["first_s"] <= u["total_s"] for u in entry["per_user"])
