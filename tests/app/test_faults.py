@@ -1,6 +1,7 @@
 """Faults a server meets: the disk fills up during an ingest (a clear error, no half-written context, the cache still
 opens, the next ingest completes), and several users at once (four sessions on two documents through the app's API:
-the waiting ones told their place in the queue, each answer its own document's and chat's, nothing lost)."""
+the waiting ones told their place in the queue, each answer its own document's and chat's, nothing lost; eight
+sessions on four documents answered together, each as alone)."""
 
 from __future__ import annotations
 
@@ -264,3 +265,63 @@ def test_files_a_killed_ingest_left_are_swept_when_an_engine_opens(tiny_lm, tmp_
     assert not old.exists() and recent.exists()
     assert all(p.exists() for p in indexed)
     assert Engine(cache, lm=tiny_lm).ingest(path).cached
+
+
+def test_eight_users_at_once_each_get_their_own_answer(tiny_lm, tmp_path):
+    """Eight browser sessions (gradio_client) over four documents, all asking at once, not held: the app hands them
+    all to the engine, whose scheduler answers four together and queues the rest. Every answer is the one the
+    engine gives that question alone, recorded in its own session's chat on its own document; none lost."""
+    from gradio_client import Client
+
+    from app.config import AppConfig
+    from app.demo import build_demo, launch_kwargs
+    from engine.serve.jobs import IngestWorker
+    from tests.support.serving import serve_locally
+
+    engine = Engine(tmp_path / "cache", lm=tiny_lm, max_batch=4)
+    texts = [DOC, "Callow Head Light was first lit in 1847. " * 12, "The orchard's pears were grafted in 1911. " * 12,
+             "Room 4 of the museum holds the whaling logbooks. " * 12]
+    docs = []
+    for i, text in enumerate(texts):
+        (tmp_path / f"doc{i}.txt").write_text(text)
+        docs.append(engine.ingest(tmp_path / f"doc{i}.txt"))
+    cfg = AppConfig(poll_s=0.5, max_new_tokens=8)
+    demo = build_demo(engine, engine.store, worker=IngestWorker(engine), config=cfg)
+    url = serve_locally(demo, **launch_kwargs(cfg))
+    questions = ["When?", "Where?", "Who?", "How much?"]
+    plan = [(i % 4, questions[i // 2 % 4] + f" ({i})") for i in range(8)]
+    ask = ("squeeze", 0.8, 0.05, 0.01, False, 8, 0.0, 1.0, 1.0)
+    errors, start = [], threading.Event()
+
+    def session(i: int, doc: int, question: str) -> None:
+        try:
+            client = Client(url, verbose=False)
+            client.predict(docs[doc].doc_id, "squeeze", 0.8, api_name="/open_document")
+            client.predict(api_name="/new_chat")
+            start.wait(60)
+            client.predict(question, [], *ask, api_name="/ask")
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(f"session {i}: {exc!r}")
+
+    try:
+        threads = [threading.Thread(target=session, args=(i, *p)) for i, p in enumerate(plan)]
+        for t in threads:
+            t.start()
+        time.sleep(2)  # every client connected and on its document
+        start.set()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        recorded = {}
+        for doc, report in enumerate(docs):
+            for chat in engine.store.chats.list(report.doc_id):
+                for turn in engine.store.chats.turns(chat["id"]):
+                    recorded[(doc, turn["question"])] = turn
+        assert set(recorded) == set(plan)  # each question once, on its own document
+        for (doc, question), turn in recorded.items():
+            assert turn["stats"]["context_id"] == docs[doc].context_id
+            want = engine.ask(docs[doc].context_id, question, "squeeze", 0.8, 8)
+            assert turn["answer"] == want.text or not want.text  # (an empty answer is recorded as such)
+    finally:
+        demo.close()
+        demo.services.worker.close()
