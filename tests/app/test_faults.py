@@ -23,6 +23,14 @@ pytestmark = [
 DOC = "The ferry to Orsa leaves at 7:40 from pier 3. Tickets cost 12 crowns; bicycles travel free. " * 6
 
 
+def _started(session, plan: list[tuple]) -> list[threading.Thread]:
+    """One started thread per browser session: session(i, *plan[i])."""
+    threads = [threading.Thread(target=session, args=(i, *p)) for i, p in enumerate(plan)]
+    for t in threads:
+        t.start()
+    return threads
+
+
 def test_a_full_disk_during_an_ingest_leaves_no_half_written_context(tiny_lm, tmp_path, monkeypatch):
     path = tmp_path / "ferry.txt"
     path.write_text(DOC)
@@ -101,9 +109,7 @@ def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path, monkeypatch):
             errors.append(f"session {i}: {exc!r}")
 
     try:
-        threads = [threading.Thread(target=session, args=(i, *p)) for i, p in enumerate(plan)]
-        for t in threads:
-            t.start()
+        threads = _started(session, plan)
         deadline, places = time.monotonic() + 120, None
         while time.monotonic() < deadline and not errors:
             statuses = [job.status() for job in list(jobs.values())]
@@ -304,9 +310,7 @@ def test_eight_users_at_once_each_get_their_own_answer(tiny_lm, tmp_path):
             errors.append(f"session {i}: {exc!r}")
 
     try:
-        threads = [threading.Thread(target=session, args=(i, *p)) for i, p in enumerate(plan)]
-        for t in threads:
-            t.start()
+        threads = _started(session, plan)
         time.sleep(2)  # every client connected and on its document
         start.set()
         for t in threads:
