@@ -1,10 +1,11 @@
-"""Every user's turns on one model: a thread that owns the model's steps, answers up to `max_batch` turns together
-and keeps the rest in a queue, first come first served, each told its place.
+"""Every user's turns on one model: a thread that owns the model's steps, answers up to `max_batch` turns together and
+keeps the rest in a queue, first come first served, each told its place.
 
 The first turn in the queue joins the turns under way when the batch has room and it can run beside them: its
 method's index built, its context open or openable beside theirs (the engine keeps up to max_batch contexts on the
-device), and, over a context that other turns read, in their order of its K/V (ContextSession.layout_key).
-Otherwise it, and everything behind it, waits until the turns under way have drained (no turn overtakes another). Admitted, a turn's question is prefilled alone, then it takes one token a step with the others
+device), and, over a context that other turns read, in their order of its K/V (ContextSession.layout_key). Otherwise
+it, and everything behind it, waits until it can (at the latest when no turn is under way): no turn overtakes
+another. Admitted, a turn's question is prefilled alone, then it takes one token a step with the others
 (engine.context.batching.TurnBatch). With max_batch = 1 each turn runs alone through its session's own path (on a
 GPU its steps replayed from CUDA graphs). A turn whose reader goes away (its stream closed: the user stopped it or
 left) leaves at the next step; the others go on.
@@ -172,6 +173,7 @@ class Scheduler:
                     with self._cond:
                         self._alone = None
                 request.events.put(None)
+                self._leave(request)
                 return
             if self._batch is None:
                 self._batch = TurnBatch(self._lm())
@@ -233,6 +235,9 @@ class Scheduler:
             self._leave(request)
 
     def _leave(self, request: Request) -> None:
+        """A request is done: out of the batch, and its session and turn let go (a context closed meanwhile frees
+        its memory once no turn holds it)."""
         with self._cond:
             if request in self._active:
                 self._active.remove(request)
+            request.session = request.turn = None
