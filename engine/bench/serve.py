@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tempfile
 import threading
@@ -60,27 +59,32 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
+def listen(events, t0: float) -> dict:
+    """One user's turn from its stream of events: {first_s (to its first piece of answer; its end if none),
+    total_s, waited (told it was queued), tokens, text}, times from t0."""
+    first, waited, answer = None, False, None
+    for event in events:
+        if isinstance(event, Waiting):
+            waited = True
+        elif isinstance(event, Delta) and first is None:
+            first = time.perf_counter() - t0
+        elif isinstance(event, Answer):
+            answer = event
+    total = time.perf_counter() - t0
+    return {"first_s": round(first if first is not None else total, 4), "total_s": round(total, 4),
+            "waited": waited, "tokens": len(answer.tokens), "text": answer.text}
+
+
 def ask_at_once(engine: Engine, asks: list[tuple[str, str]], method: str, tokens: int) -> tuple[list[dict], float]:
-    """Every (context, question) of `asks` asked at the same moment, one thread each. Returns per user
-    {first_s, total_s, waited, tokens, text} (times from the common start) and the wall time of the whole."""
+    """Every (context, question) of `asks` asked at the same moment, one thread each. Returns per user `listen`'s
+    figures (times from the common start) and the wall time of the whole."""
     results: list[dict] = [{} for _ in asks]
     start = threading.Event()
 
     def user(i: int) -> None:
         context_id, question = asks[i]
         start.wait()
-        t0 = time.perf_counter()
-        first, waited, answer = None, False, None
-        for event in engine.stream(context_id, question, method, SPARSITY, tokens):
-            if isinstance(event, Waiting):
-                waited = True
-            elif isinstance(event, Delta) and first is None:
-                first = time.perf_counter() - t0
-            elif isinstance(event, Answer):
-                answer = event
-        total = time.perf_counter() - t0
-        results[i] = {"first_s": round(first if first is not None else total, 4), "total_s": round(total, 4),
-                      "waited": waited, "tokens": len(answer.tokens), "text": answer.text}
+        results[i] = listen(engine.stream(context_id, question, method, SPARSITY, tokens), time.perf_counter())
 
     threads = [threading.Thread(target=user, args=(i,)) for i in range(len(asks))]
     for t in threads:
@@ -93,19 +97,11 @@ def ask_at_once(engine: Engine, asks: list[tuple[str, str]], method: str, tokens
 
 
 def one_at_a_time(engine: Engine, asks: list[tuple[str, str]], method: str, tokens: int) -> tuple[list[dict], float]:
-    """The same asks, each alone after the previous one: per user {first_s, total_s, tokens, text} (times from
-    the run's start: a user's wait for the ones before it included) and the wall time."""
-    results, t0 = [], time.perf_counter()
-    for context_id, question in asks:
-        first, answer = None, None
-        for event in engine.stream(context_id, question, method, SPARSITY, tokens):
-            if isinstance(event, Delta) and first is None:
-                first = time.perf_counter() - t0
-            elif isinstance(event, Answer):
-                answer = event
-        total = time.perf_counter() - t0
-        results.append({"first_s": round(first if first is not None else total, 4), "total_s": round(total, 4),
-                        "tokens": len(answer.tokens), "text": answer.text})
+    """The same asks, each alone after the previous one: per user `listen`'s figures (times from the run's start:
+    a user's wait for the ones before it included) and the wall time."""
+    t0 = time.perf_counter()
+    results = [listen(engine.stream(context_id, question, method, SPARSITY, tokens), t0)
+               for context_id, question in asks]
     return results, time.perf_counter() - t0
 
 

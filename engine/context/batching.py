@@ -14,7 +14,7 @@ from engine.context.turn import Delta, Turn
 from engine.model.batch import forward_batch
 from engine.model.generate import forward_step
 from engine.model.load import LoadedModel
-from engine.model.sampling import greedy
+from engine.model.sampling import choose
 
 
 class TurnBatch:
@@ -36,7 +36,7 @@ class TurnBatch:
             step.cache.reset_dynamic()
             step.cache.reserve(prompt.numel() + turn.max_new_tokens)
             start = step.cache.get_seq_length()
-            token = self._pick(turn, forward_step(self.lm, step, prompt.to(self.lm.device), start))
+            token = choose(forward_step(self.lm, step, prompt.to(self.lm.device), start), turn.sampler)
         piece = turn.feed(int(token))
         if not turn.done:
             self.turns.append(turn)
@@ -52,7 +52,7 @@ class TurnBatch:
         with torch.inference_mode():
             logits = forward_batch(self.lm, [t.step for t in self.turns], torch.cat([tok for tok, _ in inputs]),
                                    [pos for _, pos in inputs])
-            tokens = [self._pick(t, logits[b : b + 1]) for b, t in enumerate(self.turns)]
+            tokens = [choose(logits[b : b + 1], t.sampler) for b, t in enumerate(self.turns)]
         out = []
         for turn, token, (_, position) in zip(list(self.turns), tokens, inputs):
             out.append((turn, turn.feed(int(token))))
@@ -67,8 +67,3 @@ class TurnBatch:
         if turn in self.turns:
             self.turns.remove(turn)
             del self._next[id(turn)]
-
-    @staticmethod
-    def _pick(turn: Turn, logits: torch.Tensor) -> torch.Tensor:
-        """The turn's next token from logits [1, V] (greedy, or its sampler's): [1] int64."""
-        return greedy(logits) if turn.sampler is None else turn.sampler.pick(logits)

@@ -14,7 +14,7 @@ import torch
 
 from engine.attention.function import StepContext
 from engine.model.load import LoadedModel
-from engine.model.sampling import Sampler, greedy
+from engine.model.sampling import Sampler, choose
 
 # A captured prefill's lengths: a question of n tokens (2 <= n <= the last) is padded to the first that holds it.
 PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024)
@@ -80,8 +80,7 @@ def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: i
 
 def _next(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int, sampler: Sampler | None) -> torch.Tensor:
     """The token after ids [n] (greedy, or the sampler's): [1] int64 on the device."""
-    logits = forward_step(lm, step, ids, start)
-    return greedy(logits) if sampler is None else sampler.pick(logits)
+    return choose(forward_step(lm, step, ids, start), sampler)
 
 
 def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int,
@@ -107,7 +106,7 @@ def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, ma
             next_ids = _next(lm, step, prompt.to(lm.device), position, sampler)
         else:
             logits = step.graphs.prefill(step, prompt.to(lm.device), position, length)
-            next_ids = greedy(logits) if sampler is None else sampler.pick(logits)
+            next_ids = choose(logits, sampler)
         token = int(next_ids)
     position += prompt.numel()
     yield token

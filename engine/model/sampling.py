@@ -63,6 +63,11 @@ class Sampler:
         return token
 
 
+def choose(logits: torch.Tensor, sampler: Sampler | None) -> torch.Tensor:
+    """The next token from logits [1, V]: greedy without a sampler, else the sampler's pick. [1] int64."""
+    return greedy(logits) if sampler is None else sampler.pick(logits)
+
+
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """probs [V] -> the same with every token outside the nucleus zeroed: the most probable tokens whose mass
     first reaches top_p (the most probable one always kept)."""
