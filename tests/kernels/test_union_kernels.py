@@ -185,3 +185,29 @@ def test_the_steps_statistics_are_added_as_the_tally_adds_them(shape, with_score
     if with_scores:
         torch.testing.assert_close(got.best.cpu(), best)
     assert kept.sum() > 3.0 * rows
+
+
+
+def test_a_row_without_items_has_no_keys_and_its_statistics():
+    """Row 0 selects nothing, no query sees a new token and there are no follow rows: row 0 has no item at all (out
+    0, lse -inf, its statistics added all the same: row 0 adds the elements); the other row as the reference."""
+    q, k, v, sel, _, k_new, v_new, q_pos, k_start, _ = case(6, 8, 2, 2, 1, 300, 32, 0, 0, False)
+    q_pos = q_pos * 0 + k_start - 1
+    elements = torch.tensor([2.0, 5.0])
+
+    def tally(on):
+        return StepTally(on(elements), on(torch.full((2,), 3.0)), on(torch.full((1,), 7.0)))
+
+    want_tally = tally(lambda t: t)
+    want = reference.union_attention(q, k, v, sel, SCALE, k_new[:, :0], v_new[:, :0], q_pos, k_start, None,
+                                     tally=want_tally)
+    assert torch.isinf(want[1][:4]).all() and not torch.isinf(want[1][4:]).any()
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    got_tally = tally(on)
+    got = union_ops.union_attention(*(on(x) for x in (q, k, v)), Selection(on(sel.indptr), on(sel.indices),
+                                                                          sel.num_keys),
+                                    SCALE, on(k_new), on(v_new), on(q_pos), k_start, None, tally=got_tally)
+    torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_tally.kept.cpu(), want_tally.kept)
+    torch.testing.assert_close(got_tally.read.cpu(), want_tally.read)

@@ -1,13 +1,15 @@
 """engine.serve.scheduler through Engine.stream: turns asked at once, over two documents, are answered in one batch
 and each as it is alone (greedy: the same text and tokens); beyond the batch a turn waits, told its place; a closed
 stream leaves the queue or the batch and frees its place; with a batch of one each turn runs alone, the next told
-it is next; a turn that fails is raised to its reader and the others go on (tiny model, CPU)."""
+it is next; a turn that fails is raised to its reader and the others go on (tiny model; CPU, and CUDA where there
+is one)."""
 
 from __future__ import annotations
 
 import threading
 
 import pytest
+import torch
 
 from engine.context.session import ContextSession
 from engine.context.turn import Answer, Delta
@@ -23,9 +25,9 @@ ASKED = [("ferry", "When does the ferry leave?"), ("ferry", "What do tickets cos
          ("light", "When was it first lit?"), ("light", "Who kept the light?")]
 
 
-@pytest.fixture(scope="module")
-def lm(tmp_path_factory):
-    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama_gqa")), "cpu")
+@pytest.fixture(scope="module", params=["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+def lm(request, tmp_path_factory):
+    return load_model(str(make_tiny_model(tmp_path_factory.mktemp("tiny"), "llama_gqa")), request.param)
 
 
 def _engine(lm, tmp_path, max_batch: int) -> tuple[Engine, dict[str, str]]:
