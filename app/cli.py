@@ -225,8 +225,12 @@ def cmd_serve(args) -> int:
     from app.config import AppConfig  # noqa: PLC0415 - gradio loads only for this command
     from app.serve import serve  # noqa: PLC0415
 
-    serve(args.host, args.port, model=args.model, cache_dir=args.cache_dir, device=args.device,
-          config=AppConfig(max_upload_mb=args.max_upload_mb), compile=args.compile, auth=auth)
+    config = AppConfig(max_upload_mb=args.max_upload_mb)
+    if args.batch is not None:  # the app hands the engine at least as many questions as it answers together
+        config = AppConfig(max_upload_mb=args.max_upload_mb,
+                           questions_at_once=max(config.questions_at_once, args.batch))
+    serve(args.host, args.port, model=args.model, cache_dir=args.cache_dir, device=args.device, config=config,
+          compile=args.compile, auth=auth, batch=args.batch)
     return 0
 
 
@@ -273,6 +277,13 @@ def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"a port is a whole number from 0 to 65535, got {text}")
+    return value
+
+
+def _batch(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"questions answered together: a whole number of 1 or more, got {text}")
     return value
 
 
@@ -358,6 +369,9 @@ def build_parser() -> argparse.ArgumentParser:
                                                                           "this machine: prefer --auth-file)")
     p.add_argument("--port", type=_port, default=7860)
     p.add_argument("--max-upload-mb", type=_megabytes, default=50.0, help="largest file accepted, per file")
+    p.add_argument("--batch", type=_batch, default=None, help="users' questions answered together, each in the "
+                                                              "same steps (default: 4 on the CPU, 1 on a GPU); "
+                                                              "more wait, told their place")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="benchmarks that print JSON: `kernels` (GPU), `capture` (real keys for it), "
                                      "`e2e` (ingest, prefill and decode through the engine, beside transformers), "

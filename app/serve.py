@@ -36,16 +36,17 @@ def check_exposure(host: str, auth: list[tuple[str, str]]) -> None:
 
 def serve(host: str = "127.0.0.1", port: int = 7860, model: str | None = None, cache_dir: str | Path | None = None,
           device: str = "auto", config: AppConfig | None = None, compile: str = "auto",
-          auth: list[tuple[str, str]] | None = None) -> None:
+          auth: list[tuple[str, str]] | None = None, batch: int | None = None) -> None:
     """Build the engine and its ingest worker (which loads the model in the background), then serve until Ctrl-C.
-    auth: the logins the app asks for (Gradio's login page), required for a host other than this machine's."""
+    auth: the logins the app asks for (Gradio's login page), required for a host other than this machine's; batch:
+    the questions answered together (engine.serve.Engine's max_batch; None: its default for the device)."""
     check_exposure(host, auth or [])
     from app.config import AppConfig  # noqa: PLC0415
     from app.demo import build_demo, launch_kwargs  # noqa: PLC0415 - gradio is slow to import
     from engine.serve import Engine  # noqa: PLC0415
 
     config = config or AppConfig()
-    engine = Engine(cache_dir, model=model, device=device, compile=compile)
+    engine = Engine(cache_dir, model=model, device=device, compile=compile, max_batch=batch)
     demo = build_demo(engine, engine.store, config=config)
     print(f"squeeze-chat: model {engine.model_id}, cache {engine.store.root}", flush=True)
     try:

@@ -84,12 +84,20 @@ class Turn:
         self.text = ""
         self.shown = ""  # what the pieces have said (a possible stop string's start is held back)
         self.start = time.perf_counter()
+        self.queued = 0.0  # seconds between the ask and this turn's making (count_from)
         self.first: float | None = None
 
     @property
     def prompt(self) -> torch.Tensor:
         """The question's prompt ids [Lq] int64 (after the history that fits)."""
         return self.turn.ids
+
+    def count_from(self, asked: float) -> None:
+        """Count the turn's times from `asked` (time.perf_counter() when the user asked) instead of its making: the
+        first token's time then holds the wait in a queue and the context's opening, as the user lives them
+        (timings' queued_s: the part before the turn was made)."""
+        self.queued = max(0.0, self.start - asked)
+        self.start = min(self.start, asked)
 
     def feed(self, token: int) -> Delta | None:
         """The next token of the answer: the piece of text it shows, if any. Afterwards `done` tells whether the
@@ -127,6 +135,7 @@ class Turn:
             "first_token_s": round(self.first or 0.0, 6),
             "total_s": round(total, 6),
             "tokens_per_s": round((n - 1) / decode_s, 3) if n > 1 else 0.0,
+            "queued_s": round(self.queued, 6),
         }
         step = self.step
         stats = self.recorder.finish(step.method.name, round(1.0 - step.plan.budget, 6), n, timings)  # the plan's

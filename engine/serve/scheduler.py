@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -48,8 +49,8 @@ class Request:
     """A turn asked for. prepare(): its context's session with the method's index built (slow the first time:
     called when the turn is admitted); joinable(): whether its session is open with the index built, so that it
     can join turns under way without building or loading anything; make(session, fork): its Turn (fork: another
-    turn over the context is under way). Its events (Delta, Answer, Waiting, an exception; None ends them) go to
-    `events`."""
+    turn over the context is under way), whose times count from `asked` (its first token's time holds its wait).
+    Its events (Delta, Answer, Waiting, an exception; None ends them) go to `events`."""
 
     context_id: str
     method: str
@@ -58,6 +59,7 @@ class Request:
     make: Callable[[ContextSession, bool], Turn]
     events: queue.Queue = field(default_factory=queue.Queue)
     gone: threading.Event = field(default_factory=threading.Event)  # its reader closed the stream
+    asked: float = field(default_factory=time.perf_counter)
     told: int | None = None  # the place last told
     session: ContextSession | None = None
     turn: Turn | None = None
@@ -163,6 +165,7 @@ class Scheduler:
             request.session = request.prepare()
             request.turn = request.make(request.session, any(r.context_id == request.context_id
                                                                  for r in self._active))
+            request.turn.count_from(request.asked)
             if self.max_batch == 1:
                 with self._cond:
                     self._alone = request

@@ -237,7 +237,8 @@ def test_quick_commands_load_neither_torch_nor_transformers(argv, tmp_path):
 
 def test_serving_beyond_this_machine_needs_a_login(tmp_path, capsys, monkeypatch):
     """`--host` other than localhost without a login is refused at once (before torch or gradio load); with
-    --auth-file (or --auth) the app is served with those logins; malformed logins are refused."""
+    --auth-file (or --auth) the app is served with those logins; malformed logins are refused. (`--batch` reaches
+    the engine, and the app hands it at least that many questions at once.)"""
 
     import app.serve
 
@@ -252,8 +253,11 @@ def test_serving_beyond_this_machine_needs_a_login(tmp_path, capsys, monkeypatch
     assert served[-1][1]["auth"] == [("ana", "s3cret"), ("bo", "pa:ss")] and served[-1][0][0] == "0.0.0.0"
     assert run(capsys, "serve", "--auth", "me:pw")[0] == 0 and served[-1][1]["auth"] == [("me", "pw")]
     assert run(capsys, "serve")[0] == 0 and served[-1][1]["auth"] == []  # localhost: no login needed
+    assert served[-1][1]["batch"] is None  # the engine's default for the device
+    assert run(capsys, "serve", "--batch", "12")[0] == 0 and served[-1][1]["batch"] == 12
+    assert served[-1][1]["config"].questions_at_once == 12  # the app hands the engine a batch's worth at least
     code, _, err = run(capsys, "serve", "--host", "0.0.0.0", "--auth", "nopassword")
-    assert code == 1 and "USER:PASSWORD" in err and len(served) == 3
+    assert code == 1 and "USER:PASSWORD" in err and len(served) == 4
 
 
 def test_the_exposure_check_loads_no_torch():
@@ -275,6 +279,7 @@ def test_the_exposure_check_loads_no_torch():
     (["ask", "--centroid-ratio=0.2", "x.txt", "q", "--max-new-tokens", "0"], "at least 1, got 0"),
     (["ingest", "x.txt", "--device", "tpu"], "invalid choice: 'tpu'"),
     (["serve", "--port", "99999"], "a port is a whole number from 0 to 65535"),
+    (["serve", "--batch", "0"], "a whole number of 1 or more, got 0"),
     (["train", "--duo-train-steps", "5", "duo", "--sparsity", "3"], "unrecognized arguments: --sparsity 3"),
     (["ask", "x.txt", "q", "--squeeze-centroid-ratio", "abc"], "invalid float value: 'abc'"),
     (["ask", "x.txt", "q", "--quest-page-size", "1.5"], "invalid int value: '1.5'"),

@@ -1,7 +1,7 @@
 """engine.serve.scheduler through Engine.stream: turns asked at once, over two documents, are answered in one batch
 and each as it is alone (greedy: the same text and tokens); beyond the batch a turn waits, told its place; a closed
 stream leaves the queue or the batch and frees its place; with a batch of one each turn runs alone, the next told
-it is next; a turn that fails is raised to its reader and the others go on (tiny model; CPU, and CUDA where there
+it is next, its first token's time counted from its ask; a turn that fails is raised to its reader and the others go on (tiny model; CPU, and CUDA where there
 is one)."""
 
 from __future__ import annotations
@@ -112,7 +112,10 @@ def test_a_batch_of_one_answers_one_turn_at_a_time(lm, tmp_path, monkeypatch):
     assert next(second) == Waiting(0)  # told at once, while the first runs
     gate.set()
     assert _drain(first, [head])[1].tokens == solo[0].tokens
-    assert _drain(second, [])[1].tokens == solo[1].tokens
+    answer = _drain(second, [])[1]
+    assert answer.tokens == solo[1].tokens
+    timings = answer.stats.timings  # counted from the ask: the wait behind the first turn is in its first token's
+    assert 0 < timings["queued_s"] <= timings["first_token_s"] <= timings["total_s"]
 
 
 def test_a_turn_that_fails_is_raised_to_its_reader_and_the_others_go_on(lm, tmp_path):
