@@ -1,8 +1,8 @@
 """engine.serve.scheduler through Engine.stream: turns asked at once, over two documents, are answered in one batch
 and each as it is alone (greedy: the same text and tokens); beyond the batch a turn waits, told its place; a closed
 stream leaves the queue or the batch and frees its place; with a batch of one each turn runs alone, the next told
-it is next, its first token's time counted from its ask; a turn that fails is raised to its reader and the others go on (tiny model; CPU, and CUDA where there
-is one)."""
+it is next, its first token's time counted from its ask; a turn that fails is raised to its reader and the others
+go on (tiny model; CPU, and CUDA where there is one)."""
 
 from __future__ import annotations
 
