@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from engine.methods import LayerIndex, make_method
 from engine.methods.duo.data import GateData, training_sequence
 from engine.methods.duo.gates import GateMix, GateTraining, mixed_attention, rank_heads, train_gates
 from engine.methods.duo.policy import HeadPlan, Window, head_selection
+from kernels.selection import FollowRows
 from tests.support.tiny_models import QUICK_TRAINING, byte_tokenizer, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,23 +87,57 @@ def test_a_budget_reads_what_it_says(budget):
     assert abs(read / (6 * (INDEXED + TAIL)) - budget) <= 1.0 / (6 * (INDEXED + TAIL)) + 1e-9
 
 
-def test_below_the_floor_every_head_streams():
+@pytest.mark.parametrize("budget", [0.15, 0.05])
+def test_below_the_windows_every_head_streams_through_a_window_fitted_to_the_budget(budget):
+    """The windows alone read (4 + 20 + 10) / 210 = 0.162: below that every head streams through a window shrunk to
+    the budget, read within a key (at 0.15 the sink's 4 keys kept and the recent ones cut; at 0.05, which the dense
+    rows nearly fill, what is left goes to the first head's recent keys)."""
     method = make_method("duo", {"sink": 4, "recent": 30})
     _, sets, calibration = calibrated(method)
-    plan = method.plan(calibration, 0.05)  # the windows alone read (4 + 20 + 10) / 210
-    assert (plan.full, plan.extra) == (0, 0)
-    counts = method.lookup(torch.zeros(4, 1, 8), sets[0].index, plan, 1.0, None).selection.counts()
-    assert counts.tolist() == [34, 34]
+    plan = method.plan(calibration, budget)
+    assert plan.full == 0 and plan.fit < 1.0 and "fitted" in plan.describe()
+    selections = [method.lookup(torch.zeros(4, 1, 8), s.index, plan, 1.0, None).selection for s in sets]
+    read = sum(int(sel.counts().sum()) for sel in selections)
+    assert abs(read / (6 * (INDEXED + TAIL)) - budget) <= 1.0 / (6 * (INDEXED + TAIL)) + 1e-9
+    if budget > 0.1:
+        assert all(bool(sel.to_mask()[:, :4].all()) for sel in selections)  # the sink
+
+
+def test_window_fitted_to_a_share_of_the_keys():
+    duo = make_method("duo", {"sink": 64, "recent": 256}).settings
+    assert Window.of(duo, 2000, 32, fit=0.05) == Window(front=22, back=78, indexed=2000)  # 64 : 224 in proportion
+    assert Window.of(duo, 2000, 32, fit=0.5) == Window.of(duo, 2000, 32)  # room for both: as they are
+    assert Window.of(duo, 2000, 32, fit=0.002) == Window(front=4, back=0, indexed=2000)  # the sink's 4 first
 
 
 def test_the_selection_is_made_once_per_plan():
+    """A step that keeps its plan (a GPU's: no room to cut to) reuses the layer's selection of that plan."""
     method = make_method("duo", {"sink": 4, "recent": 30})
     _, sets, calibration = calibrated(method)
     index = sets[0].index
-    a, b = (method.lookup(torch.zeros(4, 1, 8), index, method.plan(calibration, 0.5), 1.0, None) for _ in range(2))
+
+    def kept(budget):
+        return replace(method.plan(calibration, budget), room=None)
+
+    a, b = (method.lookup(torch.zeros(4, 1, 8), index, kept(0.5), 1.0, None) for _ in range(2))
     assert a.selection is b.selection
-    other = method.lookup(torch.zeros(4, 1, 8), index, method.plan(calibration, 0.8), 1.0, None)
+    other = method.lookup(torch.zeros(4, 1, 8), index, kept(0.8), 1.0, None)
     assert other.selection is not a.selection
+
+
+def test_a_step_with_follow_rows_leaves_them_their_keys():
+    """On the CPU a step counts its own indexed follow rows (each KV head's) inside the budget and gives the heads
+    the rest: the more rows, the fewer keys the heads read, all of it within a key of the budget."""
+    method = make_method("duo", {"sink": 4, "recent": 30})
+    _, sets, calibration = calibrated(method)
+    plan = method.plan(calibration, 0.5)
+    reads = []
+    for rows in (0, 12, 40):
+        follow = FollowRows(torch.arange(rows, dtype=torch.int64) * 3, 0, INDEXED)
+        reads.append(sum(int(method.lookup(torch.zeros(4, 1, 8), s.index, plan, 1.0, None, follow=follow)
+                             .selection.counts().sum()) for s in sets))
+    assert reads[0] > reads[1] > reads[2]
+    assert all(abs(r + 6 * rows - 0.5 * 6 * (INDEXED + TAIL)) <= 1 for r, rows in zip(reads, (0, 12, 40)))
 
 
 def test_rank_heads_orders_by_gate_then_position():

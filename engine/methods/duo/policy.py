@@ -7,19 +7,21 @@ A budget fills them in that order: every head reads its streaming window (the co
 its last `recent` ones; the new tokens are read by every head anyway), then heads become retrieval heads (every key)
 while the budget lasts, and the head at the boundary reads as many more recent keys as what is left pays for. So a
 budget reads what it says whatever the number of heads (the paper binarises at a gate quantile: the same heads, but
-a budget then moves in steps of one head; at least the streaming windows are read, the floor of this method).
+a budget then moves in steps of one head). Where the streaming windows alone would read more than the budget (a
+document of a few thousand tokens: 64 + 256 keys are a tenth of 3K), every window shrinks to what the budget pays
+for, the sink and the recent keys in proportion (the sink keeps its first SINK_KEEP keys while it can).
 Both phases read the same keys. The selection depends on the plan only, not on the step's queries: it is made once
 per layer and plan (LayerIndex.memo) and costs no lookup after the turn's first step; no index bytes are read.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import KEYS_GRID
+from engine.attention.budget import KEYS_GRID, exact_room
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -43,6 +45,7 @@ TRAINING_PREFIX = "train_"  # the settings the gates depend on (with `seed`): th
 # the defaults' 100 steps trained in 17 min on 2 CPU cores with the embedded model, which ingests 3.4 ms per token.
 INGEST_TOKENS_PER_TRAINING_TOKEN = 2.0
 CORPUS_SPARE = 4  # corpus tokens read for training: this many times the longest haystack (the haystacks' offsets vary)
+SINK_KEEP = 4  # a window shrunk to a budget keeps at least this many sink keys (StreamingLLM's four initial tokens)
 
 
 @dataclass(frozen=True)
@@ -80,13 +83,20 @@ class DuoSettings(MethodSettings):
 @dataclass(frozen=True)
 class HeadPlan(StepPlan):
     """The heads of rank < `full` read every key; the head of rank `full` reads `extra` more recent keys than its
-    streaming window; the others their window."""
+    streaming window; the others their window, fitted into `fit` of the indexed keys (Window.of). heads: the
+    model's KV heads at global layers; room: as ThresholdPlan's (engine.attention.budget.exact_room: on the CPU a
+    step's own follow rows are counted and the rest of the budget goes to the heads)."""
 
     full: int = 0
     extra: int = 0
+    fit: float = 1.0
+    heads: int = 0
+    room: tuple[float, float] | None = None
 
     def describe(self) -> str:
-        return f"{self.full} retrieval head(s)" + (f", one with {self.extra} more recent keys" if self.extra else "")
+        fitted = f", streaming windows fitted to {self.fit:.3f} of the keys" if self.fit < 1.0 else ""
+        return (f"{self.full} retrieval head(s)" + (f", one with {self.extra} more recent keys" if self.extra else "")
+                + fitted)
 
 
 @dataclass(frozen=True)
@@ -98,11 +108,17 @@ class Window:
     indexed: int
 
     @classmethod
-    def of(cls, settings: DuoSettings, indexed: int, tail: int) -> "Window":
+    def of(cls, settings: DuoSettings, indexed: int, tail: int, fit: float = 1.0) -> "Window":
         """The sink's keys and the recent ones not already in the dense tail (engine.attention.rows: the context's last
-        `tail` rows are read by every step; a context sink, when one is set, adds its rows too)."""
+        `tail` rows are read by every step; a context sink, when one is set, adds its rows too), both shrunk in
+        proportion where they hold more than `fit` of the indexed keys (the sink keeps SINK_KEEP while it can)."""
         front = min(settings.sink, indexed)
-        return cls(front=front, back=min(max(settings.recent - tail, 0), indexed - front), indexed=indexed)
+        back = min(max(settings.recent - tail, 0), indexed - front)
+        room = int(fit * indexed)
+        if front + back > room:
+            kept = min(front, max(min(SINK_KEEP, room), round(room * front / (front + back))))
+            front, back = kept, max(room - kept, 0)
+        return cls(front=front, back=back, indexed=indexed)
 
     @property
     def keys(self) -> int:
@@ -161,11 +177,11 @@ class DuoPolicy(Method):
         heads = sum(int(layer.index["rank"].numel()) for layer in layers)
         calibration = {"heads": torch.tensor(heads), "indexed": torch.tensor(first.indexed),
                        "tail": torch.tensor(first.tail)}
-        window = Window.of(self.settings, first.indexed, first.tail)
         ranks = torch.arange(heads)
         curve = []
         for keys in KEYS_GRID:
             plan = self.plan_keys(calibration, keys, keys, keys)
+            window = Window.of(self.settings, first.indexed, first.tail, plan.fit)
             read = float(window.head_keys(ranks, plan).sum()) + heads * first.tail
             curve.append(read / (heads * first.num_keys))
         curve = torch.tensor(curve, dtype=torch.float64)
@@ -175,22 +191,41 @@ class DuoPolicy(Method):
         """`decode_keys` of all heads' indexed keys: every streaming window first, then whole heads in gate order,
         the rest to the next head's recent keys."""
         heads, indexed = int(calibration["heads"]), int(calibration["indexed"])
-        window = Window.of(self.settings, indexed, int(calibration["tail"]))
-        left = max(0.0, check_budget(decode_keys) * heads * indexed - heads * window.keys)
+        keys = check_budget(decode_keys)
+        fit = 1.0 if Window.of(self.settings, indexed, int(calibration["tail"])).keys <= keys * indexed else keys
+        window = Window.of(self.settings, indexed, int(calibration["tail"]), fit)
+        left = max(0.0, keys * heads * indexed - heads * window.keys)
         cost = indexed - window.keys  # one more retrieval head
         full = heads if cost == 0 else min(heads, int(left // cost))
         extra = 0 if full >= heads else int(round(left - full * cost))
-        return HeadPlan(budget=check_budget(budget), full=full, extra=min(extra, cost))
+        return HeadPlan(budget=check_budget(budget), full=full, extra=min(extra, cost), fit=fit, heads=heads)
 
     def lookup(self, q: torch.Tensor, layer: LayerIndex, plan: HeadPlan, scale: float, backend: Backend,
                positions: torch.Tensor | None = None, valid: torch.Tensor | None = None,
                follow: FollowRows | None = None) -> Lookup:
-        """One row per KV head; the same selection at every step of the plan (made at the first)."""
-        selection = layer.memo(("duo", plan.full, plan.extra, q.device),
-                               lambda: head_selection(layer, Window.of(self.settings, layer.indexed, layer.tail),
-                                                      plan, q.device))
+        """One row per KV head; the same selection at every step of the plan (made at the first), or, where the
+        step counts its own follow rows (exact_room: on the CPU), the plan the rest of the budget pays for."""
         hkv = layer["rank"].numel()
+        cut = exact_room(plan, q, follow, hkv)
+        if cut is not None and plan.budget < 1.0:
+            step_plan = self.step_plan(plan, layer, *cut, hkv)
+            window = Window.of(self.settings, layer.indexed, layer.tail, step_plan.fit)
+            return Lookup(selection=head_selection(layer, window, step_plan, q.device),
+                          index_elements=layer.elements(hkv, 0.0, q.device))
+        selection = layer.memo(("duo", plan.full, plan.extra, plan.fit, q.device),
+                               lambda: head_selection(layer, Window.of(self.settings, layer.indexed, layer.tail,
+                                                                       plan.fit), plan, q.device))
         return Lookup(selection=selection, index_elements=layer.elements(hkv, 0.0, q.device))
+
+
+    def step_plan(self, plan: HeadPlan, layer: LayerIndex, room: float, besides, hkv: int) -> HeadPlan:
+        """The plan one step's `room` (a share of the fixed K/V) pays for once the dense rows and the keys it reads
+        besides (its follow rows, `besides` over its hkv heads) are counted: the same heads first, in gate order."""
+        calibration = {"heads": torch.tensor(plan.heads), "indexed": torch.tensor(layer.indexed),
+                       "tail": torch.tensor(layer.tail)}
+        keys = (room * layer.num_keys - layer.tail - float(besides) / hkv) / layer.indexed
+        keys = min(1.0, max(keys, 1.0 / (layer.indexed * max(plan.heads, 1))))
+        return replace(self.plan_keys(calibration, plan.budget, keys, keys), room=plan.room)
 
 
 def gate_artifacts(layers: list[int], gates: torch.Tensor) -> Tensors:
