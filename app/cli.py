@@ -241,6 +241,8 @@ def cmd_bench(args) -> int:
         from engine.bench.e2e.report import main as bench_main  # noqa: PLC0415
     elif args.which == "serve":
         from engine.bench.serve import main as bench_main  # noqa: PLC0415
+    elif args.which == "users":
+        from app.bench_users import main as bench_main  # noqa: PLC0415
     else:
         from engine.bench.capture import main as bench_main  # noqa: PLC0415
     return bench_main(args.rest)
@@ -375,8 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="benchmarks that print JSON: `kernels` (GPU), `capture` (real keys for it), "
                                      "`e2e` (ingest, prefill and decode through the engine, beside transformers), "
-                                     "`serve` (many users at once through the engine)")
-    p.add_argument("which", choices=("kernels", "capture", "e2e", "serve"))
+                                     "`serve` (many users at once through the engine), `users` (the same "
+                                     "through the app's HTTP API)")
+    p.add_argument("which", choices=("kernels", "capture", "e2e", "serve", "users"))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="the benchmark's own options (see `squeeze bench kernels --help`)")
     p.add_argument("--debug", action="store_true", help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_bench)
