@@ -5,10 +5,11 @@ for and what the app served in all.
     squeeze bench users [--model M] [--device cpu|cuda|auto] [--users 4] [--documents N] [--tokens 32]
                         [--methods squeeze,full] [--batch B] [--out FILE]
 
-The documents and questions are `squeeze bench serve`'s (engine/bench/serve.py); the app is served on this machine
-on a free port, with its own engine and cache in a temporary folder. For each method the users ask at once (the
-app hands their questions to the engine's scheduler, which answers up to its batch together), then once more one
-after another through the same API (each alone: every answer must be the same text). Per user: the time from its
+The documents and questions are `squeeze bench serve`'s (engine/bench/serve.py: the command line hands them over);
+the app is served on this machine on a free port, with its own engine and cache in a temporary folder. For each
+method the users ask at once (the app hands their questions to the engine's scheduler, which answers up to its
+batch together), then once more one after another through the same API (each alone: every answer must be the
+same text). Per user: the time from its
 ask to the first piece of answer the app streams back and to the end; in all: p50 / p95 of the first, tokens per
 second against one user at a time, the answers' agreement with their lone answers. Ends with one JSON document on
 stdout.
@@ -20,16 +21,18 @@ import argparse
 import contextlib
 import json
 import socket
+import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from app.config import MAX_NEW_MIN
+from app.config import MAX_NEW_MIN, AppConfig
 from app.waits import queue_text
-from engine.bench.serve import QUESTIONS, SPARSITY, documents, percentile
 
+SPARSITY = AppConfig().sparsity  # the app's default, as a user who leaves the slider where it is asks
 INDEX_SETTINGS = (0.05, 0.01)  # the app's centroid-ratio and level-1 sliders at their defaults
 WAITING = queue_text(0).split(":")[0]  # how a queued question's place begins, in its answer's place
 
@@ -82,20 +85,28 @@ def ask(url: str, doc_id: str, question: str, method: str, tokens: int, ready: t
             "waited": waited, "text": text.strip()}
 
 
+def percentiles(values: list[float]) -> tuple[float, float]:
+    """p50 and p95 of `values`, interpolated between the nearest ranks."""
+    if len(values) < 2:
+        return (values[0], values[0]) if values else (0.0, 0.0)
+    cuts = statistics.quantiles(values, n=100, method="inclusive")
+    return cuts[49], cuts[94]
+
+
 def summary(users: list[dict], wall: float) -> dict:
     """In all: the wall time, the answers' tokens and tokens per second, p50 / p95 of the users' first pieces."""
-    firsts, tokens = [u["first_s"] for u in users], sum(u["tokens"] for u in users)
+    p50, p95 = percentiles([u["first_s"] for u in users])
+    tokens = sum(u["tokens"] for u in users)
     return {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / max(wall, 1e-9), 3),
-            "first_s_p50": round(percentile(firsts, 50), 4), "first_s_p95": round(percentile(firsts, 95), 4)}
+            "first_s_p50": round(p50, 4), "first_s_p95": round(p95, 4)}
 
 
-def run(args: argparse.Namespace) -> dict:
-    from app.config import AppConfig  # noqa: PLC0415 - gradio is slow to import
-    from app.demo import build_demo, launch_kwargs  # noqa: PLC0415
-    from engine.serve import Engine  # noqa: PLC0415
-    from engine.serve.jobs import IngestWorker  # noqa: PLC0415
+def run(args: argparse.Namespace, documents: Callable[[int, Path], list[Path]], questions: list[str]) -> dict:
+    """documents(count, folder): the users' documents written into folder; questions: user i asks the (i mod
+    len)-th."""
+    from app.demo import build_demo, launch_kwargs  # noqa: PLC0415 - gradio is slow to import
+    from engine.serve import Engine, IngestWorker  # noqa: PLC0415
 
-    questions = [q["question"] for q in json.loads(QUESTIONS.read_text())]
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine(Path(tmp) / "cache", model=args.model, device=args.device, compile=args.compile,
                         max_batch=args.batch)
@@ -155,7 +166,8 @@ def _at_once(url: str, users: list, method: str, tokens: int) -> tuple[list[dict
     return results, time.perf_counter() - t0[0]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None, documents: Callable[[int, Path], list[Path]], questions: list[str]) -> int:
+    """The command (`squeeze bench users`) over `run`'s documents and questions."""
     parser = argparse.ArgumentParser(prog="squeeze bench users", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="a transformers model id or path (default: the embedded one)")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
@@ -172,13 +184,10 @@ def main(argv: list[str] | None = None) -> int:
                                                                              and args.batch < 1):
         parser.error(f"--users and --batch must be positive, --tokens at least {MAX_NEW_MIN}, --documents at "
                      "least 0")
-    result = run(args)
+    result = run(args, documents, questions)
     text = json.dumps(result, indent=1)
     if args.out:
         Path(args.out).write_text(text + "\n")
     print(text)
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

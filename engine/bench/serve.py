@@ -49,6 +49,11 @@ def documents(count: int, folder: Path) -> list[Path]:
     return out
 
 
+def questions() -> list[str]:
+    """The users' questions: QUESTIONS' in order."""
+    return [q["question"] for q in json.loads(QUESTIONS.read_text())]
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0 <= q <= 100) by linear interpolation between the nearest ranks."""
     ordered = sorted(values)
@@ -113,14 +118,14 @@ def summary(users: list[dict], wall: float) -> dict:
 
 
 def run(args: argparse.Namespace) -> dict:
-    questions = [q["question"] for q in json.loads(QUESTIONS.read_text())]
+    asked = questions()
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine(Path(tmp) / "cache", model=args.model, device=args.device, compile=args.compile,
                         max_batch=args.batch)
         paths = documents(args.documents or args.users, Path(tmp))
         contexts = [engine.ingest(p, truncate=True).context_id for p in paths]
         lm = engine.lm
-        asks = [(contexts[i % len(contexts)], questions[i % len(questions)]) for i in range(args.users)]
+        asks = [(contexts[i % len(contexts)], asked[i % len(asked)]) for i in range(args.users)]
         out = {"bench": "serve", "device": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda"
                else "cpu", "model": lm.model_id, "users": args.users, "documents": len(contexts),
                "batch": engine.scheduler.max_batch, "tokens": args.tokens, "sparsity": SPARSITY, "methods": {}}
