@@ -5,29 +5,27 @@ for and what the app served in all.
     squeeze bench users [--model M] [--device cpu|cuda|auto] [--users 4] [--documents N] [--tokens 32]
                         [--methods squeeze,full] [--batch B] [--out FILE]
 
-The documents and questions are `squeeze bench serve`'s (engine/bench/serve.py: the command line hands them over);
-the app is served on this machine on a free port, with its own engine and cache in a temporary folder. For each
-method the users ask at once (the app hands their questions to the engine's scheduler, which answers up to its
-batch together), then once more one after another through the same API (each alone: every answer must be the
-same text). Per user: the time from its
-ask to the first piece of answer the app streams back and to the end; in all: p50 / p95 of the first, tokens per
-second against one user at a time, the answers' agreement with their lone answers. Ends with one JSON document on
-stdout.
+The documents, questions, options and report are `squeeze bench serve`'s (engine/bench/serve.py, the `workload`
+module the command line hands over); the app is served on this machine on a free port, with its own engine and
+cache in a temporary folder. For each method the users ask at once (the app hands their questions to the engine's
+scheduler, which answers up to its batch together), then once more one after another through the same API (each
+alone: every answer must be the same text). Per user: the time from its ask to the first piece of answer the app
+streams back and to the end, and the answer's tokens (its text tokenized again); in all: p50 / p95 of the first,
+tokens per second against one user at a time, the answers' agreement with their lone answers. Ends with one JSON
+document on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import socket
-import statistics
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 from app.config import MAX_NEW_MIN, AppConfig
 from app.waits import queue_text
@@ -85,32 +83,17 @@ def ask(url: str, doc_id: str, question: str, method: str, tokens: int, ready: t
             "waited": waited, "text": text.strip()}
 
 
-def percentiles(values: list[float]) -> tuple[float, float]:
-    """p50 and p95 of `values`, interpolated between the nearest ranks."""
-    if len(values) < 2:
-        return (values[0], values[0]) if values else (0.0, 0.0)
-    cuts = statistics.quantiles(values, n=100, method="inclusive")
-    return cuts[49], cuts[94]
-
-
-def summary(users: list[dict], wall: float) -> dict:
-    """In all: the wall time, the answers' tokens and tokens per second, p50 / p95 of the users' first pieces."""
-    p50, p95 = percentiles([u["first_s"] for u in users])
-    tokens = sum(u["tokens"] for u in users)
-    return {"wall_s": round(wall, 3), "tokens": tokens, "tokens_per_s": round(tokens / max(wall, 1e-9), 3),
-            "first_s_p50": round(p50, 4), "first_s_p95": round(p95, 4)}
-
-
-def run(args: argparse.Namespace, documents: Callable[[int, Path], list[Path]], questions: list[str]) -> dict:
-    """documents(count, folder): the users' documents written into folder; questions: user i asks the (i mod
-    len)-th."""
+def run(args: argparse.Namespace, workload: ModuleType) -> dict:
+    """workload: engine.bench.serve (its documents(count, folder), questions() and comparison)."""
     from app.demo import build_demo, launch_kwargs  # noqa: PLC0415 - gradio is slow to import
     from engine.serve import Engine, IngestWorker  # noqa: PLC0415
 
     with tempfile.TemporaryDirectory() as tmp:
         engine = Engine(Path(tmp) / "cache", model=args.model, device=args.device, compile=args.compile,
                         max_batch=args.batch)
-        reports = [engine.ingest(p, truncate=True) for p in documents(args.documents or args.users, Path(tmp))]
+        reports = [engine.ingest(p, truncate=True)
+                   for p in workload.documents(args.documents or args.users, Path(tmp))]
+        questions = workload.questions()
         config = AppConfig(max_new_tokens=args.tokens, questions_at_once=max(AppConfig().questions_at_once,
                                                                               args.users))
         demo = build_demo(engine, engine.store, worker=IngestWorker(engine), config=config)
@@ -130,13 +113,7 @@ def run(args: argparse.Namespace, documents: Callable[[int, Path], list[Path]], 
                 alone_wall = time.perf_counter() - t0
                 for u in (*together, *alone):  # the answer's tokens: its text tokenized again
                     u["tokens"] = len(lm.tokenizer(u["text"], add_special_tokens=False).input_ids)
-                entry = {"together": summary(together, wall), "alone": summary(alone, alone_wall),
-                         "same_answers": sum(a["text"] == b["text"] for a, b in zip(together, alone)),
-                         "users_waited": sum(u["waited"] for u in together),
-                         "per_user": [{k: v for k, v in u.items() if k != "text"} for u in together]}
-                entry["throughput_vs_alone"] = round(entry["together"]["tokens_per_s"]
-                                                     / max(entry["alone"]["tokens_per_s"], 1e-9), 3)
-                out["methods"][method] = entry
+                out["methods"][method] = workload.comparison(together, wall, alone, alone_wall)
         finally:
             with contextlib.redirect_stdout(sys.stderr):  # (Gradio says it closes the server: not the report's)
                 demo.close()
@@ -166,28 +143,10 @@ def _at_once(url: str, users: list, method: str, tokens: int) -> tuple[list[dict
     return results, time.perf_counter() - t0[0]
 
 
-def main(argv: list[str] | None, documents: Callable[[int, Path], list[Path]], questions: list[str]) -> int:
-    """The command (`squeeze bench users`) over `run`'s documents and questions."""
+def main(argv: list[str] | None, workload: ModuleType) -> int:
+    """The command (`squeeze bench users`) over `workload` (engine.bench.serve, handed over by the command line)."""
     parser = argparse.ArgumentParser(prog="squeeze bench users", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a transformers model id or path (default: the embedded one)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--users", type=int, default=4)
-    parser.add_argument("--documents", type=int, default=0, help="documents the users share (0: one each)")
-    parser.add_argument("--tokens", type=int, default=32, help=f"answer tokens at most (at least {MAX_NEW_MIN}, "
-                                                               "as the app's slider)")
-    parser.add_argument("--methods", default="squeeze,full")
-    parser.add_argument("--batch", type=int, default=None, help="turns answered together (default: the engine's)")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
-    args = parser.parse_args(argv)
-    if args.users < 1 or args.tokens < MAX_NEW_MIN or args.documents < 0 or (args.batch is not None
-                                                                             and args.batch < 1):
-        parser.error(f"--users and --batch must be positive, --tokens at least {MAX_NEW_MIN}, --documents at "
-                     "least 0")
-    result = run(args, documents, questions)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    workload.add_options(parser, tokens=32, least_tokens=MAX_NEW_MIN)  # (the app's slider offers no fewer)
+    args = workload.parse(parser, argv, least_tokens=MAX_NEW_MIN)
+    workload.emit(run(args, workload), args.out)
     return 0
-

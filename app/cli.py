@@ -241,11 +241,11 @@ def cmd_bench(args) -> int:
         from engine.bench.e2e.report import main as bench_main  # noqa: PLC0415
     elif args.which == "serve":
         from engine.bench.serve import main as bench_main  # noqa: PLC0415
-    elif args.which == "users":  # through the app, over `serve`'s documents and questions
+    elif args.which == "users":  # through the app, over `serve`'s workload
         from app.bench_users import main as users_main  # noqa: PLC0415
-        from engine.bench.serve import documents, questions  # noqa: PLC0415
+        from engine.bench import serve as workload  # noqa: PLC0415
 
-        return users_main(args.rest, documents, questions())
+        return users_main(args.rest, workload)
     else:
         from engine.bench.capture import main as bench_main  # noqa: PLC0415
     return bench_main(args.rest)

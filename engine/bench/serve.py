@@ -110,6 +110,49 @@ def one_at_a_time(engine: Engine, asks: list[tuple[str, str]], method: str, toke
     return results, time.perf_counter() - t0
 
 
+def comparison(together: list[dict], wall: float, alone: list[dict], alone_wall: float) -> dict:
+    """A method's report: per-user figures ({first_s, total_s, waited, tokens, text}) of the users asked at once and
+    asked one after another, each run's wall time -> the summaries, the answers alike, the users told to wait, the
+    per-user figures of the run at once and its throughput against the other."""
+    entry = {"together": summary(together, wall), "alone": summary(alone, alone_wall),
+             "same_answers": sum(a["text"] == b["text"] for a, b in zip(together, alone)),
+             "users_waited": sum(u["waited"] for u in together),
+             "per_user": [{k: v for k, v in u.items() if k != "text"} for u in together]}
+    entry["throughput_vs_alone"] = round(entry["together"]["tokens_per_s"]
+                                         / max(entry["alone"]["tokens_per_s"], 1e-9), 3)
+    return entry
+
+
+def add_options(parser: argparse.ArgumentParser, tokens: int, least_tokens: int = 1) -> None:
+    """The options both many-user benchmarks take (this one and the app's, `squeeze bench users`)."""
+    parser.add_argument("--model", default=None, help="a transformers model id or path (default: the embedded one)")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
+    parser.add_argument("--users", type=int, default=4)
+    parser.add_argument("--documents", type=int, default=0, help="documents the users share (0: one each)")
+    parser.add_argument("--tokens", type=int, default=tokens, help=f"answer tokens at most (at least {least_tokens})")
+    parser.add_argument("--methods", default="squeeze,full")
+    parser.add_argument("--batch", type=int, default=None, help="turns answered together (default: the engine's)")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+
+
+def parse(parser: argparse.ArgumentParser, argv: list[str] | None, least_tokens: int = 1) -> argparse.Namespace:
+    args = parser.parse_args(argv)
+    if args.users < 1 or args.tokens < least_tokens or args.documents < 0 or (args.batch is not None
+                                                                              and args.batch < 1):
+        parser.error(f"--users and --batch must be positive, --tokens at least {least_tokens}, --documents at "
+                     "least 0")
+    return args
+
+
+def emit(result: dict, out: str | None) -> None:
+    """Print the report (and write it to `out`)."""
+    text = json.dumps(result, indent=1)
+    if out:
+        Path(out).write_text(text + "\n")
+    print(text)
+
+
 def summary(users: list[dict], wall: float) -> dict:
     firsts = [u["first_s"] for u in users]
     tokens = sum(u["tokens"] for u in users)
@@ -135,12 +178,7 @@ def run(args: argparse.Namespace) -> dict:
                 torch.cuda.reset_peak_memory_stats(lm.device)
             together, wall = ask_at_once(engine, asks, method, args.tokens)
             alone, alone_wall = one_at_a_time(engine, asks, method, args.tokens)
-            entry = {"together": summary(together, wall), "alone": summary(alone, alone_wall),
-                     "same_answers": sum(a["text"] == b["text"] for a, b in zip(together, alone)),
-                     "users_waited": sum(u["waited"] for u in together),
-                     "per_user": [{k: v for k, v in u.items() if k != "text"} for u in together]}
-            entry["throughput_vs_alone"] = round(entry["together"]["tokens_per_s"]
-                                                 / max(entry["alone"]["tokens_per_s"], 1e-9), 3)
+            entry = comparison(together, wall, alone, alone_wall)
             if lm.device.type == "cuda":
                 entry["peak_gib"] = round(torch.cuda.max_memory_allocated(lm.device) / 2**30, 3)
             out["methods"][method] = entry
@@ -150,23 +188,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="squeeze bench serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="a transformers model id or path (default: the embedded one)")
-    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
-    parser.add_argument("--compile", default="auto", choices=("auto", "on", "off"))
-    parser.add_argument("--users", type=int, default=4)
-    parser.add_argument("--documents", type=int, default=0, help="documents the users share (0: one each)")
-    parser.add_argument("--tokens", type=int, default=48, help="answer tokens at most")
-    parser.add_argument("--methods", default="squeeze,full")
-    parser.add_argument("--batch", type=int, default=None, help="turns answered together (default: the engine's)")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
-    args = parser.parse_args(argv)
-    if args.users < 1 or args.tokens < 1 or args.documents < 0 or (args.batch is not None and args.batch < 1):
-        parser.error("--users, --tokens and --batch must be positive, --documents at least 0")
-    result = run(args)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
-    print(text)
+    add_options(parser, tokens=48)
+    args = parse(parser, argv)
+    emit(run(args), args.out)
     return 0
 
 

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from app.bench_users import answer_text, main, percentiles
-from engine.bench.serve import documents, questions
+from app.bench_users import answer_text, main
+from engine.bench import serve as workload
 from tests.support.tiny_models import make_tiny_model
 
 
@@ -22,18 +22,12 @@ def test_answer_text_is_the_last_assistant_message():
     assert answer_text([]) == "" and answer_text([{"role": "user", "content": "Q?"}]) == ""
 
 
-def test_percentiles_interpolate_between_ranks():
-    assert percentiles([3.0, 1.0, 2.0])[0] == 2.0
-    assert percentiles([1.0, 2.0])[1] == pytest.approx(1.95)
-    assert percentiles([4.0]) == (4.0, 4.0) and percentiles([]) == (0.0, 0.0)
-
-
 @pytest.mark.usefixtures("one_thread")
 def test_three_users_through_the_app_get_their_lone_answers(tmp_path, capsys):
     model = make_tiny_model(tmp_path / "model", "llama_gqa")
     out = tmp_path / "users.json"
     assert main(["--model", str(model), "--device", "cpu", "--users", "3", "--tokens", "8", "--batch", "3",
-                 "--methods", "squeeze", "--out", str(out)], documents, questions()) == 0
+                 "--methods", "squeeze", "--out", str(out)], workload) == 0
     report = json.loads(out.read_text())
     assert json.loads(capsys.readouterr().out) == report
     assert report["batch"] == 3 and report["documents"] == 3 and set(report["methods"]) == {"squeeze"}
