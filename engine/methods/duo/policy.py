@@ -217,7 +217,6 @@ class DuoPolicy(Method):
                                                                        plan.fit), plan, q.device))
         return Lookup(selection=selection, index_elements=layer.elements(hkv, 0.0, q.device))
 
-
     def step_plan(self, plan: HeadPlan, layer: LayerIndex, room: float, besides, hkv: int) -> HeadPlan:
         """The plan one step's `room` (a share of the fixed K/V) pays for once the dense rows and the keys it reads
         besides (its follow rows, `besides` over its hkv heads) are counted: the same heads first, in gate order."""
