@@ -1,6 +1,6 @@
 """Many users at once through the app's HTTP API: each opens its own document in its own browser session
-(`gradio_client`), starts a chat and asks at the same moment as the others; the run reports what each user waited
-for and what the app served in all.
+(`gradio_client`, in a process of its own: app/user_session.py), starts a chat and asks at the same moment as the
+others; the run reports what each user waited for and what the app served in all.
 
     squeeze bench users [--model M] [--device cpu|cuda|auto] [--users 4] [--documents N] [--tokens 32]
                         [--methods squeeze,full] [--batch B] [--out FILE]
@@ -19,20 +19,23 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import multiprocessing
 import socket
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from types import ModuleType
 
 from app.config import MAX_NEW_MIN, AppConfig
+from app.user_session import ask, user_process
 from app.waits import queue_text
 
 SPARSITY = AppConfig().sparsity  # the app's default, as a user who leaves the slider where it is asks
 INDEX_SETTINGS = (0.05, 0.01)  # the app's centroid-ratio and level-1 sliders at their defaults
 WAITING = queue_text(0).split(":")[0]  # how a queued question's place begins, in its answer's place
+USER_START_S = 120.0  # a user's process starts, connects and opens its document within this
+USER_ANSWER_S = 1800.0  # and is answered within this
 
 
 def free_port() -> int:
@@ -41,46 +44,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def answer_text(chat: list) -> str:
-    """The text of the last assistant message of a Chatbot value (messages as dicts whose content is a string or a
-    list of parts, Gradio 6's {"type": "text", "text": ...}; or [user, assistant] pairs)."""
-    for message in reversed(chat or []):
-        if isinstance(message, dict) and message.get("role") == "assistant":
-            content = message.get("content")
-            if isinstance(content, list):
-                return "".join(part.get("text", "") for part in content if isinstance(part, dict))
-            return content if isinstance(content, str) else ""
-        if isinstance(message, (list, tuple)) and len(message) == 2:
-            return message[1] or ""
-    return ""
-
-
-def ask(url: str, doc_id: str, question: str, method: str, tokens: int, ready: threading.Event | None = None,
-        t0: list[float] | None = None) -> dict:
-    """One user: a session on `url` opens the document and a new chat, waits for `ready` (all users at once), then
-    asks. Returns {first_s (to the first piece of answer; its end if none), total_s, waited (told its place in
-    the queue), text}, times from its ask (or from t0[0] when given: a shared start)."""
-    from gradio_client import Client  # noqa: PLC0415 - imported with the app's own dependencies
-
-    client = Client(url, verbose=False)
-    client.predict(doc_id, method, SPARSITY, api_name="/open_document")
-    client.predict(api_name="/new_chat")
-    if ready is not None:
-        ready.wait()
-    start = t0[0] if t0 else time.perf_counter()
-    job = client.submit(question, [], method, SPARSITY, *INDEX_SETTINGS, False, tokens, 0.0, 1.0, 1.0,
-                        api_name="/ask")
-    first, text, waited = None, "", False
-    for update in job:
-        text = answer_text(update[0]) if update else text
-        if text.startswith(WAITING):
-            waited = True
-        elif first is None and text.strip():
-            first = time.perf_counter() - start
-    text = answer_text(job.result()[0])  # (an error of the app's is raised here)
-    total = time.perf_counter() - start
-    return {"first_s": round(first if first is not None else total, 4), "total_s": round(total, 4),
-            "waited": waited, "text": text.strip()}
+def controls(method: str, tokens: int) -> tuple:
+    """The /ask endpoint's values after the question and the history: a user who leaves every slider but the
+    method and the answer's length where it is (greedy)."""
+    return (method, SPARSITY, *INDEX_SETTINGS, False, tokens, 0.0, 1.0, 1.0)
 
 
 def run(args: argparse.Namespace, workload: ModuleType) -> dict:
@@ -107,9 +74,10 @@ def run(args: argparse.Namespace, workload: ModuleType) -> dict:
         try:
             for method in args.methods.split(","):
                 engine.ask(users[0][0].context_id, users[0][1], method, SPARSITY, 2)  # builds what it lacks
-                together, wall = _at_once(url, users, method, args.tokens)
+                together, wall = _at_once(url, users, controls(method, args.tokens))
                 t0 = time.perf_counter()
-                alone = [ask(url, report.doc_id, question, method, args.tokens) for report, question in users]
+                alone = [ask(url, report.doc_id, question, controls(method, args.tokens), WAITING)
+                         for report, question in users]
                 alone_wall = time.perf_counter() - t0
                 for u in (*together, *alone):  # the answer's tokens: its text tokenized again
                     u["tokens"] = len(lm.tokenizer(u["text"], add_special_tokens=False).input_ids)
@@ -122,25 +90,27 @@ def run(args: argparse.Namespace, workload: ModuleType) -> dict:
     return out
 
 
-def _at_once(url: str, users: list, method: str, tokens: int) -> tuple[list[dict], float]:
-    """Every user's ask at the same moment, one session and thread each: per user `ask`'s figures (times from the
-    common start) and the wall time of the whole."""
-    results: list[dict] = [{} for _ in users]
-    ready, t0 = threading.Event(), [0.0]
-
-    def user(i: int) -> None:
-        report, question = users[i]
-        results[i] = ask(url, report.doc_id, question, method, tokens, ready, t0)
-
-    threads = [threading.Thread(target=user, args=(i,)) for i in range(len(users))]
-    for t in threads:
-        t.start()
-    time.sleep(1.0)  # every session connected and on its document (what it does before `ready` takes < 1 s here)
-    t0[0] = time.perf_counter()
-    ready.set()
-    for t in threads:
-        t.join()
-    return results, time.perf_counter() - t0[0]
+def _at_once(url: str, users: list, asked: tuple) -> tuple[list[dict], float]:
+    """Every user's ask at the same moment, each in a process of its own (app/user_session.py: its client takes no
+    time from this process, which serves the app): per user `ask`'s figures and the wall time from the common
+    start to the last answer."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier, results = ctx.Barrier(len(users) + 1), ctx.Queue()
+    processes = [ctx.Process(target=user_process, args=(i, url, report.doc_id, question, asked, WAITING, barrier,
+                                                        results), daemon=True)
+                 for i, (report, question) in enumerate(users)]
+    for p in processes:
+        p.start()
+    barrier.wait(timeout=USER_START_S)  # every user connected and on its document
+    t0 = time.perf_counter()
+    got = dict(results.get(timeout=USER_ANSWER_S) for _ in processes)
+    wall = time.perf_counter() - t0
+    for p in processes:
+        p.join(timeout=USER_START_S)
+    failed = {i: r["error"] for i, r in got.items() if "error" in r}
+    if failed:
+        raise RuntimeError(f"users failed: {failed}")
+    return [got[i] for i in range(len(users))], wall
 
 
 def main(argv: list[str] | None, workload: ModuleType) -> int:

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from app.bench_users import answer_text, main
+from app.bench_users import main
+from app.user_session import answer_text
 from engine.bench import serve as workload
 from tests.support.tiny_models import make_tiny_model
 
