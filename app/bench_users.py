@@ -23,6 +23,7 @@ import multiprocessing
 import socket
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from types import ModuleType
@@ -101,7 +102,10 @@ def _at_once(url: str, users: list, asked: tuple) -> tuple[list[dict], float]:
                  for i, (report, question) in enumerate(users)]
     for p in processes:
         p.start()
-    barrier.wait(timeout=USER_START_S)  # every user connected and on its document
+    try:
+        barrier.wait(timeout=USER_START_S)  # every user connected and on its document
+    except threading.BrokenBarrierError:  # a user failed before its question (or never came)
+        raise RuntimeError(f"users failed before asking: {[results.get(timeout=5) for _ in range(results.qsize())]}")
     t0 = time.perf_counter()
     got = dict(results.get(timeout=USER_ANSWER_S) for _ in processes)
     wall = time.perf_counter() - t0

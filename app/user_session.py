@@ -52,8 +52,10 @@ def ask(url: str, doc_id: str, question: str, controls: tuple, waiting: str, rea
 def user_process(index: int, url: str, doc_id: str, question: str, controls: tuple, waiting: str, barrier,
                  results) -> None:
     """A user's process: `ask` once the barrier lets every user go; puts (index, its figures) on `results`, or
-    (index, {"error": ...}) when the app refused or failed."""
+    (index, {"error": ...}) when the app refused or failed (breaking the barrier first, so that nobody waits for a
+    user who will not come)."""
     try:
         results.put((index, ask(url, doc_id, question, controls, waiting, barrier)))
     except Exception as exc:  # noqa: BLE001 - reported by the parent
+        barrier.abort()
         results.put((index, {"error": f"{type(exc).__name__}: {exc}"}))

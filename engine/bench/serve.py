@@ -137,6 +137,7 @@ def add_options(parser: argparse.ArgumentParser, tokens: int, least_tokens: int 
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None, least_tokens: int = 1) -> argparse.Namespace:
+    """add_options' values, refused (exit 2, argparse's way) where they make no run."""
     args = parser.parse_args(argv)
     if args.users < 1 or args.tokens < least_tokens or args.documents < 0 or (args.batch is not None
                                                                               and args.batch < 1):

@@ -5,6 +5,7 @@ figures are consistent (the first piece before the end, p50 <= p95, every user's
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -38,3 +39,16 @@ def test_three_users_through_the_app_get_their_lone_answers(tmp_path, capsys):
     assert together["tokens"] == sum(u["tokens"] for u in entry["per_user"]) > 0
     assert together["first_s_p50"] <= together["first_s_p95"]
     assert all(u["first_s"] <= u["total_s"] for u in entry["per_user"])
+
+
+def test_a_user_who_cannot_reach_the_app_fails_the_run_at_once():
+    """A user's process that fails before its question (no app at the address) breaks the start barrier: the run
+    stops with its error instead of waiting for it."""
+    from types import SimpleNamespace
+
+    from app.bench_users import USER_START_S, _at_once, controls, free_port
+
+    start = time.perf_counter()
+    with pytest.raises(RuntimeError, match="users failed before asking"):
+        _at_once(f"http://127.0.0.1:{free_port()}/", [(SimpleNamespace(doc_id="x"), "q?")], controls("full", 8))
+    assert time.perf_counter() - start < USER_START_S / 4
