@@ -22,9 +22,10 @@ from kernels.selection import FollowRows, Selection
 # levels: 0.46 of the bytes where a line through 0.5 and 0.4 of the keys said 0.5).
 KEYS_GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35, 0.3, 0.275, 0.25, 0.225, 0.2, 0.175, 0.15, 0.125,
              0.1, 0.085, 0.07, 0.06, 0.05, 0.04, 0.03, 0.02, 0.01)
-# Bump when the calibrations change meaning: a build key that lacks it (engine.serve.service.Engine.build_key) is
-# stale, so old contexts rebuild their indexes and calibrations on their next question.
-CALIBRATION_VERSION = 3
+# Bump when every method's calibration changes meaning: a build key that lacks it (engine.serve.service.Engine.build_key)
+# is stale, so old contexts rebuild their indexes and calibrations on their next question (one method's: its
+# Method.revision).
+CALIBRATION_VERSION = 2
 
 
 def read_fraction(selection: Selection | None, index_elements: torch.Tensor, head_dim: int, num_keys: int) -> float:

@@ -179,6 +179,9 @@ class Method(ABC):
     sparse: ClassVar[bool] = True
     follows: ClassVar[bool] = True  # its steps also read the follow rows (engine.attention.follow) when the session has them
     unit: ClassVar[str] = "cluster"  # what a lookup keeps, in the UI's words
+    # Bumped when what the method builds or calibrates changes meaning: contexts built before rebuild its index and
+    # calibration on their next question (it is part of the build key: engine.serve.service.Engine.build_key)
+    revision: ClassVar[int] = 0
 
     def __init__(self, settings: MethodSettings | None = None):
         settings = self.Settings() if settings is None else settings
@@ -188,6 +191,16 @@ class Method(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.settings!r})"
+
+    def build_entry(self) -> dict:
+        """Its part of a build key (engine.serve.service.Engine.build_key): its settings, and its revision where it
+        has one."""
+        return {**self.settings.as_dict(), **({"revision": self.revision} if self.revision else {})}
+
+    @staticmethod
+    def built_settings(entry: dict) -> dict:
+        """The settings a build key's entry holds (build_entry's, its revision left out)."""
+        return {k: v for k, v in entry.items() if k != "revision"}
 
     def prepare(self, lm, preparation: Preparation | None = None) -> Tensors:
         """Artifacts learned once per model (`layer{i}.{name}` for a layer's): none by default."""

@@ -20,7 +20,7 @@ from engine.attention.rows import FixedRows
 from engine.context.session import Answer
 from engine.context.settings import ContextSettings
 from engine.index import artifacts as names
-from engine.methods import REGISTRY, LayerIndex, make_method
+from engine.methods import REGISTRY, LayerIndex, Method, make_method
 from engine.methods.squeeze import float_centroids
 from storage import Document, Store
 
@@ -236,7 +236,8 @@ class ContextInspector:
         build = self.store.methods.get(context_id, method)
         if build is None or method not in REGISTRY:
             return None
-        return make_method(method, build["settings"].get(method))
+        entry = build["settings"].get(method)
+        return make_method(method, Method.built_settings(entry) if isinstance(entry, dict) else entry)
 
     def _method_layer(self, context_id: str, method: str, layer: int) -> LayerIndex:
         """A method's artifacts of one layer (CPU) as a lookup sees them."""

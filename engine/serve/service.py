@@ -213,7 +213,7 @@ class Engine:
         """What a build of `name` depends on: its settings and those of the methods it requires, as `overrides` asks
         (else the engine's): the cache key of its index within a context."""
         return {"calibration": CALIBRATION_VERSION,
-                **{n: self.method(n, overrides).settings.as_dict() for n in build_order([name])}}
+                **{n: self.method(n, overrides).build_entry() for n in build_order([name])}}
 
     def stale_methods(self, context_id: str, methods: Sequence[str], overrides: Overrides | None = None) -> list[str]:
         """The sparse methods among `methods` (and what they require), in build order, whose index of the context
@@ -362,7 +362,7 @@ class Engine:
             if name not in REGISTRY or not isinstance(stored, dict):
                 continue
             try:
-                overrides = {n: stored[n] for n in build_order([name])}
+                overrides = {n: Method.built_settings(stored[n]) for n in build_order([name])}
                 if self.build_key(name, overrides) == stored:
                     out[name] = self.method(name, overrides)
             except (KeyError, TypeError, ValueError):

@@ -76,3 +76,19 @@ def test_the_shipped_eval_is_of_the_embedded_model():
     assert doc["model"] == model_id_for(EMBEDDED_MODEL) and doc["summary"]
     for row in doc["summary"]:
         assert {"method", "budget"} <= set(row) and 0 < row["budget"] <= 1
+
+
+def test_a_method_revision_makes_only_builds_that_depend_on_it_stale(tmp_path):
+    """A method's revision is part of the build key of what depends on it (duo and duo-squeeze, after duo's streaming
+    windows were fitted to the budget), and nothing else's key moves: other methods' old builds stay valid."""
+    from engine.attention.budget import CALIBRATION_VERSION
+    from engine.methods import make_method
+
+    engine = Engine(tmp_path / "cache", model=MODEL)
+    duo = make_method("duo")
+    assert duo.revision >= 1
+    assert engine.build_key("duo")["duo"] == {**duo.settings.as_dict(), "revision": duo.revision}
+    assert engine.build_key("duo-squeeze")["duo"]["revision"] == duo.revision
+    assert engine.build_key("squeeze") == {"calibration": CALIBRATION_VERSION,
+                                           "squeeze": make_method("squeeze").settings.as_dict()}
+    assert duo.built_settings(duo.build_entry()) == duo.settings.as_dict()  # what a stored build is reopened with
