@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-from app.config import MAX_NEW_MIN, AppConfig
+from app.config import MAX_NEW_MIN, REPETITIONS, TEMPERATURES, TOP_PS, AppConfig
 from app.user_session import ask, user_process
 from app.waits import queue_text
 
-SPARSITY = AppConfig().sparsity  # the app's default, as a user who leaves the slider where it is asks
-INDEX_SETTINGS = (0.05, 0.01)  # the app's centroid-ratio and level-1 sliders at their defaults
+DEFAULTS = AppConfig()  # what the app's controls show until a user moves them
+SPARSITY = DEFAULTS.sparsity
 WAITING = queue_text(0).split(":")[0]  # how a queued question's place begins, in its answer's place
 USER_START_S = 120.0  # a user's process starts, connects and opens its document within this
 USER_ANSWER_S = 1800.0  # and is answered within this
@@ -46,9 +46,10 @@ def free_port() -> int:
 
 
 def controls(method: str, tokens: int) -> tuple:
-    """The /ask endpoint's values after the question and the history: a user who leaves every slider but the
-    method and the answer's length where it is (greedy)."""
-    return (method, SPARSITY, *INDEX_SETTINGS, False, tokens, 0.0, 1.0, 1.0)
+    """The /ask endpoint's values after the question and the history: a user who leaves every control but the
+    method and the answer's length where it is (greedy; the Advanced sliders where app/chat.py starts them)."""
+    return (method, SPARSITY, DEFAULTS.centroid_ratio, DEFAULTS.level1_ratio, False, tokens, TEMPERATURES[0],
+            TOP_PS[1], REPETITIONS[0])
 
 
 def run(args: argparse.Namespace, workload: ModuleType) -> dict:
@@ -62,8 +63,7 @@ def run(args: argparse.Namespace, workload: ModuleType) -> dict:
         reports = [engine.ingest(p, truncate=True)
                    for p in workload.documents(args.documents or args.users, Path(tmp))]
         questions = workload.questions()
-        config = AppConfig(max_new_tokens=args.tokens, questions_at_once=max(AppConfig().questions_at_once,
-                                                                              args.users))
+        config = AppConfig(max_new_tokens=args.tokens, questions_at_once=max(DEFAULTS.questions_at_once, args.users))
         demo = build_demo(engine, engine.store, worker=IngestWorker(engine), config=config)
         _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
                                 quiet=True, **launch_kwargs(config))

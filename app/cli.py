@@ -7,6 +7,7 @@ import json
 import re
 import sys
 import time
+from dataclasses import replace
 
 from app.method_flags import METHOD_SETTINGS, RANGES, Range
 from engine.model.catalog import (
@@ -227,8 +228,7 @@ def cmd_serve(args) -> int:
 
     config = AppConfig(max_upload_mb=args.max_upload_mb)
     if args.batch is not None:  # the app hands the engine at least as many questions as it answers together
-        config = AppConfig(max_upload_mb=args.max_upload_mb,
-                           questions_at_once=max(config.questions_at_once, args.batch))
+        config = replace(config, questions_at_once=max(config.questions_at_once, args.batch))
     serve(args.host, args.port, model=args.model, cache_dir=args.cache_dir, device=args.device, config=config,
           compile=args.compile, auth=auth, batch=args.batch)
     return 0

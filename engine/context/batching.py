@@ -12,7 +12,7 @@ import torch
 
 from engine.context.turn import Delta, Turn
 from engine.model.batch import forward_batch
-from engine.model.generate import forward_step
+from engine.model.generate import prefill_question
 from engine.model.load import LoadedModel
 from engine.model.sampling import choose
 
@@ -31,16 +31,12 @@ class TurnBatch:
     def join(self, turn: Turn) -> Delta | None:
         """Prefill the turn's question alone and take its first token: the piece it shows, if any. A turn whose
         answer ends there (turn.done) does not stay."""
-        step, prompt = turn.step, turn.prompt
-        with torch.inference_mode():
-            step.cache.reset_dynamic()
-            step.cache.reserve(prompt.numel() + turn.max_new_tokens)
-            start = step.cache.get_seq_length()
-            token = choose(forward_step(self.lm, step, prompt.to(self.lm.device), start), turn.sampler)
+        token, position = prefill_question(self.lm, turn.step, turn.prompt, turn.max_new_tokens, turn.sampler,
+                                           eager=True)
         piece = turn.feed(int(token))
         if not turn.done:
             self.turns.append(turn)
-            self._next[id(turn)] = (token, start + prompt.numel())
+            self._next[id(turn)] = (token, position)
         return piece
 
     def step(self) -> list[tuple[Turn, Delta | None]]:

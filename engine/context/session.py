@@ -15,7 +15,7 @@ from engine.attention.stats import TurnRecorder
 from engine.context.ingest import build_methods
 from engine.context.plan import follows, turn_plan
 from engine.context.settings import ContextSettings
-from engine.context.turn import Answer, Delta, Turn
+from engine.context.turn import Answer, Delta, Turn, check_answer_tokens
 from engine.index import artifacts as names
 from engine.methods import REGISTRY, LayerIndex, Method, StepPlan, Tensors, build_order, make_method
 from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY
@@ -183,8 +183,8 @@ class ContextSession:
         """A turn over this context (engine.context.turn; the arguments: stream's). fork: the turn reads a fork of
         the session's cache and follow rows, so that it may be under way beside another turn over the context (in
         the same layout: the method's), and steps eagerly (the session's captured steps read its own cache)."""
-        if max_new_tokens < 1:  # (before the step context: it may put the K/V in the method's layout)
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        check_answer_tokens(self.lm, self.fixed_len, max_new_tokens)  # (before the step context: it may put the
+        # K/V in the method's layout)
         step = self.step_context(method, sparsity, self.recorder())
         if fork:
             step.cache = step.cache.fork()

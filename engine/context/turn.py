@@ -53,6 +53,18 @@ class Answer:
         return not self.text.strip()
 
 
+def check_answer_tokens(lm: LoadedModel, fixed_len: int, max_new_tokens: int) -> None:
+    """Refuse an answer length that is not at least 1 or that the model's context cannot hold beside a document of
+    fixed_len tokens and a question of one token at least (ValueError, saying what fits)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+    most = lm.max_context - fixed_len - 1  # the question needs a token at least
+    if max_new_tokens > most:
+        raise ValueError(f"an answer of {max_new_tokens} tokens does not fit: the model's context holds "
+                         f"{lm.max_context} tokens and the document takes {fixed_len}; ask for at most "
+                         f"{max(most, 0)} (less a long question's tokens)")
+
+
 class Turn:
     """A question over a context of fixed_len tokens, answered in at most max_new_tokens tokens through `step` (its
     StepContext, with a recorder: engine.context.session.ContextSession.step_context). The other arguments:
@@ -61,13 +73,7 @@ class Turn:
     def __init__(self, lm: LoadedModel, fixed_len: int, step: StepContext, question: str, max_new_tokens: int,
                  history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
                  history_tokens: int = HISTORY_TOKENS, until: Callable[[str], bool] | None = None):
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        most = lm.max_context - fixed_len - 1  # the question needs a token at least
-        if max_new_tokens > most:
-            raise ValueError(f"an answer of {max_new_tokens} tokens does not fit: the model's context holds "
-                             f"{lm.max_context} tokens and the document takes {fixed_len}; ask for at most "
-                             f"{max(most, 0)} (less a long question's tokens)")
+        check_answer_tokens(lm, fixed_len, max_new_tokens)
         if step.recorder is None or step.plan is None:
             raise ValueError("a turn's step context needs a plan and a recorder")
         self.lm, self.step, self.recorder = lm, step, step.recorder

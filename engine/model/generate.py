@@ -83,6 +83,27 @@ def _next(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int, sam
     return choose(forward_step(lm, step, ids, start), sampler)
 
 
+def prefill_question(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int,
+                     sampler: Sampler | None = None, eager: bool = False) -> tuple[torch.Tensor, int]:
+    """A turn's first call: the cache's new tokens forgotten, room reserved for the prompt [Lq] int64 and an answer
+    of max_new_tokens, the prompt run (replayed at a padded length where the step has CUDA graphs, unless `eager`).
+    Returns the answer's first token ([1] int64 on the device: greedy, or the sampler's) and the position of the
+    next input."""
+    cache = step.cache
+    dense = step.plan is None or step.plan.budget >= 1.0
+    replay = step.graphs is not None and not step.token_lookups and not eager
+    length = padded_length(prompt.numel(), dense) if replay else None
+    with torch.inference_mode():
+        cache.reset_dynamic()
+        cache.reserve(max(prompt.numel() + max_new_tokens, length or 0))
+        position = cache.get_seq_length()
+        if length is None:
+            next_ids = _next(lm, step, prompt.to(lm.device), position, sampler)
+        else:
+            next_ids = choose(step.graphs.prefill(step, prompt.to(lm.device), position, length), sampler)
+    return next_ids, position + prompt.numel()
+
+
 def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int,
                     sampler: Sampler | None = None) -> Iterator[int]:
     """Yield tokens one at a time (greedy, or chosen by `sampler`); the first forward is the question's prefill.
@@ -94,21 +115,9 @@ def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, ma
     around each step, never held across a yield: a caller may resume the generator from another thread (Gradio
     does), and torch's inference mode is per thread.
     """
-    cache = step.cache
     eos = lm.eos_ids()
-    dense = step.plan is None or step.plan.budget >= 1.0
-    length = padded_length(prompt.numel(), dense) if step.graphs is not None and not step.token_lookups else None
-    with torch.inference_mode():
-        cache.reset_dynamic()
-        cache.reserve(max(prompt.numel() + max_new_tokens, length or 0))
-        position = cache.get_seq_length()
-        if length is None:
-            next_ids = _next(lm, step, prompt.to(lm.device), position, sampler)
-        else:
-            logits = step.graphs.prefill(step, prompt.to(lm.device), position, length)
-            next_ids = choose(logits, sampler)
-        token = int(next_ids)
-    position += prompt.numel()
+    next_ids, position = prefill_question(lm, step, prompt, max_new_tokens, sampler)
+    token = int(next_ids)
     yield token
     if token in eos or max_new_tokens <= 1:
         return
