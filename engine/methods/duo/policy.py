@@ -221,8 +221,7 @@ class DuoPolicy(Method):
     def step_plan(self, plan: HeadPlan, layer: LayerIndex, room: float, besides, hkv: int) -> HeadPlan:
         """The plan one step's `room` (a share of the fixed K/V) pays for once the dense rows and the keys it reads
         besides (its follow rows, `besides` over its hkv heads) are counted: the same heads first, in gate order."""
-        calibration = {"heads": torch.tensor(plan.heads), "indexed": torch.tensor(layer.indexed),
-                       "tail": torch.tensor(layer.tail)}
+        calibration = {"heads": plan.heads, "indexed": layer.indexed, "tail": layer.tail}  # (what plan_keys reads)
         keys = (room * layer.num_keys - layer.tail - float(besides) / hkv) / layer.indexed
         keys = min(1.0, max(keys, 1.0 / (layer.indexed * max(plan.heads, 1))))
         return replace(self.plan_keys(calibration, plan.budget, keys, keys), room=plan.room)
