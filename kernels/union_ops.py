@@ -25,7 +25,10 @@ NEW_ITEMS_EXPECTED = 1  # items a row's new tokens take in a typical step (a que
 # sm_90), the short items' code took the whole kernel to 226, so an SM held two workers instead of
 # sparse_ops.DECODE_WORKERS_PER_SM = 3 (65536 / (3 * 128) = 170). Capped at 168, three fit (a few bytes spill).
 MAX_REGISTERS = 168
-FIT_CHUNK = 2  # the selection's items cut on the device (kernels/jit/union.py fitted_plan): 0 off, 1 only longer, 2 both
+# A heavier selection than the plan's cut on the device into one wave of longer items (kernels/jit/union.py
+# fitted_plan). H200, 8B shape, 128K, 10%: DuoAttention's step 5.41 -> 5.05 ms, the others unchanged
+# (engine/bench/README.md). A benchmark's switch (squeeze bench e2e --no-fit-items).
+FIT_ITEMS = True
 
 
 def union_attention(
@@ -100,17 +103,16 @@ def union_attention(
         first = indexed = stride_order = 0
     block_r = max(2, triton.next_power_of_2(rows))
     dense_len = num_keys if selection is None else 0
-    room = sparse_ops.max_items(capacity, rows, num_keys, cfg.chunk)  # the selection's items the buffers hold
-    fit = dict(spread=max(1, workers - rows * extra), room=room, FIT=FIT_CHUNK)
+    spread = max(1, workers - rows * extra)  # the workers the selection's items may take
     union_attn_fwd_kernel[(triton.cdiv(num_m, cfg.block_m), workers)](
         q, k, v, indptr, indices, k_new, v_new, q_pos, *follow_args, part_out, part_lse,
         *q.stride(), *k.stride(), *v.stride(), *k_new.stride(), *v_new.stride(), q_pos.stride(0), stride_order,
         rows, hkv, hq // rows, lq, cfg.chunk, scale * LOG2E, int(k_start), n_new, first, indexed, m_rows,
-        fit["spread"], fit["room"],
+        spread,
         HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
         BLOCK_K=max(16, triton.next_power_of_2(max(m_rows, 1))), EXACT_FP32=q.dtype == torch.float32,
         DENSE=selection is None, FOLLOW=with_follow, HAS_ORDER=order is not None, PROBES=follow_ops.PROBES,
-        ROUNDS=follow_ops.search_rounds(num_keys), dense_len=dense_len, FIT=fit["FIT"],
+        ROUNDS=follow_ops.search_rounds(num_keys), dense_len=dense_len, FIT=FIT_ITEMS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(q.device), **dependent_launch(q.device),
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
@@ -121,10 +123,10 @@ def union_attention(
         rows, hq // rows, lq, cfg.chunk, int(k_start), n_new, q_pos.stride(0), out.stride(0), out.stride(1),
         m_rows, tally.elements.numel() if tally is not None else 0, scores.shape[1] if scores is not None else 0,
         scores.stride(0) if scores is not None else 0, tally.best.stride(0) if scores is not None else 0,
-        fit["spread"], fit["room"],
+        spread,
         HEAD_DIM=d, BLOCK_M=merge_block_m, BLOCK_I=cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
         DENSE=selection is None, FOLLOW=with_follow, TALLY=tally is not None, HAS_SCORES=scores is not None,
-        dense_len=dense_len, FIT=fit["FIT"], BLOCK_N=cfg.block_n, num_warps=sparse_ops.MERGE_WARPS,
+        dense_len=dense_len, FIT=FIT_ITEMS, BLOCK_N=cfg.block_n, num_warps=sparse_ops.MERGE_WARPS,
         **dependent_launch(q.device),
     )
     return out, lse, fresh.view(torch.bool) if fresh is not None else None

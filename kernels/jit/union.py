@@ -39,25 +39,21 @@ def new_items(q_pos_ptr, stride_p, lq, k_start, n_new, chunk):
 
 
 @triton.jit
-def fitted_plan(indptr_ptr, rows, chunk, spread, room, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
-                DENSE: tl.constexpr, dense_len, FIT: tl.constexpr):
-    """The selection's items cut to the keys it holds (known on the device only): `chunk` is the plan's, sized for a
-    typical selection; with FIT the chunk is the multiple of BLOCK_N that cuts this one's keys into at most `spread`
-    items (a row's rounding up counted) but into no more than the partial buffers' `room` (both the same at every
-    program: the split and the merge launch derive the same plan). A heavier selection than the plan's (DuoAttention's
-    layers with several whole heads) then takes one wave of longer items, not several; a lighter one more, shorter
-    items. Returns (first [BLOCK_R], n_items [BLOCK_R], total items, keys per item) as item_plan."""
+def fitted_plan(indptr_ptr, rows, chunk, spread, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, DENSE: tl.constexpr,
+                dense_len, FIT: tl.constexpr):
+    """The selection's items (item_plan's), their keys fitted on the device to those it holds: `chunk` is the plan's,
+    sized for a typical selection; with FIT a heavier one (DuoAttention's layers with several whole heads) takes the
+    multiple of BLOCK_N that cuts it into at most `spread` items (a row's rounding up counted): one wave of longer
+    items rather than several waves (fewer items: the partial buffers sized for `chunk` still hold them). The split
+    and the merge launch derive the same plan. Returns (first [BLOCK_R], n_items [BLOCK_R], total items, keys per
+    item). (Cutting a lighter one into shorter items as well made squeeze's 128K step slower on an H200:
+    engine/bench/README.md.)"""
     key_chunk = chunk
-    if FIT > 0:
+    if FIT:
         r = tl.arange(0, BLOCK_R)
         lo, hi = bounds(indptr_ptr, r, r < rows, DENSE, dense_len)
-        keys = tl.sum(hi - lo, 0)
-        least = tl.cdiv(keys, tl.maximum(spread - rows, 1))
-        if FIT == 1:
-            least = tl.maximum(least, chunk)
-        else:
-            least = tl.maximum(least, tl.cdiv(keys, tl.maximum(room - rows, 1)))
-        key_chunk = (tl.maximum(least, 1) + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        least = tl.cdiv(tl.sum(hi - lo, 0), tl.maximum(spread - rows, 1))
+        key_chunk = tl.maximum((least + BLOCK_N - 1) // BLOCK_N * BLOCK_N, chunk)
     first_item, n_items, total = item_plan(indptr_ptr, rows, key_chunk, BLOCK_R, DENSE, dense_len)
     return first_item, n_items, total, key_chunk
 
@@ -83,7 +79,7 @@ def union_attn_fwd_kernel(
     stride_nkh, stride_nkn, stride_nkd,
     stride_nvh, stride_nvn, stride_nvd,
     stride_p, stride_order,
-    rows, num_kv_heads, group, lq, chunk, qk_scale, k_start, n_new, first, indexed, m_rows, spread, room,
+    rows, num_kv_heads, group, lq, chunk, qk_scale, k_start, n_new, first, indexed, m_rows, spread,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -96,7 +92,7 @@ def union_attn_fwd_kernel(
     PROBES: tl.constexpr,
     ROUNDS: tl.constexpr,
     dense_len=0,
-    FIT: tl.constexpr = 0,
+    FIT: tl.constexpr = False,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Grid (cdiv(M, BLOCK_M), workers), M = group * lq query rows per row.
@@ -116,7 +112,7 @@ def union_attn_fwd_kernel(
     num_m = group * lq
     m_valid = offs_m < num_m
     worker, workers = tl.program_id(1), tl.num_programs(1)
-    first_item, n_items, total, key_chunk = fitted_plan(indptr_ptr, rows, chunk, spread, room, BLOCK_R, BLOCK_N, DENSE,
+    first_item, n_items, total, key_chunk = fitted_plan(indptr_ptr, rows, chunk, spread, BLOCK_R, BLOCK_N, DENSE,
                                                         dense_len, FIT)
     r_ids = tl.arange(0, BLOCK_R)
     for item in range(worker, total, workers):  # the selection's keys (kernels/jit/sparse.py's split items)
@@ -169,7 +165,7 @@ def union_merge_kernel(
     part_out_ptr, part_lse_ptr, indptr_ptr, q_pos_ptr, out_ptr, lse_ptr,
     fresh_ptr, kept_ptr, read_ptr, elements_ptr, scores_ptr, best_ptr,
     rows, group, lq, chunk, k_start, n_new, stride_p, stride_oh, stride_ol,
-    m_rows, n_elements, n_units, stride_scores, stride_best, spread, room,
+    m_rows, n_elements, n_units, stride_scores, stride_best, spread,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_I: tl.constexpr,
@@ -180,7 +176,7 @@ def union_merge_kernel(
     TALLY: tl.constexpr,
     HAS_SCORES: tl.constexpr,
     dense_len=0,
-    FIT: tl.constexpr = 0,
+    FIT: tl.constexpr = False,
     BLOCK_N: tl.constexpr = 64,
     BLOCK_S: tl.constexpr = 4,
     BLOCK_F: tl.constexpr = 64,
@@ -201,8 +197,8 @@ def union_merge_kernel(
     release_next(PDL)
     row = tl.program_id(1)
     num_m = group * lq
-    first_item, n_items, total, _ = fitted_plan(indptr_ptr, rows, chunk, spread, room, BLOCK_R, BLOCK_N, DENSE,
-                                                dense_len, FIT)
+    first_item, n_items, total, _ = fitted_plan(indptr_ptr, rows, chunk, spread, BLOCK_R, BLOCK_N, DENSE, dense_len,
+                                                FIT)
     r_ids = tl.arange(0, BLOCK_R)
     n_causal, _ = new_items(q_pos_ptr, stride_p, lq, k_start, n_new, chunk)
     per_row = n_causal + FOLLOW

@@ -139,6 +139,24 @@ def test_other_tiles_attend_the_same(tiles):
         DecodeTiles(block_n=48)
 
 
+@pytest.mark.parametrize("fit", [True, False])
+def test_a_heavier_selection_than_planned_attends_the_same_in_longer_items(monkeypatch, fit):
+    """A selection of 30% of 3,000 keys where the plan expects a tenth (more items than the interpreter's workers): cut
+    on the device into longer items (union_ops.FIT_ITEMS, the default; the split and the merge launch must agree on
+    them) or into the plan's (several waves), the same output, lse and fresh follow rows as the reference."""
+    monkeypatch.setattr(union_ops, "FIT_ITEMS", fit)
+    q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(6, 8, 2, 2, 1, 3000, 64, 30, 8, True)
+    want = reference.union_attention(q, k, v, sel, SCALE, k_new[:, :30], v_new[:, :30], q_pos, k_start, follow)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    sel = Selection(on(sel.indptr), on(sel.indices), sel.num_keys)
+    follow = FollowRows(on(follow.positions), follow.first, follow.indexed, on(follow.order))
+    got = union_ops.union_attention(*(on(x) for x in (q, k, v)), sel, SCALE, on(k_new), on(v_new), on(q_pos),
+                                    k_start, follow)
+    torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[2].cpu(), want[2])
+
+
 def test_a_query_that_sees_no_new_token_has_only_the_fixed_part():
     """Positions before the new tokens' first slot (a step replayed over an empty buffer): no new-token item, the
     fixed part alone."""

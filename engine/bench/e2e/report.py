@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> dict:
                settings={"sparsity": args.sparsity, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
                          "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs,
-                         "compile": args.compile, "pdl": args.pdl, "fit_chunk": args.fit_chunk, "token_layers": args.token_layers,
+                         "compile": args.compile, "pdl": args.pdl, "fit_items": args.fit_items, "token_layers": args.token_layers,
                          "context_settings": settings.as_dict(),
                          "method_settings": {m: make_method(m, method_settings.get(m)).settings.as_dict()
                                              for m in build_order(methods)},
@@ -178,9 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                         help="launch the engine's and inductor's kernels with programmatic dependent launch where the "
                              "GPU has it (kernels/launch.py; the product's default)")
-    parser.add_argument("--fit-chunk", type=int, default=union_ops.FIT_CHUNK, choices=(0, 1, 2),
-                        help="how a decode step's attention cuts the selection into items on the device "
-                             "(kernels/union_ops.py FIT_CHUNK: 0 the plan's chunk, 1 longer only, 2 fitted)")
+    parser.add_argument("--fit-items", action=argparse.BooleanOptionalAction, default=True,
+                        help="a decode step's attention cuts a heavier selection than planned into longer items on "
+                             "the device (kernels/union_ops.py FIT_ITEMS; the product's default)")
     parser.add_argument("--token-layers", action=argparse.BooleanOptionalAction, default=True,
                         help="a random-weight shape's one-token steps end each Llama-style layer in the gated down "
                              "product (engine.model.token_layer; the product's default)")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--gpus {args.gpus}: needs --device cuda and that many GPUs "
                      f"({torch.cuda.device_count()} here)")
     launch.ENABLED = args.pdl  # before any kernel is compiled: the process's one setting
-    union_ops.FIT_CHUNK = args.fit_chunk
+    union_ops.FIT_ITEMS = args.fit_items
     result = run(args)
     emit(result, args.out)
     return 1 if failed(result) else 0
