@@ -91,7 +91,8 @@ def run(args: argparse.Namespace) -> dict:
                settings={"sparsity": args.sparsity, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
                          "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs,
-                         "compile": args.compile, "pdl": args.pdl, "fit_items": args.fit_items, "token_layers": args.token_layers,
+                         "compile": args.compile, "pdl": args.pdl, "fit_items": args.fit_items,
+                         "token_layers": args.token_layers,
                          "context_settings": settings.as_dict(),
                          "method_settings": {m: make_method(m, method_settings.get(m)).settings.as_dict()
                                              for m in build_order(methods)},
