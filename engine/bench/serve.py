@@ -1,22 +1,28 @@
 """Many users at once through the engine's API: each asks its question over its own document at the same moment,
 with every method, and the run reports what each user waited for and what the model served in all.
 
-    squeeze bench serve [--model M] [--device cpu|cuda|auto] [--users 4] [--documents N] [--tokens 48]
-                        [--methods squeeze,full] [--batch B] [--out FILE]
+    squeeze bench serve [--model M | --shape llama3-8b --context 32768] [--device cpu|cuda|auto] [--users 4]
+                        [--documents N] [--tokens 48] [--methods squeeze,full] [--batch B] [--out FILE]
 
 Documents: `assets/apache-2.0.txt` cut into --documents parts (default: one per user, each headed by its own
-number, so that no two users share a context), each cut to the model's context; questions:
+number, so that no two users share a context), each cut to the model's context; with --shape (a random-weight
+model of engine.bench.e2e's shapes, read through the engine's byte tokenizer: its time is what it measures, its
+answers mean nothing) each document is --context bytes (one token each) of that text, from an offset of its own;
+questions:
 `assets/apache-2.0_questions.json`, user i the (i mod 6)-th. For each method the users' turns are asked at once
 from one thread each (engine.serve.service.Engine.stream: its scheduler answers up to its batch together and
 queues the rest), and once more one after another (each alone, the reference: every answer must be the same text).
 Per user: the time to its first piece of answer (queue wait included) and to its end, its tokens; in all: time to
 first token p50 / p95, tokens per second of the whole run against one user at a time, the answers' agreement with
-their lone answers, the peak GPU memory where there is one. Ends with one JSON document on stdout.
+their lone answers, the time per answer token after the first (p50 over the users: together, at the batch, and
+alone) beside the byte bound of a decode step at that batch and alone (the weights once, each turn's share of its
+document's K/V), the peak GPU memory where there is one. Ends with one JSON document on stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -26,9 +32,15 @@ from pathlib import Path
 
 import torch
 
+from engine.bench.e2e.bound import byte_bound, copy_bandwidth
+from engine.bench.e2e.models import SHAPES, device_name, open_model
 from engine.context.turn import Answer, Delta
+from engine.model.compiled import compile_layers, wants_compile, warm_up
+from engine.model.load import LoadedModel
 from engine.serve.scheduler import Waiting
 from engine.serve.service import Engine
+from engine.text.byte_tokens import byte_tokenizer
+from kernels.dispatch import backend_for
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 TEXT = ASSETS / "apache-2.0.txt"
@@ -47,6 +59,48 @@ def documents(count: int, folder: Path) -> list[Path]:
         path.write_text(f"Part {i + 1} of the licence.\n\n" + "\n\n".join(part))
         out.append(path)
     return out
+
+
+def shape_documents(count: int, tokens: int, folder: Path) -> list[Path]:
+    """`count` text files of `tokens` bytes each (one byte-tokenizer token each, up to the chat format's few), each
+    headed by its number and going on with TEXT, repeated, from an offset of its own."""
+    text = " ".join(TEXT.read_text().split())  # ASCII, one space between words: a byte is a token
+    out = []
+    for i in range(count):
+        head = f"Part {i + 1} of the licence.\n\n"
+        start = i * len(text) // max(count, 1)
+        body = (text[start:] + " " + text) * (tokens // len(text) + 2)
+        path = folder / f"part-{i + 1}.txt"
+        path.write_text((head + body)[:tokens])
+        out.append(path)
+    return out
+
+
+def shape_model(shape: str, device: str, compile: str) -> LoadedModel:
+    """SHAPES[shape]'s random-weight model on `device` ("auto": CUDA where there is one) with the byte tokenizer,
+    its layers compiled where `compile` asks (as the product's load does on one GPU)."""
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    lm = dataclasses.replace(open_model(shape, None, device), tokenizer=byte_tokenizer())
+    if wants_compile(compile, lm):
+        compile_layers(lm)
+        warm_up(lm, backend_for(lm.device))
+    return lm
+
+
+def step_ms(users: list[dict]) -> float:
+    """The median over `users` of the time per answer token after the first, in ms."""
+    return round(percentile([(u["total_s"] - u["first_s"]) / (u["tokens"] - 1) * 1e3 for u in users
+                             if u["tokens"] > 1], 50), 3)
+
+
+def step_bounds(lm: LoadedModel, context: int, batch: int, kv_budget: float, new_tokens: float,
+                bandwidth_gbs: float) -> dict:
+    """The byte bound of a decode step in ms at `batch` turns and alone: the weights once, and each turn its
+    document's global-layer K/V times kv_budget, its sliding windows and its new tokens' K/V."""
+    bound = byte_bound(lm, context, new_tokens)
+    per_turn = kv_budget * bound["global_fixed_kv_bytes"] + bound["sliding_window_kv_bytes"] + bound["new_kv_bytes"]
+    ms = lambda turns: round((bound["weight_bytes"] + turns * per_turn) / (bandwidth_gbs * 1e9) * 1e3, 4)  # noqa: E731
+    return {"batch": ms(batch), "alone": ms(1)}
 
 
 def questions() -> list[str]:
@@ -164,15 +218,22 @@ def summary(users: list[dict], wall: float) -> dict:
 def run(args: argparse.Namespace) -> dict:
     asked = questions()
     with tempfile.TemporaryDirectory() as tmp:
+        shaped = shape_model(args.shape, args.device, args.compile) if args.shape else None
         engine = Engine(Path(tmp) / "cache", model=args.model, device=args.device, compile=args.compile,
-                        max_batch=args.batch)
-        paths = documents(args.documents or args.users, Path(tmp))
-        contexts = [engine.ingest(p, truncate=True).context_id for p in paths]
+                        max_batch=args.batch, lm=shaped)
+        count = args.documents or args.users
+        paths = (shape_documents(count, args.context, Path(tmp)) if shaped is not None
+                 else documents(count, Path(tmp)))
+        ingested = [engine.ingest(p, truncate=True) for p in paths]
+        contexts = [c.context_id for c in ingested]
         lm = engine.lm
         asks = [(contexts[i % len(contexts)], asked[i % len(asked)]) for i in range(args.users)]
-        out = {"bench": "serve", "device": torch.cuda.get_device_name(lm.device) if lm.device.type == "cuda"
-               else "cpu", "model": lm.model_id, "users": args.users, "documents": len(contexts),
-               "batch": engine.scheduler.max_batch, "tokens": args.tokens, "sparsity": SPARSITY, "methods": {}}
+        batch = engine.scheduler.max_batch
+        out = {"bench": "serve", "device": device_name(lm.device), "model": lm.model_id, "shape": args.shape,
+               "users": args.users, "documents": len(contexts), "context_tokens": [c.tokens for c in ingested],
+               "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
+               "bandwidth_gbs": round(copy_bandwidth(lm.device), 1), "methods": {}}
+        context = max(out["context_tokens"])
         for method in args.methods.split(","):
             engine.ask(asks[0][0], asks[0][1], method, SPARSITY, 2)  # builds what the method lacks, warms up
             if lm.device.type == "cuda":
@@ -180,6 +241,10 @@ def run(args: argparse.Namespace) -> dict:
             together, wall = ask_at_once(engine, asks, method, args.tokens)
             alone, alone_wall = one_at_a_time(engine, asks, method, args.tokens)
             entry = comparison(together, wall, alone, alone_wall)
+            entry["step_ms"] = {"together": step_ms(together), "alone": step_ms(alone)}
+            budget = 1.0 if method == "full" else round(1.0 - SPARSITY, 6)
+            entry["bound_ms"] = step_bounds(lm, context, min(batch, args.users), budget, args.tokens / 2,
+                                            out["bandwidth_gbs"])
             if lm.device.type == "cuda":
                 entry["peak_gib"] = round(torch.cuda.max_memory_allocated(lm.device) / 2**30, 3)
             out["methods"][method] = entry
@@ -190,7 +255,14 @@ def run(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="squeeze bench serve", description=__doc__.split("\n\n")[0])
     add_options(parser, tokens=48)
+    parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
+                        help="a random-weight model of this shape instead of --model (its time is what it measures)")
+    parser.add_argument("--context", type=int, default=32768, help="with --shape: each document's tokens")
     args = parse(parser, argv)
+    if args.shape and args.model:
+        parser.error("--shape and --model exclude each other")
+    if args.shape and args.context < 64:
+        parser.error("--context must be at least 64 tokens")
     emit(run(args), args.out)
     return 0
 

@@ -33,3 +33,30 @@ def test_three_users_at_once_get_their_lone_answers(tmp_path, capsys):
         assert together["tokens"] == sum(u["tokens"] for u in entry["per_user"]) > 0
         assert together["first_s_p50"] <= together["first_s_p95"]
         assert all(u["first_s"] <= u["total_s"] for u in entry["per_user"])
+
+
+@pytest.mark.usefixtures("one_thread")
+def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, capsys):
+    """--shape: the shape's random weights through the byte tokenizer, each document --context tokens (its <bos>
+    too), every answer its lone answer, and beside the time per answer token the byte bound of a step at the batch
+    (the weights once: more than alone, less than that many steps alone)."""
+    out = tmp_path / "serve.json"
+    assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
+                 "--batch", "2", "--methods", "squeeze,full", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["model"] == "random-tiny" and report["shape"] == "tiny"
+    assert report["context_tokens"] == [301, 301] and report["bandwidth_gbs"] > 0
+    for name, entry in report["methods"].items():
+        assert entry["same_answers"] == 2, name
+        assert all(u["tokens"] == 4 for u in entry["per_user"])  # a shape's turns never end early
+        assert entry["step_ms"]["together"] > 0 and entry["step_ms"]["alone"] > 0
+        bound = entry["bound_ms"]
+        assert bound["alone"] < bound["batch"] < 2 * bound["alone"]
+    assert report["methods"]["full"]["bound_ms"]["batch"] > report["methods"]["squeeze"]["bound_ms"]["batch"]
+
+
+def test_a_shape_and_a_model_are_refused_together(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--shape", "tiny", "--model", "x", "--device", "cpu"])
+    assert stop.value.code == 2
+    assert "exclude each other" in capsys.readouterr().err

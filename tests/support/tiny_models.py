@@ -1,4 +1,4 @@
-"""Tiny random-weight causal LMs and a byte-level tokenizer, built in memory (nothing is downloaded).
+"""Tiny random-weight causal LMs with the engine's byte-level tokenizer, built in memory (nothing is downloaded).
 
 Each architecture is one the engine must serve: GQA (Llama), MHA (Qwen2) and a sliding-window hybrid
 (Gemma 3: five sliding layers, then one global). `make_tiny_model` saves weights and tokenizer into a
@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     Gemma3ForCausalLM,
     Gemma3TextConfig,
@@ -22,7 +21,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-BOS, EOS = "<bos>", "<eos>"
+from engine.text.byte_tokens import byte_tokenizer
+
 ARCHS = ("llama_gqa", "qwen2_mha", "gemma3_hybrid")
 SEED = 0
 MAX_POSITIONS = 4096
@@ -36,22 +36,6 @@ QUICK_TRAINING = {"duo": {"train_steps": 3, "train_min_tokens": 120, "train_max_
                   "saap": {"train_prompts": 2, "train_tokens": 256, "train_queries": 32, "train_kmeans_iters": 3,
                            "train_steps": 6, "train_batch": 32, "train_lr": 0.01}}
 GEMMA_SLIDING_WINDOW = 32  # tokens; the test document is several windows long, so the window matters
-
-
-def byte_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE with no merges: one token per UTF-8 byte, plus <bos> and <eos> (ids 256 and 257).
-
-    unk and pad are <eos> (as in Qwen's own tokenizers; every byte has a token, so unk never occurs):
-    transformers 5 loads a saved qwen2 tokenizer as Qwen2Tokenizer, which would otherwise add an
-    "<|endoftext|>" token (id 258) past the model's vocabulary.
-    """
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())  # the 256 printable stand-ins for the bytes
-    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([BOS, EOS])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, unk_token=EOS, pad_token=EOS)
 
 
 def _config(arch: str, tokenizer: PreTrainedTokenizerFast):
