@@ -103,7 +103,8 @@ def union_attn_fwd_kernel(
     order [Hkv, indexed] int32 when HAS_ORDER (kernels/jit/follow.py); the query block 0 of a row's follow item
     writes fresh [rows, m_rows] int8. Writes part_out [items, M, D] fp32 (normalised; 0 for an item that saw no
     key) and part_lse [items, M] fp32 (base 2; -inf for such an item): the selection's items first, then row r's
-    short items at total + r * (new-token items + FOLLOW) ...
+    short items at total + r * (new-token items + FOLLOW) ... The selection's items are fitted_plan's (chunk, spread,
+    FIT), as the merge kernel derives them.
     """
     wait_prior(PDL)
     release_next(PDL)
