@@ -22,6 +22,9 @@ from kernels.backend import Backend
 from kernels.selection import FollowRows
 
 ATTN_NAME = "squeeze"
+# A question's prompt of more tokens is prefilled this many a call: the longest prefill a GPU replays from a CUDA graph
+# (engine.model.generate.PREFILL_LENGTHS), and a joining turn's longest hold on the turns answered with it.
+PREFILL_CHUNK = 1024
 
 
 @dataclass
@@ -67,6 +70,8 @@ class StepContext:
     valid: [1] int64 on the model's device, how many of the call's tokens are real (the first ones: a question
         padded to a captured length, engine.model.graph.PrefillGraph); each pooled lookup counts those only; None:
         every token
+    prefill_chunk: a question's prompt of more tokens is prefilled this many a call (engine.model.generate
+        .QuestionPrefill: a joining turn then holds the others up one call at a time)
     token_lookups: a call over several tokens (a question's prefill) looks up each token's keys on its own, as a
         decode step does (each at the decode plan), instead of one lookup whose selection all its tokens share (the
         Squeezed Attention paper's prefill: S averaged over the tokens); engine/bench/README.md, "One lookup per
@@ -85,6 +90,7 @@ class StepContext:
     follow: Follow | None = None
     token_lookups: bool = False
     valid: torch.Tensor | None = None
+    prefill_chunk: int = PREFILL_CHUNK
 
 
 @dataclass

@@ -20,11 +20,12 @@ class TurnStats:
 
     kept_fraction_prefill/decode: [global layer][query head] kept keys / fixed-context length
     kept_fraction: the same averaged over all steps (the question's prefill counts as one step, or as one per token
-        with token lookups: TurnRecorder.lookups_per_step)
+        with token lookups: TurnRecorder.lookups_per_step, or one per call of a long question's)
     kv_budget: fraction of the global layers' fixed-context K and V bytes read per step (index bytes included),
                averaged over the turn's steps; kv_budget_prefill / kv_budget_decode: the same for each phase
     clusters: per global layer, per selection row, the units (clusters, pages) the question's prefill retrieved
-              (ids, sizes, and the lookup's scores of them; with token lookups, its last token's)
+              (ids, sizes, and the lookup's scores of them; with token lookups, its last token's; of a question
+              prefilled in several calls, its last call's)
     """
 
     method: str
@@ -102,6 +103,7 @@ class TurnRecorder:
         self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
         self._step = -1
         self._prefill_lookups = 1  # lookups the question's prefill makes per global layer (lookups_per_step)
+        self._prefill_before = 0  # of them, those of the prefill's earlier calls (a long question's)
         self.timing = True  # time lookup and attention (off for steps that are not counted in timed_steps)
         self.timed_steps = 0  # eager steps whose lookup and attention were timed (replayed ones cannot be)
 
@@ -126,10 +128,18 @@ class TurnRecorder:
                                             for layer, entry in totals.clusters.items()})
         self.current = None
 
-    def begin_step(self) -> None:
-        """Called by the host before each eager step (replayed steps are handed over with add_decode)."""
-        self._step += 1
+    def begin_step(self, continued: bool = False) -> None:
+        """Called by the host before each eager step (replayed steps are handed over with add_decode). continued: a
+        further call of the question's prefill (a long question, a chunk a call: engine.model.generate
+        .QuestionPrefill), whose lookups count in the prefill phase beside its earlier calls'."""
         self.timed_steps += 1
+        if continued:
+            if self._step != 0:
+                raise RuntimeError("only the question's prefill runs in several calls")
+            self._prefill_before = self._prefill_lookups
+            self._set_prefill_lookups(self._prefill_before + 1)
+            return
+        self._step += 1
         self.current = None
         if self._step > 0 and self.decode is not None:
             self.decode.steps += 1
@@ -172,6 +182,10 @@ class TurnRecorder:
         count). Decode steps, of one token, never call it."""
         if self._step > 0:
             raise RuntimeError("only the question's prefill looks up its tokens one by one")
+        self._set_prefill_lookups(self._prefill_before + lookups)
+
+    def _set_prefill_lookups(self, lookups: int) -> None:
+        """The prefill phase's lookups per global layer so far (its figures are their mean)."""
         self._prefill_lookups = lookups
         if self.prefill is not None:
             self.prefill.steps = lookups

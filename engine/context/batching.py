@@ -1,7 +1,9 @@
 """Turns answered together: each question prefilled alone when its turn joins, then every turn's next token from
 one forward call a step (engine.model.batch.forward_batch), each turn over its own context, method and plan.
 
-A turn may join between any two steps and leaves when its answer ends; the others go on undisturbed. With greedy
+A turn may join between any two steps and leaves when its answer ends; the others go on undisturbed. A question
+longer than its step's prefill_chunk is prefilled a call between two steps of the others (the calls a lone turn
+runs back to back: engine.model.generate.QuestionPrefill), so that it holds them up one call at a time. With greedy
 choice a turn's tokens are those it gets alone (tests/engine/test_batching.py). Every call runs eagerly (a lone
 turn on a GPU replays its steps from CUDA graphs instead: engine.model.generate).
 """
@@ -12,7 +14,7 @@ import torch
 
 from engine.context.turn import Delta, Turn
 from engine.model.batch import forward_batch
-from engine.model.generate import prefill_question
+from engine.model.generate import QuestionPrefill
 from engine.model.load import LoadedModel
 from engine.model.sampling import choose
 
@@ -22,17 +24,26 @@ class TurnBatch:
 
     def __init__(self, lm: LoadedModel):
         self.lm = lm
-        self.turns: list[Turn] = []  # the turns under way, in the order they joined
+        self.turns: list[Turn] = []  # the turns taking a token a step, in the order they joined
+        self.joining: list[tuple[Turn, QuestionPrefill]] = []  # turns whose long question is still being prefilled
         self._next: dict[int, tuple[torch.Tensor, int]] = {}  # id(turn) -> (its next input token [1], position)
 
     def __len__(self) -> int:
-        return len(self.turns)
+        return len(self.turns) + len(self.joining)
 
     def join(self, turn: Turn) -> Delta | None:
-        """Prefill the turn's question alone and take its first token: the piece it shows, if any. A turn whose
-        answer ends there (turn.done) does not stay."""
-        token, position = prefill_question(self.lm, turn.step, turn.prompt, turn.max_new_tokens, turn.sampler,
-                                           eager=True)
+        """Start the turn's question's prefill alone: its first call, and, where that was the last (a question of
+        at most its step's prefill_chunk tokens), its first token: the piece it shows, if any. A longer question
+        goes on a call a step (`step`). A turn whose answer ends at its first token (turn.done) does not stay."""
+        prefill = QuestionPrefill(self.lm, turn.step, turn.prompt, turn.max_new_tokens, turn.sampler, eager=True)
+        if not prefill.advance():
+            self.joining.append((turn, prefill))
+            return None
+        return self._first(turn, prefill)
+
+    def _first(self, turn: Turn, prefill: QuestionPrefill) -> Delta | None:
+        """The turn's first token, from its finished prefill: it takes a token a step from now on, unless done."""
+        token, position = prefill.result
         piece = turn.feed(int(token))
         if not turn.done:
             self.turns.append(turn)
@@ -41,15 +52,21 @@ class TurnBatch:
 
     def step(self) -> list[tuple[Turn, Delta | None]]:
         """One forward call over every turn's last token: each turn with the piece its next token shows. Turns
-        whose answer ended leave the batch (turn.done)."""
+        whose answer ended leave the batch (turn.done). Before it, the next call of the first joining turn's
+        prefill; the step it ends at gives that turn its first token (and piece) too."""
+        out = []
+        if self.joining:
+            turn, prefill = self.joining[0]
+            if prefill.advance():
+                self.joining.pop(0)
+                out.append((turn, self._first(turn, prefill)))
         if not self.turns:
-            return []
+            return out
         inputs = [self._next[id(t)] for t in self.turns]
         with torch.inference_mode():
             logits = forward_batch(self.lm, [t.step for t in self.turns], torch.cat([tok for tok, _ in inputs]),
                                    [pos for _, pos in inputs])
             tokens = [choose(logits[b : b + 1], t.sampler) for b, t in enumerate(self.turns)]
-        out = []
         for turn, token, (_, position) in zip(list(self.turns), tokens, inputs):
             out.append((turn, turn.feed(int(token))))
             if turn.done:
@@ -63,3 +80,4 @@ class TurnBatch:
         if turn in self.turns:
             self.turns.remove(turn)
             del self._next[id(turn)]
+        self.joining = [(t, p) for t, p in self.joining if t is not turn]

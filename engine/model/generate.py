@@ -12,12 +12,12 @@ from collections.abc import Iterator
 
 import torch
 
-from engine.attention.function import StepContext
+from engine.attention.function import PREFILL_CHUNK, StepContext
 from engine.model.load import LoadedModel
 from engine.model.sampling import Sampler, choose
 
 # A captured prefill's lengths: a question of n tokens (2 <= n <= the last) is padded to the first that holds it.
-PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024)
+PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512, PREFILL_CHUNK)
 # The last captured length of a step that reads every key: beyond it the GPU's attention over the whole context
 # outweighs the host's launches (an 8B model at 128K on an H200: a 1K-token question's prefill 164 ms of GPU work in
 # 169 ms), and padding would add to that work. A sparse step's GPU work is a fraction of it: eager, squeeze's 1K-token
@@ -65,14 +65,17 @@ def forward_padded(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, sta
     return logits
 
 
-def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int) -> torch.Tensor:
+def forward_step(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int, begin: bool = True,
+                 continued: bool = False) -> torch.Tensor:
     """One eager call over ids [n] at positions start .. start + n - 1 (their K/V join the turn's new tokens).
+    begin: the follow rows are the call's (Follow.begin); else those set before it (a long question's calls: its
+    own). continued: a further call of the question's prefill (its statistics add to that phase).
     Returns the last token's logits [1, V] on the device (not read back: the caller decides when to synchronise)."""
     step.positions = torch.arange(start, start + ids.numel(), device=lm.device)
-    if step.follow is not None:
+    if step.follow is not None and begin:
         step.follow.begin(ids)
     if step.recorder is not None:
-        step.recorder.begin_step()
+        step.recorder.begin_step(continued)
     out = lm.model(input_ids=ids[None], position_ids=step.positions[None], past_key_values=step.cache,
                    use_cache=True, logits_to_keep=1, squeeze_step=step)
     return out.logits[0, -1:]
@@ -83,25 +86,58 @@ def _next(lm: LoadedModel, step: StepContext, ids: torch.Tensor, start: int, sam
     return choose(forward_step(lm, step, ids, start), sampler)
 
 
+class QuestionPrefill:
+    """A turn's first calls: the cache's new tokens forgotten, room reserved for the prompt [Lq] int64 and an answer
+    of max_new_tokens, then the prompt run: in one call where it holds at most `step.prefill_chunk` tokens (replayed
+    at a padded length where the step has CUDA graphs, unless `eager`), else that many tokens a call, eagerly, each
+    call's lookups pooled over its own tokens and every call reading the whole question's follow rows. `advance()`
+    runs the next call and says whether the question is in; `result` is then (the answer's first token, [1] int64 on
+    the device: greedy, or the sampler's; the position of the next input). A lone turn runs the calls back to back
+    (prefill_question); turns answered together run a joining turn's calls between the others' steps
+    (engine.context.batching), so that a long question holds them up one call at a time: both compute the same."""
+
+    def __init__(self, lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int,
+                 sampler: Sampler | None = None, eager: bool = False):
+        self.lm, self.step, self.sampler = lm, step, sampler
+        self.prompt = prompt.to(lm.device)
+        n, chunk = prompt.numel(), max(1, step.prefill_chunk)
+        self.calls = [(lo, min(lo + chunk, n)) for lo in range(0, n, chunk)] or [(0, 0)]
+        dense = step.plan is None or step.plan.budget >= 1.0
+        replay = step.graphs is not None and not step.token_lookups and not eager and len(self.calls) == 1
+        self.length = padded_length(n, dense) if replay else None
+        self.done = 0
+        self.result: tuple[torch.Tensor, int] | None = None
+        with torch.inference_mode():
+            step.cache.reset_dynamic()
+            step.cache.reserve(max(n + max_new_tokens, self.length or 0))
+            self.start = step.cache.get_seq_length()
+            if len(self.calls) > 1 and step.follow is not None:
+                step.follow.begin(self.prompt)  # the whole question's: its calls then keep them
+
+    def advance(self) -> bool:
+        """Run the prompt's next call; True once the last one has run (`result` set)."""
+        lo, hi = self.calls[self.done]
+        last = self.done == len(self.calls) - 1
+        with torch.inference_mode():
+            if self.length is not None:
+                logits = self.step.graphs.prefill(self.step, self.prompt, self.start, self.length)
+            else:
+                logits = forward_step(self.lm, self.step, self.prompt[lo:hi], self.start + lo,
+                                      begin=len(self.calls) == 1, continued=self.done > 0)
+            if last:
+                self.result = (choose(logits, self.sampler), self.start + self.prompt.numel())
+        self.done += 1
+        return last
+
+
 def prefill_question(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int,
                      sampler: Sampler | None = None, eager: bool = False) -> tuple[torch.Tensor, int]:
-    """A turn's first call: the cache's new tokens forgotten, room reserved for the prompt [Lq] int64 and an answer
-    of max_new_tokens, the prompt run (replayed at a padded length where the step has CUDA graphs, unless `eager`).
-    Returns the answer's first token ([1] int64 on the device: greedy, or the sampler's) and the position of the
-    next input."""
-    cache = step.cache
-    dense = step.plan is None or step.plan.budget >= 1.0
-    replay = step.graphs is not None and not step.token_lookups and not eager
-    length = padded_length(prompt.numel(), dense) if replay else None
-    with torch.inference_mode():
-        cache.reset_dynamic()
-        cache.reserve(max(prompt.numel() + max_new_tokens, length or 0))
-        position = cache.get_seq_length()
-        if length is None:
-            next_ids = _next(lm, step, prompt.to(lm.device), position, sampler)
-        else:
-            next_ids = choose(step.graphs.prefill(step, prompt.to(lm.device), position, length), sampler)
-    return next_ids, position + prompt.numel()
+    """A turn's question prefilled whole (QuestionPrefill's calls back to back). Returns the answer's first token
+    ([1] int64 on the device: greedy, or the sampler's) and the position of the next input."""
+    prefill = QuestionPrefill(lm, step, prompt, max_new_tokens, sampler, eager)
+    while not prefill.advance():
+        pass
+    return prefill.result
 
 
 def generate_tokens(lm: LoadedModel, step: StepContext, prompt: torch.Tensor, max_new_tokens: int,

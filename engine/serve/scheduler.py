@@ -5,10 +5,10 @@ The first turn in the queue joins the turns under way when the batch has room an
 method's index built, its context open or openable beside theirs (the engine keeps up to max_batch contexts on the
 device), and, over a context that other turns read, in their order of its K/V (ContextSession.layout_key). Otherwise
 it, and everything behind it, waits until it can (at the latest when no turn is under way): no turn overtakes
-another. Admitted, a turn's question is prefilled alone, then it takes one token a step with the others
-(engine.context.batching.TurnBatch). With max_batch = 1 each turn runs alone through its session's own path (on a
-GPU its steps replayed from CUDA graphs). A turn whose reader goes away (its stream closed: the user stopped it or
-left) leaves at the next step; the others go on.
+another. Admitted, a turn's question is prefilled alone (a long one a chunk a step, between the others' steps), then
+it takes one token a step with the others (engine.context.batching.TurnBatch). With max_batch = 1 each turn runs
+alone through its session's own path (on a GPU its steps replayed from CUDA graphs). A turn whose reader goes away
+(its stream closed: the user stopped it or left) leaves at the next step; the others go on.
 """
 
 from __future__ import annotations

@@ -96,6 +96,28 @@ def test_recorder_totals_by_phase():
     assert stats.kv_budget == pytest.approx((prefill_read + decode_read) / 5 / (2 * dense_kv), abs=1e-6)
 
 
+def test_recorder_a_prefill_in_several_calls_is_one_phase():
+    """A long question's prefill in two calls (the second `continued`): both calls' lookups are the prefill phase's,
+    averaged as two lookups; the decode step after it is the decode phase's first, and a call continued after a
+    decode step is refused."""
+    fixed, hq = 100, 4
+    rec = TurnRecorder([0], hq, HKV, D, fixed, sync_cuda=False)
+    rec.begin_step()
+    rec.record(0, lookup([20, 40], fixed, 30.0))
+    rec.begin_step(continued=True)
+    rec.record(0, lookup([40, 60], fixed, 30.0))
+    rec.begin_step()  # the first decode step
+    rec.record(0, lookup([10, 10], fixed, 30.0))
+    stats = rec.finish("squeeze", 0.9, 2, {})
+    assert stats.steps == 3 and stats.timings["timed_steps"] == 3
+    assert stats.kept_fraction_prefill == [[0.3, 0.3, 0.5, 0.5]]
+    assert stats.kept_fraction_decode == [[0.1, 0.1, 0.1, 0.1]]
+    dense_kv = HKV * fixed * 2 * D
+    assert stats.kv_budget_prefill == pytest.approx((80 * 2 * D + 30) / dense_kv, abs=1e-6)
+    with pytest.raises(RuntimeError, match="prefill"):
+        rec.begin_step(continued=True)
+
+
 def test_recorder_union_when_rows_are_query_heads():
     """Rows per query head: a key two heads of a group select is read once (the union, counted on the device)."""
     fixed, hq = 50, 4
