@@ -118,6 +118,21 @@ def test_kernel_matches_reference(shape, dtype):
         assert torch.equal(got[2].cpu(), want[2])
 
 
+def _decode_matches_reference(seed: int, n: int, slots: int, seen: int, **options) -> None:
+    """A float32 decode step of case(seed, 8, 2, 2, 1, n, slots, seen, 8, True) through the kernels (options:
+    union_attention's keywords): its output, lse and fresh follow rows against the reference's."""
+    q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(seed, 8, 2, 2, 1, n, slots, seen, 8, True)
+    want = reference.union_attention(q, k, v, sel, SCALE, k_new[:, :seen], v_new[:, :seen], q_pos, k_start, follow)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    sel = Selection(on(sel.indptr), on(sel.indices), sel.num_keys)
+    follow = FollowRows(on(follow.positions), follow.first, follow.indexed, on(follow.order))
+    got = union_ops.union_attention(*(on(x) for x in (q, k, v)), sel, SCALE, on(k_new), on(v_new), on(q_pos),
+                                    k_start, follow, **options)
+    torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-4, rtol=1e-4)
+    assert torch.equal(got[2].cpu(), want[2])
+
+
 @pytest.mark.parametrize("tiles", [dict(block_n=32, num_warps=8, num_stages=2, workers_per_sm=2),
                                    dict(block_n=128, num_warps=4, num_stages=4, workers_per_sm=4)])
 def test_other_tiles_attend_the_same(tiles):
@@ -125,16 +140,7 @@ def test_other_tiles_attend_the_same(tiles):
     and fresh follow rows as the reference, and a bad tiling refused."""
     from kernels.sparse_ops import DecodeTiles
 
-    q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(4, 8, 2, 2, 1, 700, 300, 150, 8, True)
-    want = reference.union_attention(q, k, v, sel, SCALE, k_new[:, :150], v_new[:, :150], q_pos, k_start, follow)
-    on = lambda t: t.to(DEVICE)  # noqa: E731
-    sel = Selection(on(sel.indptr), on(sel.indices), sel.num_keys)
-    follow = FollowRows(on(follow.positions), follow.first, follow.indexed, on(follow.order))
-    got = union_ops.union_attention(*(on(x) for x in (q, k, v)), sel, SCALE, on(k_new), on(v_new), on(q_pos),
-                                    k_start, follow, tiles=DecodeTiles(**tiles))
-    torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-4, rtol=1e-4)
-    assert torch.equal(got[2].cpu(), want[2])
+    _decode_matches_reference(4, 700, 300, 150, tiles=DecodeTiles(**tiles))
     with pytest.raises(ValueError):
         DecodeTiles(block_n=48)
 
@@ -145,16 +151,7 @@ def test_a_heavier_selection_than_planned_attends_the_same_in_longer_items(monke
     on the device into longer items (union_ops.FIT_ITEMS, the default; the split and the merge launch must agree on
     them) or into the plan's (several waves), the same output, lse and fresh follow rows as the reference."""
     monkeypatch.setattr(union_ops, "FIT_ITEMS", fit)
-    q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(6, 8, 2, 2, 1, 3000, 64, 30, 8, True)
-    want = reference.union_attention(q, k, v, sel, SCALE, k_new[:, :30], v_new[:, :30], q_pos, k_start, follow)
-    on = lambda t: t.to(DEVICE)  # noqa: E731
-    sel = Selection(on(sel.indptr), on(sel.indices), sel.num_keys)
-    follow = FollowRows(on(follow.positions), follow.first, follow.indexed, on(follow.order))
-    got = union_ops.union_attention(*(on(x) for x in (q, k, v)), sel, SCALE, on(k_new), on(v_new), on(q_pos),
-                                    k_start, follow)
-    torch.testing.assert_close(got[0].cpu(), want[0], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-4, rtol=1e-4)
-    assert torch.equal(got[2].cpu(), want[2])
+    _decode_matches_reference(6, 3000, 64, 30)
 
 
 def test_a_query_that_sees_no_new_token_has_only_the_fixed_part():
