@@ -37,6 +37,7 @@ from kernels.reference.centroid import (  # noqa: F401
     centroid_log_scores,
     dequantize_centroids,
     quantize_centroids,
+    read_elements,
     reduce_scores,
     row_scores,
     scaled_queries,
@@ -193,12 +194,14 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config,
-            starts=None, block_sums=None, step=None, valid=None):
+            starts=None, block_sums=None, step=None, valid=None, zero=False, elements=None):
     """Both passes. allowed: [rows, C] bool or None; indptr/idx: CSR candidates or None (dense); keep/score: the
     [rows, C] outputs (for lists, already zeroed: only candidate entries are written); starts / block_sums: the
     clusters' key ranges [Hkv, C + 1] and the kept keys per (row, score block) [rows, NB] out (dense only); step:
     the one-byte centroids' step [Hkv, D] (the kernels scale q by it as they load it), or None; valid: [1] int64, the
-    real tokens of Lq (the first ones), or None (all)."""
+    real tokens of Lq (the first ones), or None (all). zero (lists): the denominator pass zeroes keep and score first;
+    elements (lists): (out [rows] float32, base, per), out set to base + per x each row's candidates by the score
+    pass. Returns whether the passes ran (not for lists of no capacity)."""
     hq, lq, d = q.shape
     hkv, c, _ = centroids.shape
     use_list = indptr is not None
@@ -208,7 +211,7 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     capacity = idx.numel() if use_list else 0
     width = min(c, capacity) if use_list else c  # the most positions one unit can have
     if width == 0:
-        return
+        return False
     cfg = config or default_config(q.device, lq, d, q.dtype, c, units)
 
     q, centroids, counts = _row_major(q), _row_major(centroids), _row_major(counts)
@@ -247,10 +250,10 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     )
     inputs = (q, centroids, counts, allowed_u8, indptr, idx, step_arg)
     centroid_denominator_kernel[(units, m_blocks, nsplit)](
-        *inputs, part_max, part_sum, s_cache, valid_arg,
-        float(scale) * LOG2E, lq, c, capacity, g, gh, hpr, nsplit, *strides,
+        *inputs, part_max, part_sum, s_cache, valid_arg, keep.view(torch.uint8), score,
+        float(scale) * LOG2E, lq, c, capacity, g, gh, hpr, nsplit, *strides, keep.stride(0), score.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, STORE_S=cache_s, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, HAS_VALID=valid is not None, **common,
+        num_stages=cfg.num_stages, HAS_VALID=valid is not None, ZERO=zero and use_list, **common,
     )
     keep_threshold = float(threshold) if threshold > 0 else -1.0  # S >= 0, so "> -1" keeps every cluster
     has_starts = starts is not None
@@ -267,15 +270,19 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
             SCALED=common["SCALED"], CODES16=common["CODES16"], HAS_VALID=valid is not None, num_warps=score_warps,
             num_stages=score_stages, **dependent_launch(q.device),
         )
-        return
+        return True
+    out_elements, read_base, read_per = elements if elements is not None else (score, 0.0, 0.0)  # dummy unless given
     centroid_score_kernel[(units, score_blocks)](
         *inputs, part_max, part_sum, s_cache, keep.view(torch.uint8), score,
         starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-        valid_arg, float(scale) * LOG2E, keep_threshold, lq, c, capacity, g, gh, hpr, nsplit, score_blocks,
-        score_blocks, *strides, keep.stride(0), score.stride(0),
+        valid_arg, out_elements, float(scale) * LOG2E, keep_threshold, lq, c, capacity, g, gh, hpr, nsplit,
+        score_blocks, score_blocks, *strides, keep.stride(0), score.stride(0),
         BLOCK_M=score_m, BLOCK_C=score_c, BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)), LOAD_S=cache_s,
-        HAS_STARTS=has_starts, HAS_VALID=valid is not None, num_warps=score_warps, num_stages=score_stages, **common,
+        HAS_STARTS=has_starts, HAS_VALID=valid is not None, num_warps=score_warps, num_stages=score_stages,
+        read_base=float(read_base), read_per=float(read_per), HAS_ELEMENTS=elements is not None and use_list,
+        **common,
     )
+    return True
 
 
 def cluster_keep(
@@ -373,6 +380,7 @@ def cluster_keep_list(
     *,
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
+    out_read: tuple[torch.Tensor, float, float] | None = None,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The level-2 lookup over each row's candidate clusters only: `reference.cluster_keep(..., allowed=A)` with
@@ -381,33 +389,46 @@ def cluster_keep_list(
     cand_indptr: [rows + 1] int32/int64 on the device, CSR offsets (cand_indptr[0] == 0, non-decreasing)
     cand_idx: [capacity] int32/int64 centroid ids, sorted and distinct within a row; entries at positions
               >= cand_indptr[-1] are ignored, and so are ids outside [0, C)
-    out_keep / out_score: optional [rows, C] bool / float32 outputs to reuse; they are zeroed here (asynchronously)
+    out_keep / out_score: optional [rows, C] bool / float32 outputs to reuse; they are zeroed by the denominator
+              pass (no launch of their own)
     step, valid: as cluster_keep
+    out_read: (out [Hkv] float32, base, per): out set to the index elements the lookup read per KV head, base + per x
+              the candidates of the head's rows (reference.read_elements), by the score pass where rows == Hkv
     Returns keep [rows, C] bool and score [rows, C] float32 as cluster_keep (0 / False off the candidates).
     No host synchronisation: the grid depends on (Hq, Lq, C, capacity) only.
     """
     _check_common(q, centroids, counts, rows, step, valid)
     _check_scalars(scale, threshold)
-    c = centroids.shape[1]
+    c, hkv = centroids.shape[1], centroids.shape[0]
     if cand_indptr.shape != (rows + 1,) or cand_idx.dim() != 1:
         raise ValueError(f"cand_indptr must be [rows + 1] = [{rows + 1}] and cand_idx 1-D; got "
                          f"{tuple(cand_indptr.shape)}, {tuple(cand_idx.shape)}")
     for name, t in (("cand_indptr", cand_indptr), ("cand_idx", cand_idx)):
         if t.dtype not in INDEX_DTYPES or t.device != q.device:
             raise TypeError(f"{name} must be int32/int64 on {q.device}; got {t.dtype} on {t.device}")
+    if out_read is not None and (tuple(out_read[0].shape) != (hkv,) or out_read[0].dtype != torch.float32
+                                 or out_read[0].device != q.device):
+        raise ValueError(f"out_read's tensor must be float32 [{hkv}] on {q.device}")
     keep = _output(out_keep, "out_keep", (rows, c), torch.bool, q.device)
     score = _output(out_score, "out_score", (rows, c), torch.float32, q.device)
-    _launch(q, centroids, counts, scale, threshold, rows, None, cand_indptr.contiguous(), cand_idx.contiguous(),
-            keep, score, config, step=step, valid=valid)
+    in_kernel = out_read is not None and rows == hkv
+    ran = _launch(q, centroids, counts, scale, threshold, rows, None, cand_indptr.contiguous(), cand_idx.contiguous(),
+                  keep, score, config, step=step, valid=valid, zero=True, elements=out_read if in_kernel else None)
+    if not ran:  # no candidate can be listed: nothing kept, nothing scored
+        keep.zero_()
+        score.zero_()
+    if out_read is not None and (not in_kernel or not ran):
+        out_read[0].copy_(read_elements(cand_indptr, hkv, out_read[1], out_read[2]))
     return keep, score
 
 
 def _output(out, name, shape, dtype, device) -> torch.Tensor:
+    """`out` checked, or a new tensor (not zeroed: the kernels write every entry)."""
     if out is None:
-        return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.empty(shape, dtype=dtype, device=device)
     if tuple(out.shape) != shape or out.dtype != dtype or out.device != device or out.stride(-1) != 1:
         raise ValueError(f"{name} must be a {dtype} {list(shape)} tensor on {device} with unit last stride")
-    return out.zero_()
+    return out
 
 
 __all__ = ["LookupConfig", "cluster_keep", "cluster_keep_list", "cluster_select", "default_config"]
@@ -415,7 +436,11 @@ __all__ = ["LookupConfig", "cluster_keep", "cluster_keep_list", "cluster_select"
 
 def cluster_keep_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scale: float, threshold: float,
                        rows: int, candidates: Selection, *, step: torch.Tensor | None = None,
-                       valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       valid: torch.Tensor | None = None, read: tuple[float, float] | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`kernels.reference.centroid.cluster_keep_among` on the GPU: `cluster_keep_list` over the candidates' lists."""
-    return cluster_keep_list(q, centroids, counts, scale, threshold, rows, candidates.indptr, candidates.indices,
-                             step=step, valid=valid)
+    elements = torch.empty(centroids.shape[0], dtype=torch.float32, device=q.device) if read is not None else None
+    keep, score = cluster_keep_list(q, centroids, counts, scale, threshold, rows, candidates.indptr,
+                                    candidates.indices, step=step, valid=valid,
+                                    out_read=(elements, *read) if read is not None else None)
+    return keep, score, elements

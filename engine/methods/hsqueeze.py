@@ -236,12 +236,14 @@ class HierarchicalSqueezePolicy(Method):
                                       besides), share * hkv * layer.indexed)  # at least level 2's keys and this share
             keep1 = keep1 & (score1 > cut_threshold(score1, layer["l1_counts"], keys1))
             candidates = backend.kernel("compact").expand_groups(keep1, layer["l1_child_starts"], c2)
-        keep, score = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale,
-                                                  t2 if cut is None else 0.0, rows, candidates,
-                                                  step=code_step(layer), valid=valid)
-        survivors = candidates.counts().reshape(hkv, rows // hkv).sum(dim=1).float()  # [Hkv] level-2 centroids read
         key_size = q.element_size()  # q has the keys' dtype in the engine
-        read = centroid_elements(layer, key_size, "l1_") + centroid_elements(layer, key_size, scored=survivors)
+        # [Hkv] elements read: level 1's centroids, and the level-2 ones scored (an affine count of the candidates,
+        # written by the level-2 score pass on a GPU: no launches of its own)
+        base = centroid_elements(layer, key_size, "l1_") + centroid_elements(layer, key_size, scored=0)
+        per = centroid_elements(layer, key_size, scored=1) - centroid_elements(layer, key_size, scored=0)
+        keep, score, read = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale,
+                                                        t2 if cut is None else 0.0, rows, candidates,
+                                                        step=code_step(layer), valid=valid, read=(base, per))
         if cut is not None:  # the candidates' best level-2 clusters up to the room's keys
             keep = keep & (score > cut_threshold(score, layer["counts"] * keep,
                                                  cut_keys(cut[0], layer, hkv, q.shape[2], read.sum(), cut[1])))

@@ -141,8 +141,9 @@ def centroid_denominator_kernel(
     step_ptr,  # SCALED: [Hkv, D] float32, the one-byte centroids' step
     part_max_ptr, part_sum_ptr, s_ptr,  # outputs: [Hq * Lq, NSPLIT] float32 each; s2 cache [Hq * Lq, W] float32
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
+    keep_ptr, score_ptr,  # ZERO: the score pass's outputs [rows, C], zeroed here (a list's row: unit == row)
     scale2, Lq, C, CAP, G, GH, HPR, NSPLIT,
-    stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s,
+    stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -154,6 +155,8 @@ def centroid_denominator_kernel(
     SCALED: tl.constexpr,  # the centroids are uint8 codes: the queries are scaled by their step
     CODES16: tl.constexpr,  # SCALED with 16-bit queries: the dots run in float16 (_as_dot_operand)
     HAS_VALID: tl.constexpr = False,  # a block of padding tokens alone computes nothing (its partials: -inf, 0)
+    ZERO: tl.constexpr = False,  # USE_LIST: zero the row's keep and score, BLOCK_Z at a time (no launch of its own)
+    BLOCK_Z: tl.constexpr = 1024,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
@@ -210,6 +213,12 @@ def centroid_denominator_kernel(
             tl.store(s_ptr + qrow[:, None] * stride_s + (start + pos)[None, :], s, mask=m_ok[:, None] & c_ok[None, :])
     tl.store(part_max_ptr + qrow * NSPLIT + split, m_i, mask=m_ok)
     tl.store(part_sum_ptr + qrow * NSPLIT + split, l_i, mask=m_ok)
+    if ZERO:  # the row's keep and score off its candidates (the score pass writes the candidates' after this launch)
+        if pid_m == 0:
+            for c0 in range(split * BLOCK_Z, C, NSPLIT * BLOCK_Z):
+                offs_c = c0 + tl.arange(0, BLOCK_Z)
+                tl.store(keep_ptr + unit * stride_kr + offs_c, tl.zeros([BLOCK_Z], tl.uint8), mask=offs_c < C)
+                tl.store(score_ptr + unit * stride_or + offs_c, tl.zeros([BLOCK_Z], tl.float32), mask=offs_c < C)
 
 
 @triton.jit
@@ -219,6 +228,7 @@ def centroid_score_kernel(
     keep_ptr, score_ptr,  # outputs [rows, C]: keep uint8 (a bool view), score float32; written at the unit's ids
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
+    elements_ptr,  # HAS_ELEMENTS: [rows] float32 out, read_base + read_per * the row's candidates (USE_LIST)
     scale2, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
@@ -234,6 +244,9 @@ def centroid_score_kernel(
     SCALED: tl.constexpr,
     CODES16: tl.constexpr,
     HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
+    read_base=0.0,
+    read_per=0.0,
+    HAS_ELEMENTS: tl.constexpr = False,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
@@ -259,6 +272,9 @@ def centroid_score_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     start, n = _span(indptr_ptr, unit, C, USE_LIST)
+    if HAS_ELEMENTS:  # the index elements the row's lookup read: its candidates' (a list's unit is its row)
+        if pid == 0:
+            tl.store(elements_ptr + unit, read_base + read_per * n.to(tl.float32))
     for blk in range(pid, tl.cdiv(n, BLOCK_C), NPROG):
         pos = blk * BLOCK_C + tl.arange(0, BLOCK_C)
         cid, c_ok = _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST)

@@ -141,11 +141,22 @@ def cluster_keep_among(
     *,
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    read: tuple[float, float] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`cluster_keep` restricted to each row's candidate clusters (a Selection over cluster ids, num_keys = C):
-    the hierarchical level 2, whose denominator runs over the candidates only (eq. 3)."""
-    return cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask(), step=step,
-                        valid=valid)
+    the hierarchical level 2, whose denominator runs over the candidates only (eq. 3). read: (base, per): also the
+    index elements the lookup read per KV head (`read_elements` of the candidates), else None third."""
+    keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask(), step=step,
+                               valid=valid)
+    elements = read_elements(candidates.indptr, centroids.shape[0], *read) if read is not None else None
+    return keep, score, elements
+
+
+def read_elements(indptr: torch.Tensor, hkv: int, base: float, per: float) -> torch.Tensor:
+    """[Hkv] float32: base + per x the candidates of each KV head's rows (indptr [rows + 1], rows a multiple of
+    Hkv): what a level-2 lookup reads of each head's index, for candidate lists of `per` elements a centroid."""
+    counts = (indptr[1:] - indptr[:-1]).reshape(hkv, -1).sum(dim=1)
+    return (base + per * counts.double()).float()
 
 
 def cluster_select(

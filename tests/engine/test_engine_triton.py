@@ -82,13 +82,18 @@ class CheckedLookups:
         self._compare(keep, score, *ref, threshold)
         return keep, score, sel
 
-    def cluster_keep_among(self, q, centroids, counts, scale, threshold, rows, candidates, *, step=None, valid=None):
-        keep, score = self._triton.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates,
-                                                      step=step, valid=valid)
+    def cluster_keep_among(self, q, centroids, counts, scale, threshold, rows, candidates, *, step=None, valid=None,
+                           read=None):
+        keep, score, elements = self._triton.cluster_keep_among(q, centroids, counts, scale, threshold, rows,
+                                                                candidates, step=step, valid=valid, read=read)
         ref = reference.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates, step=step,
-                                           valid=valid)
-        self._compare(keep, score, *ref, threshold)
-        return keep, score
+                                           valid=valid, read=read)
+        self._compare(keep, score, *ref[:2], threshold)
+        if read is None:
+            assert elements is None and ref[2] is None
+        else:
+            torch.testing.assert_close(elements, ref[2], rtol=1e-6, atol=1e-3)
+        return keep, score, elements
 
 
 # In the interpreter every kernel program runs as Python, and the MHA model (a KV head per query head) cost ~150 of

@@ -19,7 +19,7 @@ from kernels.centroid_ops import LookupConfig, cluster_keep, cluster_keep_list, 
 from kernels.layout import group_starts
 from kernels.reference import centroid as reference
 from kernels.reference.compact import expand_groups
-from kernels.selection import Fixed
+from kernels.selection import Fixed, Selection
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -315,8 +315,32 @@ def test_cluster_keep_list_without_candidates():
     q, centroids, counts, scale = make_inputs(4, 2, 1, torch.float32)
     indptr = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     for idx in (torch.zeros(0, dtype=torch.int64), torch.tensor([3, 4, 5])):  # no capacity / only garbage
-        keep, score = cluster_keep_list(q, centroids, counts, scale, 0.0, 2, indptr, idx.to(DEVICE))
-        assert not keep.any() and not score.any()
+        read = torch.full((2,), -1.0, device=DEVICE)
+        keep, score = cluster_keep_list(q, centroids, counts, scale, 0.0, 2, indptr, idx.to(DEVICE),
+                                        out_keep=torch.ones(2, C, dtype=torch.bool, device=DEVICE),
+                                        out_score=torch.full((2, C), 7.0, device=DEVICE), out_read=(read, 3.5, 2.0))
+        assert not keep.any() and not score.any() and read.tolist() == [3.5, 3.5]
+
+
+@pytest.mark.parametrize("hq,hkv,rows", [(4, 2, 2), (8, 2, 8)])
+def test_cluster_keep_among_counts_the_index_it_read(hq, hkv, rows):
+    """With `read` = (base, per), the level-2 lookup also says what it read of each KV head's index: base + per x the
+    candidates of the head's rows (the score pass writes it where rows are the KV heads; otherwise torch adds it
+    up), as the reference says; keep and score as without it, and zero off the candidates in fresh outputs."""
+    from kernels.centroid_ops import cluster_keep_among
+
+    q, centroids, counts, scale = make_inputs(hq, hkv, 1, torch.float32)
+    allowed = random_allowed(rows, C, 3)
+    indptr, idx = to_csr(allowed, torch.int64)
+    candidates = Selection(indptr, idx, C)
+    keep, score, read = cluster_keep_among(q, centroids, counts, scale, 0.02, rows, candidates, read=(130.5, 65.0))
+    want = reference.cluster_keep_among(q, centroids, counts, scale, 0.02, rows, candidates, read=(130.5, 65.0))
+    assert_matches((keep, score), want[:2], 0.02, TOL[torch.float32])
+    assert not keep[~allowed.to(DEVICE)].any() and not score[~allowed.to(DEVICE)].any()
+    per_head = allowed.reshape(hkv, -1).sum(dim=1).double()
+    torch.testing.assert_close(read.cpu(), (130.5 + 65.0 * per_head).float())
+    torch.testing.assert_close(want[2].cpu(), (130.5 + 65.0 * per_head).float())
+    assert cluster_keep_among(q, centroids, counts, scale, 0.02, rows, candidates)[2] is None
 
 
 def coded(centroids):
