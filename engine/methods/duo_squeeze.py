@@ -125,8 +125,9 @@ class DuoSqueezePolicy(Method):
             keep = keep & (score > cut_threshold(score, layer["counts"] * retrieval, keys))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail,
                                                                 fixed=fixed)
-        return Lookup(selection=selection, index_elements=read, units=keep & retrieval, scores=score,
-                      sizes=layer["counts"])
+        units = keep & retrieval if q.shape[1] > 1 else None  # listed for a prefill only (the recorder's): a decode
+        # step's would be a launch for nothing
+        return Lookup(selection=selection, index_elements=read, units=units, scores=score, sizes=layer["counts"])
 
     def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[HeadThresholdPlan], scale: float,
               positions: torch.Tensor | None = None) -> list[float]:
