@@ -196,12 +196,13 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config,
             starts=None, block_sums=None, step=None, valid=None, zero=False, elements=None):
     """Both passes. allowed: [rows, C] bool or None; indptr/idx: CSR candidates or None (dense); keep/score: the
-    [rows, C] outputs (for lists, already zeroed: only candidate entries are written); starts / block_sums: the
+    [rows, C] outputs (for lists the score pass writes the candidates' entries only: the others are zeroed by the
+    denominator pass with `zero`); starts / block_sums: the
     clusters' key ranges [Hkv, C + 1] and the kept keys per (row, score block) [rows, NB] out (dense only); step:
     the one-byte centroids' step [Hkv, D] (the kernels scale q by it as they load it), or None; valid: [1] int64, the
-    real tokens of Lq (the first ones), or None (all). zero (lists): the denominator pass zeroes keep and score first;
-    elements (lists): (out [rows] float32, base, per), out set to base + per x each row's candidates by the score
-    pass. Returns whether the passes ran (not for lists of no capacity)."""
+    real tokens of Lq (the first ones), or None (all). elements (lists whose rows are the KV heads): (out [rows]
+    float32, base, per), out set to base + per x each row's candidates by the score pass. Returns whether the passes
+    ran (not for lists of no capacity)."""
     hq, lq, d = q.shape
     hkv, c, _ = centroids.shape
     use_list = indptr is not None
