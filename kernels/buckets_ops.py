@@ -10,11 +10,13 @@ from __future__ import annotations
 import torch
 import triton
 
+from kernels import compact_ops
 from kernels.checks import check_valid
 from kernels.jit.buckets import logits_kernel, pick_kernel, take_best_kernel
 from kernels.launch import dependent_launch
 from kernels.reference import buckets as reference
 from kernels.reference.buckets import classify, derope, held_keys, ranking, take_best_held
+from kernels.selection import Selection
 
 DECODE_BLOCK_C = 64  # buckets per program of the logits (decode)
 DECODE_ROWS = 16  # the most query rows (query heads of a group x tokens) a step's scores take the kernels for
@@ -37,6 +39,31 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
                  b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, sizes: torch.Tensor | None,
                  budget: float, per_key: bool = False,
                  valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    score, keep, _ = _best(q, positions, inv_freq, w1, b1, w2, b2, sizes, budget, per_key, valid)
+    return score, keep
+
+
+def select_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
+                   b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, sizes: torch.Tensor, budget: float,
+                   starts: torch.Tensor, total: int, tail: int = 0, per_key: bool = False,
+                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Selection]:
+    """best_buckets and the expansion of the kept buckets into positions; in a decode step the pick kernel also sums
+    the kept positions per block of buckets, the expansion's first step (one launch fewer)."""
+    if tuple(starts.shape) != (sizes.shape[0], sizes.shape[1] + 1) or starts.dtype != torch.int64:
+        raise ValueError(f"starts must be int64 [H, C + 1] for sizes {tuple(sizes.shape)}, got {starts.dtype} "
+                         f"{tuple(starts.shape)}")
+    block_g, sub, block_k = compact_ops.write_tiles(total, sizes.shape[1])
+    score, keep, block_sums = _best(q, positions, inv_freq, w1, b1, w2, b2, sizes, budget, per_key, valid,
+                                    starts=starts, block_g=block_g)
+    if block_sums is None:
+        return score, keep, compact_ops.expand_groups(keep, starts, total, tail)
+    return score, keep, compact_ops.expand_block_sums(keep, starts, block_sums, block_g, total, tail, sub=sub,
+                                                      block_k=block_k)
+
+
+def _best(q, positions, inv_freq, w1, b1, w2, b2, sizes, budget, per_key, valid, starts=None, block_g=0):
+    """best_buckets', and with `starts` in a decode step the kept positions per block of block_g buckets
+    [Hkv, cdiv(C, block_g)] int64 (else None)."""
     check_valid(valid, q.device)
     hq, lq, d = q.shape
     hkv, _, hidden = w1.shape
@@ -48,7 +75,7 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     # a prefill's scores (a padded question's too): torch's batched products (cuBLAS) beat a kernel here
     if rows > DECODE_ROWS or not c or valid is not None:
         score = reference.bucket_scores(q, positions, inv_freq, w1, b1, w2, b2, valid)
-        return score, None if sizes is None else take_best(ranking(score, sizes, per_key), sizes, budget)
+        return score, None if sizes is None else take_best(ranking(score, sizes, per_key), sizes, budget), None
     params = [t.to(device=q.device, dtype=torch.float32).contiguous() for t in (inv_freq, w1, b1, w2, b2)]
     if q.stride(-1) != 1:
         q = q.contiguous()
@@ -63,10 +90,17 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     keep = torch.empty(hkv, c, dtype=torch.bool, device=q.device)
     if sizes is not None:
         _check_sizes(score, sizes)
+    block_c = max(16, triton.next_power_of_2(c))
+    blocks = None
+    if starts is not None and sizes is not None and block_g <= block_c:
+        blocks = torch.empty(hkv, triton.cdiv(c, block_g), dtype=torch.int64, device=q.device)  # every one written
     pick_kernel[(hkv,)](logits, score if sizes is None else sizes.contiguous(), score, keep, rows, c, 1.0 / lq,
-                        float(budget), HAS_SIZES=sizes is not None, PER_KEY=per_key,
-                        BLOCK_C=max(16, triton.next_power_of_2(c)), num_warps=WARPS, **dependent_launch(logits.device))
-    return score, None if sizes is None else keep
+                        float(budget), HAS_SIZES=sizes is not None, PER_KEY=per_key, BLOCK_C=block_c,
+                        starts_ptr=starts.contiguous() if blocks is not None else None,
+                        block_sums_ptr=blocks, NB=blocks.shape[1] if blocks is not None else 1,
+                        BLOCKS=blocks is not None, BLOCK_G=block_g if blocks is not None else 16, num_warps=WARPS,
+                        **dependent_launch(logits.device))
+    return score, None if sizes is None else keep, blocks
 
 
 def _check_sizes(score: torch.Tensor, sizes: torch.Tensor) -> None:
@@ -89,5 +123,5 @@ def take_best(score: torch.Tensor, sizes: torch.Tensor, budget: float) -> torch.
     return keep
 
 
-__all__ = ["best_buckets", "bucket_scores", "take_best", "classify", "derope", "held_keys", "ranking", "reference",
-           "take_best_held"]
+__all__ = ["best_buckets", "bucket_scores", "select_buckets", "take_best", "classify", "derope", "held_keys", "ranking",
+           "reference", "take_best_held"]

@@ -137,6 +137,11 @@ def pick_kernel(
     HAS_SIZES: tl.constexpr,  # False: the scores alone
     PER_KEY: tl.constexpr,  # the buckets ranked by score per key (kernels.reference.buckets.ranking)
     BLOCK_C: tl.constexpr,  # >= C, a power of two
+    starts_ptr=None,  # BLOCKS: [H, C + 1] int64, bucket c of head h at positions starts[h, c] .. starts[h, c + 1] - 1
+    block_sums_ptr=None,  # BLOCKS: [H, NB] int64 out, the kept buckets' positions per block of BLOCK_G buckets
+    NB=1,
+    BLOCKS: tl.constexpr = False,  # (HAS_SIZES) the expansion's first step here (kernels/jit/compact.py)
+    BLOCK_G: tl.constexpr = 16,  # divides BLOCK_C
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     wait_prior(PDL)
@@ -156,7 +161,14 @@ def pick_kernel(
         rank = score
         if PER_KEY:
             rank = score / tl.maximum(n, 1).to(tl.float32)
-        tl.store(keep_ptr + h * C + cc, _take_best(rank, n, valid, budget), mask=valid)
+        keep = _take_best(rank, n, valid, budget)
+        tl.store(keep_ptr + h * C + cc, keep, mask=valid)
+        if BLOCKS:
+            lo = tl.load(starts_ptr + h * (C + 1) + cc, mask=valid, other=0)
+            hi = tl.load(starts_ptr + h * (C + 1) + cc + 1, mask=valid, other=0)
+            held = tl.reshape(tl.where(keep & valid, hi - lo, 0), (BLOCK_C // BLOCK_G, BLOCK_G))
+            j = tl.arange(0, BLOCK_C // BLOCK_G)
+            tl.store(block_sums_ptr + h * NB + j, tl.sum(held, axis=1), mask=j < NB)
 
 
 @triton.jit

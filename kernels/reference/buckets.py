@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from kernels.reference._common import token_mean_and_last
+from kernels.reference.compact import expand_groups
+from kernels.selection import Selection
 
 
 def derope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -61,6 +63,17 @@ def best_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tenso
     (`ranking`); None where sizes is None)."""
     score = bucket_scores(q, positions, inv_freq, w1, b1, w2, b2, valid)
     return score, None if sizes is None else take_best(ranking(score, sizes, per_key), sizes, budget)
+
+
+def select_buckets(q: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, w1: torch.Tensor,
+                   b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor, sizes: torch.Tensor, budget: float,
+                   starts: torch.Tensor, total: int, tail: int = 0, per_key: bool = False,
+                   valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, Selection]:
+    """best_buckets (score [Hkv, C], keep [Hkv, C]) and the Selection of the kept buckets' positions: bucket c of
+    head h at starts[h, c] .. starts[h, c + 1] - 1 ([Hkv, C + 1] int64), then every row's `tail` positions from
+    `total` on (kernels.reference.compact.expand_groups)."""
+    score, keep = best_buckets(q, positions, inv_freq, w1, b1, w2, b2, sizes, budget, per_key, valid)
+    return score, keep, expand_groups(keep, starts, total, tail)
 
 
 def ranking(score: torch.Tensor, sizes: torch.Tensor, per_key: bool) -> torch.Tensor:

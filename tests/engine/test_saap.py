@@ -167,6 +167,40 @@ def test_bucket_scores_kernel_equals_the_reference(hq, hkv, d, hidden, c, lq):
         assert torch.equal(keep.cpu(), take_best(ranking(score.cpu(), sizes, per_key), sizes, budget)), budget
 
 
+@pytest.mark.parametrize("c,low,high", [(300, 0, 50), (40, 64, 140), (8, 0, 50)])
+@pytest.mark.parametrize("lq", [1, 9])
+def test_selected_buckets_expand_as_the_reference(c, low, high, lq):
+    """select_buckets: the pick and the expansion of the kept buckets into positions (then the tail), against the
+    reference's best_buckets and expand_groups. In a decode step the pick kernel sums the kept positions per block of
+    buckets (clusters' tiles: 300 buckets of ~25 keys; large buckets' tiles: 40 of ~100); a prefill (or buckets fewer
+    than a block) takes the standalone expansion."""
+    from kernels.reference.buckets import select_buckets
+    from kernels.reference.compact import expand_groups
+
+    hq, hkv, d, hidden = 4, 2, 16, 12
+    g = torch.Generator().manual_seed(c + lq)
+    weights = {n: w + 0.1 * torch.randn(w.shape, generator=g) for n, w in init_weights(hkv, d, hidden, c, 5,
+                                                                                         "cpu").items()}
+    inv_freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float32) / d)
+    q, pos = torch.randn(hq, lq, d, generator=g), torch.arange(5000, 5000 + lq)
+    base = torch.randint(low, high, (c,), generator=g)
+    sizes = torch.stack([base[torch.randperm(c, generator=g)] for _ in range(hkv)])  # the same keys in each head
+    starts = torch.cat([torch.zeros(hkv, 1, dtype=torch.int64), sizes.cumsum(1)], dim=1)
+    total, tail = int(base.sum()), 7
+    args = (q, pos, inv_freq, weights["w1"], weights["b1"], weights["w2"], weights["b2"], sizes)
+    budget = 0.3 * total
+    want_score, want_keep, want = select_buckets(*args, budget, starts, total, tail)
+    on = [t.to(DEVICE) for t in args]
+    score, keep, got = TRITON.kernel("buckets").select_buckets(*on, budget, starts.to(DEVICE), total, tail)
+    torch.testing.assert_close(score.cpu(), want_score, rtol=0, atol=2e-5 * (hq // hkv))
+    assert torch.equal(keep.cpu(), take_best(ranking(score.cpu(), sizes, False), sizes, budget))
+    mask = got.to_mask().cpu()  # the kernel's positions are the reference expansion of the kernel's own pick
+    assert torch.equal(mask, expand_groups(keep.cpu(), starts, total, tail).to_mask())
+    assert torch.equal(got.indptr.cpu(), expand_groups(keep.cpu(), starts, total, tail).indptr)
+    if torch.equal(keep.cpu(), want_keep):
+        assert torch.equal(mask, want.to_mask())
+
+
 @pytest.mark.parametrize("lq,pad", [(1, 5), (6, 10)])
 def test_bucket_scores_of_a_padded_question_count_its_real_tokens(lq, pad):
     """With `valid`, the bucket scores (reference and wrapper) of a question padded after its real tokens equal its

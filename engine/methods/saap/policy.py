@@ -261,13 +261,11 @@ class SaapPolicy(Method):
             raise ValueError("saap classifies de-RoPE'd queries: its lookup needs the queries' positions")
         parts = layer.memo(("saap", q.device), lambda: LookupParts.of(layer, q.device))
         budget = float("inf") if parts.whole else plan.at(q.shape[1]) * float(layer.indexed)  # inf: every bucket
-        score, keep = backend.kernel("buckets").best_buckets(q, positions, *(layer[n] for n in LOOKUP_PARTS),
-                                                             parts.sizes, budget,
-                                                             per_key=self.settings.rank == "per_key",
-                                                             valid=valid)  # [Hkv, C] each
         # the dense part, the same keys in every KV head and the last group of the layout, is read with the tail
-        selection = backend.kernel("compact").expand_groups(keep, parts.starts, layer.indexed - parts.dense,
-                                                            layer.tail + parts.dense)
+        score, keep, selection = backend.kernel("buckets").select_buckets(
+            q, positions, *(layer[n] for n in LOOKUP_PARTS), parts.sizes, budget, parts.starts,
+            layer.indexed - parts.dense, layer.tail + parts.dense, per_key=self.settings.rank == "per_key",
+            valid=valid)  # score, keep [Hkv, C]
         return Lookup(selection=selection, index_elements=parts.read, units=keep, scores=score, sizes=parts.sizes)
 
     def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[BucketPlan], scale: float,
