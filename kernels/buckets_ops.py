@@ -1,9 +1,11 @@
 """Typed wrappers of Saap's lookup kernels (kernels/jit/buckets.py), with the signatures and semantics of
 kernels.reference.buckets. A decode step's `best_buckets` in two launches (the logits spread over programs; then per
-KV head their softmax summed and the best buckets), `take_best` in one (a sort in registers, no host
-synchronisation, where torch's would be a sort, a gather, a prefix sum and a scatter). A prefill's scores (thousands
-of query rows) are the reference's batched products (cuBLAS), the pick this module's. `held_keys` and
-`take_best_held` (a calibration's counts of every budget at once, off the step's path) are the reference's."""
+KV head their softmax summed and the best buckets; `select_buckets` also has the second sum the kept buckets'
+positions per block of buckets, so that their expansion takes one launch more, not two), `take_best` in one (a sort
+in registers, no host synchronisation, where torch's would be a sort, a gather, a prefix sum and a scatter). A
+prefill's scores (thousands of query rows) are the reference's batched products (cuBLAS), the pick this module's.
+`held_keys` and `take_best_held` (a calibration's counts of every budget at once, off the step's path) are the
+reference's."""
 
 from __future__ import annotations
 
