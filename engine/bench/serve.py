@@ -22,8 +22,10 @@ document's K/V), the peak GPU memory where there is one. Ends with one JSON docu
 from __future__ import annotations
 
 import argparse
+import cProfile
 import dataclasses
 import json
+import pstats
 import sys
 import tempfile
 import threading
@@ -34,7 +36,7 @@ import torch
 
 from engine.bench.e2e.bound import byte_bound, copy_bandwidth
 from engine.bench.e2e.models import SHAPES, device_name, open_model
-from engine.context.turn import Answer, Delta
+from engine.context.turn import Answer
 from engine.model.compiled import compile_layers, wants_compile, warm_up
 from engine.model.load import LoadedModel
 from engine.serve.scheduler import Waiting
@@ -87,6 +89,29 @@ def shape_model(shape: str, device: str, compile: str) -> LoadedModel:
     return lm
 
 
+class StageClock:
+    """An ingest's progress callback that times its stages: `seconds` {stage: s}, each stage's start told on stderr
+    (a 32K-token document of an 8B shape takes seconds per stage; users watching a long run see where it is)."""
+
+    def __init__(self, label: str):
+        self.label, self.seconds, self._stage, self._t = label, {}, None, time.perf_counter()
+
+    def __call__(self, stage: str, done: int, total: int) -> None:
+        if stage == self._stage:
+            return
+        now = time.perf_counter()
+        if self._stage is not None:
+            self.seconds[self._stage] = round(self.seconds.get(self._stage, 0.0) + now - self._t, 3)
+        self._stage, self._t = stage, now
+        if stage:
+            print(f"{self.label}: {stage}", file=sys.stderr, flush=True)
+
+    def close(self) -> dict:
+        """The stages' seconds, the last one ended now."""
+        self("", 0, 1)
+        return self.seconds
+
+
 def step_ms(users: list[dict]) -> float:
     """The median over `users` of the time per answer token after the first, in ms."""
     return round(percentile([(u["total_s"] - u["first_s"]) / (u["tokens"] - 1) * 1e3 for u in users
@@ -119,18 +144,18 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def listen(events, t0: float) -> dict:
-    """One user's turn from its stream of events: {first_s (to its first piece of answer; its end if none),
-    total_s, waited (told it was queued), tokens, text}, times from t0."""
-    first, waited, answer = None, False, None
+    """One user's turn from its stream of events: {first_s (to its first answer token), total_s, waited (told it was
+    queued), tokens, text}, times from t0. The times are the engine's own (the Answer's first_token_s and total_s,
+    from the ask): a token shows no text (a random-weight model's, mostly) yet counts."""
+    began = time.perf_counter() - t0
+    waited, answer = False, None
     for event in events:
         if isinstance(event, Waiting):
             waited = True
-        elif isinstance(event, Delta) and first is None:
-            first = time.perf_counter() - t0
         elif isinstance(event, Answer):
             answer = event
-    total = time.perf_counter() - t0
-    return {"first_s": round(first if first is not None else total, 4), "total_s": round(total, 4),
+    timings = answer.stats.timings
+    return {"first_s": round(began + timings["first_token_s"], 4), "total_s": round(began + timings["total_s"], 4),
             "waited": waited, "tokens": len(answer.tokens), "text": answer.text}
 
 
@@ -200,6 +225,16 @@ def parse(parser: argparse.ArgumentParser, argv: list[str] | None, least_tokens:
     return args
 
 
+def write_profile(profiler: cProfile.Profile, method: str, path: str) -> None:
+    """Append the scheduler thread's profile of `method`'s users asked at once to `path`: its functions by their
+    cumulative time, then by their own."""
+    with open(path, "a") as f:
+        f.write(f"=== {method}: the scheduler's steps, {len(profiler.getstats())} entries\n")
+        stats = pstats.Stats(profiler, stream=f)
+        stats.sort_stats("cumulative").print_stats(60)
+        stats.sort_stats("tottime").print_stats(30)
+
+
 def emit(result: dict, out: str | None) -> None:
     """Print the report (and write it to `out`)."""
     text = json.dumps(result, indent=1)
@@ -224,21 +259,30 @@ def run(args: argparse.Namespace) -> dict:
         count = args.documents or args.users
         paths = (shape_documents(count, args.context, Path(tmp)) if shaped is not None
                  else documents(count, Path(tmp)))
-        ingested = [engine.ingest(p, truncate=True) for p in paths]
+        ingested, stages = [], []
+        for i, path in enumerate(paths):
+            clock = StageClock(f"document {i + 1} of {len(paths)}")
+            ingested.append(engine.ingest(path, truncate=True, progress=clock))
+            stages.append(clock.close())
         contexts = [c.context_id for c in ingested]
         lm = engine.lm
         asks = [(contexts[i % len(contexts)], asked[i % len(asked)]) for i in range(args.users)]
         batch = engine.scheduler.max_batch
         out = {"bench": "serve", "device": device_name(lm.device), "model": lm.model_id, "shape": args.shape,
                "users": args.users, "documents": len(contexts), "context_tokens": [c.tokens for c in ingested],
-               "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
+               "ingest_s": stages, "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
                "bandwidth_gbs": round(copy_bandwidth(lm.device), 1), "methods": {}}
         context = max(out["context_tokens"])
         for method in args.methods.split(","):
+            print(f"{method}: {args.users} users at once, then one at a time", file=sys.stderr, flush=True)
             engine.ask(asks[0][0], asks[0][1], method, SPARSITY, 2)  # builds what the method lacks, warms up
             if lm.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(lm.device)
+            profiler = engine.scheduler.profiler = cProfile.Profile() if args.profile else None
             together, wall = ask_at_once(engine, asks, method, args.tokens)
+            engine.scheduler.profiler = None
+            if profiler is not None:
+                write_profile(profiler, method, args.profile)
             alone, alone_wall = one_at_a_time(engine, asks, method, args.tokens)
             entry = comparison(together, wall, alone, alone_wall)
             entry["step_ms"] = {"together": step_ms(together), "alone": step_ms(alone)}
@@ -258,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", default=None, choices=sorted(SHAPES),
                         help="a random-weight model of this shape instead of --model (its time is what it measures)")
     parser.add_argument("--context", type=int, default=32768, help="with --shape: each document's tokens")
+    parser.add_argument("--profile", default=None,
+                        help="write the scheduler thread's Python profile of each method's users at once to this file")
     args = parse(parser, argv)
     if args.shape and args.model:
         parser.error("--shape and --model exclude each other")

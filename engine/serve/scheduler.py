@@ -13,6 +13,7 @@ alone through its session's own path (on a GPU its steps replayed from CUDA grap
 
 from __future__ import annotations
 
+import cProfile
 import queue
 import threading
 import time
@@ -79,6 +80,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._batch: TurnBatch | None = None
         self._alone: Request | None = None  # the turn running alone (max_batch 1)
+        self.profiler: cProfile.Profile | None = None  # set: the thread's work runs under it (bench serve --profile)
 
     def stream(self, request: Request) -> Iterator[Delta | Answer | Waiting]:
         """Queue the request and yield its events: Waiting(ahead) while it waits (each time its place changes, and
@@ -140,9 +142,21 @@ class Scheduler:
                         request.told = ahead
                         request.events.put(Waiting(ahead))
             if admitted is not None:
-                self._start(admitted)
+                self._profiled(self._start, admitted)
             elif self._active:
-                self._step()
+                self._profiled(self._step)
+
+    def _profiled(self, work: Callable, *args) -> None:
+        """work(*args), under `profiler` where one is set (it profiles the thread that enables it: this one)."""
+        profiler = self.profiler
+        if profiler is None:
+            work(*args)
+            return
+        profiler.enable()
+        try:
+            work(*args)
+        finally:
+            profiler.disable()
 
     def _admit(self) -> Request | None:
         """The first waiting request, taken from the queue, if it may start now (under the lock)."""

@@ -39,12 +39,17 @@ def test_three_users_at_once_get_their_lone_answers(tmp_path, capsys):
 def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, capsys):
     """--shape: the shape's random weights through the byte tokenizer, each document --context tokens (its <bos>
     too), every answer its lone answer, and beside the time per answer token the byte bound of a step at the batch
-    (the weights once: more than alone, less than that many steps alone)."""
-    out = tmp_path / "serve.json"
+    (the weights once: more than alone, less than that many steps alone); each ingest timed by stage, and with
+    --profile the scheduler thread's profile of each method's users at once, through the batched forward."""
+    out, profile = tmp_path / "serve.json", tmp_path / "serve-profile.txt"
     assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
-                 "--batch", "2", "--methods", "squeeze,full", "--out", str(out)]) == 0
+                 "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile)]) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "random-tiny" and report["shape"] == "tiny"
+    assert [set(stages) >= {"prefill", "saving"} for stages in report["ingest_s"]] == [True, True]
+    sections = profile.read_text().split("=== ")[1:]
+    assert [s.split(":")[0] for s in sections] == ["squeeze", "full"]
+    assert all("forward_batch" in s and "scheduler.py" in s for s in sections)
     assert report["context_tokens"] == [301, 301] and report["bandwidth_gbs"] > 0
     for name, entry in report["methods"].items():
         assert entry["same_answers"] == 2, name

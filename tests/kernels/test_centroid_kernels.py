@@ -337,7 +337,7 @@ def test_cluster_keep_among_counts_the_index_it_read(hq, hkv, rows):
     want = reference.cluster_keep_among(q, centroids, counts, scale, 0.02, rows, candidates, read=(130.5, 65.0))
     assert_matches((keep, score), want[:2], 0.02, TOL[torch.float32])
     assert not keep[~allowed.to(DEVICE)].any() and not score[~allowed.to(DEVICE)].any()
-    per_head = allowed.reshape(hkv, -1).sum(dim=1).double()
+    per_head = allowed.reshape(hkv, -1).sum(dim=1).double().cpu()
     torch.testing.assert_close(read.cpu(), (130.5 + 65.0 * per_head).float())
     torch.testing.assert_close(want[2].cpu(), (130.5 + 65.0 * per_head).float())
     assert cluster_keep_among(q, centroids, counts, scale, 0.02, rows, candidates)[2] is None
