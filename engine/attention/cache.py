@@ -188,6 +188,13 @@ class FixedContextCache(Cache):
                 if n is not None:
                     layer.host_new = n
 
+    def replayed(self, steps: int) -> None:
+        """`steps` steps replayed from a CUDA graph each wrote a token at the device offset: the host's count of the
+        new tokens follows (an eager call after them reads them all)."""
+        for layer in self.layers:
+            if layer.new_len is not None:
+                layer.host_new += steps
+
     def reserve(self, slots: int) -> None:
         """Room for `slots` new tokens in every layer that holds a fixed part (a turn over a ready context)."""
         for layer in self.layers:

@@ -34,7 +34,8 @@ WAIT_REPEAT_S = 0.5  # a queued turn's Waiting is yielded again this often (its 
 
 def default_batch(device: torch.device) -> int:
     """Turns answered together by default: CPU_BATCH on the CPU; one on a GPU, where a lone turn's steps are replayed
-    from CUDA graphs and a batched step runs eagerly (its kernels one sequence after another)."""
+    from CUDA graphs (a batch's are too, captured anew whenever a turn joins or leaves: engine.context.batching;
+    `squeeze serve --batch N` answers N together)."""
     return 1 if device.type == "cuda" else CPU_BATCH
 
 

@@ -24,9 +24,10 @@ def _turn(sessions, seen: set, doc: int, method: str, sparsity: float, question:
     return turn
 
 
-def _run(batch: TurnBatch, joining: list, cancel_after: dict[int, int]) -> dict[int, tuple[str, list[int]]]:
+def _run(batch: TurnBatch, joining: list, cancel_after: dict[int, int]) -> dict[int, tuple]:
     """Answer `joining` [(step at which it joins, key, turn)] together; the turn keyed k in cancel_after leaves after
-    that many steps. Returns key -> (its text as the pieces said it, its tokens), finished turns' finish() applied."""
+    that many steps. Returns key -> (its text as the pieces said it, its tokens, its answer's text, the Answer),
+    finished turns' finish() applied."""
     texts: dict[int, str] = {}
     keys = {}
     steps = 0
@@ -54,7 +55,7 @@ def _run(batch: TurnBatch, joining: list, cancel_after: dict[int, int]) -> dict[
     out = {}
     for key, turn in finished.items():
         piece, answer = turn.finish()
-        out[key] = (texts[key] + (piece.text if piece is not None else ""), answer.tokens, answer.text)
+        out[key] = (texts[key] + (piece.text if piece is not None else ""), answer.tokens, answer.text, answer)
     return out
 
 
@@ -72,7 +73,7 @@ def test_turns_answered_together_answer_as_alone(tiny_model_path):
     joining = [(at, key, _turn(sessions, seen, *SEQUENCES[key])) for at, key in ((0, 0), (0, 1), (2, 2), (3, 3))]
     got = _run(TurnBatch(lm), joining, cancel_after={1: 4})
     assert set(got) == set(alone)
-    for key, (text, tokens, answer_text) in got.items():
+    for key, (text, tokens, answer_text, _) in got.items():
         want_tokens, want_text = alone[key]
         if key == 1:  # cancelled: what it said so far is the start of its lone answer
             assert tokens == want_tokens[: len(tokens)] and 0 < len(tokens) < len(want_tokens)

@@ -1,0 +1,110 @@
+"""The decode step of several turns answered together (engine.model.batch.forward_batch), captured once in a CUDA
+graph for the turns in the batch and replayed while they stay: no Python between the kernels of B sequences.
+
+What a capture fixes: the turns (their caches' new-token buffers, methods and plans, follow rows and whether they
+record statistics), in their order. It reads from device buffers what changes between steps: the B input tokens
+and positions (`BatchGraph.ids`, `.positions`, advanced by the step itself to its greedy tokens and the next
+positions), each cache's count of new tokens, and it adds each turn's statistics into a device total of its own
+(`totals[b]`, handed to the turn's recorder by `flush`). A turn joining or leaving makes another batch: its graph is
+captured anew (one step run eagerly in the captured form, then the capture), as a lone turn's first step is
+(engine.model.graph.DecodeGraph).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from engine.attention.cache import BatchCache
+from engine.attention.function import BatchStep, StepContext
+from engine.attention.stats import StepTotals
+from engine.model.load import LoadedModel
+from engine.model.sampling import greedy
+
+
+class BatchGraph:
+    """One captured decode step of `steps` (B turns' StepContexts, each with its cache's new-token buffers reserved
+    for the rest of its answer). ids: [B] int64 the step's input tokens; positions: [B] int64 their positions;
+    logits: [B, V] the last step's (the capture's buffer). totals[b]: where turn b's statistics add up (None: it
+    records none); steps_run: the steps run since the capture began (the warm one included)."""
+
+    def __init__(self, lm: LoadedModel, steps: list[StepContext]):
+        if not steps:
+            raise ValueError("a batch graph needs at least one turn")
+        self.lm = lm
+        batch = len(steps)
+        self.ids = torch.zeros(batch, dtype=torch.int64, device=lm.device)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=lm.device)
+        self.logits: torch.Tensor | None = None
+        self.totals = [StepTotals.zeros(len(lm.global_layers), lm.num_heads, lm.device)
+                       if step.recorder is not None else None for step in steps]
+        self.recorders = [step.recorder for step in steps]
+        self._steps = [replace(step, positions=self.positions[b : b + 1], static=True, graphs=None)
+                       for b, step in enumerate(steps)]
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.steps_run = 0
+        self._stream = torch.cuda.Stream(device=lm.device)
+
+    def __len__(self) -> int:
+        return len(self._steps)
+
+    def _forward(self) -> None:
+        for b, step in enumerate(self._steps):
+            if step.follow is not None:
+                step.follow.begin(self.ids[b : b + 1])
+        out = self.lm.model(input_ids=self.ids[:, None], position_ids=self.positions[:, None],
+                            past_key_values=BatchCache([step.cache for step in self._steps]), use_cache=True,
+                            logits_to_keep=1, squeeze_step=BatchStep(self._steps))
+        self.logits = out.logits[:, -1]  # [B, V]
+        self.ids.copy_(torch.cat([greedy(self.logits[b : b + 1]) for b in range(len(self._steps))]))
+        self.positions.add_(1)
+
+    def warm_and_capture(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """Run the step of tokens [B] int64 (on the device) at `positions` eagerly in the captured form (it compiles
+        the kernels for these shapes and sets up the stream's handles), then capture the next one. Returns the warm
+        step's logits [B, V]; `ids` then holds its greedy tokens and `positions` the next ones, ready for `replay`
+        (a sampled turn's choice goes into ids by `feed`)."""
+        self.ids.copy_(tokens.reshape(-1))
+        self.positions.copy_(torch.tensor(positions, dtype=torch.int64))
+        for recorder, totals in zip(self.recorders, self.totals):
+            if recorder is not None:
+                recorder.current = totals
+                recorder.timing = False  # counted like the replays it stands for
+        device = self.lm.device
+        try:
+            self._stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(self._stream):
+                self._forward()
+            torch.cuda.current_stream(device).wait_stream(self._stream)
+            self.steps_run = 1
+            warm = self.logits
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, stream=self._stream):
+                self._forward()  # recorded, not run: the inputs stay as the warm step left them
+            self.graph = graph
+        finally:
+            for recorder in self.recorders:
+                if recorder is not None:
+                    recorder.current = None
+                    recorder.timing = True
+        return warm
+
+    def replay(self) -> torch.Tensor:
+        """One step of every turn; returns its logits [B, V] (the capture's buffer, valid until the next replay)."""
+        self.graph.replay()
+        self.steps_run += 1
+        return self.logits
+
+    def feed(self, b: int, token: torch.Tensor) -> None:
+        """token [1] int64 on the device: turn b's next input instead of its greedy token (a sampled one)."""
+        self.ids[b : b + 1].copy_(token.reshape(1))
+
+    def flush(self) -> None:
+        """Hand each turn's statistics of the steps run so far to its recorder, and the replayed steps' tokens to
+        its cache's host count (the warm step counted its own), once: the graph is dropped after."""
+        for step, recorder, totals in zip(self._steps, self.recorders, self.totals):
+            if recorder is not None and totals is not None:
+                recorder.add_decode(totals, self.steps_run)
+            step.cache.replayed(max(self.steps_run - 1, 0))
+        self.steps_run = 0
