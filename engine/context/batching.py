@@ -7,7 +7,8 @@ runs back to back: engine.model.generate.QuestionPrefill), so that it holds them
 choice a turn's tokens are those it gets alone (tests/engine/test_batching.py). Where every turn's session replays
 its steps from CUDA graphs (one GPU), the batch's step is captured too (engine.model.batch_graph.BatchGraph), anew
 each time a turn joins or leaves, and replayed while the same turns stay; elsewhere (the CPU) every call runs
-eagerly. A question's prefill runs eagerly either way.
+eagerly. A joining question's prefill runs as a lone turn's does (replayed at a padded length where its session has
+graphs and it fits one call).
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class TurnBatch:
         """Start the turn's question's prefill alone: its first call, and, where that was the last (a question of
         at most its step's prefill_chunk tokens), its first token: the piece it shows, if any. A longer question
         goes on a call a step (`step`). A turn whose answer ends at its first token (turn.done) does not stay."""
-        prefill = QuestionPrefill(self.lm, turn.step, turn.prompt, turn.max_new_tokens, turn.sampler, eager=True)
+        prefill = QuestionPrefill(self.lm, turn.step, turn.prompt, turn.max_new_tokens, turn.sampler)
         if not prefill.advance():
             self.joining.append((turn, prefill))
             return None
