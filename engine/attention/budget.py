@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.reference.centroid import cut_threshold  # noqa: F401 (the lookups' exact cut, by its name here)
 from kernels.selection import FollowRows, Selection
 
 # Key fractions measured, from 1 down to 0.01: denser than the thresholds' calibration grid (SPARSITY_GRID), whose
@@ -63,44 +64,23 @@ def keys_for(curve: torch.Tensor, budget: float) -> float:
     return KEYS_GRID[-1]
 
 
-def cut_threshold(score: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor | float) -> torch.Tensor:
-    """The score threshold at which a lookup's units with score > it hold as close to `keys` keys as whole units
-    allow (best first, over every row: a row that scores higher keeps more): what keeps a turn at the budget it asked
-    for, whatever its question, where a calibrated threshold keeps what the calibration's queries would.
-
-    score: [rows, U] float32; sizes: [rows, U] keys of each unit (0: never counted); keys: the keys to keep, a float
-    or a [] tensor. Returns [] float32 on score's device: +inf where `keys` <= 0 (nothing), -1 where every unit holds
-    fewer (everything). No host synchronisation (a captured step's lookup may run it)."""
-    flat = score.reshape(-1).float()
-    order = torch.argsort(flat, descending=True)
-    held = torch.cumsum(sizes.reshape(-1)[order].double(), 0)  # keys of the best 1, 2, ... units
-    want = keys.to(torch.float64).reshape(1) if isinstance(keys, torch.Tensor) else \
-        torch.full((1,), float(keys), dtype=torch.float64, device=flat.device)  # (a fill: no copy from the host)
-    n = torch.searchsorted(held, want)  # the fewest best units that reach `keys`: units 0 .. n
-    over = held[n.clamp(max=held.numel() - 1)] - want
-    under = want - torch.where(n > 0, held[(n - 1).clamp(min=0)], torch.zeros_like(want))
-    last = torch.where(over > under, n - 1, n)  # the nearer of n - 1 and n units past the cut
-    ranked = torch.cat([flat[order], flat.new_full((1,), -1.0)])
-    threshold = ranked[(last + 1).clamp(min=0, max=flat.numel())]
-    return torch.where(want > 0, threshold, torch.full_like(threshold, float("inf"))).reshape(())
-
-
 def at_least(keys: torch.Tensor | float, least: float) -> torch.Tensor | float:
     """`keys` (a host number, or a device tensor a lookup computed) raised to `least`, in its own kind."""
     return torch.clamp(keys, min=least) if isinstance(keys, torch.Tensor) else max(keys, least)
 
 
-def exact_room(plan, q: torch.Tensor, follow: FollowRows | None, hkv: int
+def exact_room(plan, q: torch.Tensor, follow: FollowRows | None, hkv: int, in_kernels: bool = False
                ) -> tuple[float, torch.Tensor | float] | None:
     """(room, keys read besides): the share of the fixed K/V bytes a lookup cuts its scores to read (cut_threshold,
     or a number of units) and the keys the step reads besides its units and the dense rows; None where it keeps what
     its plan's calibration keeps. With the step's follow rows: the budget, and each indexed follow row once per KV
     head (those a row already keeps are not read twice: a few keys under); without them, the plan's room (its
     reserve for them left out). On the CPU every lookup cuts (its sort is nothing beside the model's step); on a GPU
-    each keeps its plan, since the cut's torch sort and gathers cost more than the lookup's own launches (with it, a
-    short question's prefill of hsqueeze was slower than full attention's on an H200): the cut belongs inside the
-    lookup's kernels there."""
-    if getattr(plan, "room", None) is None or q.device.type != "cpu":
+    only a lookup that cuts inside its kernels (in_kernels: squeeze's, kernels/centroid_ops.py cluster_select's
+    keys: whole bins of a histogram of the scores, as near as the exact cut on a real model's thousands of
+    clusters); the others keep their plan there, since a torch sort and gathers cost more than the lookup's own launches
+    (with them, a short question's prefill of hsqueeze was slower than full attention's on an H200)."""
+    if getattr(plan, "room", None) is None or (q.device.type != "cpu" and not in_kernels):
         return None
     if follow is None:
         return (plan.room[0] if q.shape[1] == 1 else plan.room[1]), 0.0

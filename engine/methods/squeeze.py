@@ -282,19 +282,19 @@ class SqueezePolicy(Method):
         (threshold,) = plan.at(q.shape[1])
         index = centroid_elements(layer, q.element_size())  # every centroid and its count, per KV head
         read = layer.elements(hkv, index, q.device)
-        cut = exact_room(plan, q, follow, hkv) if rows == hkv else None
+        cut = exact_room(plan, q, follow, hkv, in_kernels=True) if rows == hkv else None
+        keys = None if cut is None else cut_keys(cut[0], layer, hkv, q.shape[2], hkv * index, cut[1])
         centroid = backend.kernel("centroid")
-        if cut is None:
-            keep, score, selection = centroid.cluster_select(
-                q, layer["centroids"], layer["counts"], scale, threshold, rows, layer["key_starts"], layer.indexed,
-                layer.tail, step=code_step(layer), valid=valid)
-        else:  # every cluster scored, the best ones kept up to the room's keys
+        if keys is not None and q.device.type == "cpu":  # the exact cut between whole clusters (a sort: nothing
+            # beside the CPU's step)
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, rows,
                                                 step=code_step(layer), valid=valid)
-            room, besides = cut
-            keep = keep & (score > cut_threshold(score, layer["counts"],
-                                                 cut_keys(room, layer, hkv, q.shape[2], hkv * index, besides)))
+            keep = keep & (score > cut_threshold(score, layer["counts"], keys))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
+        else:  # the plan's threshold, or a GPU's cut inside the lookup's kernels (whole bins of the scores)
+            keep, score, selection = centroid.cluster_select(
+                q, layer["centroids"], layer["counts"], scale, threshold, rows, layer["key_starts"], layer.indexed,
+                layer.tail, step=code_step(layer), valid=valid, keys=keys)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 
     def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[ThresholdPlan], scale: float,

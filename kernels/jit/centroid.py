@@ -115,24 +115,38 @@ def _log2_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLI
 
 
 @triton.jit
+def _bin_of(score, CUT_LOW: tl.constexpr, CUT_PER: tl.constexpr, CUT_BINS: tl.constexpr):
+    """The cut histogram's bin of each score: floor((log2(score) - CUT_LOW) * CUT_PER) within [0, CUT_BINS) (a
+    score of 0 or below 2^CUT_LOW in bin 0)."""
+    pos = tl.where(score > 0, (tl.log2(tl.where(score > 0, score, 1.0)) - CUT_LOW) * CUT_PER, 0.0)
+    return tl.minimum(tl.maximum(pos, 0.0), CUT_BINS - 1).to(tl.int32)
+
+
+@triton.jit
 def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
-            allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, stride_ar, stride_kr, stride_or,
-            HAS_ALLOWED: tl.constexpr, HAS_STARTS: tl.constexpr):
+            allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr, stride_ar, stride_kr, stride_or,
+            HAS_ALLOWED: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_HIST: tl.constexpr = False,
+            CUT_LOW: tl.constexpr = -64.0, CUT_PER: tl.constexpr = 64.0, CUT_BINS: tl.constexpr = 4096):
     """Both score passes' last step for one row and centroid block: keep = score > threshold & count > 0
     (& allowed, which also zeroes the score), written at the centroid ids cid [BLOCK_C]; with HAS_STARTS, the kept
-    clusters' keys summed into block_sums[row, blk] for the expansion (kernels/jit/compact.py)."""
+    clusters' keys summed into block_sums[row, blk] for the expansion (kernels/jit/compact.py). With HAS_HIST (a cut
+    at a number of keys, decided after every score is known: centroid_cut_kernel) the score alone is written and
+    each cluster's keys are added into its score's bin of the histogram hist [CUT_BINS] int32."""
     keep = (score > threshold) & (cnt > 0)
     if HAS_ALLOWED:
         allowed = tl.load(allowed_ptr + row * stride_ar + cid, mask=c_ok, other=0) != 0
         score = tl.where(allowed, score, 0.0)
         keep = keep & allowed
     tl.store(score_ptr + row * stride_or + cid, score, mask=c_ok)
-    tl.store(keep_ptr + row * stride_kr + cid, keep.to(tl.uint8), mask=c_ok)
-    if HAS_STARTS:
-        kv = kv_head.to(tl.int64) * (C + 1)
-        lo = tl.load(starts_ptr + kv + cid, mask=c_ok, other=0)
-        hi = tl.load(starts_ptr + kv + cid + 1, mask=c_ok, other=0)
-        tl.store(block_sums_ptr + row * NB + blk, tl.sum(tl.where(keep & c_ok, hi - lo, 0), axis=0))
+    if HAS_HIST:
+        tl.atomic_add(hist_ptr + _bin_of(score, CUT_LOW, CUT_PER, CUT_BINS), cnt.to(tl.int32), mask=c_ok & (cnt > 0))
+    else:
+        tl.store(keep_ptr + row * stride_kr + cid, keep.to(tl.uint8), mask=c_ok)
+        if HAS_STARTS:
+            kv = kv_head.to(tl.int64) * (C + 1)
+            lo = tl.load(starts_ptr + kv + cid, mask=c_ok, other=0)
+            hi = tl.load(starts_ptr + kv + cid + 1, mask=c_ok, other=0)
+            tl.store(block_sums_ptr + row * NB + blk, tl.sum(tl.where(keep & c_ok, hi - lo, 0), axis=0))
 
 
 @triton.jit
@@ -229,6 +243,7 @@ def centroid_score_kernel(
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     elements_ptr,  # HAS_ELEMENTS: [rows] float32 out, read_base + read_per * the row's candidates (USE_LIST)
+    hist_ptr,  # HAS_HIST: [CUT_BINS] int32, zeroed: the clusters' keys added by their score's bin (_decide)
     scale2, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
@@ -247,6 +262,10 @@ def centroid_score_kernel(
     read_base=0.0,
     read_per=0.0,
     HAS_ELEMENTS: tl.constexpr = False,
+    HAS_HIST: tl.constexpr = False,  # scores and the cut histogram only: keep by centroid_cut_kernel
+    CUT_LOW: tl.constexpr = -64.0,
+    CUT_PER: tl.constexpr = 64.0,
+    CUT_BINS: tl.constexpr = 4096,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
@@ -305,8 +324,8 @@ def centroid_score_kernel(
                 total += tl.sum(p, axis=0)
                 last += tl.sum(tl.where((tok == n_tok - 1)[:, None], p, 0.0), axis=0)
             _decide(tl.maximum(total / (HPR * n_tok), last / HPR), threshold, cnt, cid, c_ok, row, h0 // G, blk, C, NB,
-                    allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, stride_ar, stride_kr, stride_or,
-                    HAS_ALLOWED, HAS_STARTS)
+                    allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr, stride_ar, stride_kr,
+                    stride_or, HAS_ALLOWED, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
 
 
 @triton.jit
@@ -336,6 +355,7 @@ def centroid_score_prefill_kernel(
     keep_ptr, score_ptr,  # outputs [rows, C]
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
+    hist_ptr,  # HAS_HIST: [CUT_BINS] int32, zeroed: the clusters' keys added by their score's bin (_decide)
     scale2, threshold, Lq, C, G, HPR, NSPLIT, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_kr, stride_or,
     D: tl.constexpr,
@@ -350,6 +370,10 @@ def centroid_score_prefill_kernel(
     SCALED: tl.constexpr,
     CODES16: tl.constexpr,
     HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
+    HAS_HIST: tl.constexpr = False,  # scores and the cut histogram only: keep by centroid_cut_kernel
+    CUT_LOW: tl.constexpr = -64.0,
+    CUT_PER: tl.constexpr = 64.0,
+    CUT_BINS: tl.constexpr = 4096,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 2 of a dense lookup over Lq > 1 tokens (the question's prefill), grid (KV head, centroid block): the
@@ -417,5 +441,44 @@ def centroid_score_prefill_kernel(
         st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_H]
         last = tl.sum(tl.where(h_ok[None, :], tl.exp2(st * scale2 - log2_d[None, :]), 0.0), axis=1)
         _decide(tl.maximum(total / (HPR * n_tok), last / HPR), threshold, cnt, cid, c_ok, row, unit, cb, C, NB,
-                allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, stride_ar, stride_kr, stride_or,
-                HAS_ALLOWED, HAS_STARTS)
+                allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr, stride_ar, stride_kr,
+                stride_or, HAS_ALLOWED, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
+
+
+@triton.jit
+def centroid_cut_kernel(
+    score_ptr, counts_ptr, hist_ptr, keys_ptr,  # in: score [rows, C] float32, counts [Hkv, C], hist [CUT_BINS]
+    # int32 (the score pass's, HAS_HIST), keys [1] float32: the keys the lookup's clusters may hold in all
+    keep_ptr, starts_ptr, block_sums_ptr,  # out: keep [rows, C] uint8, block_sums [rows, NB] int64 (starts: [Hkv,
+    # C + 1] int64 key ranges in)
+    C, NB, RPK, stride_nh, stride_kr, stride_or,
+    BLOCK_C: tl.constexpr,
+    CUT_LOW: tl.constexpr,
+    CUT_PER: tl.constexpr,
+    CUT_BINS: tl.constexpr,
+    PDL: tl.constexpr = False,  # kernels/launch.py
+):
+    """A lookup cut at a number of keys, grid (row, centroid block of BLOCK_C): every program reads the histogram
+    of the clusters' keys by score bin, takes as the threshold the lower edge of the bin at which the keys of the
+    bins above it come nearest to keys[0] (ties: more keys; keys <= 0: +inf, nothing kept; the lowest bin: -1, every
+    cluster kept), then decides its block as the score pass does with a threshold (keep = score > threshold and
+    count > 0, its kept keys summed into block_sums). RPK: rows per KV head."""
+    wait_prior(PDL)
+    release_next(PDL)
+    row = tl.program_id(0)
+    blk = tl.program_id(1)
+    bins = tl.arange(0, CUT_BINS)
+    held = tl.load(hist_ptr + bins).to(tl.float32)  # keys per bin, lowest scores first
+    above = tl.sum(held, axis=0) - tl.cumsum(held, axis=0) + held  # keys in bins >= b
+    want = tl.load(keys_ptr)
+    gap = tl.abs(above - want)
+    best = tl.min(tl.where(gap == tl.min(gap, axis=0), bins, CUT_BINS), axis=0)
+    threshold = tl.where(best == 0, -1.0, tl.exp2(CUT_LOW + best.to(tl.float32) / CUT_PER))
+    threshold = tl.where(want > 0, threshold, float("inf"))
+    kv_head = row // RPK
+    cid = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cid < C
+    cnt = tl.load(counts_ptr + kv_head * stride_nh + cid, mask=c_ok, other=0)
+    score = tl.load(score_ptr + row * stride_or + cid, mask=c_ok, other=0.0)
+    _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB, keep_ptr, keep_ptr, score_ptr, starts_ptr,
+            block_sums_ptr, hist_ptr, 0, stride_kr, stride_or, False, True)

@@ -159,6 +159,61 @@ def read_elements(indptr: torch.Tensor, hkv: int, base: float, per: float) -> to
     return (base + per * counts.double()).float()
 
 
+def cut_threshold(score: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor | float) -> torch.Tensor:
+    """The score threshold at which a lookup's units with score > it hold as close to `keys` keys as whole units
+    allow (best first, over every row: a row that scores higher keeps more): what keeps a turn at the budget it asked
+    for, whatever its question, where a calibrated threshold keeps what the calibration's queries would.
+
+    score: [rows, U] float32; sizes: [rows, U] keys of each unit (0: never counted); keys: the keys to keep, a float
+    or a [] tensor. Returns [] float32 on score's device: +inf where `keys` <= 0 (nothing), -1 where every unit holds
+    fewer (everything). No host synchronisation (a captured step's lookup may run it)."""
+    flat = score.reshape(-1).float()
+    order = torch.argsort(flat, descending=True)
+    held = torch.cumsum(sizes.reshape(-1)[order].double(), 0)  # keys of the best 1, 2, ... units
+    want = keys.to(torch.float64).reshape(1) if isinstance(keys, torch.Tensor) else \
+        torch.full((1,), float(keys), dtype=torch.float64, device=flat.device)  # (a fill: no copy from the host)
+    n = torch.searchsorted(held, want)  # the fewest best units that reach `keys`: units 0 .. n
+    over = held[n.clamp(max=held.numel() - 1)] - want
+    under = want - torch.where(n > 0, held[(n - 1).clamp(min=0)], torch.zeros_like(want))
+    last = torch.where(over > under, n - 1, n)  # the nearer of n - 1 and n units past the cut
+    ranked = torch.cat([flat[order], flat.new_full((1,), -1.0)])
+    threshold = ranked[(last + 1).clamp(min=0, max=flat.numel())]
+    return torch.where(want > 0, threshold, torch.full_like(threshold, float("inf"))).reshape(())
+
+
+# A lookup cut at a number of keys (cluster_select's keys) decides from a histogram of the scores: CUT_PER bins to a
+# power of two from 2^CUT_LOW up to 1 (S <= 1; lower scores in the first bin), a bin 1.1% of a score wide
+CUT_LOW, CUT_PER, CUT_BINS = -64.0, 64.0, 4096
+
+
+def score_bins(score: torch.Tensor) -> torch.Tensor:
+    """The cut histogram's bin of each score (float32): floor((log2(score) - CUT_LOW) * CUT_PER) within
+    [0, CUT_BINS), 0 for a score of 0. Same shape, int64."""
+    score = score.float()
+    pos = torch.where(score > 0, (torch.log2(torch.where(score > 0, score, 1.0)) - CUT_LOW) * CUT_PER, 0.0)
+    return pos.clamp(0, CUT_BINS - 1).to(torch.int64)
+
+
+def binned_cut(score: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor | float) -> torch.Tensor:
+    """The threshold of a cut at about `keys` keys from the scores' histogram: the lower edge of the bin at which
+    the keys of the units in the bins above it come nearest to `keys` (ties: more keys), so that units with
+    score > it are kept: whole bins, best first, over every row (cut_threshold cuts between whole units instead).
+
+    score: [rows, U] float32; sizes: [rows, U] keys of each unit (0: never counted); keys: a float or a [] tensor.
+    Returns [] float32 on score's device: +inf where keys <= 0, -1 where the nearest is every bin."""
+    hist = torch.zeros(CUT_BINS, dtype=torch.float64, device=score.device)
+    hist.index_add_(0, score_bins(score).reshape(-1), sizes.reshape(-1).to(torch.float64))
+    above = hist.sum() - torch.cumsum(hist, 0) + hist  # keys in the bins >= b
+    want = keys.to(torch.float64).reshape(()) if isinstance(keys, torch.Tensor) else \
+        torch.tensor(float(keys), dtype=torch.float64, device=score.device)
+    gap = (above.float() - want.float()).abs()  # (float32, as the kernel compares)
+    bins = torch.arange(CUT_BINS, device=score.device)
+    best = torch.where(gap == gap.min(), bins, CUT_BINS).min()
+    threshold = torch.where(best == 0, torch.tensor(-1.0, device=score.device),
+                            torch.exp2(CUT_LOW + best.float() / CUT_PER))
+    return torch.where(want > 0, threshold, torch.tensor(float("inf"), device=score.device)).float()
+
+
 def cluster_select(
     q: torch.Tensor,
     centroids: torch.Tensor,
@@ -173,9 +228,18 @@ def cluster_select(
     fixed: Fixed | None = None,
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
+    keys: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """`cluster_keep`, then the kept clusters' key positions (`kernels.layout.expand_groups(keep, starts, total,
     tail, fixed=fixed)`: starts [Hkv, C + 1] where each cluster's keys lie; fixed: heads whose rows read a fixed
-    list instead). Returns (keep, score, Selection)."""
-    keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows, step=step, valid=valid)
+    list instead). keys (rows == Hkv): instead of `threshold`, the clusters kept are the best ones that hold about
+    `keys` keys in all (a float or a [] / [1] tensor), whole bins of the scores' histogram at a time (`binned_cut`:
+    the kernels decide from the histogram their score pass adds up). Returns (keep, score, Selection)."""
+    keep, score = cluster_keep(q, centroids, counts, scale, threshold if keys is None else 0.0, rows, step=step,
+                               valid=valid)
+    if keys is not None:
+        if rows != counts.shape[0]:
+            raise ValueError("a cut at a number of keys needs one row per KV head")
+        keys = keys.reshape(()) if isinstance(keys, torch.Tensor) else keys
+        keep = keep & (score > binned_cut(score, counts, keys))
     return keep, score, expand_groups(keep, starts, total, tail, fixed=fixed)

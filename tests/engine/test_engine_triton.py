@@ -75,11 +75,15 @@ class CheckedLookups:
             self.score_rtol = max(self.score_rtol, float(rel.max()))
 
     def cluster_select(self, q, centroids, counts, scale, threshold, rows, starts, total, tail=0, *, fixed=None,
-                       step=None, valid=None):
+                       step=None, valid=None, keys=None):
         keep, score, sel = self._triton.cluster_select(q, centroids, counts, scale, threshold, rows, starts, total, tail,
-                                                       fixed=fixed, step=step, valid=valid)
-        ref = reference.cluster_keep(q, centroids, counts, scale, threshold, rows, step=step, valid=valid)
-        self._compare(keep, score, *ref, threshold)
+                                                       fixed=fixed, step=step, valid=valid, keys=keys)
+        ref = reference.cluster_select(q, centroids, counts, scale, threshold, rows, starts, total, tail, fixed=fixed,
+                                       step=step, valid=valid, keys=keys)
+        if keys is not None:  # a cut: the reference's threshold from its own histogram
+            threshold = float(reference.binned_cut(ref[1], counts, keys.reshape(()) if torch.is_tensor(keys)
+                                                   else keys))
+        self._compare(keep, score, *ref[:2], threshold)
         return keep, score, sel
 
     def cluster_keep_among(self, q, centroids, counts, scale, threshold, rows, candidates, *, step=None, valid=None,

@@ -201,6 +201,40 @@ def test_cluster_select(hq, hkv, rows, lq):
     check_select(hq, hkv, rows, lq)
 
 
+@pytest.mark.parametrize("hq,hkv,lq", [(4, 2, 1), (8, 2, 1), (4, 1, 7), (8, 2, 33)])
+def test_cluster_select_cut_at_a_number_of_keys(hq, hkv, lq):
+    """keys: the best clusters holding about that many keys in all, decided after every score is known from the
+    histogram of the scores the score pass adds up: the reference's binned cut (the same keep, the same selection),
+    nothing at 0 keys, every non-empty cluster at all of them, the keys as a device tensor the same; and within the
+    keys of the two bins at its edge as near the asked keys as the exact cut between whole clusters
+    (reference.cut_threshold)."""
+    q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, 11)
+    lc, tail = 150, 3
+    counts, starts = clustered_counts(hkv, lc, C, 12)
+    everything = int(counts.sum())
+    for keys in (0.0, 1.0, 0.1 * everything, 0.3 * everything, 0.7 * everything, 2.0 * everything):
+        want = reference.cluster_select(q, centroids, counts, scale, 0.5, hkv, starts, lc, tail, keys=keys)
+        for asked in (keys, torch.tensor([keys], device=DEVICE)):
+            keep, score, sel = cluster_select(q, centroids, counts, scale, 0.5, hkv, starts, lc, tail, keys=asked)
+            torch.testing.assert_close(score, want[1], **TOL[torch.float32])
+            assert torch.equal(keep, want[0]), keys
+            assert_same_selection(sel, want[2])
+        held = int((counts * keep).sum())
+        if keys <= 0:
+            assert held == 0
+            continue
+        if keys >= everything:
+            assert torch.equal(keep, counts > 0)
+            continue
+        exact = int((counts * ((score > reference.cut_threshold(score, counts, keys)) & (counts > 0))).sum())
+        bins = reference.score_bins(score)
+        live = counts > 0
+        lowest = bins[keep].min() if keep.any() else bins.max() + 1  # the lowest bin kept
+        below = bins[live & ~keep].max() if (live & ~keep).any() else lowest  # the highest left
+        boundary = int((counts * ((bins == lowest) | (bins == below))).sum())
+        assert abs(held - keys) <= abs(exact - keys) + boundary, (keys, held, exact, boundary)
+
+
 def test_cluster_select_with_fixed_rows():
     """The streaming heads of duo-squeeze: rows of the marked heads read a fixed list instead of their clusters and
     the tail, written by the fused expansion; the result is the reference's (its expansion, then replace_rows)."""
