@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
@@ -48,14 +49,20 @@ def _progress(enabled: bool):
 SHOWN_VALUES = 64  # an artifact of at most this many values is printed whole by `squeeze train`
 
 
+@contextlib.contextmanager
 def _engine(args):
-    """The engine of the command's cache and model (the model loads when first needed, each step on stderr)."""
+    """The engine of the command's cache and model (the model loads when first needed, each step on stderr); its
+    index is closed when the command ends (what it wrote is then in index.db itself, none left in a -wal file)."""
     from engine.serve import Engine  # noqa: PLC0415 - keep `squeeze --help` fast
 
     report = _progress(not args.quiet)
-    return Engine(args.cache_dir, model=args.model, device=args.device, compile=args.compile,
-                  methods=_method_settings(args),
-                  load_progress=lambda step, done, total: report(f"loading model: {step}", done, total))
+    engine = Engine(args.cache_dir, model=args.model, device=args.device, compile=args.compile,
+                    methods=_method_settings(args),
+                    load_progress=lambda step, done, total: report(f"loading model: {step}", done, total))
+    try:
+        yield engine
+    finally:
+        engine.store.close()
 
 
 # Short names kept for the settings that had them before each method had its own (--squeeze-centroid-ratio, ...).
@@ -109,8 +116,9 @@ def cmd_ingest(args) -> int:
     unknown = [m for m in methods if m not in SPARSE_METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(SPARSE_METHODS)}")
-    engine = _engine(args)
-    report = engine.ingest(args.path, truncate=args.truncate, progress=_progress(not args.quiet), methods=methods)
+    with _engine(args) as engine:
+        report = engine.ingest(args.path, truncate=args.truncate, progress=_progress(not args.quiet),
+                               methods=methods)
     out = report.to_json()
     print(json.dumps(out) if args.json else
           f"{out['doc_id']}  {out['tokens']} tokens, {out['pages']} page(s), context {out['context_id']}"
@@ -123,16 +131,16 @@ def cmd_ask(args) -> int:
 
     options = GenerationOptions(temperature=args.temperature, top_p=args.top_p,  # (refused before the model loads)
                                 repetition_penalty=args.repetition_penalty, seed=args.seed)
-    engine = _engine(args)
     progress = _progress(not args.quiet)
-    context_id = engine.resolve(args.doc, truncate=args.truncate, progress=progress)
     answer = None
-    for event in engine.stream(context_id, args.question, args.method, args.sparsity, args.max_new_tokens,
-                               progress=progress, options=options):
-        if isinstance(event, Delta) and not args.json:
-            print(terminal_text(event.text), end="", flush=True)
-        elif isinstance(event, Answer):
-            answer = event
+    with _engine(args) as engine:
+        context_id = engine.resolve(args.doc, truncate=args.truncate, progress=progress)
+        for event in engine.stream(context_id, args.question, args.method, args.sparsity, args.max_new_tokens,
+                                   progress=progress, options=options):
+            if isinstance(event, Delta) and not args.json:
+                print(terminal_text(event.text), end="", flush=True)
+            elif isinstance(event, Answer):
+                answer = event
     stats = answer.stats.to_json()
     if args.json:
         print(json.dumps({"answer": answer.text, "empty": answer.empty, "context_id": context_id, **stats,
@@ -149,9 +157,9 @@ def cmd_ask(args) -> int:
 
 def cmd_train(args) -> int:
     """Learn a method's model-level artifacts now (e.g. DuoAttention's gates); stored for every later document."""
-    engine = _engine(args)
-    start = time.perf_counter()
-    found = engine.prepared(args.method, _progress(not args.quiet))
+    with _engine(args) as engine:
+        start = time.perf_counter()
+        found = engine.prepared(args.method, _progress(not args.quiet))
     out = {"method": args.method, "model": engine.model_id, "seconds": round(time.perf_counter() - start, 1),
            "artifacts": {name: _summary(t) for name, t in sorted(found.items())}}
     print(json.dumps(out) if args.json else "\n".join(f"{name}: {values}" for name, values in out["artifacts"].items()))

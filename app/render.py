@@ -52,13 +52,34 @@ def time_left(eta_s: float | None, stage: str | None = None) -> str:
     return f"about {format_seconds(eta_s)} left"
 
 
+RESUMED = "resumed after a restart"
+
+
 def stage_text(view) -> str:
-    """'prefill 2048/3970 tokens' for a JobView."""
+    """'prefill 2048/3970 tokens' for a JobView; a job that carries on one a stopped server left says so while it
+    is active ('waiting: next after guide.pdf (resumed after a restart)')."""
+    text = _stage_text(view)
+    return f"{text} ({RESUMED})" if view.resumed and view.status in ("queued", "running") else text
+
+
+def queue_text(view) -> str:
+    """Where a queued job stands: 'next in the queue' (nothing ahead of it), 'waiting: next after guide.pdf' (behind
+    the job being prepared), 'waiting: 3 ahead'; 'queued' for a job another process queued."""
+    if not view.position:
+        return "queued"
+    if not view.ahead:
+        return "next in the queue"
+    if view.ahead == 1 and view.after:
+        return f"waiting: next after {view.after}"
+    return f"waiting: {view.ahead} ahead"
+
+
+def _stage_text(view) -> str:
     if view.status == "queued":
         if view.stage == LOADING:  # the worker loads the model before its first job
-            return ("waiting for the model to load" + (f" (position {view.position})" if view.position > 1 else "")
+            return ("waiting for the model to load" + (f" ({view.ahead} ahead)" if view.ahead else "")
                     + (f": {load_step_text(view)}" if view.detail else ""))
-        return f"queued (position {view.position})" if view.position else "queued"
+        return queue_text(view)
     if view.status == "done":
         return "ready (from the cache)" if view.cached else "ready"
     if view.status in ("failed", "cancelled"):

@@ -11,7 +11,8 @@ model, extracting) and the outcome; `Engine.ingest(job=...)` writes the rest of 
 In memory the worker keeps the queue order and the timing behind the estimate (each job's marks on the worker's
 clock, the learned stage shares and seconds per token). An upload waiting for extraction is also written to the
 cache's UPLOADS folder (named by its document id) until it is extracted or refused, so that a queued upload outlives
-a killed server: the next worker (`resume_interrupted`) queues it again. A `JobView` is built from the store's row.
+a killed server: the next worker (`resume_interrupted`) queues it again, its view marked resumed.
+A `JobView` is built from the store's row.
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ class JobView:
     it runs: an index rebuild starts at clustering), `eta_s` seconds left (None: unknown), `position` in the queue
     (0: running or finished).
 
+    ahead: the jobs this worker runs before a queued one (the one it is running, if any, and those queued before it)
+    after: the name of the job being run, while this one is queued behind it (else None)
+    resumed: queued again at this worker's start because the process that had it queued or running was stopped
+
     status: "queued" | "running" | "done" | "failed"
     stage: LOADING, one of STAGES, or "queued"/"ready"/"failed"; done/total count the stage's units (while the
     model loads: its load's steps, `detail` naming the one under way; engine.model.load.LoadStep)
@@ -98,6 +103,9 @@ class JobView:
     error_kind: str | None
     settings: dict
     methods: tuple[str, ...]
+    ahead: int = 0
+    after: str | None = None
+    resumed: bool = False
 
     @property
     def active(self) -> bool:
@@ -132,6 +140,7 @@ class IngestWorker:
         self._preload = preload
         self._preloading = False  # the worker is loading the model before its first job
         self._cancelled: set[int] = set()  # jobs asked to stop (queued or running)
+        self._resumed: set[int] = set()  # jobs queued again by `resume_interrupted`
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=f"ingest-{engine.model_id}", daemon=True)
         if resume:
@@ -200,7 +209,8 @@ class IngestWorker:
         return self._submit(doc["name"], doc["id"], settings, truncate, None, tuple(methods), overrides)
 
     def _submit(self, name: str, doc_id: str, settings: ContextSettings, truncate: bool, data: bytes | None,
-                methods: tuple[str, ...], overrides: Overrides | None = None) -> JobView:
+                methods: tuple[str, ...], overrides: Overrides | None = None, resumed: bool = False) -> JobView:
+        """Queue a job unless the same work is active already; `resumed`: it carries on an interrupted one."""
         name = safe_name(name)  # a label only (hostile paths, control characters, lone surrogates, any length)
         asked = {n: self.engine.method(n, overrides).settings.as_dict() for n in sorted(overrides or {})}
         with self._cv:
@@ -212,6 +222,8 @@ class IngestWorker:
                     self._uploads[job_id] = data
                     self._spool(doc_id, data)
                 self._queue.append(job_id)
+                if resumed:
+                    self._resumed.add(job_id)
                 self._forget_old()
                 self._cv.notify_all()
             return self._views([self.store.jobs.get(job_id)])[0]
@@ -251,17 +263,17 @@ class IngestWorker:
                     and path is not None and path.is_file()):
                 jobs.append(self._submit(job["name"], job["doc_id"], ContextSettings.from_dict(job["settings"]),
                                          job["truncate"], path.read_bytes(), tuple(job["methods"] or DEFAULT_METHODS),
-                                         job["method_settings"]))
+                                         job["method_settings"], resumed=True))
         for doc in self.store.documents.list():
             for ctx in self.store.contexts.list(doc["id"]):
                 if ctx["model"] != self.engine.model_id:
                     continue
                 if ctx["status"] == "pending" or (ctx["status"] == "failed" and ctx["error"] == INTERRUPTED):
                     last = self.store.jobs.latest(context_id=ctx["id"])
-                    asked = {} if last is None else {"truncate": last["truncate"],
-                                                     "methods": last["methods"] or DEFAULT_METHODS,
-                                                     "overrides": last["method_settings"]}
-                    jobs.append(self.submit_document(doc["id"], ContextSettings.from_dict(ctx["settings"]), **asked))
+                    truncate, methods, overrides = (True, DEFAULT_METHODS, None) if last is None else (
+                        last["truncate"], last["methods"] or DEFAULT_METHODS, last["method_settings"])
+                    jobs.append(self._submit(doc["name"], doc["id"], ContextSettings.from_dict(ctx["settings"]),
+                                             truncate, None, tuple(methods), overrides, resumed=True))
         return jobs
 
     # ------------------------------------------------------------------ reading
@@ -294,14 +306,17 @@ class IngestWorker:
         queued_here = row["status"] == "queued" and row["id"] in self._queue
         stage = LOADING if queued_here and self._preloading else row["stage"]
         step = self.engine.load_step if stage == LOADING and row["status"] in ACTIVE else None
+        position = self._queue.index(row["id"]) + 1 if queued_here else 0
+        running = known[self._current] if queued_here and self._current is not None else None
         return JobView(
             id=row["id"], name=row["name"], doc_id=row["doc_id"], context_id=row["context_id"],
             status=row["status"], stage=stage, detail=None if step is None else step.name,
             done=row["done"] if step is None else step.done, total=row["total"] if step is None else step.total,
             fraction=self._fraction(row), eta_s=self._eta(row, known, now), elapsed_s=self._elapsed(row, now),
-            position=self._queue.index(row["id"]) + 1 if queued_here else 0, tokens=row["tokens"],
-            pages=row["pages"], cached=row["cached"], error=row["error"], error_kind=row["error_kind"],
-            settings=row["settings"], methods=tuple(row["methods"]),
+            position=position, tokens=row["tokens"], pages=row["pages"], cached=row["cached"], error=row["error"],
+            error_kind=row["error_kind"], settings=row["settings"], methods=tuple(row["methods"]),
+            ahead=max(0, position - 1) + (running is not None), after=running["name"] if running else None,
+            resumed=row["id"] in self._resumed,
         )
 
     @property

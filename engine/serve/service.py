@@ -26,7 +26,15 @@ from engine.serve.writer import ArtifactWriter
 from engine.text.prompt import DocumentTooLongError, Exchange, prompt_format, tokenize_document
 from kernels.backend import Backend
 from kernels.dispatch import backend_for
-from storage import DamagedArtifactError, Document, MissingArtifactError, NotFoundError, Store, load_document
+from storage import (
+    DamagedArtifactError,
+    Document,
+    MissingArtifactError,
+    NotFoundError,
+    StorageError,
+    Store,
+    load_document,
+)
 
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
 STEP_COMPILE = "compiling the model's layers for this GPU (once per process)"  # a load step after the weights
@@ -322,11 +330,14 @@ class Engine:
                        overrides: Overrides | None = None) -> list[str]:
         """Build the indexes of `methods` that the context lacks (or has with other settings than `overrides` asks
         for, else the engine's) from its stored K/V, save them and open them in the session. Returns the methods
-        built (in build order)."""
+        built (in build order). On a cache that is read-only here, a missing index is refused in words (StorageError)
+        before anything is built."""
         with self._device_lock:
             todo = self.stale_methods(context_id, methods, overrides)
             if not todo:
                 return []
+            if self.store.database.read_only:
+                raise self._read_only_refusal(context_id, todo, overrides)
             session = self.session(context_id)
             for name in todo:
                 self.store.methods.remove(context_id, name)
@@ -335,6 +346,14 @@ class Engine:
                     self.store.artifacts.save(context_id, artifact, tensor.cpu())
                 self.store.methods.mark_built(context_id, name, self.build_key(name, overrides))
             return todo
+
+    def _read_only_refusal(self, context_id: str, todo: Sequence[str], overrides: Overrides | None) -> StorageError:
+        """Why a question that needs indexes built cannot be answered from a read-only cache, and what can."""
+        built = [b["method"] for b in self.store.methods.list(context_id)]
+        held = [m for m in built if m in REGISTRY and m not in self.stale_methods(context_id, [m], overrides)]
+        has = f" ({', '.join(held)} {'has' if len(held) == 1 else 'have'} one)" if held else ""
+        return StorageError(f"the cache at {self.store.root} is read-only here and has no {' or '.join(todo)} index "
+                            f"of this document with these settings{has}; building it needs write access")
 
     def resolve(self, doc_or_path: str, truncate: bool = False, progress: Progress | None = None,
                 settings: ContextSettings | None = None) -> str:

@@ -51,9 +51,14 @@ class Contexts:
         for the caller to retry via :meth:`set_status`).
         """
         settings_json = canonical_json(settings)
-        with self.database.transaction() as db:
+        with self.database.reading() as db:  # an existing context is read, not written (a read-only cache has it)
             doc = require(db, "documents", doc_id, "document")
             key = self.key(doc["sha256"], model, settings)
+            row = first(db, "SELECT * FROM contexts WHERE key = ?", [key])
+        if row is not None:
+            return _context_dict(row)
+        with self.database.transaction() as db:
+            doc = require(db, "documents", doc_id, "document")
             row = first(db, "SELECT * FROM contexts WHERE key = ?", [key])
             if row is None:
                 stamp = now()

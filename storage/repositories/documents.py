@@ -51,6 +51,10 @@ class Documents:
         document deleted within its undo window (:meth:`hide`) is back.
         """
         doc_id = doc.doc_id
+        with self.database.reading() as db:  # a hit writes nothing (a read-only cache answers it too)
+            existing = first(db, "SELECT * FROM documents WHERE id = ?", [doc_id])
+        if existing is not None and existing["sha256"] == doc.sha256 and existing.get("deleted_at") is None:
+            return doc_id, False
         with self.database.transaction() as db:
             existing = first(db, "SELECT * FROM documents WHERE id = ?", [doc_id])
             if existing is not None:

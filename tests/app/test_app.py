@@ -436,13 +436,13 @@ def test_asking_before_ready_is_refused_with_the_time_left(tiny_lm, tmp_path):
         client = paused.client()
         path = write(tmp_path / "later.txt", DOC)
         out = upload(client, path)
-        assert "later.txt: queued (position 1)" in out["message"]
+        assert "later.txt: next in the queue" in out["message"]
         doc_id = paused.worker.views()[-1].doc_id
         opened = open_doc(client, doc_id)
-        assert "queued (position 1) · about 3 s left" in opened["status"]
+        assert "next in the queue · about 3 s left" in opened["status"]
         refused, _ = ask(client, "What is the passkey?")
         # told above the chat, not in it; the question stays in its box
-        assert ("later.txt is not ready yet: still being prepared: queued (position 1), about 3 s left. Ask again "
+        assert ("later.txt is not ready yet: still being prepared: next in the queue, about 3 s left. Ask again "
                 "when it is ready.") in refused["status"]
         assert refused["chat"] == [] and refused["question"] == "What is the passkey?"
         assert 'data-status="queued"' in poll(client)["jobs"]

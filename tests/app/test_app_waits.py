@@ -122,7 +122,7 @@ def test_a_question_after_a_centroid_change_waits_for_the_rebuild_in_the_chat(ti
         job = ask(client, "Who kept the light?", centroid=0.1, wait=False)
         waiting = outputs_until(job, lambda o: pending(o).startswith("Building"))
         assert pending(waiting) == ("Building the squeeze index of this document (with the settings asked for) "
-                                    "before the answer: queued (position 1), estimating the time left.")
+                                    "before the answer: next in the queue, estimating the time left.")
         app.worker.start()
         answered = dict(zip(ASK_NAMES, job.result(timeout=WAIT_S)))
         assert len(texts(answered["chat"])) == 2 and not texts(answered["chat"])[1].startswith("Building")

@@ -376,3 +376,37 @@ def test_a_commands_help_lists_the_methods_settings(capsys):
     with pytest.raises(SystemExit) as done:
         main(["ask", "--help"])
     assert done.value.code == 0 and "--squeeze-centroid-ratio" in capsys.readouterr().out
+
+
+def test_ask_on_a_read_only_cache_answers_without_writing(tiny, capsys, tmp_path, monkeypatch):
+    """A cache this process may not write (os.access says so, as on a read-only mount; root ignores permissions, so
+    the test tells it): `squeeze ask` answers from the indexes it holds and writes nothing; a question that needs a
+    write (a method whose index is not built) is refused in one plain line."""
+    import os  # noqa: PLC0415
+
+    import storage.database  # noqa: PLC0415
+
+    model, root = tiny
+    cache = tmp_path / "cache"
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(cache), "--quiet", "--json"]
+    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), *common)
+    assert code == 0
+    doc_id = json.loads(out)["doc_id"]
+
+    def files() -> dict:
+        return {p: p.stat().st_mtime_ns for p in cache.rglob("*")}
+
+    before = files()
+    monkeypatch.setattr(storage.database.os, "access", lambda path, mode: not mode & os.W_OK)
+    for doc in (doc_id, str(root / "doc.txt")):  # by its id, and by its file (the same bytes: a hit)
+        code, out, err = run(capsys, "ask", doc, "What was rebuilt?", "--max-new-tokens", "4", *common)
+        assert code == 0 and "error" not in err, err
+        answer = json.loads(out)
+        assert answer["method"] == "squeeze" and isinstance(answer["answer"], str) and 0 < answer["kv_budget"] <= 1
+    code, out, err = run(capsys, "ask", doc_id, "What was rebuilt?", "--method", "quest", "--max-new-tokens", "4",
+                         *common)
+    assert code == 1 and out == ""
+    assert "Traceback" not in err, err
+    assert err.splitlines()[-1] == (f"error: the cache at {cache} is read-only here and has no quest index of this "
+                                    "document with these settings (squeeze has one); building it needs write access")
+    assert files() == before

@@ -1,7 +1,8 @@
 """Faults a server meets: the disk fills up during an ingest (a clear error, no half-written context, the cache still
-opens, the next ingest completes), and several users at once (four sessions on two documents through the app's API:
-the waiting ones told their place in the queue, each answer its own document's and chat's, nothing lost; eight
-sessions on four documents answered together, each as alone)."""
+opens, the next ingest completes), a killed server (the upload it had queued is prepared by the next one), and
+several users at once (four sessions on two documents through the app's API: the waiting ones told their place in
+the queue, each answer its own document's and chat's, nothing lost; eight sessions on four documents answered
+together, each as alone)."""
 
 from __future__ import annotations
 
@@ -329,3 +330,81 @@ def test_eight_users_at_once_each_get_their_own_answer(tiny_lm, tmp_path):
     finally:
         demo.close()
         demo.services.worker.close()
+
+
+def test_an_upload_queued_when_the_server_is_killed_is_prepared_after_a_restart(tmp_path):
+    """A real `squeeze serve` (the tiny model) gets two uploads at once and is killed (SIGKILL) while the first is
+    being prepared and the second waits in the queue; the next `squeeze serve` over the same cache prepares both
+    (the second from the file its upload waited in, gone once extracted)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from gradio_client import Client, handle_file
+
+    from storage import Store
+    from tests.support.serving import free_port
+    from tests.support.tiny_models import make_tiny_model
+
+    model, cache, repo = make_tiny_model(tmp_path, "llama_gqa"), tmp_path / "cache", Path(__file__).parents[2]
+    long = tmp_path / "long.txt"  # ~3,000 tokens: seconds to prepare, the window in which the server is killed
+    long.write_text("Callow Head Light was first lit in 1847; its keeper logged the weather. " * 40)
+    queued = tmp_path / "queued.txt"
+    queued.write_text(DOC)
+    env = {**os.environ, "PYTHONPATH": str(repo), "GRADIO_ANALYTICS_ENABLED": "False"}
+
+    def serve() -> tuple[subprocess.Popen, Client]:
+        port = free_port()
+        log = open(tmp_path / f"serve-{port}.log", "w")  # noqa: SIM115 - open while the server runs
+        server = subprocess.Popen([sys.executable, "-m", "app.cli", "serve", "--model", str(model), "--device", "cpu",
+                                   "--cache-dir", str(cache), "--port", str(port)],
+                                  cwd=repo, env=env, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, (tmp_path / f"serve-{port}.log").read_text()
+            try:
+                return server, Client(f"http://127.0.0.1:{port}/", verbose=False)
+            except Exception:  # noqa: BLE001 - not listening yet
+                assert time.monotonic() < deadline, "the server did not start"
+                time.sleep(0.5)
+
+    def jobs(store: Store) -> dict[str, dict]:
+        return {j["name"]: j for j in store.jobs.list()}
+
+    server, client = serve()
+    try:
+        client.predict([handle_file(str(long)), handle_file(str(queued))], False, api_name="/upload")
+        with Store(cache) as store:
+            deadline = time.monotonic() + 60
+            while True:
+                now = jobs(store)
+                if now["long.txt"]["status"] == "running" and now["queued.txt"]["status"] == "queued":
+                    server.send_signal(signal.SIGKILL)
+                    break
+                assert now["long.txt"]["status"] != "done" and time.monotonic() < deadline, now
+                time.sleep(0.02)
+            server.wait(10)
+            left = jobs(store)
+            assert (left["long.txt"]["status"], left["queued.txt"]["status"]) == ("running", "queued")  # as killed
+            assert "queued.txt" not in {d["name"] for d in store.documents.list()}  # not extracted: no document yet
+        spooled = cache / "uploads" / left["queued.txt"]["doc_id"]
+        assert spooled.read_bytes() == queued.read_bytes()
+    finally:
+        server.kill()
+        server.wait(10)
+
+    server, _client = serve()
+    try:
+        with Store(cache) as store:
+            deadline = time.monotonic() + 60
+            while {d["name"]: d["status"] for d in store.documents.list()} != {"long.txt": "ready",
+                                                                                  "queued.txt": "ready"}:
+                assert server.poll() is None and time.monotonic() < deadline, store.documents.list()
+                time.sleep(0.2)
+            assert [j["error"] for j in store.jobs.list() if j["status"] == "failed"] == ["interrupted"] * 2
+        assert not spooled.exists()
+    finally:
+        server.kill()
+        server.wait(10)

@@ -189,6 +189,37 @@ def test_queued_jobs_have_positions_and_an_estimate_from_the_learned_rate(store)
         worker.close()
 
 
+def test_a_queued_job_says_what_it_waits_for(store):
+    """Behind the job being prepared, a queued job names it; further back, how many jobs are ahead (the running one
+    counted); with nothing running, the first queued job is next."""
+    from app.render import stage_text
+
+    gate = threading.Event()
+    engine, worker = make(store, gate=gate, start=False)
+    try:
+        first = worker.submit_bytes(TEXT + b"A", "a.txt")
+        assert stage_text(worker.view(first.id)) == "next in the queue"
+        second = worker.submit_bytes(TEXT + b"B", "b.txt")
+        third = worker.submit_bytes(TEXT + b"C", "c.txt")
+        assert stage_text(worker.view(second.id)) == "waiting: 1 ahead"
+        worker.start()
+        deadline = time.monotonic() + 10
+        while engine.running == 0 and time.monotonic() < deadline:  # a.txt is being prepared, held by the gate
+            time.sleep(0.01)
+        views = {v.name: v for v in worker.views()}
+        assert [(views[n].status, views[n].position, views[n].ahead) for n in ("a.txt", "b.txt", "c.txt")] == [
+            ("running", 0, 0), ("queued", 1, 1), ("queued", 2, 2)]
+        assert views["b.txt"].after == "a.txt" and views["a.txt"].after is None
+        assert [stage_text(views["b.txt"]), stage_text(views["c.txt"])] == ["waiting: next after a.txt",
+                                                                            "waiting: 2 ahead"]
+        gate.set()
+        assert worker.wait_idle(10)
+        assert [worker.view(j.id).status for j in (first, second, third)] == ["done"] * 3
+    finally:
+        gate.set()
+        worker.close()
+
+
 def test_one_job_at_a_time(store):
     gate = threading.Event()
     engine, worker = make(store, gate=gate)
@@ -242,7 +273,7 @@ def test_resume_requeues_what_an_earlier_process_left_unfinished(store):
         assert engine.calls == [("guide.txt", settings)]
         assert store.contexts.get(ctx["id"])["status"] == "ready"
         [resumed] = worker.views()  # the interrupted job is history; the new one is listed
-        assert (resumed.status, resumed.context_id) == ("done", ctx["id"])
+        assert (resumed.status, resumed.context_id, resumed.resumed) == ("done", ctx["id"], True)
     finally:
         worker.close()
 
@@ -377,11 +408,16 @@ def test_a_queued_upload_outlives_a_killed_server(tmp_path):
             db.execute("UPDATE jobs SET pid = ? WHERE id = ?", [2**22 + 12345, view.id])
         assert store.jobs.recover_interrupted() == 1  # what the next engine does at its start
     with Store(tmp_path / "cache") as store:
-        engine, worker = make(store, resume=True)
+        engine, worker = make(store, resume=True, start=False)
         try:
+            fresh = worker.submit_bytes(TEXT + b" more", "fresh.txt")
+            resumed = {v.name: v.resumed for v in worker.views()}
+            assert resumed == {"guide.txt": True, "fresh.txt": False}
+            assert fresh.resumed is False and store.jobs.get(fresh.id)["status"] == "queued"
+            worker.start()
             assert worker.wait_idle(10)
-            assert [name for name, _ in engine.calls] == ["guide.txt"]
-            [doc] = store.documents.list()
+            assert [name for name, _ in engine.calls] == ["guide.txt", "fresh.txt"]
+            doc = store.documents.find("guide.txt")
             assert doc["id"] == view.doc_id and doc["status"] == "ready"
             assert not spooled.exists()
         finally:
