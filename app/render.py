@@ -85,14 +85,16 @@ def job_html(view, error_text: str | None = None) -> str:
     stages = []
     current = STAGES.index(view.stage) if view.stage in STAGES else (-1 if view.status != "done" else len(STAGES))
     for i, stage in enumerate(STAGES):
-        cls = "done" if i < current or view.status == "done" else ("now" if i == current and state == "running" else "todo")
+        running = i == current and state == "running"
+        cls = "done" if i < current or view.status == "done" else ("now" if running else "todo")
         stages.append(f'<span class="sq-stage sq-{cls}">{esc(STAGE_LABELS[stage])}</span>')
     if state == "failed":
         detail = f'<div class="sq-error">Could not prepare it: {esc(error_text or view.error)}</div>'
     elif state == "cancelled":
         detail = '<div class="sq-error">Cancelled: its preparation was stopped.</div>'
     elif state == "done":
-        detail = f'<div class="sq-ok">{esc(stage_text(view))}: {view.tokens or 0} tokens, {view.pages or 0} page(s)</div>'
+        detail = (f'<div class="sq-ok">{esc(stage_text(view))}: {view.tokens or 0} tokens, {view.pages or 0} '
+                  'page(s)</div>')
     else:
         detail = f'<div class="sq-eta">{esc(stage_text(view))} · {esc(time_left(view.eta_s, view.stage))}</div>'
     return (
@@ -352,19 +354,24 @@ def cited_answer_html(answer: str, citations: Sequence, passages: Sequence, page
 
 def document_html(text: str, marks: Sequence[tuple[int, int, float]], page_starts: Sequence[int],
                   tail_start: int | None = None, passages: Sequence = ()) -> str:
-    """The whole document with the retrieved tokens highlighted and a marker where each page starts.
+    """The whole document with the retrieved tokens highlighted, a marker where each page starts, and each of
+    `passages` held in a highlight of its own.
 
     Every page has an anchor (`page_anchor`: its marker, or an empty one for a page without text or a document of
-    one page), and each of `passages` one where it starts (`passage_anchor`, by its rank), for the links of
-    `passages_html` and `cited_answer_html`.
+    one page). Each passage's text is wrapped in `<mark class="sq-cited" data-passage="sq-passage-N">` pieces (one
+    per stretch between page markers), the first of which carries its anchor (`passage_anchor`, by its rank): the
+    target of the links of `passages_html` and `cited_answer_html`, highlighted when followed (`:target`, or the
+    app's click handler, which marks every piece). A passage without text keeps an empty anchor where it starts.
     tail_start: character where the dense tail begins (always attended; shown underlined)."""
     paged = is_paged(page_starts)
-    at = {}  # character -> the passages' ranks that start there
-    for rank, p in enumerate(passages, 1):
-        at.setdefault(min(max(0, p.start), len(text)), []).append(rank)
-    cuts = sorted({0, *page_starts, *at} | ({tail_start} if tail_start is not None else set()))
+    spans = [(rank, min(max(0, p.start), len(text)), min(max(0, p.end), len(text)))
+             for rank, p in enumerate(passages, 1)]
+    bounds_at = {s for _, s, _ in spans} | {e for _, _, e in spans}
+    cuts = sorted({0, *page_starts, *bounds_at} | ({tail_start} if tail_start is not None else set()))
+    cuts = [c for c in cuts if c <= len(text)]
     out = ['<div class="sq-doc" id="sq-doc">']
     bounds = cuts + [len(text)]
+    anchored: set[int] = set()  # passages whose anchor is placed
     mi = 0
     for i, start in enumerate(cuts):
         end = bounds[i + 1]
@@ -373,8 +380,11 @@ def document_html(text: str, marks: Sequence[tuple[int, int, float]], page_start
             out.append(f'<span class="sq-anchor" id="{page_anchor(page)}"></span>')
         if paged and pages:
             out.append(f'<div class="sq-pagebreak" id="{page_anchor(pages[-1])}">page {pages[-1]}</div>')
-        out.extend(f'<span class="sq-anchor" id="{passage_anchor(rank)}"></span>' for rank in at.get(start, ()))
-        if start == len(text):
+        for rank, s, e in spans:  # passages without text: an empty anchor where they start
+            if s == e == start and rank not in anchored:
+                anchored.add(rank)
+                out.append(f'<span class="sq-anchor" id="{passage_anchor(rank)}"></span>')
+        if start == end:
             continue
         while mi < len(marks) and marks[mi][1] <= start:
             mi += 1
@@ -382,7 +392,16 @@ def document_html(text: str, marks: Sequence[tuple[int, int, float]], page_start
         chunk = _marked(text, start, end, inner)
         if tail_start is not None and start >= tail_start:
             chunk = f'<span class="sq-tail" title="dense tail: always attended">{chunk}</span>'
+        for rank, s, e in reversed(spans):  # the passages over this stretch, the best outermost
+            if s <= start and end <= e:
+                anchor = passage_anchor(rank)
+                ident = "" if rank in anchored else f' id="{anchor}"'  # the first piece holds the anchor
+                anchored.add(rank)
+                chunk = f'<mark class="sq-cited"{ident} data-passage="{anchor}">{chunk}</mark>'
         out.append(chunk)
+    for rank, _, _ in spans:  # (a passage past the text's end)
+        if rank not in anchored:
+            out.append(f'<span class="sq-anchor" id="{passage_anchor(rank)}"></span>')
     out.append("</div>")
     return "".join(out)
 

@@ -20,8 +20,9 @@ TOP_PASSAGES = 5
 ALL = "all"
 DOCUMENT_BOX = "sq-document-box"  # the accordion that holds the whole document
 # A click on a link to a passage (render.source_link) opens the whole document's accordion when it is closed,
-# scrolls the document to the passage's place and marks it there. Runs once per component (Gradio's
-# js_on_load, with `element` the component's node); the links are plain anchors without it.
+# scrolls the document to the passage's place, flashes it and keeps every piece of its text highlighted
+# (sq-current, until another passage is followed). Runs once per component (Gradio's js_on_load, with `element`
+# the component's node); the links are plain anchors without it (the passage's first piece is their :target).
 GOTO_JS = """
 if (element.dataset.sqGoto) return;
 element.dataset.sqGoto = "1";
@@ -35,6 +36,8 @@ element.addEventListener("click", (event) => {
     if (target && target.offsetParent !== null) {
       target.scrollIntoView({block: "center"});
       document.querySelectorAll(".sq-flash").forEach((e) => e.classList.remove("sq-flash"));
+      document.querySelectorAll(".sq-current").forEach((e) => e.classList.remove("sq-current"));
+      document.querySelectorAll(`[data-passage="${id}"]`).forEach((e) => e.classList.add("sq-current"));
       void target.offsetWidth;
       target.classList.add("sq-flash");
       return;
