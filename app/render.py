@@ -10,6 +10,8 @@ import html
 import math
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
+from urllib.parse import quote
 
 from engine.serve import LOADING, STAGES, full_attention_found
 
@@ -299,20 +301,39 @@ def is_paged(page_starts: Sequence[int]) -> bool:
     return len(page_starts) > 1
 
 
-def source_link(passage, rank: int, paged: bool, label: str | None = None) -> str:
-    """A link to a passage in the document view (label: "p. N", or "passage N" where the document has no pages).
+def source_link(passage, rank: int, paged: bool, label: str | None = None, pdf: str | None = None) -> str:
+    """A link to a passage in the document view (label: "p. N", or "passage N" where the document has no pages),
+    followed by a link to its page in the document's PDF (`pdf_link`) where `pdf` gives the PDF's address.
 
     Its href is the passage's page marker (`page_anchor`; its place, `passage_anchor`, where there are no pages);
     its data-target is the passage's place, where the app's click handler (app.views.GOTO_JS) scrolls to."""
     href = page_anchor(passage.page) if paged else passage_anchor(rank)
     label = label or (f"p. {passage.page}" if paged else f"passage {rank}")
-    return (f'<a class="sq-goto" href="#{href}" data-target="{passage_anchor(rank)}" '
-            f'title="show it in the whole document, retrieved tokens highlighted">{esc(label)}</a>')
+    link = (f'<a class="sq-goto" href="#{href}" data-target="{passage_anchor(rank)}" '
+            f'title="show it in the whole document, the passage highlighted">{esc(label)}</a>')
+    return f"{link} · {pdf_link(pdf, passage.page)}" if pdf and paged else link
 
 
-def passages_html(text: str, passages: Sequence, context_chars: int = 80, paged: bool = True) -> str:
+PDF_ROUTE = "gradio_api/file="  # Gradio's file route, relative to the app's address
+
+
+def pdf_url(path: str | Path) -> str:
+    """The address the app serves a document's kept PDF at: Gradio's file route for the file's path, allowed for
+    the folder of kept PDFs only (app.demo.launch_kwargs)."""
+    return PDF_ROUTE + quote(str(path))
+
+
+def pdf_link(pdf: str, page: int) -> str:
+    """A link that opens the PDF at `pdf` (`pdf_url`) at page `page` in a new tab."""
+    return (f'<a class="sq-pdf" href="{esc(pdf)}#page={page}" target="_blank" rel="noopener" '
+            f'title="open the PDF at page {page} in a new tab">PDF p. {page}</a>')
+
+
+def passages_html(text: str, passages: Sequence, context_chars: int = 80, paged: bool = True,
+                  pdf: str | None = None) -> str:
     """(b) The passages whose tokens the lookup retrieved, best first, each with its page number linking to that page
-    in the document view (`document_html`), or to the passage's place there when the document has no pages."""
+    in the document view (`document_html`), or to the passage's place there when the document has no pages, and to
+    that page of the document's PDF where `pdf` gives its address (`pdf_url`)."""
     if not passages:
         return '<div class="sq-passages sq-empty">No clusters retrieved (full attention reads every key).</div>'
     items = []
@@ -320,16 +341,18 @@ def passages_html(text: str, passages: Sequence, context_chars: int = 80, paged:
         a = max(0, p.start - context_chars)
         b = min(len(text), p.end + context_chars)
         body = ("…" if a > 0 else "") + _marked(text, a, b, p.marks) + ("…" if b < len(text) else "")
-        link = source_link(p, rank, paged, label=f"p. {p.page}")
+        link = source_link(p, rank, paged, label=f"p. {p.page}", pdf=pdf)
         items.append(f'<li class="sq-passage" data-page="{p.page}"><span class="sq-page">{link}</span>'
                      f'<span class="sq-text">{body}</span></li>')
     return '<ol class="sq-passages" id="sq-passages">' + "".join(items) + "</ol>"
 
 
-def cited_answer_html(answer: str, citations: Sequence, passages: Sequence, paged: bool) -> str:
+def cited_answer_html(answer: str, citations: Sequence, passages: Sequence, paged: bool,
+                      pdf: str | None = None) -> str:
     """The answer with a citation after each sentence that a retrieved passage supports (app.citations.cite): a
     superscript link per source, "[p. 3]" to the page in the document view, or "[passage 2]" to the passage's place
-    where the document has no pages. The answer's text is shown as it is (escaped); unsupported sentences cite
+    where the document has no pages; with "PDF p. 3" beside it, to that page of the document's PDF, where `pdf`
+    gives its address (`pdf_url`). The answer's text is shown as it is (escaped); unsupported sentences cite
     nothing."""
     if not answer.strip():
         return ""
@@ -338,7 +361,7 @@ def cited_answer_html(answer: str, citations: Sequence, passages: Sequence, page
         out.append(esc(answer[pos:c.end]))
         pos = c.end
         if c.sources:
-            links = ", ".join(source_link(passages[i], i + 1, paged) for i in c.sources)
+            links = ", ".join(source_link(passages[i], i + 1, paged, pdf=pdf) for i in c.sources)
             out.append(f'<sup class="sq-cite">[{links}]</sup>')
     out.append(esc(answer[pos:]))
     cited = sum(1 for c in citations if c.sources)

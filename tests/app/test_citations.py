@@ -209,3 +209,25 @@ def test_a_followed_link_lands_on_the_passage_text_held_in_its_highlight():
     assert document.count(f'id="{render.passage_anchor(2)}"') == 1  # one anchor, though split by the page break
     plain = re.sub(r'<div class="sq-pagebreak"[^>]*>page \d</div>|<[^>]+>', "", document)
     assert unescape(plain) == TEXT  # the document's text, whole and in order
+
+
+def test_a_pdfs_citations_and_passages_link_to_their_pages_of_the_pdf(passages):
+    """Beside each "p. N" of a PDF, "PDF p. N" opens the kept file at page N in a new tab; a document without a
+    kept PDF (pdf=None), or without pages, gets no such link."""
+    pdf = render.pdf_url("/cache/blobs/documents/0123456789abcdef.a1b2c3.pdf")
+    assert pdf == "gradio_api/file=/cache/blobs/documents/0123456789abcdef.a1b2c3.pdf"
+    answer = "The passkey is 48213. The keeper rang the bronze bell every hour."
+    citations = cite(TEXT, PAGE_STARTS, passages, answer)
+    cited = render.cited_answer_html(answer, citations, passages, paged=True, pdf=pdf)
+    listed = render.passages_html(TEXT, passages, pdf=pdf)
+    opens = r'<a class="sq-pdf" href="([^"]+)#page=(\d+)" target="_blank" rel="noopener"[^>]*>PDF p\. (\d+)</a>'
+    for html, pages in ((cited, [p for c in citations for p in c.pages]), (listed, [p.page for p in passages])):
+        links = re.findall(opens, html)
+        assert [(href, int(at), int(shown)) for href, at, shown in links] == [(pdf, p, p) for p in pages]
+    assert [p.page for p in passages] == [2, 3, 1] and [p for c in citations for p in c.pages] == [3, 2]
+    assert re.search(r'>p\. 3</a> · <a class="sq-pdf" href="[^"]+#page=3"', cited)  # beside its page's link
+    for html in (render.cited_answer_html(answer, citations, passages, paged=True),
+                 render.passages_html(TEXT, passages),
+                 render.cited_answer_html(answer, citations, passages, paged=False, pdf=pdf),
+                 render.passages_html(TEXT, passages, paged=False, pdf=pdf)):
+        assert "sq-goto" in html and "sq-pdf" not in html and "PDF p." not in html
