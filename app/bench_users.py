@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, workload: ModuleType) -> dict:
         config = AppConfig(max_new_tokens=args.tokens, questions_at_once=max(DEFAULTS.questions_at_once, args.users))
         demo = build_demo(engine, engine.store, worker=IngestWorker(engine), config=config)
         _, url, _ = demo.launch(server_name="127.0.0.1", server_port=free_port(), prevent_thread_lock=True,
-                                quiet=True, **launch_kwargs(config))
+                                quiet=True, **launch_kwargs(config, engine.store))
         lm = engine.lm
         users = [(reports[i % len(reports)], questions[i % len(questions)]) for i in range(args.users)]
         out = {"bench": "users", "through": "the app's HTTP API (gradio_client)", "device": str(lm.device),

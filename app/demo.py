@@ -1,4 +1,5 @@
-"""`build_demo(engine, store) -> gr.Blocks`: the whole UI as a function of an engine (no model code here, no globals)."""
+"""`build_demo(engine, store) -> gr.Blocks`: the whole UI as a function of an engine (no model code here, no
+globals)."""
 
 from __future__ import annotations
 
@@ -128,10 +129,13 @@ def _exists(services: Services, doc_id: str) -> bool:
         return False
 
 
-def launch_kwargs(config: AppConfig) -> dict:
-    """What `demo.launch` needs besides host and port (Gradio 6 takes the CSS at launch)."""
+def launch_kwargs(config: AppConfig, store: Store | None = None) -> dict:
+    """What `demo.launch` needs besides host and port (Gradio 6 takes the CSS at launch). store: the app's store,
+    whose folder of kept PDFs (and nothing else of it) Gradio's file route may serve, for the "PDF p. N" links."""
     # Gradio refuses uploads over twice the limit outright; between the two, the upload handler says why.
     kwargs = {"max_file_size": 2 * config.max_upload_bytes, "footer_links": ["api"]}
     if CSS_PATH.is_file():
         kwargs["css_paths"] = [CSS_PATH]
+    if store is not None:
+        kwargs["allowed_paths"] = [str(store.documents.source_dir.resolve())]
     return kwargs

@@ -10,6 +10,8 @@ import html
 import math
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
+from urllib.parse import quote
 
 from engine.serve import LOADING, STAGES, full_attention_found
 
@@ -106,14 +108,16 @@ def job_html(view, error_text: str | None = None) -> str:
     stages = []
     current = STAGES.index(view.stage) if view.stage in STAGES else (-1 if view.status != "done" else len(STAGES))
     for i, stage in enumerate(STAGES):
-        cls = "done" if i < current or view.status == "done" else ("now" if i == current and state == "running" else "todo")
+        running = i == current and state == "running"
+        cls = "done" if i < current or view.status == "done" else ("now" if running else "todo")
         stages.append(f'<span class="sq-stage sq-{cls}">{esc(STAGE_LABELS[stage])}</span>')
     if state == "failed":
         detail = f'<div class="sq-error">Could not prepare it: {esc(error_text or view.error)}</div>'
     elif state == "cancelled":
         detail = '<div class="sq-error">Cancelled: its preparation was stopped.</div>'
     elif state == "done":
-        detail = f'<div class="sq-ok">{esc(stage_text(view))}: {view.tokens or 0} tokens, {view.pages or 0} page(s)</div>'
+        detail = (f'<div class="sq-ok">{esc(stage_text(view))}: {view.tokens or 0} tokens, {view.pages or 0} '
+                  'page(s)</div>')
     else:
         detail = f'<div class="sq-eta">{esc(stage_text(view))} · {esc(time_left(view.eta_s, view.stage))}</div>'
     return (
@@ -318,20 +322,39 @@ def is_paged(page_starts: Sequence[int]) -> bool:
     return len(page_starts) > 1
 
 
-def source_link(passage, rank: int, paged: bool, label: str | None = None) -> str:
-    """A link to a passage in the document view (label: "p. N", or "passage N" where the document has no pages).
+def source_link(passage, rank: int, paged: bool, label: str | None = None, pdf: str | None = None) -> str:
+    """A link to a passage in the document view (label: "p. N", or "passage N" where the document has no pages),
+    followed by a link to its page in the document's PDF (`pdf_link`) where `pdf` gives the PDF's address.
 
     Its href is the passage's page marker (`page_anchor`; its place, `passage_anchor`, where there are no pages);
     its data-target is the passage's place, where the app's click handler (app.views.GOTO_JS) scrolls to."""
     href = page_anchor(passage.page) if paged else passage_anchor(rank)
     label = label or (f"p. {passage.page}" if paged else f"passage {rank}")
-    return (f'<a class="sq-goto" href="#{href}" data-target="{passage_anchor(rank)}" '
-            f'title="show it in the whole document, retrieved tokens highlighted">{esc(label)}</a>')
+    link = (f'<a class="sq-goto" href="#{href}" data-target="{passage_anchor(rank)}" '
+            f'title="show it in the whole document, the passage highlighted">{esc(label)}</a>')
+    return f"{link} · {pdf_link(pdf, passage.page)}" if pdf and paged else link
 
 
-def passages_html(text: str, passages: Sequence, context_chars: int = 80, paged: bool = True) -> str:
+PDF_ROUTE = "gradio_api/file="  # Gradio's file route, relative to the app's address
+
+
+def pdf_url(path: str | Path) -> str:
+    """The address the app serves a document's kept PDF at: Gradio's file route for the file's path, allowed for
+    the folder of kept PDFs only (app.demo.launch_kwargs)."""
+    return PDF_ROUTE + quote(str(path))
+
+
+def pdf_link(pdf: str, page: int) -> str:
+    """A link that opens the PDF at `pdf` (`pdf_url`) at page `page` in a new tab."""
+    return (f'<a class="sq-pdf" href="{esc(pdf)}#page={page}" target="_blank" rel="noopener" '
+            f'title="open the PDF at page {page} in a new tab">PDF p. {page}</a>')
+
+
+def passages_html(text: str, passages: Sequence, context_chars: int = 80, paged: bool = True,
+                  pdf: str | None = None) -> str:
     """(b) The passages whose tokens the lookup retrieved, best first, each with its page number linking to that page
-    in the document view (`document_html`), or to the passage's place there when the document has no pages."""
+    in the document view (`document_html`), or to the passage's place there when the document has no pages, and to
+    that page of the document's PDF where `pdf` gives its address (`pdf_url`)."""
     if not passages:
         return '<div class="sq-passages sq-empty">No clusters retrieved (full attention reads every key).</div>'
     items = []
@@ -339,16 +362,18 @@ def passages_html(text: str, passages: Sequence, context_chars: int = 80, paged:
         a = max(0, p.start - context_chars)
         b = min(len(text), p.end + context_chars)
         body = ("…" if a > 0 else "") + _marked(text, a, b, p.marks) + ("…" if b < len(text) else "")
-        link = source_link(p, rank, paged, label=f"p. {p.page}")
+        link = source_link(p, rank, paged, label=f"p. {p.page}", pdf=pdf)
         items.append(f'<li class="sq-passage" data-page="{p.page}"><span class="sq-page">{link}</span>'
                      f'<span class="sq-text">{body}</span></li>')
     return '<ol class="sq-passages" id="sq-passages">' + "".join(items) + "</ol>"
 
 
-def cited_answer_html(answer: str, citations: Sequence, passages: Sequence, paged: bool) -> str:
+def cited_answer_html(answer: str, citations: Sequence, passages: Sequence, paged: bool,
+                      pdf: str | None = None) -> str:
     """The answer with a citation after each sentence that a retrieved passage supports (app.citations.cite): a
     superscript link per source, "[p. 3]" to the page in the document view, or "[passage 2]" to the passage's place
-    where the document has no pages. The answer's text is shown as it is (escaped); unsupported sentences cite
+    where the document has no pages; with "PDF p. 3" beside it, to that page of the document's PDF, where `pdf`
+    gives its address (`pdf_url`). The answer's text is shown as it is (escaped); unsupported sentences cite
     nothing."""
     if not answer.strip():
         return ""
@@ -357,7 +382,7 @@ def cited_answer_html(answer: str, citations: Sequence, passages: Sequence, page
         out.append(esc(answer[pos:c.end]))
         pos = c.end
         if c.sources:
-            links = ", ".join(source_link(passages[i], i + 1, paged) for i in c.sources)
+            links = ", ".join(source_link(passages[i], i + 1, paged, pdf=pdf) for i in c.sources)
             out.append(f'<sup class="sq-cite">[{links}]</sup>')
     out.append(esc(answer[pos:]))
     cited = sum(1 for c in citations if c.sources)
@@ -373,19 +398,24 @@ def cited_answer_html(answer: str, citations: Sequence, passages: Sequence, page
 
 def document_html(text: str, marks: Sequence[tuple[int, int, float]], page_starts: Sequence[int],
                   tail_start: int | None = None, passages: Sequence = ()) -> str:
-    """The whole document with the retrieved tokens highlighted and a marker where each page starts.
+    """The whole document with the retrieved tokens highlighted, a marker where each page starts, and each of
+    `passages` held in a highlight of its own.
 
     Every page has an anchor (`page_anchor`: its marker, or an empty one for a page without text or a document of
-    one page), and each of `passages` one where it starts (`passage_anchor`, by its rank), for the links of
-    `passages_html` and `cited_answer_html`.
+    one page). Each passage's text is wrapped in `<mark class="sq-cited" data-passage="sq-passage-N">` pieces (one
+    per stretch between page markers), the first of which carries its anchor (`passage_anchor`, by its rank): the
+    target of the links of `passages_html` and `cited_answer_html`, highlighted when followed (`:target`, or the
+    app's click handler, which marks every piece). A passage without text keeps an empty anchor where it starts.
     tail_start: character where the dense tail begins (always attended; shown underlined)."""
     paged = is_paged(page_starts)
-    at = {}  # character -> the passages' ranks that start there
-    for rank, p in enumerate(passages, 1):
-        at.setdefault(min(max(0, p.start), len(text)), []).append(rank)
-    cuts = sorted({0, *page_starts, *at} | ({tail_start} if tail_start is not None else set()))
+    spans = [(rank, min(max(0, p.start), len(text)), min(max(0, p.end), len(text)))
+             for rank, p in enumerate(passages, 1)]
+    bounds_at = {s for _, s, _ in spans} | {e for _, _, e in spans}
+    cuts = sorted({0, *page_starts, *bounds_at} | ({tail_start} if tail_start is not None else set()))
+    cuts = [c for c in cuts if c <= len(text)]
     out = ['<div class="sq-doc" id="sq-doc">']
     bounds = cuts + [len(text)]
+    anchored: set[int] = set()  # passages whose anchor is placed
     mi = 0
     for i, start in enumerate(cuts):
         end = bounds[i + 1]
@@ -394,8 +424,11 @@ def document_html(text: str, marks: Sequence[tuple[int, int, float]], page_start
             out.append(f'<span class="sq-anchor" id="{page_anchor(page)}"></span>')
         if paged and pages:
             out.append(f'<div class="sq-pagebreak" id="{page_anchor(pages[-1])}">page {pages[-1]}</div>')
-        out.extend(f'<span class="sq-anchor" id="{passage_anchor(rank)}"></span>' for rank in at.get(start, ()))
-        if start == len(text):
+        for rank, s, e in spans:  # passages without text: an empty anchor where they start
+            if s == e == start and rank not in anchored:
+                anchored.add(rank)
+                out.append(f'<span class="sq-anchor" id="{passage_anchor(rank)}"></span>')
+        if start == end:
             continue
         while mi < len(marks) and marks[mi][1] <= start:
             mi += 1
@@ -403,7 +436,16 @@ def document_html(text: str, marks: Sequence[tuple[int, int, float]], page_start
         chunk = _marked(text, start, end, inner)
         if tail_start is not None and start >= tail_start:
             chunk = f'<span class="sq-tail" title="dense tail: always attended">{chunk}</span>'
+        for rank, s, e in reversed(spans):  # the passages over this stretch, the best outermost
+            if s <= start and end <= e:
+                anchor = passage_anchor(rank)
+                ident = "" if rank in anchored else f' id="{anchor}"'  # the first piece holds the anchor
+                anchored.add(rank)
+                chunk = f'<mark class="sq-cited"{ident} data-passage="{anchor}">{chunk}</mark>'
         out.append(chunk)
+    for rank, _, _ in spans:  # (a passage past the text's end)
+        if rank not in anchored:
+            out.append(f'<span class="sq-anchor" id="{passage_anchor(rank)}"></span>')
     out.append("</div>")
     return "".join(out)
 

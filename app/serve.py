@@ -50,6 +50,7 @@ def serve(host: str = "127.0.0.1", port: int = 7860, model: str | None = None, c
     demo = build_demo(engine, engine.store, config=config)
     print(f"squeeze-chat: model {engine.model_id}, cache {engine.store.root}", flush=True)
     try:
-        demo.launch(server_name=host, server_port=port, show_error=True, auth=auth or None, **launch_kwargs(config))
+        demo.launch(server_name=host, server_port=port, show_error=True, auth=auth or None,
+                    **launch_kwargs(config, engine.store))
     finally:
         demo.services.worker.close()

@@ -20,8 +20,10 @@ TOP_PASSAGES = 5
 ALL = "all"
 DOCUMENT_BOX = "sq-document-box"  # the accordion that holds the whole document
 # A click on a link to a passage (render.source_link) opens the whole document's accordion when it is closed,
-# scrolls the document to the passage's place and marks it there. Runs once per component (Gradio's
-# js_on_load, with `element` the component's node); the links are plain anchors without it.
+# scrolls the document to the passage's place, flashes it and keeps every piece of its text highlighted
+# (sq-current, until another passage is followed). Runs once per component (Gradio's js_on_load, with `element`
+# the component's node); the links are plain anchors without it (the passage's first piece is their :target).
+# A link that opens the PDF (render.pdf_link) is left to the browser.
 GOTO_JS = """
 if (element.dataset.sqGoto) return;
 element.dataset.sqGoto = "1";
@@ -35,6 +37,8 @@ element.addEventListener("click", (event) => {
     if (target && target.offsetParent !== null) {
       target.scrollIntoView({block: "center"});
       document.querySelectorAll(".sq-flash").forEach((e) => e.classList.remove("sq-flash"));
+      document.querySelectorAll(".sq-current").forEach((e) => e.classList.remove("sq-current"));
+      document.querySelectorAll(`[data-passage="${id}"]`).forEach((e) => e.classList.add("sq-current"));
       void target.offsetWidth;
       target.classList.add("sq-flash");
       return;
@@ -77,8 +81,8 @@ class TurnViews:
         self.clusters = gr.Dataframe(headers=CLUSTER_HEADERS, value=[], interactive=False, wrap=True, max_height=260,
                                      elem_id="sq-view-clusters")
         gr.Markdown("**The answer with its sources**: after each sentence, the page of the retrieved passage that "
-                    "best supports it (its words and how strongly attention retrieved it); a click shows that page in "
-                    "the whole document below")
+                    "best supports it (its words and how strongly attention retrieved it); a click shows the passage "
+                    "highlighted in the whole document below, and \"PDF p. N\" opens an uploaded PDF at that page")
         self.answer = gr.HTML("", elem_id="sq-view-answer", js_on_load=GOTO_JS)
         self.passages = gr.HTML("", elem_id="sq-view-passages", js_on_load=GOTO_JS)
         with gr.Accordion("Whole document, retrieved tokens highlighted", open=False, elem_id=DOCUMENT_BOX):
@@ -130,6 +134,7 @@ class TurnViews:
         heads = list(range(data.kv_heads))
         kv_head = kv_head if kv_head in heads else 0
         doc, paged = data.doc, render.is_paged(data.doc.page_starts)
+        pdf = self.pdf_address(doc.doc_id) if paged else None
         shown = [] if report.get("error") else passages
         answer = turn.get("answer") or ""
         return [
@@ -138,13 +143,21 @@ class TurnViews:
             render.compare_html(stats.get("compare")),
             self._cluster_rows(ctx, report),
             render.notice_html(f"The retrieved passages could not be worked out: {report['error']}", "error")
-            if report.get("error") else render.passages_html(doc.text, passages, paged=paged),
+            if report.get("error") else render.passages_html(doc.text, passages, paged=paged, pdf=pdf),
             render.document_html(doc.text, inspector.marks(ctx, weights), doc.page_starts, tail_start, shown),
             gr.update(choices=[(f"layer {i}", i) for i in layers], value=layer),
             gr.update(choices=[(f"KV head {h}", h) for h in heads], value=kv_head),
             self.projection_view(ctx, report, layer, kv_head),
-            render.cited_answer_html(answer, cite(doc.text, doc.page_starts, shown, answer), shown, paged),
+            render.cited_answer_html(answer, cite(doc.text, doc.page_starts, shown, answer), shown, paged, pdf=pdf),
         ]
+
+    def pdf_address(self, doc_id: str) -> str | None:
+        """Where the app serves the document's original PDF (render.pdf_url), or None where it was not kept."""
+        try:
+            path = self.services.store.documents.source_file(doc_id)
+        except StorageError:
+            return None
+        return render.pdf_url(path) if path is not None else None
 
     def projection_view(self, ctx: str, report: dict, layer: int | None, kv_head: int):
         """(d) The projection figure of one layer and KV head, or a figure saying why there is none."""

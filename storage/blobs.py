@@ -1,10 +1,12 @@
-"""Tensors on disk: safetensors files written atomically and read back verified.
+"""Blobs on disk: files written atomically and read back verified.
 
-A blob is one ``.safetensors`` file (never pickle).  :func:`write_tensors`
-writes a temporary file in the target directory, fsyncs it, then
-``os.replace``s it into place, so a reader sees either the old file or the
-complete new one, never a torn write.  It returns the sha256 of the bytes on
-disk; :func:`read_tensors` refuses a file whose sha256 differs.
+A blob is one ``.safetensors`` file of tensors (never pickle), or a file of raw
+bytes (an uploaded document's original file).  :func:`write_tensors` and
+:func:`write_bytes` write a temporary file in the target directory, fsync it,
+then ``os.replace`` it into place, so a reader sees either the old file or the
+complete new one, never a torn write.  They return the sha256 of the bytes on
+disk; :func:`read_tensors` and :func:`read_bytes` refuse a file whose sha256
+differs.
 
 An *artifact* is one named tensor in its own blob, indexed by a row with its
 path, sha256, shape, dtype and size (a context's, or a model's).  The helpers
@@ -20,7 +22,7 @@ import os
 import re
 import secrets
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
@@ -60,15 +62,24 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor]) -> BlobInf
     Tensors are detached, moved to CPU and made contiguous first; tensors that
     share storage with an earlier one are cloned (safetensors refuses aliases).
     """
-    path = Path(path)
+    from safetensors.torch import save_file  # noqa: PLC0415
+
+    return _write_atomic(Path(path), lambda tmp: save_file(_prepare(tensors), tmp))
+
+
+def write_bytes(path: str | Path, data: bytes) -> BlobInfo:
+    """Atomically write ``data`` to ``path``; returns its :class:`BlobInfo`."""
+    return _write_atomic(Path(path), lambda tmp: tmp.write_bytes(data))
+
+
+def _write_atomic(path: Path, write: Callable[[Path], object]) -> BlobInfo:
+    """``write`` a temporary file beside ``path``, fsync it, then move it into place (see the module docstring)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     os.close(fd)
     tmp = Path(tmp_name)
     try:
-        from safetensors.torch import save_file  # noqa: PLC0415
-
-        save_file(_prepare(tensors), tmp)
+        write(tmp)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         info = BlobInfo(sha256=file_sha256(tmp), nbytes=tmp.stat().st_size)
@@ -98,6 +109,23 @@ def read_tensors(
     from safetensors.torch import load_file  # noqa: PLC0415
 
     return load_file(path, device=str(device))
+
+
+def read_bytes(path: str | Path, expected_sha256: str) -> bytes:
+    """The bytes of a file whose sha256 is ``expected_sha256``.
+
+    Raises :class:`MissingArtifactError` if the file is absent and
+    :class:`DamagedArtifactError` if its bytes are not the expected ones.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise MissingArtifactError(path) from None
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected_sha256:
+        raise DamagedArtifactError(path, expected_sha256, actual)
+    return data
 
 
 # ---------------------------------------------------------------------- artifacts

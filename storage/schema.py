@@ -223,8 +223,15 @@ def _v8(db: sqlite_utils.Database) -> None:
         db.execute("DELETE FROM contexts WHERE doc_id = ?", [row["id"]])  # cascades to artifacts and builds
 
 
+# 9: an uploaded PDF keeps its original file (a blob under blobs/documents/, whose sha256 is the document's), so the
+# app can open it at a cited page; NULL: its bytes were not kept (a text file, or a document stored without them).
+_V9 = """
+ALTER TABLE documents ADD COLUMN source_path TEXT;     -- relative to the store root, POSIX separators
+ALTER TABLE documents ADD COLUMN source_nbytes INTEGER;  -- size of that file
+"""
+
 Migration = str | Callable[[sqlite_utils.Database], None]  # SQL statements, or a step over the rows
 
 MIGRATIONS: tuple[tuple[int, Migration], ...] = ((1, _V1), (2, _V2), (3, _V3), (4, _V4), (5, _V5), (6, _V6),
-                                                 (7, _V7), (8, _v8))
+                                                 (7, _V7), (8, _v8), (9, _V9))
 SCHEMA_VERSION = MIGRATIONS[-1][0]

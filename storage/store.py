@@ -5,6 +5,7 @@ Layout of ``Store(root)``::
     root/index.db                                        documents, contexts, artifacts, builds, jobs, chats, evals
     root/blobs/<context_id>/<name>.<hex>.safetensors       a context's artifacts, one tensor per file
     root/blobs/models/<16 hex>/<name>.<hex>.safetensors    artifacts learned once per model and method
+    root/blobs/documents/<doc_id>.<hex>.pdf                an uploaded PDF's original file
 
 :class:`Store` owns the connection machinery (:class:`storage.database.Database`:
 the one writer, readers per thread, migrations) and one repository per concept
@@ -100,7 +101,8 @@ class Store:
         return self.database.schema_version()
 
     def remove_orphan_files(self, min_age_s: float = 0.0) -> int:
-        """Delete blob files that no artifact row (of a context or a model) points to; returns how many.
+        """Delete blob files that no row (an artifact's, of a context or a model, or a document's kept original
+        file) points to; returns how many.
 
         Such files are left by a crash between writing a file and indexing it
         (or by a failed temporary write).  A file being saved has no row yet:
@@ -110,5 +112,5 @@ class Store:
         """
         if self.database.read_only:
             return 0
-        known = self.artifacts.paths() | self.models.paths()
+        known = self.artifacts.paths() | self.models.paths() | self.documents.source_paths()
         return self.database.remove_unknown_files(known, min_age_s)

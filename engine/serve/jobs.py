@@ -33,6 +33,7 @@ from engine.serve.service import DEFAULT_METHODS, Engine, Overrides
 from engine.text.prompt import DocumentTooLongError
 from storage import INTERRUPTED, DocumentError, load_document_bytes
 from storage.documents import DOC_ID_CHARS, safe_name
+from storage.repositories.documents import SOURCE_KINDS
 
 LOADING = "loading model"
 CANCELLED = "cancelled by the user"
@@ -507,7 +508,8 @@ class IngestWorker:
             try:
                 doc = (load_document_bytes(data, job["name"]) if data is not None
                        else self.store.documents.get(job["doc_id"]))
-                doc_id, created = self.store.documents.add(doc)
+                kept = data if data is not None and doc.kind in SOURCE_KINDS else None  # a PDF's file, to open
+                doc_id, created = self.store.documents.add(doc, source=kept)
             except DocumentError:
                 self._unspool(job["doc_id"])  # refused: nothing to resume
                 raise

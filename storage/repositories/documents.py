@@ -1,25 +1,36 @@
 """Documents in the index (``store.documents``): the extracted text with its pages, keyed by the file's sha256.
 
 Document text is kept in the ``documents.text`` column (it is small next to the
-KV tensors, and this keeps a document and its text in one transaction).
+KV tensors, and this keeps a document and its text in one transaction).  A PDF
+may keep its original file too, as a blob whose sha256 is the document's::
+
+    root/blobs/documents/<doc_id>.<hex>.pdf
+
+That folder holds nothing else (the app serves its files: :attr:`Documents.source_dir`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
+import secrets
 import shutil
 import time
 from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import sqlite_utils
 
-from ..database import Database, first, now, require
+from ..blobs import FILE_TOKEN_BYTES, read_bytes, write_bytes
+from ..database import BLOB_DIR, Database, first, now, require
 from ..documents import Document
 from ..errors import AmbiguousIdError, NotFoundError, StorageError
 
 _HEX = re.compile(r"[0-9a-f]+")
+SOURCE_DIR = "documents"  # under blobs/: the original files kept, PDFs only
+SOURCE_KINDS = ("pdf",)  # the kinds whose original file is kept
 
 _SUMMARY_SQL = """
 WITH best AS (
@@ -43,40 +54,106 @@ class Documents:
     def __init__(self, database: Database) -> None:
         self.database = database
 
-    def add(self, doc: Document) -> tuple[str, bool]:
+    def add(self, doc: Document, source: bytes | None = None) -> tuple[str, bool]:
         """Index ``doc``; returns ``(doc_id, created)``.
 
         The id comes from the file's sha256, so adding the same bytes again is a
         hit: nothing changes (not even the name) and ``created`` is False; a
         document deleted within its undo window (:meth:`hide`) is back.
+        source: the file's original bytes, kept for a PDF (:meth:`source`; a hit
+        keeps them when they were not kept yet); ``ValueError`` for another kind,
+        or bytes whose sha256 is not the document's.
         """
         doc_id = doc.doc_id
-        with self.database.reading() as db:  # a hit writes nothing (a read-only cache answers it too)
+        if source is not None:
+            if doc.kind not in SOURCE_KINDS:
+                raise ValueError(f"only the original file of a {' or '.join(SOURCE_KINDS)} is kept, not a {doc.kind}'s")
+            if hashlib.sha256(source).hexdigest() != doc.sha256:
+                raise ValueError(f"{doc.name}: the bytes given are not the document's (sha256 differs)")
+        with self.database.reading() as db:  # a hit with nothing to add writes nothing (a read-only cache answers it)
             existing = first(db, "SELECT * FROM documents WHERE id = ?", [doc_id])
-        if existing is not None and existing["sha256"] == doc.sha256 and existing.get("deleted_at") is None:
+        if (existing is not None and existing["sha256"] == doc.sha256 and existing.get("deleted_at") is None
+                and (source is None or existing.get("source_path") is not None or self.database.read_only)):
             return doc_id, False
-        with self.database.transaction() as db:
-            existing = first(db, "SELECT * FROM documents WHERE id = ?", [doc_id])
-            if existing is not None:
-                if existing["sha256"] != doc.sha256:
-                    raise StorageError(f"document id {doc_id} collides with a different file")
-                if existing.get("deleted_at") is not None:
-                    db.execute("UPDATE documents SET deleted_at = NULL WHERE id = ?", [doc_id])
-                return doc_id, False
-            db.table("documents").insert(
-                {
-                    "id": doc_id,
-                    "sha256": doc.sha256,
-                    "name": doc.name,
-                    "kind": doc.kind,
-                    "pages": doc.pages,
-                    "chars": len(doc.text),
-                    "page_starts": json.dumps(list(doc.page_starts)),
-                    "text": doc.text,
-                    "added_at": now(),
-                }
-            )
-        return doc_id, True
+        written = None  # the file written for this call, until a row names it
+        if source is not None and not self.database.read_only and self._source_row(doc_id) is None:
+            written = PurePosixPath(BLOB_DIR, SOURCE_DIR, f"{doc_id}.{secrets.token_hex(FILE_TOKEN_BYTES)}.pdf")
+            write_bytes(self.database.root / written, source)  # file first, row second
+        kept = {"source_path": written.as_posix(), "source_nbytes": len(source)} if written else {}
+        try:
+            with self.database.transaction() as db:
+                existing = first(db, "SELECT * FROM documents WHERE id = ?", [doc_id])
+                if existing is not None:
+                    if existing["sha256"] != doc.sha256:
+                        raise StorageError(f"document id {doc_id} collides with a different file")
+                    if existing.get("deleted_at") is not None:
+                        db.execute("UPDATE documents SET deleted_at = NULL WHERE id = ?", [doc_id])
+                    if kept and existing["source_path"] is None:
+                        db.execute("UPDATE documents SET source_path = ?, source_nbytes = ? WHERE id = ?",
+                                   [kept["source_path"], kept["source_nbytes"], doc_id])
+                        written = None
+                    return doc_id, False
+                db.table("documents").insert(
+                    {
+                        "id": doc_id,
+                        "sha256": doc.sha256,
+                        "name": doc.name,
+                        "kind": doc.kind,
+                        "pages": doc.pages,
+                        "chars": len(doc.text),
+                        "page_starts": json.dumps(list(doc.page_starts)),
+                        "text": doc.text,
+                        "added_at": now(),
+                        **kept,
+                    }
+                )
+                written = None
+            return doc_id, True
+        finally:
+            if written is not None:  # no row names it (another add kept its own first, or the add failed)
+                self.database.unlink([written.as_posix()])
+
+    def _source_row(self, doc_id: str) -> dict[str, Any] | None:
+        """The kept file's columns of a document (source_path, source_nbytes, sha256), or None where none is kept."""
+        with self.database.reading() as db:
+            row = first(db, "SELECT source_path, source_nbytes, sha256, deleted_at FROM documents WHERE id = ?",
+                        [doc_id])
+        return row if row is not None and row["source_path"] is not None else None
+
+    @property
+    def source_dir(self) -> Path:
+        """The folder of the kept original files (PDFs only, named ``<doc_id>.<hex>.pdf``)."""
+        return self.database.blob_dir / SOURCE_DIR
+
+    def source(self, doc_id: str) -> bytes | None:
+        """The original file of a document, checked against its sha256; None where it was not kept (a text file,
+        or a document stored without it). Raises :class:`NotFoundError` for no such document, and
+        :class:`~storage.errors.MissingArtifactError` / :class:`~storage.errors.DamagedArtifactError` for a kept
+        file that is gone or whose bytes differ."""
+        with self.database.reading() as db:
+            row = require(db, "documents", doc_id, "document")
+        if row["source_path"] is None:
+            return None
+        return read_bytes(self.database.root / row["source_path"], row["sha256"])
+
+    def source_file(self, doc_id: str) -> Path | None:
+        """Where a library document's original file lies, when it was kept and is on disk at its recorded size (a
+        quick check, no hashing: :meth:`source` reads it verified); None otherwise, and for a document that is
+        hidden or gone."""
+        row = self._source_row(doc_id)
+        if row is None or row["deleted_at"] is not None:
+            return None
+        path = self.database.root / row["source_path"]
+        try:
+            return path if path.stat().st_size == row["source_nbytes"] else None
+        except FileNotFoundError:
+            return None
+
+    def source_paths(self) -> set[str]:
+        """The root-relative paths of every kept original file (for the orphan sweep)."""
+        with self.database.reading() as db:
+            return {r["source_path"] for r in db.query("SELECT source_path FROM documents"
+                                                       " WHERE source_path IS NOT NULL")}
 
     def get(self, doc_id: str) -> Document:
         """Rebuild the :class:`Document` stored under ``doc_id``."""
@@ -152,10 +229,11 @@ class Documents:
             return [r["id"] for r in rows]
 
     def delete(self, doc_id: str, *, jobs: bool = True) -> None:
-        """Delete a document with its contexts, artifacts, method builds, jobs and chats, then its blob files.
+        """Delete a document with its contexts, artifacts, method builds, jobs and chats, then its blob files (its
+        kept original file among them).
         jobs=False keeps its jobs (without their context): a failed preparation's job still tells why."""
         with self.database.transaction() as db:
-            require(db, "documents", doc_id, "document")
+            source = require(db, "documents", doc_id, "document")["source_path"]
             context_ids = [r["id"] for r in db.query("SELECT id FROM contexts WHERE doc_id = ?", [doc_id])]
             paths = [
                 r["path"]
@@ -171,7 +249,7 @@ class Documents:
                 db.execute("UPDATE jobs SET context_id = NULL WHERE doc_id = ?", [doc_id])
             db.execute("DELETE FROM documents WHERE id = ?", [doc_id])  # cascades to the rest
         # Rows first, files second: a crash in between leaves orphan files, never dangling rows.
-        self.database.unlink(paths)
+        self.database.unlink(paths + ([source] if source else []))
         for context_id in context_ids:
             shutil.rmtree(self.database.blob_dir / context_id, ignore_errors=True)
 

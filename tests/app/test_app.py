@@ -10,8 +10,10 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote, unquote
 
 import gradio.utils
+import httpx
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.exceptions import AppError
@@ -24,6 +26,7 @@ from engine.serve.service import Engine
 from engine.serve.turns import EMPTY_ANSWER, Turns, same_answer
 from engine.text.prompt import ANSWER_RESERVE, Exchange
 from storage import NotFoundError
+from tests.support.pdfs import make_text_pdf
 from tests.support.serving import serve_locally
 from tests.support.tiny_models import QUICK_TRAINING
 
@@ -67,7 +70,7 @@ class RunningApp:
 def launch(engine: Engine, worker: IngestWorker | None = None, **config) -> RunningApp:
     cfg = AppConfig(max_upload_mb=UPLOAD_MB, poll_s=0.5, max_new_tokens=16, **config)
     demo = build_demo(engine, engine.store, worker=worker or IngestWorker(engine), config=cfg)
-    return RunningApp(serve_locally(demo, **launch_kwargs(cfg)), demo, engine)
+    return RunningApp(serve_locally(demo, **launch_kwargs(cfg, engine.store)), demo, engine)
 
 
 @pytest.fixture(scope="module")
@@ -494,6 +497,40 @@ def test_delete_asks_first_can_be_undone_then_removes_everything(app, tmp_path):
     assert app.store.chats.list(doc_id) == []
     notice, *_ = client.predict(api_name="/undo")
     assert "Too late: that document is deleted for good." in notice
+
+
+def test_an_uploaded_pdf_links_each_page_to_itself_served_by_the_app(app, ready_doc, tmp_path):
+    """A PDF's passages link to their pages of the uploaded file, which the app serves (that file only, and only
+    while the document exists); a text file's passages have no such link."""
+    client = app.client()
+    data = make_text_pdf([DOC[:500], DOC[500:1000]])
+    upload(client, write(tmp_path / "light.pdf", data))
+    assert app.worker.wait_idle(WAIT_S)
+    doc_id = app.store.documents.find("light.pdf")["id"]
+    open_doc(client, doc_id)
+    out, _ = ask(client, "What is the secret passkey?")
+    items = re.findall(r'<li class="sq-passage" data-page="(\d+)">(.*?)</li>', out["passages"], re.S)
+    assert items
+    path = app.store.documents.source_file(doc_id)
+    for page, item in items:
+        link = re.search(r'<a class="sq-pdf" href="([^"#]+)#page=(\d+)" target="_blank"[^>]*>PDF p\. (\d+)</a>', item)
+        assert link and link.group(2) == link.group(3) == page, item
+        assert unquote(link.group(1)) == f"gradio_api/file={path}"
+    pdf_url = app.url + next(re.finditer(r'class="sq-pdf" href="([^"#]+)#', out["passages"])).group(1)
+    served = httpx.get(pdf_url, timeout=30)
+    assert served.status_code == 200 and served.headers["content-type"] == "application/pdf"
+    assert served.content == data
+    for other in (app.store.index_path, app.store.root / app.store.artifacts.list(
+            app.store.contexts.list(doc_id)[0]["id"])[0]["path"]):  # the rest of the cache stays out of reach
+        assert httpx.get(f"{app.url}gradio_api/file={quote(str(other))}", timeout=30).status_code == 403
+
+    open_doc(client, ready_doc)
+    text_out, _ = ask(client, "What is the secret passkey?")
+    assert "sq-passage" in text_out["passages"] and "sq-pdf" not in text_out["passages"] + text_out["answer"]
+
+    client.predict(doc_id, api_name="/delete")
+    assert app.engine.delete_hidden(0.0) == [doc_id]
+    assert not path.exists() and httpx.get(pdf_url, timeout=30).status_code == 403  # gone with its document
 
 
 def test_a_refusal_is_told_beside_the_chat_not_in_it(app, ready_doc):

@@ -1,6 +1,6 @@
 """In a real browser (Debian's chromium driven by Playwright), without a model: the views beside the chat (app.views)
 filled with a three-page document, its passages and a cited answer. A click on a citation or on a passage's page
-opens the closed "Whole document" accordion and scrolls the document to that page, or to the passage's place."""
+opens the closed "Whole document" accordion, scrolls the document to the passage and keeps its text highlighted."""
 
 from __future__ import annotations
 
@@ -73,7 +73,20 @@ def in_view(page, selector: str) -> bool:
     }""", selector)
 
 
-def test_a_citation_opens_the_document_at_its_page_or_passage(served, page, tmp_path):
+def highlighted(page, anchor: str) -> bool:
+    """Whether every piece of a passage's text in the document view is drawn highlighted: marked as the followed
+    passage, with a visible outline and background."""
+    return page.evaluate("""(anchor) => {
+        const pieces = [...document.querySelectorAll(`#sq-view-document [data-passage="${anchor}"]`)];
+        return pieces.length > 0 && pieces.every((el) => {
+            const style = getComputedStyle(el);
+            return el.classList.contains("sq-current") && style.outlineStyle !== "none"
+                && style.backgroundColor !== "rgba(0, 0, 0, 0)";
+        });
+    }""", anchor)
+
+
+def test_a_citation_opens_the_document_at_its_passage_highlighted(served, page, tmp_path):
     from playwright.sync_api import expect
 
     url, paged = served
@@ -89,13 +102,16 @@ def test_a_citation_opens_the_document_at_its_page_or_passage(served, page, tmp_
     cites.first.click()
     expect(document).to_be_visible()
     expect(page.locator(f"#{first}")).to_have_class(re.compile("sq-flash"))
+    expect(page.locator(f"#{first}")).to_have_text("The secret passkey is 48213")  # the passage's own text
     page.wait_for_timeout(300)
     assert in_view(page, f"#{first}"), "the cited passage is not shown"
+    assert highlighted(page, first), "the cited passage is not highlighted"
     page.screenshot(path=tmp_path / "cited.png")
     print(f"screenshot: {tmp_path / 'cited.png'}")
     # the passages' links go to the same anchors; the accordion stays open
     page.locator("#sq-view-passages a.sq-goto").nth(1).click()
     expect(page.locator(f"#{second}")).to_have_class(re.compile("sq-flash"))
-    page.wait_for_timeout(300)
+    page.wait_for_timeout(2500)  # the flash is over: the highlight stays
     assert in_view(page, f"#{second}")
+    assert highlighted(page, second) and not highlighted(page, first)  # only the passage followed last
     expect(page.locator(f"#{DOCUMENT_BOX} .label-wrap")).to_have_class(re.compile("open"))

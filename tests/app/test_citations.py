@@ -4,6 +4,8 @@ views link every citation and passage to an anchor of the whole document's view 
 from __future__ import annotations
 
 import re
+from html import unescape
+from html.parser import HTMLParser
 
 import pytest
 
@@ -145,7 +147,7 @@ def test_a_document_without_pages_cites_the_passages_place():
     assert "sq-pagebreak" not in document and {"sq-page-1", "sq-passage-1", "sq-passage-2"} <= set(ids)
     assert ids_and_links(cited)[1] == ["sq-passage-2"] and ">passage 2</a>" in cited
     assert ids_and_links(listed)[1] == ["sq-passage-1", "sq-passage-2"] and ">p. 1</a>" in listed
-    assert '<span class="sq-anchor" id="sq-passage-2"></span>The secret passkey' in document  # where it starts
+    assert '<mark class="sq-cited" id="sq-passage-2" data-passage="sq-passage-2">The secret passkey' in document
 
 
 def test_pages_without_text_keep_an_anchor():
@@ -154,3 +156,78 @@ def test_pages_without_text_keep_an_anchor():
     ids, _ = ids_and_links(render.document_html(text, [], starts))
     assert ids[1:] == ["sq-page-1", "sq-page-2", "sq-page-3"]
     assert render.document_html(text, [], starts).count('class="sq-pagebreak"') == 2
+
+
+class Highlights(HTMLParser):
+    """The text inside each passage's highlight (`data-passage`) pieces of a document view, joined in order, and the
+    passage whose highlight carries each id."""
+
+    def __init__(self, html: str):
+        super().__init__(convert_charrefs=True)
+        self.text: dict[str, str] = {}
+        self.ids: dict[str, str] = {}
+        self.open: list[str | None] = []
+        self.feed(html)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "mark" and "data-passage" in attrs:
+            if "id" in attrs:
+                self.ids[attrs["id"]] = attrs["data-passage"]
+            self.text.setdefault(attrs["data-passage"], "")
+        self.open.append(attrs.get("data-passage") if tag == "mark" else None)
+
+    def handle_endtag(self, tag):
+        self.open.pop()
+
+    def handle_data(self, data):
+        for passage in {p for p in self.open if p}:
+            self.text[passage] += data
+
+
+def test_a_followed_link_lands_on_the_passage_text_held_in_its_highlight():
+    """The anchor each citation's and passage's link goes to is the highlight of that passage, whose pieces hold
+    exactly the passage's text, however it meets page breaks, retrieved tokens and the dense tail."""
+    across = TEXT.index("harbour board")  # page 1's end to page 2's start: a passage over the page break
+    found = [passage("The secret passkey is 48213", 3.0),
+             Passage(start=across, end=PAGE_STARTS[1] + len("Storms came"), page=1, score=2.0,
+                     marks=[(across, across + 7, 1.0)]),
+             passage("The keeper rang the bronze bell", 1.0)]
+    marks = sorted(m for p in found for m in p.marks)
+    answer = "The passkey is 48213. The keeper rang the bronze bell."
+    citations = cite(TEXT, PAGE_STARTS, found, answer)
+    cited = render.cited_answer_html(answer, citations, found, paged=True)
+    listed = render.passages_html(TEXT, found)
+    document = render.document_html(TEXT, marks, PAGE_STARTS, tail_start=TEXT.index("Visitors"), passages=found)
+    shown = Highlights(document)
+    assert targets(cited) == ["sq-passage-1", "sq-passage-3"]
+    assert targets(listed) == ["sq-passage-1", "sq-passage-2", "sq-passage-3"]
+    for rank, p in enumerate(found, 1):
+        anchor = render.passage_anchor(rank)
+        assert shown.ids[anchor] == anchor  # the link's target is the passage's highlight ...
+        assert shown.text[anchor] == TEXT[p.start:p.end]  # ... which holds the passage's text, nothing else
+    assert document.count(f'id="{render.passage_anchor(2)}"') == 1  # one anchor, though split by the page break
+    plain = re.sub(r'<div class="sq-pagebreak"[^>]*>page \d</div>|<[^>]+>', "", document)
+    assert unescape(plain) == TEXT  # the document's text, whole and in order
+
+
+def test_a_pdfs_citations_and_passages_link_to_their_pages_of_the_pdf(passages):
+    """Beside each "p. N" of a PDF, "PDF p. N" opens the kept file at page N in a new tab; a document without a
+    kept PDF (pdf=None), or without pages, gets no such link."""
+    pdf = render.pdf_url("/cache/blobs/documents/0123456789abcdef.a1b2c3.pdf")
+    assert pdf == "gradio_api/file=/cache/blobs/documents/0123456789abcdef.a1b2c3.pdf"
+    answer = "The passkey is 48213. The keeper rang the bronze bell every hour."
+    citations = cite(TEXT, PAGE_STARTS, passages, answer)
+    cited = render.cited_answer_html(answer, citations, passages, paged=True, pdf=pdf)
+    listed = render.passages_html(TEXT, passages, pdf=pdf)
+    opens = r'<a class="sq-pdf" href="([^"]+)#page=(\d+)" target="_blank" rel="noopener"[^>]*>PDF p\. (\d+)</a>'
+    for html, pages in ((cited, [p for c in citations for p in c.pages]), (listed, [p.page for p in passages])):
+        links = re.findall(opens, html)
+        assert [(href, int(at), int(shown)) for href, at, shown in links] == [(pdf, p, p) for p in pages]
+    assert [p.page for p in passages] == [2, 3, 1] and [p for c in citations for p in c.pages] == [3, 2]
+    assert re.search(r'>p\. 3</a> · <a class="sq-pdf" href="[^"]+#page=3"', cited)  # beside its page's link
+    for html in (render.cited_answer_html(answer, citations, passages, paged=True),
+                 render.passages_html(TEXT, passages),
+                 render.cited_answer_html(answer, citations, passages, paged=False, pdf=pdf),
+                 render.passages_html(TEXT, passages, paged=False, pdf=pdf)):
+        assert "sq-goto" in html and "sq-pdf" not in html and "PDF p." not in html

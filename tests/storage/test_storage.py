@@ -21,7 +21,7 @@ from storage import (
     salvage_index,
     write_tensors,
 )
-from storage.blobs import TEMP_SUFFIX
+from storage.blobs import TEMP_SUFFIX, read_bytes, write_bytes
 from storage.schema import MIGRATIONS, SCHEMA_VERSION
 from tests.support.pdfs import make_text_pdf
 
@@ -140,6 +140,64 @@ def test_find_document(store):
     with pytest.raises(NotFoundError):
         store.documents.get("0" * 16)
     assert {d["id"] for d in store.documents.list()} == {a, b, c}
+
+
+def test_a_pdf_keeps_its_original_file_checked_and_deleted_with_it(store):
+    data = make_text_pdf(["The secret passkey is 48213.", "The keeper rang the bell."])
+    pdf = load_document_bytes(data, "keeper.pdf")
+    doc_id, created = store.documents.add(pdf, source=data)
+    assert created and store.documents.source(doc_id) == data
+    path = store.documents.source_file(doc_id)
+    assert path.parent == store.documents.source_dir and path.suffix == ".pdf" and path.read_bytes() == data
+    assert store.remove_orphan_files() == 0 and path.exists()  # a kept file is no orphan
+    assert store.documents.add(pdf, source=data) == (doc_id, False)  # a hit: the one file stays
+    assert list(store.documents.source_dir.iterdir()) == [path]
+
+    text_id, _ = store.documents.add(make_doc("hello world"))  # a text file keeps no file
+    assert store.documents.source(text_id) is None and store.documents.source_file(text_id) is None
+    with pytest.raises(ValueError, match="only the original file of a pdf"):
+        store.documents.add(make_doc("other words"), source=b"other words")
+    with pytest.raises(ValueError, match="sha256 differs"):
+        store.documents.add(pdf, source=data + b"\n")
+    assert list(store.documents.source_dir.iterdir()) == [path]  # (nothing written for a refused add)
+
+    store.documents.hide(doc_id)  # out of the library: its file is not offered
+    assert store.documents.source_file(doc_id) is None
+    store.documents.unhide(doc_id)
+    path.write_bytes(data[:-1] + b"?")  # same size: only the sha256 tells
+    with pytest.raises(DamagedArtifactError):
+        store.documents.source(doc_id)
+    path.write_bytes(data[:-1])
+    assert store.documents.source_file(doc_id) is None  # another size: not offered
+    path.write_bytes(data)
+    store.documents.delete(doc_id)
+    assert not path.exists() and list(store.documents.source_dir.iterdir()) == []
+    with pytest.raises(NotFoundError):
+        store.documents.source(doc_id)
+
+
+def test_a_document_stored_without_its_file_keeps_it_when_added_again_with_it(store):
+    data = make_text_pdf(["Only page."])
+    pdf = load_document_bytes(data, "one.pdf")
+    doc_id, _ = store.documents.add(pdf)
+    assert store.documents.source(doc_id) is None
+    assert store.documents.add(pdf, source=data) == (doc_id, False)
+    assert store.documents.source(doc_id) == data and store.documents.source_file(doc_id).is_file()
+    path = store.documents.source_file(doc_id)
+    path.unlink()
+    with pytest.raises(MissingArtifactError):
+        store.documents.source(doc_id)
+    assert store.documents.source_file(doc_id) is None
+
+
+def test_bytes_blob_round_trip_and_damage(tmp_path):
+    info = write_bytes(tmp_path / "a" / "f.pdf", b"%PDF-1.4 body")
+    assert info.nbytes == 13 and read_bytes(tmp_path / "a" / "f.pdf", info.sha256) == b"%PDF-1.4 body"
+    assert temp_files(tmp_path) == []
+    with pytest.raises(DamagedArtifactError):
+        read_bytes(tmp_path / "a" / "f.pdf", "0" * 64)
+    with pytest.raises(MissingArtifactError):
+        read_bytes(tmp_path / "a" / "g.pdf", info.sha256)
 
 
 # --------------------------------------------------------------------------- contexts & artifacts
@@ -673,6 +731,29 @@ def test_a_version_7_index_leaves_page_furniture_out_of_its_pdfs(tmp_path, monke
         assert store.chats.get(chat_id)["context_id"] is None and store.jobs.get(job_id)["context_id"] is None
         assert [store.contexts.get(c)["id"] for c in kept] == kept
         assert path.exists() and store.remove_orphan_files() == 1 and not path.exists()
+
+
+def test_a_version_8_index_keeps_its_documents_without_their_files(tmp_path, monkeypatch):
+    """Documents stored before original files were kept have none (their views show no PDF link); an upload of
+    the same PDF again keeps its file."""
+    import storage.database
+
+    data = make_text_pdf(["The secret passkey is 48213."])
+    pdf = load_document_bytes(data, "keeper.pdf")
+    monkeypatch.setattr(storage.database, "MIGRATIONS", MIGRATIONS[:8])
+    monkeypatch.setattr(storage.database, "SCHEMA_VERSION", 8)
+    with Store(tmp_path) as old:
+        doc_id, _ = old.documents.add(pdf)
+        with old.transaction() as db:
+            assert "source_path" not in db.table("documents").columns_dict
+    monkeypatch.undo()
+    with Store(tmp_path) as store:
+        assert store.schema_version() == SCHEMA_VERSION == 9
+        assert store.documents.get(doc_id) == pdf
+        assert store.documents.source(doc_id) is None and store.documents.source_file(doc_id) is None
+        store.documents.add(pdf, source=data)
+    with Store(tmp_path) as store:  # kept on disk
+        assert store.documents.source(doc_id) == data
 
 
 def test_a_failed_migration_changes_nothing(tmp_path, monkeypatch):
