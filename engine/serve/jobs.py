@@ -20,6 +20,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import sqlite3
 import threading
 import time
 from collections import deque
@@ -560,10 +561,14 @@ def error_kind(exc: BaseException) -> str:
 
 
 def disk_full(exc: BaseException | None) -> bool:
-    """Whether an error is, or was caused by, a full disk (or quota)."""
+    """Whether an error is, or was caused by, a full disk (or quota): an OSError's ENOSPC / EDQUOT, or SQLite's
+    SQLITE_FULL (the index database met it first)."""
     seen = 0
     while exc is not None and seen < 8:
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if isinstance(exc, sqlite3.Error) and (getattr(exc, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL
+                                               or "database or disk is full" in str(exc)):
             return True
         exc, seen = exc.__cause__ or exc.__context__, seen + 1
     return False

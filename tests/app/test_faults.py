@@ -1,5 +1,5 @@
-"""Faults a server meets: the disk fills up during an ingest (a clear error, no half-written context, the cache still
-opens, the next ingest completes), a killed server (the upload it had queued is prepared by the next one), and
+"""Faults a server meets: the disk fills up during an ingest (a write made to fail, and a real filesystem too small
+for the cache: a clear error, no half-written context, the cache still opens, the next ingest completes), a killed server (the upload it had queued is prepared by the next one), and
 several users at once (four sessions on two documents through the app's API: the waiting ones told their place in
 the queue, each answer its own document's and chat's, nothing lost; eight sessions on four documents answered
 together, each as alone)."""
@@ -7,6 +7,7 @@ together, each as alone)."""
 from __future__ import annotations
 
 import errno
+import subprocess
 import threading
 import time
 
@@ -59,6 +60,52 @@ def test_a_full_disk_during_an_ingest_leaves_no_half_written_context(tiny_lm, tm
     assert report.context_id == ctx["id"] and again.store.contexts.get(ctx["id"])["status"] == "ready"
     assert again.ask(report.context_id, "When does the ferry leave?", "squeeze", 0.5, 4).stats.new_tokens >= 1
     again.store.close()
+
+
+def _mounted_tmpfs(path, size: int) -> bool:
+    """A tmpfs of `size` bytes at path (a directory made for it); False where this machine refuses the mount (it
+    needs root: CI and this project's machines run as root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True)
+    return done.returncode == 0
+
+
+def _used_bytes(root) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
+
+
+def test_a_real_filesystem_that_fills_during_an_ingest(tiny_lm, tmp_path):
+    """The cache on a small filesystem of its own (a tmpfs) with room for about half of what the document's
+    preparation writes: the ingest fails with the plain full-disk line, its context failed, no traceback; once the
+    filesystem has room again (remounted larger), the cache opens and the same ingest completes and answers."""
+    path = tmp_path / "ferry.txt"
+    path.write_text(DOC)
+    probe = Engine(tmp_path / "probe", lm=tiny_lm)
+    probe.ingest(path)
+    probe.store.close()
+    need = _used_bytes(tmp_path / "probe")
+    cache = tmp_path / "small"
+    if not _mounted_tmpfs(cache, need // 2):
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        engine = None
+        with pytest.raises(Exception) as failed:  # noqa: PT011 - whichever write meets the full disk first
+            engine = Engine(cache / "cache", lm=tiny_lm)
+            engine.ingest(path)
+        assert plain_error(failed.value) == "the disk is full: free some space, then prepare the document again"
+        if engine is not None:
+            doc = engine.store.documents.find("ferry.txt")
+            if doc is not None:
+                assert all(c["status"] == "failed" for c in engine.store.contexts.list(doc["id"]))
+            engine.store.close()
+        subprocess.run(["mount", "-o", f"remount,size={4 * need}", str(cache)], check=True)  # space freed
+        again = Engine(cache / "cache", lm=tiny_lm)  # the cache opens
+        report = again.ingest(path)
+        assert again.store.contexts.get(report.context_id)["status"] == "ready"
+        assert again.ask(report.context_id, "When does the ferry leave?", "squeeze", 0.5, 4).stats.new_tokens >= 1
+        again.store.close()
+    finally:
+        subprocess.run(["umount", "-l", str(cache)], capture_output=True)
 
 
 def test_four_sessions_on_two_documents_at_once(tiny_lm, tmp_path, monkeypatch):
