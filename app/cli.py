@@ -10,7 +10,7 @@ import sys
 import time
 from dataclasses import replace
 
-from app.method_flags import METHOD_SETTINGS, RANGES, Range
+from app.method_flags import METHOD_SETTINGS, RANGES, Range, unordered
 from engine.model.catalog import (
     DEFAULT_METHOD,
     DEFAULT_SPARSITY,
@@ -408,6 +408,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv[:1]) if argv[:1] == ["eval"] else parser.parse_args(argv)
     if argv[:1] == ["eval"]:
         args.rest = argv[1:]
+    wrong = unordered(_method_settings(args))
+    if wrong:
+        parser.error(wrong)
     try:
         return args.func(args)
     except KeyboardInterrupt:

@@ -1,8 +1,8 @@
 """Every registered method's settings, their defaults and the ranges of their numbers, as the command line's flags
 (`--{method}-{setting}`) see them: read here, with no method (and no torch) loaded, so that a flag of the wrong type,
 name or range is refused before anything heavy loads. tests/app/test_cli.py holds this table to the registry's
-settings, and each range to what the method's own settings refuse (a setting bound to another one, such as duo's
-train_min_tokens <= train_max_tokens, is checked there, once torch has loaded)."""
+settings, each range to what the method's own settings refuse, and each relation between two settings (ORDERED:
+duo's train_min_tokens <= train_max_tokens) to what they refuse too."""
 
 from __future__ import annotations
 
@@ -91,3 +91,21 @@ RANGES: dict[tuple[str, str], Range] = {
     ("saap", "train_kmeans_iters"): COUNT, ("saap", "train_steps"): COUNT, ("saap", "train_batch"): COUNT,
     ("saap", "train_lr"): RATE,
 }
+
+
+# (method, a, b): setting a may not exceed setting b (each at its default where not given)
+ORDERED: tuple[tuple[str, str, str], ...] = (("duo", "train_min_tokens", "train_max_tokens"),)
+
+
+def unordered(given: dict[str, dict]) -> str | None:
+    """What is wrong with the settings `given` (method -> {setting: value}) taken with the others' defaults: the
+    first ORDERED pair out of order, said in the flags' words; None where all are in order."""
+    for method, low, high in ORDERED:
+        mine = given.get(method, {})
+        if low not in mine and high not in mine:
+            continue
+        a, b = mine.get(low, METHOD_SETTINGS[method][low]), mine.get(high, METHOD_SETTINGS[method][high])
+        if a > b:
+            flag = lambda name: f"--{method}-{name.replace('_', '-')}"  # noqa: E731
+            return f"{flag(low)} ({a}) may not exceed {flag(high)} ({b})"
+    return None

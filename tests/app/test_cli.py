@@ -289,6 +289,9 @@ def test_the_exposure_check_loads_no_torch():
     (["train", "duo", "--duo-train-lr", "0"], "--duo-train-lr: must be above 0, got 0"),
     (["ingest", "x.txt", "--saap-dense-first-layer", "maybe"], "--saap-dense-first-layer"),
     (["ask", "x.txt", "q", "--squeeze-no-such-setting", "1"], "unrecognized arguments: --squeeze-no-such-setting"),
+    (["train", "duo", "--duo-train-min-tokens", "5000"], "--duo-train-min-tokens (5000) may not exceed "
+                                                          "--duo-train-max-tokens (2048)"),
+    (["train", "duo", "--duo-train-max-tokens", "900", "--duo-train-min-tokens", "950"], "may not exceed"),
 ])
 def test_bad_options_are_refused_before_torch_loads(argv, message):
     """A bad option of any command (a method's settings around it or not) is refused by argparse, exit code 2,
@@ -345,7 +348,7 @@ def test_the_command_lines_ranges_are_what_the_methods_settings_refuse():
     """Each range app/method_flags.py declares (read without torch) refuses what the method's own settings refuse
     just past its bounds and takes what they take within (a setting bound to another, duo's train_min_tokens <=
     train_max_tokens, within the other's default only); every number setting without a range takes anything."""
-    from app.method_flags import METHOD_SETTINGS, RANGES
+    from app.method_flags import METHOD_SETTINGS, ORDERED, RANGES, unordered
     from engine.methods import make_method
 
     duo = METHOD_SETTINGS["duo"]
@@ -367,6 +370,12 @@ def test_the_command_lines_ranges_are_what_the_methods_settings_refuse():
             if type(default) in (int, float) and (method, name) not in RANGES:
                 for value in (-(10**9), 0, 10**9):
                     make_method(method, {name: type(default)(value)})  # declare its range if this refuses it
+    for method, low, high in ORDERED:  # each relation the flags check is one the settings hold
+        at = METHOD_SETTINGS[method][high]
+        assert unordered({method: {low: at + 1}}) and not unordered({method: {low: at}})
+        with pytest.raises(ValueError):
+            make_method(method, {low: at + 1})
+        make_method(method, {low: at})
 
 
 def test_a_commands_help_lists_the_methods_settings(capsys):
