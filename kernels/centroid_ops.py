@@ -204,13 +204,15 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _cut_args(hist: torch.Tensor | None) -> dict:
-    """The score passes' histogram constants (CUT_*) where a cut follows them."""
-    return dict(HAS_HIST=True, CUT_LOW=CUT_LOW, CUT_PER=CUT_PER, CUT_BINS=CUT_BINS) if hist is not None else {}
+def _cut_args(hist: torch.Tensor | None, off: torch.Tensor | None) -> dict:
+    """The score passes' histogram constants (CUT_*) where a cut follows them; off: KV heads kept out of it."""
+    if hist is None:
+        return {}
+    return dict(HAS_HIST=True, HIST_FIXED=off is not None, CUT_LOW=CUT_LOW, CUT_PER=CUT_PER, CUT_BINS=CUT_BINS)
 
 
 def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config,
-            starts=None, block_sums=None, step=None, valid=None, zero=False, elements=None, hist=None):
+            starts=None, block_sums=None, step=None, valid=None, zero=False, elements=None, hist=None, off=None):
     """Both passes. allowed: [rows, C] bool or None; indptr/idx: CSR candidates or None (dense); keep/score: the
     [rows, C] outputs (for lists the score pass writes the candidates' entries only: the others are zeroed by the
     denominator pass with `zero`); starts / block_sums: the
@@ -219,8 +221,9 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     real tokens of Lq (the first ones), or None (all). elements (lists whose rows are the KV heads): (out [rows]
     float32, base, per), out set to base + per x each row's candidates by the score pass. hist: [CUT_BINS] int32,
     zeroed (dense only): the score pass writes the scores and adds each cluster's keys into its score's bin, for
-    centroid_cut_kernel to decide keep (and the block sums) after it. Returns whether the passes ran (not for lists
-    of no capacity)."""
+    centroid_cut_kernel to decide keep (and the block sums) after it; off: [Hkv] bool, KV heads whose clusters stay
+    out of the histogram (their rows read fixed lists), or None. Returns whether the passes ran (not for lists of
+    no capacity)."""
     hq, lq, d = q.shape
     hkv, c, _ = centroids.shape
     use_list = indptr is not None
@@ -280,28 +283,29 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
         centroid_score_prefill_kernel[(units, score_blocks)](
             q, centroids, counts, allowed_u8, step_arg, part_max, part_sum, keep.view(torch.uint8), score,
             starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-            valid_arg, hist if hist is not None else counts, float(scale) * LOG2E, keep_threshold, lq, c, g, hpr,
-            nsplit, score_blocks,
+            valid_arg, hist if hist is not None else counts, off.view(torch.uint8) if off is not None else counts,
+            float(scale) * LOG2E, keep_threshold, lq, c, g, hpr, nsplit, score_blocks,
             q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
             allowed_u8.stride(0), keep.stride(0), score.stride(0),
             D=d, BLOCK_D=common["BLOCK_D"], BLOCK_M=score_m, BLOCK_C=score_c,
             BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(hpr)), BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)),
             HAS_ALLOWED=allowed is not None, HAS_STARTS=has_starts, DOT_PRECISION=common["DOT_PRECISION"],
             SCALED=common["SCALED"], CODES16=common["CODES16"], HAS_VALID=valid is not None, num_warps=score_warps,
-            num_stages=score_stages, **_cut_args(hist), **dependent_launch(q.device),
+            num_stages=score_stages, **_cut_args(hist, off), **dependent_launch(q.device),
         )
         return True
     out_elements, read_base, read_per = elements if elements is not None else (score, 0.0, 0.0)  # dummy unless given
     centroid_score_kernel[(units, score_blocks)](
         *inputs, part_max, part_sum, s_cache, keep.view(torch.uint8), score,
         starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-        valid_arg, out_elements, hist if hist is not None else counts, float(scale) * LOG2E, keep_threshold, lq, c,
-        capacity, g, gh, hpr, nsplit,
+        valid_arg, out_elements, hist if hist is not None else counts,
+        off.view(torch.uint8) if off is not None else counts, float(scale) * LOG2E, keep_threshold, lq, c, capacity,
+        g, gh, hpr, nsplit,
         score_blocks, score_blocks, *strides, keep.stride(0), score.stride(0),
         BLOCK_M=score_m, BLOCK_C=score_c, BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)), LOAD_S=cache_s,
         HAS_STARTS=has_starts, HAS_VALID=valid is not None, num_warps=score_warps, num_stages=score_stages,
         read_base=float(read_base), read_per=float(read_per), HAS_ELEMENTS=elements is not None and use_list,
-        **_cut_args(hist), **common,
+        **_cut_args(hist, off), **common,
     )
     return True
 
@@ -367,7 +371,8 @@ def cluster_select(
     instead of `threshold`, a cut at about that many keys in all (a float or a [1] tensor on the device, read there:
     no host synchronisation), in two more launches: the score pass adds each cluster's keys into a histogram of the
     scores (CUT_BINS bins of 1 / CUT_PER of a power of two from 2^CUT_LOW), zeroed before it, and the cut keeps the
-    clusters above the bin edge whose keys come nearest (centroid_cut_kernel): the reference's `binned_cut`.
+    clusters above the bin edge whose keys come nearest (centroid_cut_kernel): the reference's `binned_cut`; the
+    clusters of `fixed` heads stay out of the histogram.
 
     q, centroids, counts, scale, threshold, rows, step, valid: as cluster_keep; starts: [Hkv, C + 1] int64, cluster c of
     head h holds positions [starts[h, c], starts[h, c + 1]); total: starts[h, C] (the same for every head); tail: dense
@@ -396,7 +401,7 @@ def cluster_select(
             raise ValueError("a cut at a number of keys needs one row per KV head")
         hist = torch.zeros(CUT_BINS, dtype=torch.int32, device=q.device)
         _launch(q, centroids, counts, scale, 1.0, rows, None, None, None, keep, score, cfg, starts, block_sums,
-                step, valid, hist=hist)
+                step, valid, hist=hist, off=fixed.on.contiguous() if fixed is not None else None)
         want = keys.reshape(1).float() if isinstance(keys, torch.Tensor) else \
             torch.full((1,), float(keys), dtype=torch.float32, device=q.device)  # (a fill: no copy from the host)
         counts = _row_major(counts)

@@ -76,7 +76,7 @@ def exact_room(plan, q: torch.Tensor, follow: FollowRows | None, hkv: int, in_ke
     its plan's calibration keeps. With the step's follow rows: the budget, and each indexed follow row once per KV
     head (those a row already keeps are not read twice: a few keys under); without them, the plan's room (its
     reserve for them left out). On the CPU every lookup cuts (its sort is nothing beside the model's step); on a GPU
-    only a lookup that cuts inside its kernels (in_kernels: squeeze's, kernels/centroid_ops.py cluster_select's
+    only a lookup that cuts inside its kernels (in_kernels: squeeze's and duo-squeeze's, cluster_select's
     keys: whole bins of a histogram of the scores, as near as the exact cut on a real model's thousands of
     clusters); the others keep their plan there, since a torch sort and gathers cost more than the lookup's own launches
     (with them, a short question's prefill of hsqueeze was slower than full attention's on an H200)."""

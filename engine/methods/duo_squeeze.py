@@ -112,19 +112,20 @@ class DuoSqueezePolicy(Method):
                                       lambda: streaming_heads(layer, plan.retrieval_heads, q.device))
         index = centroid_elements(layer, q.element_size())  # every head's centroids are scored, per KV head
         read = layer.elements(hkv, index, q.device)
-        cut = exact_room(plan, q, follow, hkv)
+        cut = exact_room(plan, q, follow, hkv, in_kernels=True)
+        # the retrieval heads' best clusters up to their share of the room (retrieval_keys), or the plan's threshold
+        keys = None if cut is None else retrieval_keys(plan, layer, cut, index, q.shape[2], hkv) * retrieval.sum()
         centroid = backend.kernel("centroid")
-        if cut is None:
-            keep, score, selection = centroid.cluster_select(
-                q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
-                layer.tail, fixed=fixed, step=code_step(layer), valid=valid)
-        else:  # the retrieval heads' best clusters up to their share of the room (retrieval_keys)
+        if keys is not None and q.device.type == "cpu":  # the exact cut between whole clusters
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, hkv,
                                                 step=code_step(layer), valid=valid)
-            keys = retrieval_keys(plan, layer, cut, index, q.shape[2], hkv) * retrieval.sum()
             keep = keep & (score > cut_threshold(score, layer["counts"] * retrieval, keys))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail,
                                                                 fixed=fixed)
+        else:  # a GPU's cut inside the lookup's kernels (the streaming heads' clusters out of it), or the threshold
+            keep, score, selection = centroid.cluster_select(
+                q, layer["centroids"], layer["counts"], scale, threshold, hkv, layer["key_starts"], layer.indexed,
+                layer.tail, fixed=fixed, step=code_step(layer), valid=valid, keys=keys)
         units = keep & retrieval if q.shape[1] > 1 else None  # listed for a prefill only (the recorder's): a decode
         # step's would be a launch for nothing
         return Lookup(selection=selection, index_elements=read, units=units, scores=score, sizes=layer["counts"])

@@ -123,15 +123,25 @@ def _bin_of(score, CUT_LOW: tl.constexpr, CUT_PER: tl.constexpr, CUT_BINS: tl.co
 
 
 @triton.jit
+def _counted(on_ptr, kv_head, HIST_FIXED: tl.constexpr):
+    """Whether the KV head's clusters enter the cut's histogram: not where its rows read a fixed list (HIST_FIXED:
+    on_ptr [Hkv] uint8, kernels.selection.Fixed.on)."""
+    if HIST_FIXED:
+        return tl.load(on_ptr + kv_head) == 0
+    else:
+        return True
+
+
+@triton.jit
 def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
-            allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr, stride_ar, stride_kr, stride_or,
-            HAS_ALLOWED: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_HIST: tl.constexpr = False,
+            allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr, counted, stride_ar, stride_kr,
+            stride_or, HAS_ALLOWED: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_HIST: tl.constexpr = False,
             CUT_LOW: tl.constexpr = -64.0, CUT_PER: tl.constexpr = 64.0, CUT_BINS: tl.constexpr = 4096):
     """Both score passes' last step for one row and centroid block: keep = score > threshold & count > 0
     (& allowed, which also zeroes the score), written at the centroid ids cid [BLOCK_C]; with HAS_STARTS, the kept
     clusters' keys summed into block_sums[row, blk] for the expansion (kernels/jit/compact.py). With HAS_HIST (a cut
     at a number of keys, decided after every score is known: centroid_cut_kernel) the score alone is written and
-    each cluster's keys are added into its score's bin of the histogram hist [CUT_BINS] int32."""
+    each cluster's keys are added into its score's bin of the histogram hist [CUT_BINS] int32 (where `counted`)."""
     keep = (score > threshold) & (cnt > 0)
     if HAS_ALLOWED:
         allowed = tl.load(allowed_ptr + row * stride_ar + cid, mask=c_ok, other=0) != 0
@@ -139,7 +149,8 @@ def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
         keep = keep & allowed
     tl.store(score_ptr + row * stride_or + cid, score, mask=c_ok)
     if HAS_HIST:
-        tl.atomic_add(hist_ptr + _bin_of(score, CUT_LOW, CUT_PER, CUT_BINS), cnt.to(tl.int32), mask=c_ok & (cnt > 0))
+        weight = tl.where(counted, cnt, 0).to(tl.int32)  # [BLOCK_C]
+        tl.atomic_add(hist_ptr + _bin_of(score, CUT_LOW, CUT_PER, CUT_BINS), weight, mask=c_ok & (weight > 0))
     else:
         tl.store(keep_ptr + row * stride_kr + cid, keep.to(tl.uint8), mask=c_ok)
         if HAS_STARTS:
@@ -244,6 +255,7 @@ def centroid_score_kernel(
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     elements_ptr,  # HAS_ELEMENTS: [rows] float32 out, read_base + read_per * the row's candidates (USE_LIST)
     hist_ptr,  # HAS_HIST: [CUT_BINS] int32, zeroed: the clusters' keys added by their score's bin (_decide)
+    on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
     scale2, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
@@ -263,6 +275,7 @@ def centroid_score_kernel(
     read_per=0.0,
     HAS_ELEMENTS: tl.constexpr = False,
     HAS_HIST: tl.constexpr = False,  # scores and the cut histogram only: keep by centroid_cut_kernel
+    HIST_FIXED: tl.constexpr = False,
     CUT_LOW: tl.constexpr = -64.0,
     CUT_PER: tl.constexpr = 64.0,
     CUT_BINS: tl.constexpr = 4096,
@@ -324,8 +337,9 @@ def centroid_score_kernel(
                 total += tl.sum(p, axis=0)
                 last += tl.sum(tl.where((tok == n_tok - 1)[:, None], p, 0.0), axis=0)
             _decide(tl.maximum(total / (HPR * n_tok), last / HPR), threshold, cnt, cid, c_ok, row, h0 // G, blk, C, NB,
-                    allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr, stride_ar, stride_kr,
-                    stride_or, HAS_ALLOWED, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
+                    allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr,
+                    _counted(on_ptr, h0 // G, HIST_FIXED), stride_ar, stride_kr, stride_or, HAS_ALLOWED, HAS_STARTS,
+                    HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
 
 
 @triton.jit
@@ -356,6 +370,7 @@ def centroid_score_prefill_kernel(
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     hist_ptr,  # HAS_HIST: [CUT_BINS] int32, zeroed: the clusters' keys added by their score's bin (_decide)
+    on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
     scale2, threshold, Lq, C, G, HPR, NSPLIT, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_kr, stride_or,
     D: tl.constexpr,
@@ -371,6 +386,7 @@ def centroid_score_prefill_kernel(
     CODES16: tl.constexpr,
     HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
     HAS_HIST: tl.constexpr = False,  # scores and the cut histogram only: keep by centroid_cut_kernel
+    HIST_FIXED: tl.constexpr = False,
     CUT_LOW: tl.constexpr = -64.0,
     CUT_PER: tl.constexpr = 64.0,
     CUT_BINS: tl.constexpr = 4096,
@@ -441,8 +457,9 @@ def centroid_score_prefill_kernel(
         st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_H]
         last = tl.sum(tl.where(h_ok[None, :], tl.exp2(st * scale2 - log2_d[None, :]), 0.0), axis=1)
         _decide(tl.maximum(total / (HPR * n_tok), last / HPR), threshold, cnt, cid, c_ok, row, unit, cb, C, NB,
-                allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr, stride_ar, stride_kr,
-                stride_or, HAS_ALLOWED, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
+                allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr,
+                _counted(on_ptr, unit, HIST_FIXED), stride_ar, stride_kr, stride_or, HAS_ALLOWED, HAS_STARTS,
+                HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
 
 
 @triton.jit
@@ -481,4 +498,4 @@ def centroid_cut_kernel(
     cnt = tl.load(counts_ptr + kv_head * stride_nh + cid, mask=c_ok, other=0)
     score = tl.load(score_ptr + row * stride_or + cid, mask=c_ok, other=0.0)
     _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB, keep_ptr, keep_ptr, score_ptr, starts_ptr,
-            block_sums_ptr, hist_ptr, 0, stride_kr, stride_or, False, True)
+            block_sums_ptr, hist_ptr, True, 0, stride_kr, stride_or, False, True)

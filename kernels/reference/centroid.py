@@ -234,12 +234,14 @@ def cluster_select(
     tail, fixed=fixed)`: starts [Hkv, C + 1] where each cluster's keys lie; fixed: heads whose rows read a fixed
     list instead). keys (rows == Hkv): instead of `threshold`, the clusters kept are the best ones that hold about
     `keys` keys in all (a float or a [] / [1] tensor), whole bins of the scores' histogram at a time (`binned_cut`:
-    the kernels decide from the histogram their score pass adds up). Returns (keep, score, Selection)."""
+    the kernels decide from the histogram their score pass adds up; the clusters of `fixed` heads do not count).
+    Returns (keep, score, Selection)."""
     keep, score = cluster_keep(q, centroids, counts, scale, threshold if keys is None else 0.0, rows, step=step,
                                valid=valid)
     if keys is not None:
         if rows != counts.shape[0]:
             raise ValueError("a cut at a number of keys needs one row per KV head")
         keys = keys.reshape(()) if isinstance(keys, torch.Tensor) else keys
-        keep = keep & (score > binned_cut(score, counts, keys))
+        sizes = counts if fixed is None else counts * ~fixed.on[:, None]  # a fixed head's clusters: not cut
+        keep = keep & (score > binned_cut(score, sizes, keys))
     return keep, score, expand_groups(keep, starts, total, tail, fixed=fixed)

@@ -235,6 +235,27 @@ def test_cluster_select_cut_at_a_number_of_keys(hq, hkv, lq):
         assert abs(held - keys) <= abs(exact - keys) + boundary, (keys, held, exact, boundary)
 
 
+def test_cluster_select_cut_leaves_the_fixed_heads_clusters_out():
+    """duo-squeeze's cut: the streaming heads' rows read their windows, and their clusters do not count in the
+    histogram (the keys asked are the retrieval heads'): the reference's, and the retrieval head holds about the
+    keys asked alone."""
+    hq, hkv, lq = 8, 2, 1
+    q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, 5)
+    lc, tail = 150, 3
+    counts, starts = clustered_counts(hkv, lc, C, 6)
+    window = torch.tensor([[0, 1, 140, 149, 150, 151, 152]] * hkv, dtype=torch.int32, device=DEVICE)
+    fixed = Fixed(window, torch.tensor([False, True], device=DEVICE))
+    keys = 0.4 * float(counts[0].sum())
+    want = reference.cluster_select(q, centroids, counts, scale, 0.5, hkv, starts, lc, tail, fixed=fixed, keys=keys)
+    keep, score, sel = cluster_select(q, centroids, counts, scale, 0.5, hkv, starts, lc, tail, fixed=fixed, keys=keys)
+    assert torch.equal(keep[0], want[0][0])  # the retrieval head's clusters: the reference's cut
+    assert_same_selection(sel, want[2])
+    assert sel.counts().tolist()[1] == 7  # the streaming head: its window
+    held = float((counts[0] * keep[0]).sum())
+    alone = reference.binned_cut(score[:1], counts[:1], keys)  # the retrieval head cut by itself
+    assert held == float((counts[0] * (score[0] > alone)).sum())
+
+
 def test_cluster_select_with_fixed_rows():
     """The streaming heads of duo-squeeze: rows of the marked heads read a fixed list instead of their clusters and
     the tail, written by the fused expansion; the result is the reference's (its expansion, then replace_rows)."""
