@@ -105,7 +105,8 @@ def test_upload_prepare_ask_and_see_what_attention_retrieved(served, page, tmp_p
     expect(cited.first).to_be_visible()
     cited.first.click()
     expect(page.locator("#sq-view-document .sq-doc")).to_be_visible()
-    expect(page.locator("#sq-view-document .sq-anchor.sq-flash")).to_have_count(1)
+    expect(page.locator("#sq-view-document .sq-flash")).to_have_count(1)  # the passage it lands on, marked
+    expect(page.locator("#sq-view-document mark.sq-cited.sq-current").first).to_be_visible()
     expect(page.locator("#sq-budget")).to_contain_text("KV budget")
     projection = page.locator("#sq-view-projection .js-plotly-plot")
     expect(projection).to_be_visible()
