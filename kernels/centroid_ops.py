@@ -61,6 +61,7 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_DOT_DIM = 16  # tl.dot needs every block dimension >= 16
 PROGRAMS_PER_SM = 4  # the denominator pass splits the centroids until it has about this many programs per SM
 CPU_PROGRAMS = 4  # the same target in Triton's interpreter (programs run one after the other there)
+CUT_BLOCK = 256  # centroids per program of a list's cut (no block sums to match the score pass's tiles)
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
 
 
@@ -402,15 +403,28 @@ def cluster_select(
         hist = torch.zeros(CUT_BINS, dtype=torch.int32, device=q.device)
         _launch(q, centroids, counts, scale, 1.0, rows, None, None, None, keep, score, cfg, starts, block_sums,
                 step, valid, hist=hist, off=fixed.on.contiguous() if fixed is not None else None)
-        want = keys.reshape(1).float() if isinstance(keys, torch.Tensor) else \
-            torch.full((1,), float(keys), dtype=torch.float32, device=q.device)  # (a fill: no copy from the host)
-        counts = _row_major(counts)
-        centroid_cut_kernel[(rows, nb)](
-            score, counts, hist, want, keep.view(torch.uint8), starts, block_sums, c, nb, rows // hkv,
-            counts.stride(0), keep.stride(0), score.stride(0), BLOCK_C=score_c, CUT_LOW=CUT_LOW, CUT_PER=CUT_PER,
-            CUT_BINS=CUT_BINS, num_warps=4, **dependent_launch(q.device),
-        )
+        _cut(score, counts, hist, keys, keep, score_c, starts, block_sums)
     return keep, score, expand_block_sums(keep, starts, block_sums, score_c, total, tail, fixed=fixed)
+
+
+def _cut(score: torch.Tensor, counts: torch.Tensor, hist: torch.Tensor, keys: torch.Tensor | float,
+         keep: torch.Tensor, block_c: int, starts: torch.Tensor | None = None, block_sums: torch.Tensor | None = None,
+         among: bool = False) -> None:
+    """centroid_cut_kernel over score [rows, C] from the score pass's histogram: keep [rows, C] written (among: only
+    where the score pass marked it, a list's candidates), and with starts the kept keys per block of block_c
+    centroids into block_sums. keys: a float, or a [1] / [] tensor on the device (read there)."""
+    rows, c = score.shape
+    want = keys.reshape(1).float() if isinstance(keys, torch.Tensor) else \
+        torch.full((1,), float(keys), dtype=torch.float32, device=score.device)  # (a fill: no copy from the host)
+    counts = _row_major(counts)
+    nb = max(1, triton.cdiv(c, block_c))
+    has_starts = starts is not None
+    centroid_cut_kernel[(rows, nb)](
+        score, counts, hist, want, keep.view(torch.uint8), starts if has_starts else counts,
+        block_sums if has_starts else counts, c, nb, rows // counts.shape[0], counts.stride(0), keep.stride(0),
+        score.stride(0), BLOCK_C=block_c, CUT_LOW=CUT_LOW, CUT_PER=CUT_PER, CUT_BINS=CUT_BINS, HAS_STARTS=has_starts,
+        AMONG=among, num_warps=4, **dependent_launch(score.device),
+    )
 
 
 def cluster_keep_list(
@@ -428,6 +442,7 @@ def cluster_keep_list(
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     out_read: tuple[torch.Tensor, float, float] | None = None,
+    keys: torch.Tensor | float | None = None,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The level-2 lookup over each row's candidate clusters only: `reference.cluster_keep(..., allowed=A)` with
@@ -441,6 +456,8 @@ def cluster_keep_list(
     step, valid: as cluster_keep
     out_read: (out [Hkv] float32, base, per): out set to the index elements the lookup read per KV head, base + per x
               the candidates of the head's rows (reference.read_elements), by the score pass where rows == Hkv
+    keys (rows == Hkv): instead of `threshold`, the candidates kept are the best ones holding about that many keys
+              in all: the score pass's histogram and centroid_cut_kernel, as cluster_select's keys.
     Returns keep [rows, C] bool and score [rows, C] float32 as cluster_keep (0 / False off the candidates).
     No host synchronisation: the grid depends on (Hq, Lq, C, capacity) only.
     """
@@ -459,11 +476,17 @@ def cluster_keep_list(
     keep = _output(out_keep, "out_keep", (rows, c), torch.bool, q.device)
     score = _output(out_score, "out_score", (rows, c), torch.float32, q.device)
     in_kernel = out_read is not None and rows == hkv
-    ran = _launch(q, centroids, counts, scale, threshold, rows, None, cand_indptr.contiguous(), cand_idx.contiguous(),
-                  keep, score, config, step=step, valid=valid, zero=True, elements=out_read if in_kernel else None)
+    if keys is not None and rows != hkv:
+        raise ValueError("a cut at a number of keys needs one row per KV head")
+    hist = torch.zeros(CUT_BINS, dtype=torch.int32, device=q.device) if keys is not None else None
+    ran = _launch(q, centroids, counts, scale, 1.0 if keys is not None else threshold, rows, None,
+                  cand_indptr.contiguous(), cand_idx.contiguous(), keep, score, config, step=step, valid=valid,
+                  zero=True, elements=out_read if in_kernel else None, hist=hist)
     if not ran:  # no candidate can be listed: nothing kept, nothing scored
         keep.zero_()
         score.zero_()
+    elif keys is not None:
+        _cut(score, counts, hist, keys, keep, CUT_BLOCK, among=True)
     if out_read is not None and (not in_kernel or not ran):
         out_read[0].copy_(read_elements(cand_indptr, hkv, out_read[1], out_read[2]))
     return keep, score
@@ -483,11 +506,12 @@ __all__ = ["LookupConfig", "cluster_keep", "cluster_keep_list", "cluster_select"
 
 def cluster_keep_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scale: float, threshold: float,
                        rows: int, candidates: Selection, *, step: torch.Tensor | None = None,
-                       valid: torch.Tensor | None = None, read: tuple[float, float] | None = None
+                       valid: torch.Tensor | None = None, read: tuple[float, float] | None = None,
+                       keys: torch.Tensor | float | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`kernels.reference.centroid.cluster_keep_among` on the GPU: `cluster_keep_list` over the candidates' lists."""
     elements = torch.empty(centroids.shape[0], dtype=torch.float32, device=q.device) if read is not None else None
     keep, score = cluster_keep_list(q, centroids, counts, scale, threshold, rows, candidates.indptr,
                                     candidates.indices, step=step, valid=valid,
-                                    out_read=(elements, *read) if read is not None else None)
+                                    out_read=(elements, *read) if read is not None else None, keys=keys)
     return keep, score, elements

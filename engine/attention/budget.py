@@ -76,10 +76,10 @@ def exact_room(plan, q: torch.Tensor, follow: FollowRows | None, hkv: int, in_ke
     its plan's calibration keeps. With the step's follow rows: the budget, and each indexed follow row once per KV
     head (those a row already keeps are not read twice: a few keys under); without them, the plan's room (its
     reserve for them left out). On the CPU every lookup cuts (its sort is nothing beside the model's step); on a GPU
-    only a lookup that cuts inside its kernels (in_kernels: squeeze's and duo-squeeze's, cluster_select's
-    keys: whole bins of a histogram of the scores, as near as the exact cut on a real model's thousands of
-    clusters); the others keep their plan there, since a torch sort and gathers cost more than the lookup's own launches
-    (with them, a short question's prefill of hsqueeze was slower than full attention's on an H200)."""
+    only a lookup that cuts inside its kernels (in_kernels: squeeze's, hsqueeze's and duo-squeeze's, the centroid
+    ops' keys: whole bins of a histogram of the scores, as near as the exact cut on a real model's thousands of
+    clusters); the others keep their plan there, since a torch sort and gathers cost more than the lookup's own
+    launches (with them, a short question's prefill of hsqueeze was slower than full attention's on an H200)."""
     if getattr(plan, "room", None) is None or (q.device.type != "cpu" and not in_kernels):
         return None
     if follow is None:

@@ -222,29 +222,38 @@ class HierarchicalSqueezePolicy(Method):
         c2 = layer["centroids"].shape[1]
         t1, t2 = plan.at(q.shape[1])
         centroid = backend.kernel("centroid")
-        cut = exact_room(plan, q, follow, hkv) if rows == hkv else None
-        if cut is None:
-            _, _, candidates = centroid.cluster_select(q, layer["l1_centroids"], layer["l1_counts"], scale, t1, rows,
-                                                       layer["l1_child_starts"], c2,
-                                                       step=code_step(layer, "l1_"), valid=valid)  # level-2 ids
-        else:  # the best level-1 clusters up to the keys level 1 keeps at this room (at least level 2's)
-            keep1, score1 = centroid.cluster_keep(q, layer["l1_centroids"], layer["l1_counts"], scale, 0.0, rows,
-                                                  step=code_step(layer, "l1_"), valid=valid)
+        cut = exact_room(plan, q, follow, hkv, in_kernels=True) if rows == hkv else None
+        exact = cut is not None and q.device.type == "cpu"  # the CPU cuts between whole clusters (a sort); a GPU
+        # inside the lookups' kernels (whole bins of the scores' histogram)
+        keys1 = None
+        if cut is not None:  # the best level-1 clusters up to the keys level 1 keeps at this room (at least level 2's)
             room, besides = cut
             share = 1.0 - level1_prune(1.0 - room, self.settings)
             keys1 = at_least(cut_keys(room, layer, hkv, q.shape[2], hkv * centroid_elements(layer, q.element_size()),
                                       besides), share * hkv * layer.indexed)  # at least level 2's keys and this share
+        if exact:
+            keep1, score1 = centroid.cluster_keep(q, layer["l1_centroids"], layer["l1_counts"], scale, 0.0, rows,
+                                                  step=code_step(layer, "l1_"), valid=valid)
             keep1 = keep1 & (score1 > cut_threshold(score1, layer["l1_counts"], keys1))
             candidates = backend.kernel("compact").expand_groups(keep1, layer["l1_child_starts"], c2)
+        else:
+            _, _, candidates = centroid.cluster_select(q, layer["l1_centroids"], layer["l1_counts"], scale, t1, rows,
+                                                       layer["l1_child_starts"], c2, step=code_step(layer, "l1_"),
+                                                       valid=valid, keys=keys1)  # level-2 ids
         key_size = q.element_size()  # q has the keys' dtype in the engine
         # [Hkv] elements read: level 1's centroids, and the level-2 ones scored (an affine count of the candidates,
         # written by the level-2 score pass on a GPU: no launches of its own)
         base = centroid_elements(layer, key_size, "l1_") + centroid_elements(layer, key_size, scored=0)
         per = centroid_elements(layer, key_size, scored=1) - centroid_elements(layer, key_size, scored=0)
+        keys2 = None
+        if cut is not None and not exact:  # the room's keys, less what this level-2 lookup will read of the index
+            scored = centroid.read_elements(candidates.indptr, hkv, base, per).sum()
+            keys2 = cut_keys(cut[0], layer, hkv, q.shape[2], scored, cut[1])
         keep, score, read = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale,
                                                         t2 if cut is None else 0.0, rows, candidates,
-                                                        step=code_step(layer), valid=valid, read=(base, per))
-        if cut is not None:  # the candidates' best level-2 clusters up to the room's keys
+                                                        step=code_step(layer), valid=valid, read=(base, per),
+                                                        keys=keys2)
+        if exact:  # the candidates' best level-2 clusters up to the room's keys
             keep = keep & (score > cut_threshold(score, layer["counts"] * keep,
                                                  cut_keys(cut[0], layer, hkv, q.shape[2], read.sum(), cut[1])))
         selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)

@@ -148,7 +148,8 @@ def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
         score = tl.where(allowed, score, 0.0)
         keep = keep & allowed
     tl.store(score_ptr + row * stride_or + cid, score, mask=c_ok)
-    if HAS_HIST:
+    if HAS_HIST:  # keep marks the clusters the cut decides among (a list's candidates)
+        tl.store(keep_ptr + row * stride_kr + cid, (cid >= 0).to(tl.uint8), mask=c_ok)
         weight = tl.where(counted, cnt, 0).to(tl.int32)  # [BLOCK_C]
         tl.atomic_add(hist_ptr + _bin_of(score, CUT_LOW, CUT_PER, CUT_BINS), weight, mask=c_ok & (weight > 0))
     else:
@@ -473,13 +474,16 @@ def centroid_cut_kernel(
     CUT_LOW: tl.constexpr,
     CUT_PER: tl.constexpr,
     CUT_BINS: tl.constexpr,
+    HAS_STARTS: tl.constexpr = True,  # also the kept keys per block, for the expansion
+    AMONG: tl.constexpr = False,  # only the clusters keep marks (the score pass's: a list's candidates) may be kept
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """A lookup cut at a number of keys, grid (row, centroid block of BLOCK_C): every program reads the histogram
     of the clusters' keys by score bin, takes as the threshold the lower edge of the bin at which the keys of the
     bins above it come nearest to keys[0] (ties: more keys; keys <= 0: +inf, nothing kept; the lowest bin: -1, every
     cluster kept), then decides its block as the score pass does with a threshold (keep = score > threshold and
-    count > 0, its kept keys summed into block_sums). RPK: rows per KV head."""
+    count > 0, its kept keys summed into block_sums with HAS_STARTS; with AMONG, among the clusters keep marks).
+    RPK: rows per KV head."""
     wait_prior(PDL)
     release_next(PDL)
     row = tl.program_id(0)
@@ -498,4 +502,4 @@ def centroid_cut_kernel(
     cnt = tl.load(counts_ptr + kv_head * stride_nh + cid, mask=c_ok, other=0)
     score = tl.load(score_ptr + row * stride_or + cid, mask=c_ok, other=0.0)
     _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB, keep_ptr, keep_ptr, score_ptr, starts_ptr,
-            block_sums_ptr, hist_ptr, True, 0, stride_kr, stride_or, False, True)
+            block_sums_ptr, hist_ptr, True, stride_kr, stride_kr, stride_or, AMONG, HAS_STARTS)

@@ -142,12 +142,21 @@ def cluster_keep_among(
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     read: tuple[float, float] | None = None,
+    keys: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`cluster_keep` restricted to each row's candidate clusters (a Selection over cluster ids, num_keys = C):
     the hierarchical level 2, whose denominator runs over the candidates only (eq. 3). read: (base, per): also the
-    index elements the lookup read per KV head (`read_elements` of the candidates), else None third."""
-    keep, score = cluster_keep(q, centroids, counts, scale, threshold, rows, allowed=candidates.to_mask(), step=step,
-                               valid=valid)
+    index elements the lookup read per KV head (`read_elements` of the candidates), else None third. keys
+    (rows == Hkv): instead of `threshold`, the candidates kept are the best ones holding about that many keys in
+    all (`binned_cut` over the candidates, as cluster_select's keys)."""
+    allowed = candidates.to_mask()
+    keep, score = cluster_keep(q, centroids, counts, scale, threshold if keys is None else 0.0, rows,
+                               allowed=allowed, step=step, valid=valid)
+    if keys is not None:
+        if rows != counts.shape[0]:
+            raise ValueError("a cut at a number of keys needs one row per KV head")
+        keys = keys.reshape(()) if isinstance(keys, torch.Tensor) else keys
+        keep = keep & (score > binned_cut(score, counts * allowed, keys))
     elements = read_elements(candidates.indptr, centroids.shape[0], *read) if read is not None else None
     return keep, score, elements
 

@@ -87,11 +87,15 @@ class CheckedLookups:
         return keep, score, sel
 
     def cluster_keep_among(self, q, centroids, counts, scale, threshold, rows, candidates, *, step=None, valid=None,
-                           read=None):
+                           read=None, keys=None):
         keep, score, elements = self._triton.cluster_keep_among(q, centroids, counts, scale, threshold, rows,
-                                                                candidates, step=step, valid=valid, read=read)
+                                                                candidates, step=step, valid=valid, read=read,
+                                                                keys=keys)
         ref = reference.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates, step=step,
-                                           valid=valid, read=read)
+                                           valid=valid, read=read, keys=keys)
+        if keys is not None:  # a cut: the reference's threshold from its own histogram of the candidates
+            threshold = float(reference.binned_cut(ref[1], counts * candidates.to_mask(),
+                                                   keys.reshape(()) if torch.is_tensor(keys) else keys))
         self._compare(keep, score, *ref[:2], threshold)
         if read is None:
             assert elements is None and ref[2] is None

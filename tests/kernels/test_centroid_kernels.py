@@ -256,6 +256,31 @@ def test_cluster_select_cut_leaves_the_fixed_heads_clusters_out():
     assert held == float((counts[0] * (score[0] > alone)).sum())
 
 
+@pytest.mark.parametrize("hq,hkv,lq", [(4, 2, 1), (8, 2, 7)])
+def test_cluster_keep_among_cut_at_a_number_of_keys(hq, hkv, lq):
+    """hsqueeze's level 2 cut at a number of keys: the best of each row's candidates, from the histogram of the
+    candidates' scores (the reference's binned cut over the candidates); never a cluster off the candidates, even
+    where every candidate is kept; nothing at 0 keys."""
+    from kernels.centroid_ops import cluster_keep_among
+
+    q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, 21)
+    counts, _ = clustered_counts(hkv, 150, C, 22)
+    allowed = random_allowed(hkv, C, 23, empty_row=False)
+    indptr, idx = to_csr(allowed, torch.int64)
+    candidates = Selection(indptr, idx, C)
+    among = float((counts * allowed.to(DEVICE)).sum())
+    for keys in (0.0, 0.2 * among, 0.6 * among, 3.0 * among):
+        want = reference.cluster_keep_among(q, centroids, counts, scale, 0.5, hkv, candidates, keys=keys)
+        keep, score, _ = cluster_keep_among(q, centroids, counts, scale, 0.5, hkv, candidates, keys=keys)
+        torch.testing.assert_close(score, want[1], **TOL[torch.float32])
+        assert torch.equal(keep, want[0]), keys
+        assert not keep[~allowed.to(DEVICE)].any()
+        if keys == 0:
+            assert not keep.any()
+        if keys > among:
+            assert torch.equal(keep, allowed.to(DEVICE) & (counts > 0))
+
+
 def test_cluster_select_with_fixed_rows():
     """The streaming heads of duo-squeeze: rows of the marked heads read a fixed list instead of their clusters and
     the tail, written by the fused expansion; the result is the reference's (its expansion, then replace_rows)."""
