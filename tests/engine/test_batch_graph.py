@@ -2,8 +2,8 @@
 same turns' eager batched steps fed the same tokens (logits within bf16 tolerance, greedy tokens or bf16 ties),
 with turns over two documents of different lengths, different methods and budgets and a fork in one batch; and turns
 answered together through TurnBatch, one joining and one leaving mid-answer (each a new capture), against the same
-batch run eagerly: the same statistics where their tokens are the same (tiny models on CUDA, Triton backend, bf16). On the CPU a
-batch steps eagerly (tests/engine/test_batching.py): these tests are skipped there."""
+batch run eagerly: the same statistics where their tokens are the same (tiny models on CUDA, Triton backend, bf16).
+On the CPU a batch steps eagerly (tests/engine/test_batching.py): these tests are skipped there."""
 
 from __future__ import annotations
 
@@ -13,19 +13,16 @@ import pytest
 import torch
 
 from engine.context.batching import TurnBatch
-from engine.context.ingest import ingest_tokens
 from engine.context.session import ContextSession
 from engine.model.batch import forward_batch
 from engine.model.batch_graph import BatchGraph
 from engine.model.generate import forward_step
 from engine.model.load import load_model
-from engine.text.prompt import question_ids, tokenize_document
+from engine.text.prompt import question_ids
 from kernels.dispatch import backend_for
-from tests.engine.test_batch_step import OTHER, SEQUENCES
+from tests.engine.test_batch_step import SEQUENCES, _sessions
 from tests.engine.test_batching import MAX_TOKENS, _run
 from tests.engine.test_engine_graph import LOGIT_TOL, _tie
-from tests.engine.test_engine_tiny import DOCUMENT, SETTINGS, all_methods
-from tests.support.tiny_models import gates_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 STEPS = 5
@@ -34,14 +31,7 @@ STEPS = 5
 @pytest.fixture(scope="module")
 def sessions(tiny_model_path) -> list[ContextSession]:
     lm = load_model(str(tiny_model_path), device="cuda")
-    backend = backend_for(lm.device, "triton")
-    out = []
-    for text in (DOCUMENT, OTHER):
-        ids = tokenize_document(lm.tokenizer, text, lm.max_context).ids
-        artifacts = ingest_tokens(lm, ids, SETTINGS, backend, all_methods(),
-                                  prepared=gates_for(lm, all_methods())).artifacts
-        out.append(ContextSession(lm, artifacts, SETTINGS, backend))
-    return out
+    return _sessions(lm, backend_for(lm.device, "triton"))
 
 
 def _steps(sessions: list[ContextSession], graphs: bool) -> list:

@@ -33,13 +33,14 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.parametrize("tiny_model_path", ["llama_gqa", "gemma3_hybrid"], indirect=True)]
 
 
-def _sessions(lm) -> list[ContextSession]:
+def _sessions(lm, backend=REFERENCE) -> list[ContextSession]:
+    """A session over each of DOCUMENT and OTHER with every method built, on `backend`."""
     out = []
     for text in (DOCUMENT, OTHER):
         ids = tokenize_document(lm.tokenizer, text, lm.max_context).ids
-        artifacts = ingest_tokens(lm, ids, SETTINGS, REFERENCE, all_methods(),
+        artifacts = ingest_tokens(lm, ids, SETTINGS, backend, all_methods(),
                                   prepared=gates_for(lm, all_methods())).artifacts
-        out.append(ContextSession(lm, artifacts, SETTINGS, REFERENCE))
+        out.append(ContextSession(lm, artifacts, SETTINGS, backend))
     return out
 
 
