@@ -227,6 +227,28 @@ def test_answers_stream_and_every_turn_shows_what_attention_did(app, ready_doc):
     assert again[0] == out["heatmap"]
 
 
+def test_an_answer_streams_each_piece_as_the_engine_makes_it(app, ready_doc):
+    """The chat shows every piece of an answer in an update of its own as the engine yields it (none held for the
+    next): the answer's texts the browser receives include, in order, each prefix the engine's pieces make for the
+    same question."""
+    from engine.context.turn import Delta
+
+    context = app.store.contexts.list(ready_doc)[0]["id"]
+    pieces = [e.text for e in app.engine.stream(context, "Who kept the light?", "squeeze", 0.8, 16)
+              if isinstance(e, Delta)]
+    assert len(pieces) >= 3
+    client = app.client()
+    open_doc(client, ready_doc)
+    _, job = ask(client, "Who kept the light?", max_new=16)
+    shown = [texts(o[0])[1] for o in job.outputs() if len(texts(o[0])) == 2]  # the answer's text in each update
+    prefixes = ["".join(pieces[: i + 1]) for i in range(len(pieces))]
+    at = 0
+    for text in shown:
+        if at < len(prefixes) and text == prefixes[at]:
+            at += 1
+    assert at == len(prefixes), (prefixes, shown)
+
+
 def test_the_latest_evaluation_of_the_model_is_shown(app, ready_doc):
     """The chat tab shows the newest `squeeze eval` of the app's model, again when a document is opened."""
     client = app.client()
