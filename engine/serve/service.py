@@ -35,6 +35,7 @@ from storage import (
     Store,
     load_document,
 )
+from storage.repositories.documents import SOURCE_KINDS
 
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
 STEP_COMPILE = "compiling the model's layers for this GPU (once per process)"  # a load step after the weights
@@ -254,7 +255,8 @@ class Engine:
             report(stage, done, total)
 
         doc = source if isinstance(source, Document) else load_document(source)
-        doc_id, created = self.store.documents.add(doc)
+        kept = Path(source).read_bytes() if not isinstance(source, Document) and doc.kind in SOURCE_KINDS else None
+        doc_id, created = self.store.documents.add(doc, source=kept)  # (a PDF's file kept: its pages can be opened)
         ctx = self.store.contexts.context_for(doc_id, self.model_id, settings.as_dict())
         if job is not None:
             self.store.jobs.update(job, context_id=ctx["id"])

@@ -25,6 +25,27 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
+def test_an_ingested_pdf_keeps_its_file(tiny, tmp_path, capsys):
+    """`squeeze ingest` of a PDF keeps its original file (checked against the document's sha256), as an upload
+    through the app does: the app's page links can open it; a text file keeps none."""
+    from storage import Store
+    from tests.support.pdfs import make_text_pdf
+
+    model, root = tiny
+    pdf = tmp_path / "wall.pdf"
+    pdf.write_bytes(make_text_pdf([DOC[:400], DOC[400:800]]))
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--quiet", "--json"]
+    code, out, _ = run(capsys, "ingest", str(pdf), *common)
+    assert code == 0
+    doc_id = json.loads(out)["doc_id"]
+    code, out, _ = run(capsys, "ingest", str(root / "doc.txt"), *common)
+    text_id = json.loads(out)["doc_id"]
+    with Store(tmp_path / "cache") as store:
+        assert store.documents.source(doc_id) == pdf.read_bytes()
+        assert store.documents.source_file(doc_id) is not None
+        assert store.documents.source(text_id) is None
+
+
 def test_ingest_ask_list_delete(tiny, capsys):
     model, root = tiny
     common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(root / "cache"), "--quiet"]
