@@ -221,10 +221,10 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     the one-byte centroids' step [Hkv, D] (the kernels scale q by it as they load it), or None; valid: [1] int64, the
     real tokens of Lq (the first ones), or None (all). elements (lists whose rows are the KV heads): (out [rows]
     float32, base, per), out set to base + per x each row's candidates by the score pass. hist: [CUT_BINS] int32,
-    zeroed (dense only): the score pass writes the scores and adds each cluster's keys into its score's bin, for
-    centroid_cut_kernel to decide keep (and the block sums) after it; off: [Hkv] bool, KV heads whose clusters stay
-    out of the histogram (their rows read fixed lists), or None. Returns whether the passes ran (not for lists of
-    no capacity)."""
+    zeroed: the score pass writes the scores, marks in keep the clusters it scored and adds each cluster's keys into
+    its score's bin, for centroid_cut_kernel to decide keep (and the block sums) after it; off: [Hkv] bool, KV
+    heads whose clusters stay out of the histogram (their rows read fixed lists), or None. Returns whether the
+    passes ran (not for lists of no capacity)."""
     hq, lq, d = q.shape
     hkv, c, _ = centroids.shape
     use_list = indptr is not None

@@ -20,6 +20,7 @@ from .documents import (
     document_kind,
     load_document,
     load_document_bytes,
+    read_document,
 )
 from .errors import AmbiguousIdError, DamagedArtifactError, MissingArtifactError, NotFoundError, StorageError
 from .repositories.jobs import INTERRUPTED
@@ -47,6 +48,7 @@ __all__ = [
     "document_kind",
     "load_document",
     "load_document_bytes",
+    "read_document",
     "read_tensors",
     "salvage_index",
     "write_tensors",

@@ -199,11 +199,17 @@ def document_kind(filename: str | Path) -> str:
 def load_document(path: str | Path) -> Document:
     """Load a file from disk (its type is checked before reading, and that it is a regular file: a named pipe would
     block the read, a device never end it; OSErrors propagate)."""
+    return read_document(path)[0]
+
+
+def read_document(path: str | Path) -> tuple[Document, bytes]:
+    """`load_document`, and the file's bytes it read (a PDF's are kept beside it: Documents.add's source)."""
     path = Path(path)
     document_kind(path)
     if path.exists() and not path.is_file():
         raise NotAFileError(path.name)
-    return load_document_bytes(path.read_bytes(), path.name)
+    data = path.read_bytes()
+    return load_document_bytes(data, path.name), data
 
 
 MAX_NAME = 200  # characters of a document's name kept (its extension always)

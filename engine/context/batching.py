@@ -97,15 +97,12 @@ class TurnBatch:
             logits = self._graph.warm_and_capture(torch.cat([tok for tok, _ in inputs]), [pos for _, pos in inputs])
         else:
             logits = self._graph.replay()
-        graph, tokens = self._graph, []
+        graph = self._graph
         for b, turn in enumerate(self.turns):
-            if turn.sampler is None:
-                tokens.append(graph.ids[b : b + 1].clone())  # its greedy token, the next step's input already
-            else:
-                token = turn.sampler.pick(logits[b : b + 1])
-                graph.feed(b, token)
-                tokens.append(token)
-        return tokens
+            if turn.sampler is not None:  # (a greedy turn's token is the next step's input already)
+                graph.feed(b, turn.sampler.pick(logits[b : b + 1]))
+        chosen = graph.ids.clone()  # [B]: what the step chose, kept past the next replay
+        return [chosen[b : b + 1] for b in range(len(self.turns))]
 
     def _drop_graph(self) -> None:
         """The turns change: the captured step's statistics go to its turns' recorders, and the next step is

@@ -39,7 +39,6 @@ class BatchGraph:
         self.logits: torch.Tensor | None = None
         self.totals = [StepTotals.zeros(len(lm.global_layers), lm.num_heads, lm.device)
                        if step.recorder is not None else None for step in steps]
-        self.recorders = [step.recorder for step in steps]
         self._steps = [replace(step, positions=self.positions[b : b + 1], static=True, graphs=None)
                        for b, step in enumerate(steps)]
         self.graph: torch.cuda.CUDAGraph | None = None
@@ -67,10 +66,10 @@ class BatchGraph:
         (a sampled turn's choice goes into ids by `feed`)."""
         self.ids.copy_(tokens.reshape(-1))
         self.positions.copy_(torch.tensor(positions, dtype=torch.int64))
-        for recorder, totals in zip(self.recorders, self.totals):
-            if recorder is not None:
-                recorder.current = totals
-                recorder.timing = False  # counted like the replays it stands for
+        for step, totals in zip(self._steps, self.totals):
+            if step.recorder is not None:
+                step.recorder.current = totals
+                step.recorder.timing = False  # counted like the replays it stands for
         device = self.lm.device
         try:
             self._stream.wait_stream(torch.cuda.current_stream(device))
@@ -84,10 +83,10 @@ class BatchGraph:
                 self._forward()  # recorded, not run: the inputs stay as the warm step left them
             self.graph = graph
         finally:
-            for recorder in self.recorders:
-                if recorder is not None:
-                    recorder.current = None
-                    recorder.timing = True
+            for step in self._steps:
+                if step.recorder is not None:
+                    step.recorder.current = None
+                    step.recorder.timing = True
         return warm
 
     def replay(self) -> torch.Tensor:
@@ -103,8 +102,8 @@ class BatchGraph:
     def flush(self) -> None:
         """Hand each turn's statistics of the steps run so far to its recorder, and the replayed steps' tokens to
         its cache's host count (the warm step counted its own), once: the graph is dropped after."""
-        for step, recorder, totals in zip(self._steps, self.recorders, self.totals):
-            if recorder is not None and totals is not None:
-                recorder.add_decode(totals, self.steps_run)
+        for step, totals in zip(self._steps, self.totals):
+            if totals is not None:  # (a turn with a recorder)
+                step.recorder.add_decode(totals, self.steps_run)
             step.cache.replayed(max(self.steps_run - 1, 0))
         self.steps_run = 0

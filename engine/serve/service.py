@@ -33,7 +33,7 @@ from storage import (
     NotFoundError,
     StorageError,
     Store,
-    load_document,
+    read_document,
 )
 from storage.repositories.documents import SOURCE_KINDS
 
@@ -254,9 +254,9 @@ class Engine:
                 self.store.jobs.update(job, stage=stage, done=done, total=total)
             report(stage, done, total)
 
-        doc = source if isinstance(source, Document) else load_document(source)
-        kept = Path(source).read_bytes() if not isinstance(source, Document) and doc.kind in SOURCE_KINDS else None
-        doc_id, created = self.store.documents.add(doc, source=kept)  # (a PDF's file kept: its pages can be opened)
+        doc, data = (source, None) if isinstance(source, Document) else read_document(source)
+        kept = data if doc.kind in SOURCE_KINDS else None  # a PDF's file, kept: its pages can be opened
+        doc_id, created = self.store.documents.add(doc, source=kept)
         ctx = self.store.contexts.context_for(doc_id, self.model_id, settings.as_dict())
         if job is not None:
             self.store.jobs.update(job, context_id=ctx["id"])

@@ -153,10 +153,7 @@ def cluster_keep_among(
     keep, score = cluster_keep(q, centroids, counts, scale, threshold if keys is None else 0.0, rows,
                                allowed=allowed, step=step, valid=valid)
     if keys is not None:
-        if rows != counts.shape[0]:
-            raise ValueError("a cut at a number of keys needs one row per KV head")
-        keys = keys.reshape(()) if isinstance(keys, torch.Tensor) else keys
-        keep = keep & (score > binned_cut(score, counts * allowed, keys))
+        keep = _kept_at(keep, score, counts * allowed, keys)
     elements = read_elements(candidates.indptr, centroids.shape[0], *read) if read is not None else None
     return keep, score, elements
 
@@ -223,6 +220,14 @@ def binned_cut(score: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor | fl
     return torch.where(want > 0, threshold, torch.tensor(float("inf"), device=score.device)).float()
 
 
+def _kept_at(keep: torch.Tensor, score: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor | float
+             ) -> torch.Tensor:
+    """keep [rows, U] narrowed to the units above the binned cut of sizes [Hkv, U] at `keys` (one row per KV head)."""
+    if score.shape[0] != sizes.shape[0]:
+        raise ValueError("a cut at a number of keys needs one row per KV head")
+    return keep & (score > binned_cut(score, sizes, keys))
+
+
 def cluster_select(
     q: torch.Tensor,
     centroids: torch.Tensor,
@@ -248,9 +253,6 @@ def cluster_select(
     keep, score = cluster_keep(q, centroids, counts, scale, threshold if keys is None else 0.0, rows, step=step,
                                valid=valid)
     if keys is not None:
-        if rows != counts.shape[0]:
-            raise ValueError("a cut at a number of keys needs one row per KV head")
-        keys = keys.reshape(()) if isinstance(keys, torch.Tensor) else keys
-        sizes = counts if fixed is None else counts * ~fixed.on[:, None]  # a fixed head's clusters: not cut
-        keep = keep & (score > binned_cut(score, sizes, keys))
+        keep = _kept_at(keep, score, counts if fixed is None else counts * ~fixed.on[:, None], keys)  # (a fixed
+        # head's clusters: not counted)
     return keep, score, expand_groups(keep, starts, total, tail, fixed=fixed)

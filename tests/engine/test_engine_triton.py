@@ -81,8 +81,7 @@ class CheckedLookups:
         ref = reference.cluster_select(q, centroids, counts, scale, threshold, rows, starts, total, tail, fixed=fixed,
                                        step=step, valid=valid, keys=keys)
         if keys is not None:  # a cut: the reference's threshold from its own histogram
-            threshold = float(reference.binned_cut(ref[1], counts, keys.reshape(()) if torch.is_tensor(keys)
-                                                   else keys))
+            threshold = float(reference.binned_cut(ref[1], counts, keys))
         self._compare(keep, score, *ref[:2], threshold)
         return keep, score, sel
 
@@ -94,8 +93,7 @@ class CheckedLookups:
         ref = reference.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates, step=step,
                                            valid=valid, read=read, keys=keys)
         if keys is not None:  # a cut: the reference's threshold from its own histogram of the candidates
-            threshold = float(reference.binned_cut(ref[1], counts * candidates.to_mask(),
-                                                   keys.reshape(()) if torch.is_tensor(keys) else keys))
+            threshold = float(reference.binned_cut(ref[1], counts * candidates.to_mask(), keys))
         self._compare(keep, score, *ref[:2], threshold)
         if read is None:
             assert elements is None and ref[2] is None
