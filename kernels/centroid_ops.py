@@ -54,7 +54,7 @@ from kernels.reference.centroid import (  # noqa: F401
     score_bins,
     select_clusters,
 )
-from kernels.selection import Fixed, Selection
+from kernels.selection import Fixed, KeyCount, Selection
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -205,25 +205,57 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
-def _cut_args(hist: torch.Tensor | None, off: torch.Tensor | None) -> dict:
-    """The score passes' histogram constants (CUT_*) where a cut follows them; off: KV heads kept out of it."""
-    if hist is None:
-        return {}
-    return dict(HAS_HIST=True, HIST_FIXED=off is not None, CUT_LOW=CUT_LOW, CUT_PER=CUT_PER, CUT_BINS=CUT_BINS)
+@dataclass(frozen=True)
+class _Cut:
+    """A lookup cut at a number of keys: hist [CUT_BINS + 1] int32 (the score pass's histogram and ticket, zeroed by
+    the denominator pass), out [1] float32 (the threshold its last program writes), the keys asked, and off: [Hkv]
+    bool KV heads whose clusters stay out of the histogram (their rows read fixed lists), or None."""
+
+    hist: torch.Tensor
+    out: torch.Tensor
+    keys: KeyCount
+    off: torch.Tensor | None = None
+
+    @staticmethod
+    def new(keys: KeyCount | float, device: torch.device, off: torch.Tensor | None = None) -> "_Cut":
+        keys = KeyCount.of(keys)
+        if keys.listed is not None and (keys.listed.device != device or keys.listed.dtype != torch.int64
+                                        or keys.listed.dim() != 1):
+            raise ValueError(f"the keys' listed positions must be a 1-D int64 tensor on {device}")
+        return _Cut(torch.empty(CUT_BINS + 1, dtype=torch.int32, device=device),
+                    torch.empty(1, dtype=torch.float32, device=device), keys, off)
+
+    def score_args(self, dummy: torch.Tensor, read: bool) -> tuple[tuple, dict]:
+        """The score passes' pointers (hist, on, cut, listed) and their constants; read: the pass writes the
+        elements its units read (the keys less per_read of them)."""
+        keys, listed = self.keys, self.keys.listed
+        if keys.per_read and not read:
+            raise ValueError("a count less the elements read needs a candidate-list lookup that reports them "
+                             "(out_read, one row per KV head)")
+        pointers = (self.hist, self.off.view(torch.uint8) if self.off is not None else dummy, self.out,
+                    listed.contiguous() if listed is not None else dummy)
+        constants = dict(HAS_HIST=True, HIST_FIXED=self.off is not None, CUT_LOW=CUT_LOW, CUT_PER=CUT_PER,
+                         CUT_BINS=CUT_BINS, HAS_LISTED=listed is not None,
+                         M=listed.numel() if listed is not None else 0, lo=int(keys.lo), hi=int(keys.hi),
+                         key_base=float(keys.base), key_least=float(keys.least), per_listed=float(keys.per_listed),
+                         PER_HEAD=keys.per_head)
+        if read:
+            constants.update(per_read=float(keys.per_read), READ_KEYS=bool(keys.per_read))
+        return pointers, constants
 
 
 def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config,
-            starts=None, block_sums=None, step=None, valid=None, zero=False, elements=None, hist=None, off=None):
+            starts=None, block_sums=None, step=None, valid=None, zero=False, elements=None, cut=None):
     """Both passes. allowed: [rows, C] bool or None; indptr/idx: CSR candidates or None (dense); keep/score: the
     [rows, C] outputs (for lists the score pass writes the candidates' entries only: the others are zeroed by the
     denominator pass with `zero`); starts / block_sums: the
     clusters' key ranges [Hkv, C + 1] and the kept keys per (row, score block) [rows, NB] out (dense only); step:
     the one-byte centroids' step [Hkv, D] (the kernels scale q by it as they load it), or None; valid: [1] int64, the
     real tokens of Lq (the first ones), or None (all). elements (lists whose rows are the KV heads): (out [rows]
-    float32, base, per), out set to base + per x each row's candidates by the score pass. hist: [CUT_BINS] int32,
-    zeroed: the score pass writes the scores, marks in keep the clusters it scored and adds each cluster's keys into
-    its score's bin, for centroid_cut_kernel to decide keep (and the block sums) after it; off: [Hkv] bool, KV
-    heads whose clusters stay out of the histogram (their rows read fixed lists), or None. Returns whether the
+    float32, base, per), out set to base + per x each row's candidates by the score pass. cut: a _Cut, or None:
+    the score pass writes the scores, marks in keep the clusters it scored, adds each cluster's keys into its
+    score's bin of the histogram, and its last program writes the threshold, for centroid_cut_kernel to decide keep
+    (and the block sums) after it. Returns whether the
     passes ran (not for lists of no capacity)."""
     hq, lq, d = q.shape
     hkv, c, _ = centroids.shape
@@ -274,39 +306,40 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     inputs = (q, centroids, counts, allowed_u8, indptr, idx, step_arg)
     centroid_denominator_kernel[(units, m_blocks, nsplit)](
         *inputs, part_max, part_sum, s_cache, valid_arg, keep.view(torch.uint8), score,
+        cut.hist if cut is not None else counts,
         float(scale) * LOG2E, lq, c, capacity, g, gh, hpr, nsplit, *strides, keep.stride(0), score.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, STORE_S=cache_s, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, HAS_VALID=valid is not None, ZERO=zero and use_list, **common,
+        num_stages=cfg.num_stages, HAS_VALID=valid is not None, ZERO=zero and use_list, ZERO_HIST=cut is not None,
+        CUT_BINS=CUT_BINS, **common,
     )
+    out_elements, read_base, read_per = elements if elements is not None else (score, 0.0, 0.0)  # dummy unless given
+    cut_ptrs, cut_args = cut.score_args(counts, elements is not None and use_list) if cut is not None else \
+        ((counts, counts, score, counts), {})
     keep_threshold = float(threshold) if threshold > 0 else -1.0  # S >= 0, so "> -1" keeps every cluster
     has_starts = starts is not None
     if not use_list and lq > 1:  # dense prefill: the centroid-major score pass
         centroid_score_prefill_kernel[(units, score_blocks)](
             q, centroids, counts, allowed_u8, step_arg, part_max, part_sum, keep.view(torch.uint8), score,
             starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-            valid_arg, hist if hist is not None else counts, off.view(torch.uint8) if off is not None else counts,
-            float(scale) * LOG2E, keep_threshold, lq, c, g, hpr, nsplit, score_blocks,
+            valid_arg, *cut_ptrs, float(scale) * LOG2E, keep_threshold, lq, c, g, hpr, nsplit, score_blocks,
             q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
             allowed_u8.stride(0), keep.stride(0), score.stride(0),
             D=d, BLOCK_D=common["BLOCK_D"], BLOCK_M=score_m, BLOCK_C=score_c,
             BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(hpr)), BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)),
             HAS_ALLOWED=allowed is not None, HAS_STARTS=has_starts, DOT_PRECISION=common["DOT_PRECISION"],
             SCALED=common["SCALED"], CODES16=common["CODES16"], HAS_VALID=valid is not None, num_warps=score_warps,
-            num_stages=score_stages, **_cut_args(hist, off), **dependent_launch(q.device),
+            num_stages=score_stages, **cut_args, **dependent_launch(q.device),
         )
         return True
-    out_elements, read_base, read_per = elements if elements is not None else (score, 0.0, 0.0)  # dummy unless given
     centroid_score_kernel[(units, score_blocks)](
         *inputs, part_max, part_sum, s_cache, keep.view(torch.uint8), score,
         starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-        valid_arg, out_elements, hist if hist is not None else counts,
-        off.view(torch.uint8) if off is not None else counts, float(scale) * LOG2E, keep_threshold, lq, c, capacity,
-        g, gh, hpr, nsplit,
+        valid_arg, out_elements, *cut_ptrs, float(scale) * LOG2E, keep_threshold, lq, c, capacity, g, gh, hpr, nsplit,
         score_blocks, score_blocks, *strides, keep.stride(0), score.stride(0),
         BLOCK_M=score_m, BLOCK_C=score_c, BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)), LOAD_S=cache_s,
         HAS_STARTS=has_starts, HAS_VALID=valid is not None, num_warps=score_warps, num_stages=score_stages,
         read_base=float(read_base), read_per=float(read_per), HAS_ELEMENTS=elements is not None and use_list,
-        **_cut_args(hist, off), **common,
+        **cut_args, **common,
     )
     return True
 
@@ -364,16 +397,17 @@ def cluster_select(
     fixed: Fixed | None = None,
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    keys: torch.Tensor | float | None = None,
+    keys: KeyCount | float | None = None,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """The lookup and the expansion of its kept clusters into key positions, in three launches: the denominator
     pass, the score pass (which also sums the kept keys per block of centroids), the expansion. keys (rows == Hkv):
-    instead of `threshold`, a cut at about that many keys in all (a float or a [1] tensor on the device, read there:
-    no host synchronisation), in two more launches: the score pass adds each cluster's keys into a histogram of the
-    scores (CUT_BINS bins of 1 / CUT_PER of a power of two from 2^CUT_LOW), zeroed before it, and the cut keeps the
-    clusters above the bin edge whose keys come nearest (centroid_cut_kernel): the reference's `binned_cut`; the
-    clusters of `fixed` heads stay out of the histogram.
+    instead of `threshold`, a cut at about that many keys in all (a float, or a KeyCount worked out on the device by
+    the score pass: no host synchronisation), in one more launch: the score pass adds each cluster's keys into a
+    histogram of the scores (CUT_BINS bins of 1 / CUT_PER of a power of two from 2^CUT_LOW; zeroed by the
+    denominator pass) and its last program takes the bin edge whose keys above come nearest; the cut
+    (centroid_cut_kernel) keeps the clusters above it: the reference's `binned_cut`; the clusters of `fixed` heads
+    stay out of the histogram.
 
     q, centroids, counts, scale, threshold, rows, step, valid: as cluster_keep; starts: [Hkv, C + 1] int64, cluster c of
     head h holds positions [starts[h, c], starts[h, c + 1]); total: starts[h, C] (the same for every head); tail: dense
@@ -400,30 +434,27 @@ def cluster_select(
     else:
         if rows != hkv:
             raise ValueError("a cut at a number of keys needs one row per KV head")
-        hist = torch.zeros(CUT_BINS, dtype=torch.int32, device=q.device)
+        cut = _Cut.new(keys, q.device, fixed.on.contiguous() if fixed is not None else None)
         _launch(q, centroids, counts, scale, 1.0, rows, None, None, None, keep, score, cfg, starts, block_sums,
-                step, valid, hist=hist, off=fixed.on.contiguous() if fixed is not None else None)
-        _cut(score, counts, hist, keys, keep, score_c, starts, block_sums)
+                step, valid, cut=cut)
+        _cut(score, counts, cut, keep, score_c, starts, block_sums)
     return keep, score, expand_block_sums(keep, starts, block_sums, score_c, total, tail, fixed=fixed)
 
 
-def _cut(score: torch.Tensor, counts: torch.Tensor, hist: torch.Tensor, keys: torch.Tensor | float,
-         keep: torch.Tensor, block_c: int, starts: torch.Tensor | None = None, block_sums: torch.Tensor | None = None,
-         among: bool = False) -> None:
-    """centroid_cut_kernel over score [rows, C] from the score pass's histogram: keep [rows, C] written (among: only
-    where the score pass marked it, a list's candidates), and with starts the kept keys per block of block_c
-    centroids into block_sums. keys: a float, or a [1] / [] tensor on the device (read there)."""
+def _cut(score: torch.Tensor, counts: torch.Tensor, cut: _Cut, keep: torch.Tensor, block_c: int,
+         starts: torch.Tensor | None = None, block_sums: torch.Tensor | None = None, among: bool = False) -> None:
+    """centroid_cut_kernel over score [rows, C] at the threshold the score pass wrote (cut.out): keep [rows, C]
+    written (among: only where the score pass marked it, a list's candidates), and with starts the kept keys per
+    block of block_c centroids into block_sums."""
     rows, c = score.shape
-    want = keys.reshape(1).float() if isinstance(keys, torch.Tensor) else \
-        torch.full((1,), float(keys), dtype=torch.float32, device=score.device)  # (a fill: no copy from the host)
     counts = _row_major(counts)
     nb = max(1, triton.cdiv(c, block_c))
     has_starts = starts is not None
     centroid_cut_kernel[(rows, nb)](
-        score, counts, hist, want, keep.view(torch.uint8), starts if has_starts else counts,
+        score, counts, cut.out, keep.view(torch.uint8), starts if has_starts else counts,
         block_sums if has_starts else counts, c, nb, rows // counts.shape[0], counts.stride(0), keep.stride(0),
-        score.stride(0), BLOCK_C=block_c, CUT_LOW=CUT_LOW, CUT_PER=CUT_PER, CUT_BINS=CUT_BINS, HAS_STARTS=has_starts,
-        AMONG=among, num_warps=4, **dependent_launch(score.device),
+        score.stride(0), BLOCK_C=block_c, HAS_STARTS=has_starts, AMONG=among, num_warps=4,
+        **dependent_launch(score.device),
     )
 
 
@@ -442,7 +473,7 @@ def cluster_keep_list(
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     out_read: tuple[torch.Tensor, float, float] | None = None,
-    keys: torch.Tensor | float | None = None,
+    keys: KeyCount | float | None = None,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The level-2 lookup over each row's candidate clusters only: `reference.cluster_keep(..., allowed=A)` with
@@ -457,7 +488,8 @@ def cluster_keep_list(
     out_read: (out [Hkv] float32, base, per): out set to the index elements the lookup read per KV head, base + per x
               the candidates of the head's rows (reference.read_elements), by the score pass where rows == Hkv
     keys (rows == Hkv): instead of `threshold`, the candidates kept are the best ones holding about that many keys
-              in all: the score pass's histogram and centroid_cut_kernel, as cluster_select's keys.
+              in all: the score pass's histogram and centroid_cut_kernel, as cluster_select's keys (a KeyCount
+              less per_read of the elements read takes out_read).
     Returns keep [rows, C] bool and score [rows, C] float32 as cluster_keep (0 / False off the candidates).
     No host synchronisation: the grid depends on (Hq, Lq, C, capacity) only.
     """
@@ -478,15 +510,15 @@ def cluster_keep_list(
     in_kernel = out_read is not None and rows == hkv
     if keys is not None and rows != hkv:
         raise ValueError("a cut at a number of keys needs one row per KV head")
-    hist = torch.zeros(CUT_BINS, dtype=torch.int32, device=q.device) if keys is not None else None
+    cut = _Cut.new(keys, q.device) if keys is not None else None
     ran = _launch(q, centroids, counts, scale, 1.0 if keys is not None else threshold, rows, None,
                   cand_indptr.contiguous(), cand_idx.contiguous(), keep, score, config, step=step, valid=valid,
-                  zero=True, elements=out_read if in_kernel else None, hist=hist)
+                  zero=True, elements=out_read if in_kernel else None, cut=cut)
     if not ran:  # no candidate can be listed: nothing kept, nothing scored
         keep.zero_()
         score.zero_()
     elif keys is not None:
-        _cut(score, counts, hist, keys, keep, CUT_BLOCK, among=True)
+        _cut(score, counts, cut, keep, CUT_BLOCK, among=True)
     if out_read is not None and (not in_kernel or not ran):
         out_read[0].copy_(read_elements(cand_indptr, hkv, out_read[1], out_read[2]))
     return keep, score

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -79,6 +79,64 @@ class FollowRows:
     first: int
     indexed: int
     order: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class KeyCount:
+    """The number of keys a lookup's cut keeps, worked out on the device where the cut runs (inside a GPU lookup's
+    kernels: no launch of its own), so that a step's own reads can be taken out of its room:
+
+        max(base - per_listed x #{p in listed: lo <= p < hi} - per_read x (index elements the lookup read), least)
+
+    times the KV heads whose clusters the cut counts where per_head (those not reading fixed lists: a count per
+    retrieval head of duo-squeeze). listed: [M] int64 positions on the lookup's device (-1: none), or None; the
+    elements read are a candidate-list lookup's own (cluster_keep_list's out_read, summed over its KV heads).
+    Computed in float32, in that order."""
+
+    base: float
+    least: float = float("-inf")
+    listed: torch.Tensor | None = None
+    lo: int = 0
+    hi: int = 0
+    per_listed: float = 0.0
+    per_read: float = 0.0
+    per_head: bool = False
+
+    @staticmethod
+    def of(keys: "KeyCount | float") -> "KeyCount":
+        """`keys` as a KeyCount (a number: that many keys)."""
+        return keys if isinstance(keys, KeyCount) else KeyCount(float(keys))
+
+    def at_least(self, least: float) -> "KeyCount":
+        return replace(self, least=max(self.least, float(least)))
+
+    def times(self, factor: float) -> "KeyCount":
+        """factor >= 0 times the count (every term scaled)."""
+        return replace(self, base=self.base * factor, least=self.least * factor if factor else 0.0,
+                       per_listed=self.per_listed * factor, per_read=self.per_read * factor)
+
+    def value(self, read: torch.Tensor | None = None, device: torch.device | None = None,
+              heads: int | torch.Tensor | None = None) -> torch.Tensor:
+        """[] float32 on `device` (or the listed positions'): the count, in torch (the kernels' reference; the CPU's
+        lookups). read: the elements the lookup read ([Hkv] float32), where per_read is set; heads: the KV heads the
+        cut counts, where per_head is set."""
+        if device is None:
+            device = self.listed.device if self.listed is not None else torch.device("cpu")
+        f32 = dict(dtype=torch.float32, device=device)
+        want = torch.tensor(self.base, **f32)
+        if self.listed is not None:
+            p = self.listed
+            want = want - torch.tensor(self.per_listed, **f32) * ((p >= self.lo) & (p < self.hi)).sum().float()
+        if self.per_read:
+            if read is None:
+                raise ValueError("this count takes the elements the lookup read out: pass them as `read`")
+            want = want - torch.tensor(self.per_read, **f32) * read.float().sum()
+        want = torch.maximum(want, torch.tensor(self.least, **f32))
+        if self.per_head:
+            if heads is None:
+                raise ValueError("this count is per KV head the cut counts: pass their number as `heads`")
+            want = want * torch.as_tensor(heads, device=device).float()
+        return want
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reference.centroid import cut_threshold  # noqa: F401 (the lookups' exact cut, by its name here)
-from kernels.selection import FollowRows, Selection
+from kernels.selection import FollowRows, KeyCount, Selection
 
 # Key fractions measured, from 1 down to 0.01: denser than the thresholds' calibration grid (SPARSITY_GRID), whose
 # interpolated thresholds may read less between two of its points than a line between their reads (hsqueeze's two
@@ -64,23 +64,42 @@ def keys_for(curve: torch.Tensor, budget: float) -> float:
     return KEYS_GRID[-1]
 
 
-def at_least(keys: torch.Tensor | float, least: float) -> torch.Tensor | float:
-    """`keys` (a host number, or a device tensor a lookup computed) raised to `least`, in its own kind."""
-    return torch.clamp(keys, min=least) if isinstance(keys, torch.Tensor) else max(keys, least)
+def at_least(keys: KeyCount | float, least: float) -> KeyCount | float:
+    """`keys` (a host number, or a count the lookup works out on the device) raised to `least`, in its own kind."""
+    return keys.at_least(least) if isinstance(keys, KeyCount) else max(keys, least)
 
 
-def exact_room(plan, q: torch.Tensor, follow: FollowRows | None, hkv: int, in_kernels: bool = False
-               ) -> tuple[float, torch.Tensor | float] | None:
+def less_follow(keys: float, hkv: int, follow: FollowRows | None) -> KeyCount:
+    """`keys` less each of the step's follow rows among the indexed keys, once per KV head (those a row already keeps
+    are not read twice: a few keys under), counted where the lookup runs (a GPU's inside its kernels)."""
+    if follow is None:
+        return KeyCount(keys)
+    return KeyCount(keys, listed=follow.positions, lo=follow.first, hi=follow.first + follow.indexed,
+                    per_listed=float(hkv))
+
+
+def cut_room(plan, q: torch.Tensor, follow: FollowRows | None) -> tuple[float, FollowRows | None] | None:
+    """exact_room for a lookup that cuts at a number of keys inside its kernels (squeeze's, hsqueeze's and
+    duo-squeeze's: the centroid ops' keys, whole bins of a histogram of the scores, as near as the exact cut on a
+    real model's thousands of clusters), on any device: (room, the follow rows its count takes out: less_follow);
+    None where the plan keeps what its calibration keeps."""
+    if getattr(plan, "room", None) is None:
+        return None
+    if follow is None:
+        return (plan.room[0] if q.shape[1] == 1 else plan.room[1]), None
+    return plan.budget, follow
+
+
+def exact_room(plan, q: torch.Tensor, follow: FollowRows | None, hkv: int) -> tuple[float, torch.Tensor | float] | None:
     """(room, keys read besides): the share of the fixed K/V bytes a lookup cuts its scores to read (cut_threshold,
     or a number of units) and the keys the step reads besides its units and the dense rows; None where it keeps what
     its plan's calibration keeps. With the step's follow rows: the budget, and each indexed follow row once per KV
     head (those a row already keeps are not read twice: a few keys under); without them, the plan's room (its
     reserve for them left out). On the CPU every lookup cuts (its sort is nothing beside the model's step); on a GPU
-    only a lookup that cuts inside its kernels (in_kernels: squeeze's, hsqueeze's and duo-squeeze's, the centroid
-    ops' keys: whole bins of a histogram of the scores, as near as the exact cut on a real model's thousands of
-    clusters); the others keep their plan there, since a torch sort and gathers cost more than the lookup's own
-    launches (with them, a short question's prefill of hsqueeze was slower than full attention's on an H200)."""
-    if getattr(plan, "room", None) is None or (q.device.type != "cpu" and not in_kernels):
+    these lookups keep their plan, since a torch sort and gathers cost more than the lookup's own launches (with
+    them, a short question's prefill of hsqueeze was slower than full attention's on an H200; the centroid lookups
+    cut inside their kernels instead: cut_room)."""
+    if getattr(plan, "room", None) is None or q.device.type != "cpu":
         return None
     if follow is None:
         return (plan.room[0] if q.shape[1] == 1 else plan.room[1]), 0.0

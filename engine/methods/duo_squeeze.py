@@ -11,12 +11,12 @@ counted in what a step reads.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import KEYS_GRID, at_least, byte_share, cut_threshold, exact_room
+from engine.attention.budget import KEYS_GRID, byte_share, cut_room, cut_threshold, less_follow
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -31,7 +31,7 @@ from engine.methods.duo.policy import Window
 from engine.methods.squeeze import SqueezePolicy, ThresholdPlan, centroid_elements, code_step, kept_keys, threshold_plan
 from kernels.backend import Backend
 from kernels.layout import ClusterLayout
-from kernels.selection import Fixed, FollowRows
+from kernels.selection import Fixed, FollowRows, KeyCount
 
 # what the lookup reads of squeeze's index (the codes' offsets and steps where its centroids are one-byte codes)
 SQUEEZE_PARTS = ("labels", "centroids", "counts", "key_starts", "centroid_offset", "centroid_step")
@@ -112,14 +112,15 @@ class DuoSqueezePolicy(Method):
                                       lambda: streaming_heads(layer, plan.retrieval_heads, q.device))
         index = centroid_elements(layer, q.element_size())  # every head's centroids are scored, per KV head
         read = layer.elements(hkv, index, q.device)
-        cut = exact_room(plan, q, follow, hkv, in_kernels=True)
+        cut = cut_room(plan, q, follow)
         # the retrieval heads' best clusters up to their share of the room (retrieval_keys), or the plan's threshold
-        keys = None if cut is None else retrieval_keys(plan, layer, cut, index, q.shape[2], hkv) * retrieval.sum()
+        keys = None if cut is None else retrieval_keys(plan, layer, cut, index, q.shape[2], hkv)
         centroid = backend.kernel("centroid")
         if keys is not None and q.device.type == "cpu":  # the exact cut between whole clusters
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, hkv,
                                                 step=code_step(layer), valid=valid)
-            keep = keep & (score > cut_threshold(score, layer["counts"] * retrieval, keys))
+            keep = keep & (score > cut_threshold(score, layer["counts"] * retrieval,
+                                                 keys.value(device=q.device, heads=retrieval.sum())))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail,
                                                                 fixed=fixed)
         else:  # a GPU's cut inside the lookup's kernels (the streaming heads' clusters out of it), or the threshold
@@ -154,18 +155,21 @@ class DuoSqueezePolicy(Method):
 
 
 def retrieval_keys(plan: HeadThresholdPlan, layer: LayerIndex, cut: tuple, index: float, head_dim: int,
-                   hkv: int) -> torch.Tensor | float:
-    """The keys each retrieval head's clusters may hold so that the model's heads together read the room: every head
-    reads its index (`index` elements) and the step's follow rows (cut = (room, keys read besides over the layer's
-    hkv heads): engine.attention.budget.exact_room), a streaming head its window, a retrieval head its clusters and
-    the dense rows; the streaming heads' unread share goes to the retrieval heads (a layer of streaming heads alone
-    reads less than the room, so the others read more). At least KEYS_GRID's fewest."""
-    room, besides = cut
+                   hkv: int) -> KeyCount:
+    """The keys each retrieval head's clusters may hold so that the model's heads together read the room, as a
+    count per retrieval KV head (KeyCount.per_head: the cut multiplies it by the layer's retrieval heads): every head
+    reads its index (`index` elements) and the step's follow rows (cut = (room, follow rows):
+    engine.attention.budget.cut_room; each indexed one once per KV head), a streaming head its window, a retrieval
+    head its clusters and the dense rows; the streaming heads' unread share goes to the retrieval heads (a layer of
+    streaming heads alone reads less than the room, so the others read more). At least KEYS_GRID's fewest."""
+    room, follow = cut
     heads, retrieving = plan.heads, plan.retrieval_heads
-    per_head = room * layer.num_keys - index / (2 * head_dim) - besides / hkv  # keys a head may read on average
+    per_head = room * layer.num_keys - index / (2 * head_dim)  # keys a head may read on average, less follow rows
     window = layer["window"].shape[1]  # a streaming head's keys, its dense rows included
     keys = (heads * per_head - (heads - retrieving) * window) / max(retrieving, 1) - layer.tail
-    return at_least(keys, KEYS_GRID[-1] * layer.indexed)
+    # each follow row: once per KV head, spread over the retrieval heads as the rest is
+    count = replace(less_follow(keys, 1, follow), per_listed=heads / max(retrieving, 1), per_head=True)
+    return count.at_least(KEYS_GRID[-1] * layer.indexed)
 
 
 def streaming_heads(layer: LayerIndex, retrieval_heads: int, device: torch.device) -> tuple[Fixed, torch.Tensor]:

@@ -7,7 +7,7 @@ from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import at_least, byte_share, cut_threshold, exact_room
+from engine.attention.budget import byte_share, cut_room, cut_threshold
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -222,19 +222,19 @@ class HierarchicalSqueezePolicy(Method):
         c2 = layer["centroids"].shape[1]
         t1, t2 = plan.at(q.shape[1])
         centroid = backend.kernel("centroid")
-        cut = exact_room(plan, q, follow, hkv, in_kernels=True) if rows == hkv else None
+        cut = cut_room(plan, q, follow) if rows == hkv else None
         exact = cut is not None and q.device.type == "cpu"  # the CPU cuts between whole clusters (a sort); a GPU
         # inside the lookups' kernels (whole bins of the scores' histogram)
         keys1 = None
         if cut is not None:  # the best level-1 clusters up to the keys level 1 keeps at this room (at least level 2's)
-            room, besides = cut
+            room = cut[0]
             share = 1.0 - level1_prune(1.0 - room, self.settings)
-            keys1 = at_least(cut_keys(room, layer, hkv, q.shape[2], hkv * centroid_elements(layer, q.element_size()),
-                                      besides), share * hkv * layer.indexed)  # at least level 2's keys and this share
+            keys1 = cut_keys(room, layer, hkv, q.shape[2], hkv * centroid_elements(layer, q.element_size()),
+                             cut[1]).at_least(share * hkv * layer.indexed)  # at least level 2's keys and this share
         if exact:
             keep1, score1 = centroid.cluster_keep(q, layer["l1_centroids"], layer["l1_counts"], scale, 0.0, rows,
                                                   step=code_step(layer, "l1_"), valid=valid)
-            keep1 = keep1 & (score1 > cut_threshold(score1, layer["l1_counts"], keys1))
+            keep1 = keep1 & (score1 > cut_threshold(score1, layer["l1_counts"], keys1.value(device=q.device)))
             candidates = backend.kernel("compact").expand_groups(keep1, layer["l1_child_starts"], c2)
         else:
             _, _, candidates = centroid.cluster_select(q, layer["l1_centroids"], layer["l1_counts"], scale, t1, rows,
@@ -245,17 +245,15 @@ class HierarchicalSqueezePolicy(Method):
         # written by the level-2 score pass on a GPU: no launches of its own)
         base = centroid_elements(layer, key_size, "l1_") + centroid_elements(layer, key_size, scored=0)
         per = centroid_elements(layer, key_size, scored=1) - centroid_elements(layer, key_size, scored=0)
-        keys2 = None
-        if cut is not None and not exact:  # the room's keys, less what this level-2 lookup will read of the index
-            scored = centroid.read_elements(candidates.indptr, hkv, base, per).sum()
-            keys2 = cut_keys(cut[0], layer, hkv, q.shape[2], scored, cut[1])
+        # the room's keys, less what this level-2 lookup reads of the index (its elements, counted by its kernels)
+        keys2 = None if cut is None else cut_keys(cut[0], layer, hkv, q.shape[2], 0.0, cut[1],
+                                                  per_read=1.0 / (2 * q.shape[2]))
         keep, score, read = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale,
                                                         t2 if cut is None else 0.0, rows, candidates,
                                                         step=code_step(layer), valid=valid, read=(base, per),
-                                                        keys=keys2)
+                                                        keys=None if exact else keys2)
         if exact:  # the candidates' best level-2 clusters up to the room's keys
-            keep = keep & (score > cut_threshold(score, layer["counts"] * keep,
-                                                 cut_keys(cut[0], layer, hkv, q.shape[2], read.sum(), cut[1])))
+            keep = keep & (score > cut_threshold(score, layer["counts"] * keep, keys2.value(read, q.device)))
         selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
 
-from engine.attention.budget import KEYS_GRID, at_least, byte_share, cut_threshold, exact_room
+from engine.attention.budget import KEYS_GRID, byte_share, cut_room, cut_threshold, less_follow
 from engine.attention.method import (
     CalibrationSet,
     LayerIndex,
@@ -25,7 +25,7 @@ from engine.index.thresholds import SPARSITY_GRID, pooled_thresholds, prefill_wi
 from kernels.backend import REFERENCE, Backend
 from kernels.layout import ClusterLayout, group_starts
 from kernels.reference.centroid import dequantize_centroids, quantize_centroids, row_scores, select_clusters
-from kernels.selection import FollowRows
+from kernels.selection import FollowRows, KeyCount
 
 GROUPS = ("kv", "query")
 CENTROIDS = ("exact", "int8")
@@ -83,7 +83,7 @@ class SqueezeSettings(MethodSettings):
 class ThresholdPlan(StepPlan):
     """A turn of a threshold method: decode's thresholds (one per level of the lookup) and the question prefill's;
     room: (decode, prefill) shares of the fixed K/V bytes the method's lookups may read (the budget less what the
-    engine reads besides), where each lookup cuts its own scores to read that (`exact_room`); None: the thresholds
+    engine reads besides), where each lookup cuts its own scores to read that (`cut_room`); None: the thresholds
     alone (a plan made from key fractions, as the budget's calibration makes them)."""
 
     decode: tuple[float, ...]
@@ -92,9 +92,9 @@ class ThresholdPlan(StepPlan):
 
     def describe(self) -> str:
         th = ", ".join(f"{x:.3g}" for x in self.decode)
-        if self.room is not None:  # (a GPU's lookups keep the thresholds: exact_room)
+        if self.room is not None:  # (cut_room: on a GPU, whole bins of the scores' histogram)
             return (f"its best clusters up to {self.room[1]:.1%} of the K/V bytes in the question's lookups, "
-                    f"{self.room[0]:.1%} in the answer's (threshold {th} on a GPU)")
+                    f"{self.room[0]:.1%} in the answer's")
         if self.prefill != self.decode:
             th += " (prefill " + ", ".join(f"{x:.3g}" for x in self.prefill) + ")"
         return f"threshold {th}"
@@ -108,14 +108,17 @@ class ThresholdPlan(StepPlan):
         return self.prefill if lq > 1 else self.decode
 
 
-def cut_keys(room: float, layer: LayerIndex, hkv: int, head_dim: int, index: torch.Tensor | float,
-             fixed: torch.Tensor | float = 0.0) -> torch.Tensor | float:
+def cut_keys(room: float, layer: LayerIndex, hkv: int, head_dim: int, index: float,
+             follow: FollowRows | None = None, per_read: float = 0.0) -> KeyCount:
     """The keys a lookup's units may hold to read `room` of the layer's fixed K/V bytes (byte_share inverted): less
-    the index elements it reads (index: over every KV head), the dense tail of every row (rows == Hkv) and `fixed`
-    keys read besides (a streaming head's window); at least the fewest keys a plan keeps (KEYS_GRID's last share of
-    the indexed keys), where the index and the tail alone take more than the room."""
-    keys = room * hkv * layer.num_keys - index / (2 * head_dim) - hkv * layer.tail - fixed
-    return at_least(keys, KEYS_GRID[-1] * hkv * layer.indexed)
+    the index elements it reads (index: over every KV head; per_read: less that many keys per element a candidate
+    list's lookup reads itself, 1 / (2 x head_dim) of a key each), the dense tail of every row (rows == Hkv) and the
+    step's follow rows (less_follow); at least the fewest keys a plan keeps (KEYS_GRID's last share of the indexed
+    keys), where the index and the tail alone take more than the room. A count the lookup works out where it runs
+    (KeyCount.value on the CPU)."""
+    keys = room * hkv * layer.num_keys - index / (2 * head_dim) - hkv * layer.tail
+    count = replace(less_follow(keys, hkv, follow), per_read=per_read)
+    return count.at_least(KEYS_GRID[-1] * hkv * layer.indexed)
 
 
 def num_centroids(indexed: int, ratio: float) -> int:
@@ -282,14 +285,14 @@ class SqueezePolicy(Method):
         (threshold,) = plan.at(q.shape[1])
         index = centroid_elements(layer, q.element_size())  # every centroid and its count, per KV head
         read = layer.elements(hkv, index, q.device)
-        cut = exact_room(plan, q, follow, hkv, in_kernels=True) if rows == hkv else None
+        cut = cut_room(plan, q, follow) if rows == hkv else None
         keys = None if cut is None else cut_keys(cut[0], layer, hkv, q.shape[2], hkv * index, cut[1])
         centroid = backend.kernel("centroid")
         if keys is not None and q.device.type == "cpu":  # the exact cut between whole clusters (a sort: nothing
             # beside the CPU's step)
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, rows,
                                                 step=code_step(layer), valid=valid)
-            keep = keep & (score > cut_threshold(score, layer["counts"], keys))
+            keep = keep & (score > cut_threshold(score, layer["counts"], keys.value(device=q.device)))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
         else:  # the plan's threshold, or a GPU's cut inside the lookup's kernels (whole bins of the scores)
             keep, score, selection = centroid.cluster_select(

@@ -133,6 +133,70 @@ def _counted(on_ptr, kv_head, HIST_FIXED: tl.constexpr):
 
 
 @triton.jit
+def _hist_add(hist_ptr, bins, weight, ok, CUT_BINS: tl.constexpr, LOCAL: tl.constexpr = 64):
+    """weight [BLOCK_C] added into the histogram at bins [BLOCK_C] (where ok and weight > 0): first summed within the
+    block over the LOCAL bins around its mean bin, one atomic per such bin that holds any (a lookup's scores crowd a
+    few bins, where one atomic per cluster would queue on the same addresses), then one atomic for each of the rest.
+    Relaxed: the score pass's last program reads them after its ticket (_cut_when_last)."""
+    live = ok & (weight > 0)
+    n = tl.sum(live.to(tl.int32), axis=0)
+    mean = tl.sum(tl.where(live, bins, 0), axis=0) // tl.maximum(n, 1)
+    low = tl.minimum(tl.maximum(mean - LOCAL // 2, 0), CUT_BINS - LOCAL)
+    rel = bins - low
+    near = live & (rel >= 0) & (rel < LOCAL)
+    slots = tl.arange(0, LOCAL)
+    local = tl.sum(tl.where(near[:, None] & (rel[:, None] == slots[None, :]), weight[:, None], 0), axis=0)
+    tl.atomic_add(hist_ptr + low + slots, local, mask=local > 0, sem="relaxed")
+    tl.atomic_add(hist_ptr + bins, weight, mask=live & ~near, sem="relaxed")
+
+
+@triton.jit
+def _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, elements_ptr, NEL,
+                   per_read, on_ptr, HAS_LISTED: tl.constexpr, READ_KEYS: tl.constexpr, PER_HEAD: tl.constexpr,
+                   HIST_FIXED: tl.constexpr, CUT_LOW: tl.constexpr, CUT_PER: tl.constexpr, CUT_BINS: tl.constexpr,
+                   BLOCK_LIST: tl.constexpr = 1024):
+    """The end of a score pass that a cut follows: every program takes a ticket (hist[CUT_BINS], zeroed with the
+    histogram by the denominator pass) once its atomics are in; the last one works out the keys asked (the
+    KeyCount: key_base, less per_listed for each of the M listed positions within [lo, hi) and per_read for each
+    index element the pass's units read, elements [NEL], at least key_least; with PER_HEAD times the KV heads the
+    histogram counts, the grid's first axis less those on_ptr marks) and writes cut [1] float32, the
+    threshold of the bin edge whose keys above come nearest (ties: more keys; keys <= 0: +inf; the lowest bin: -1):
+    the reference's binned_cut, once per lookup."""
+    tl.debug_barrier()  # the program's histogram atomics are in before its ticket (a release at GPU scope)
+    ticket = tl.atomic_add(hist_ptr + CUT_BINS, 1)
+    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+        want = key_base + 0.0
+        if HAS_LISTED:
+            n = 0
+            for m0 in range(0, M, BLOCK_LIST):
+                offs = m0 + tl.arange(0, BLOCK_LIST)
+                p = tl.load(listed_ptr + offs, mask=offs < M, other=-1)
+                n += tl.sum(((p >= lo) & (p < hi)).to(tl.int32), axis=0)
+            want = want - per_listed * n.to(tl.float32)
+        if READ_KEYS:
+            read = 0.0
+            for e0 in range(0, NEL, BLOCK_LIST):
+                offs = e0 + tl.arange(0, BLOCK_LIST)
+                read += tl.sum(tl.load(elements_ptr + offs, mask=offs < NEL, other=0.0, cache_modifier=".cg"), axis=0)
+            want = want - per_read * read
+        want = tl.maximum(want, key_least)
+        if PER_HEAD:
+            heads = tl.num_programs(0)
+            if HIST_FIXED:
+                offs = tl.arange(0, BLOCK_LIST)
+                on = tl.load(on_ptr + offs, mask=offs < tl.num_programs(0), other=1)
+                heads = tl.sum((on == 0).to(tl.int32), axis=0)
+            want = want * heads.to(tl.float32)
+        bins = tl.arange(0, CUT_BINS)
+        held = tl.load(hist_ptr + bins, cache_modifier=".cg").to(tl.float32)  # keys per bin, lowest scores first
+        above = tl.sum(held, axis=0) - tl.cumsum(held, axis=0) + held  # keys in bins >= b
+        gap = tl.abs(above - want)
+        best = tl.min(tl.where(gap == tl.min(gap, axis=0), bins, CUT_BINS), axis=0)
+        threshold = tl.where(best == 0, -1.0, tl.exp2(CUT_LOW + best.to(tl.float32) / CUT_PER))
+        tl.store(cut_ptr, tl.where(want > 0, threshold, float("inf")))
+
+
+@triton.jit
 def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
             allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr, counted, stride_ar, stride_kr,
             stride_or, HAS_ALLOWED: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_HIST: tl.constexpr = False,
@@ -150,8 +214,8 @@ def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
     tl.store(score_ptr + row * stride_or + cid, score, mask=c_ok)
     if HAS_HIST:  # keep marks the clusters the cut decides among (a list's candidates)
         tl.store(keep_ptr + row * stride_kr + cid, (cid >= 0).to(tl.uint8), mask=c_ok)
-        weight = tl.where(counted, cnt, 0).to(tl.int32)  # [BLOCK_C]
-        tl.atomic_add(hist_ptr + _bin_of(score, CUT_LOW, CUT_PER, CUT_BINS), weight, mask=c_ok & (weight > 0))
+        _hist_add(hist_ptr, _bin_of(score, CUT_LOW, CUT_PER, CUT_BINS), tl.where(counted, cnt, 0).to(tl.int32), c_ok,
+                  CUT_BINS)
     else:
         tl.store(keep_ptr + row * stride_kr + cid, keep.to(tl.uint8), mask=c_ok)
         if HAS_STARTS:
@@ -168,6 +232,7 @@ def centroid_denominator_kernel(
     part_max_ptr, part_sum_ptr, s_ptr,  # outputs: [Hq * Lq, NSPLIT] float32 each; s2 cache [Hq * Lq, W] float32
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     keep_ptr, score_ptr,  # ZERO: the score pass's outputs [rows, C], zeroed here (a list's row: unit == row)
+    hist_ptr,  # ZERO_HIST: [CUT_BINS + 1] int32, the cut's histogram and ticket, zeroed here (_cut_when_last)
     scale2, Lq, C, CAP, G, GH, HPR, NSPLIT,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
@@ -183,6 +248,8 @@ def centroid_denominator_kernel(
     HAS_VALID: tl.constexpr = False,  # a block of padding tokens alone computes nothing (its partials: -inf, 0)
     ZERO: tl.constexpr = False,  # USE_LIST: zero the row's keep and score, BLOCK_Z at a time (no launch of its own)
     BLOCK_Z: tl.constexpr = 1024,
+    ZERO_HIST: tl.constexpr = False,
+    CUT_BINS: tl.constexpr = 4096,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
@@ -245,6 +312,10 @@ def centroid_denominator_kernel(
                 offs_c = c0 + tl.arange(0, BLOCK_Z)
                 tl.store(keep_ptr + unit * stride_kr + offs_c, tl.zeros([BLOCK_Z], tl.uint8), mask=offs_c < C)
                 tl.store(score_ptr + unit * stride_or + offs_c, tl.zeros([BLOCK_Z], tl.float32), mask=offs_c < C)
+    if ZERO_HIST:  # (no memset of its own before the lookup)
+        if unit + pid_m + split == 0:
+            tl.store(hist_ptr + tl.arange(0, CUT_BINS), tl.zeros([CUT_BINS], tl.int32))
+            tl.store(hist_ptr + CUT_BINS, 0)
 
 
 @triton.jit
@@ -255,8 +326,9 @@ def centroid_score_kernel(
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     elements_ptr,  # HAS_ELEMENTS: [rows] float32 out, read_base + read_per * the row's candidates (USE_LIST)
-    hist_ptr,  # HAS_HIST: [CUT_BINS] int32, zeroed: the clusters' keys added by their score's bin (_decide)
+    hist_ptr,  # HAS_HIST: [CUT_BINS + 1] int32, zeroed: the keys by score bin (_decide), the programs' ticket
     on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
+    cut_ptr, listed_ptr,  # HAS_HIST: [1] float32 out, the cut's threshold; HAS_LISTED: [M] int64 (_cut_when_last)
     scale2, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
@@ -274,9 +346,13 @@ def centroid_score_kernel(
     HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
     read_base=0.0,
     read_per=0.0,
+    M=0, lo=0, hi=0, key_base=0.0, key_least=0.0, per_listed=0.0, per_read=0.0,  # HAS_HIST: the keys (KeyCount)
     HAS_ELEMENTS: tl.constexpr = False,
     HAS_HIST: tl.constexpr = False,  # scores and the cut histogram only: keep by centroid_cut_kernel
     HIST_FIXED: tl.constexpr = False,
+    HAS_LISTED: tl.constexpr = False,
+    READ_KEYS: tl.constexpr = False,  # (HAS_ELEMENTS) the keys less per_read per element read
+    PER_HEAD: tl.constexpr = False,  # the keys per KV head the histogram counts
     CUT_LOW: tl.constexpr = -64.0,
     CUT_PER: tl.constexpr = 64.0,
     CUT_BINS: tl.constexpr = 4096,
@@ -341,6 +417,10 @@ def centroid_score_kernel(
                     allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr,
                     _counted(on_ptr, h0 // G, HIST_FIXED), stride_ar, stride_kr, stride_or, HAS_ALLOWED, HAS_STARTS,
                     HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
+    if HAS_HIST:
+        _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, elements_ptr,
+                       tl.num_programs(0), per_read, on_ptr, HAS_LISTED, READ_KEYS, PER_HEAD, HIST_FIXED, CUT_LOW,
+                       CUT_PER, CUT_BINS)
 
 
 @triton.jit
@@ -370,8 +450,9 @@ def centroid_score_prefill_kernel(
     keep_ptr, score_ptr,  # outputs [rows, C]
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
-    hist_ptr,  # HAS_HIST: [CUT_BINS] int32, zeroed: the clusters' keys added by their score's bin (_decide)
+    hist_ptr,  # HAS_HIST: [CUT_BINS + 1] int32, zeroed: the keys by score bin (_decide), the programs' ticket
     on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
+    cut_ptr, listed_ptr,  # HAS_HIST: [1] float32 out, the cut's threshold; HAS_LISTED: [M] int64 (_cut_when_last)
     scale2, threshold, Lq, C, G, HPR, NSPLIT, NB,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_kr, stride_or,
     D: tl.constexpr,
@@ -386,8 +467,11 @@ def centroid_score_prefill_kernel(
     SCALED: tl.constexpr,
     CODES16: tl.constexpr,
     HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
+    M=0, lo=0, hi=0, key_base=0.0, key_least=0.0, per_listed=0.0,  # HAS_HIST: the keys asked (KeyCount)
     HAS_HIST: tl.constexpr = False,  # scores and the cut histogram only: keep by centroid_cut_kernel
     HIST_FIXED: tl.constexpr = False,
+    HAS_LISTED: tl.constexpr = False,
+    PER_HEAD: tl.constexpr = False,  # the keys per KV head the histogram counts
     CUT_LOW: tl.constexpr = -64.0,
     CUT_PER: tl.constexpr = 64.0,
     CUT_BINS: tl.constexpr = 4096,
@@ -461,45 +545,36 @@ def centroid_score_prefill_kernel(
                 allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr,
                 _counted(on_ptr, unit, HIST_FIXED), stride_ar, stride_kr, stride_or, HAS_ALLOWED, HAS_STARTS,
                 HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
+    if HAS_HIST:
+        _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, cut_ptr, 0, 0.0,
+                       on_ptr, HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS)
 
 
 @triton.jit
 def centroid_cut_kernel(
-    score_ptr, counts_ptr, hist_ptr, keys_ptr,  # in: score [rows, C] float32, counts [Hkv, C], hist [CUT_BINS]
-    # int32 (the score pass's, HAS_HIST), keys [1] float32: the keys the lookup's clusters may hold in all
+    score_ptr, counts_ptr, cut_ptr,  # in: score [rows, C] float32, counts [Hkv, C], cut [1] float32 (the threshold
+    # the score pass's last program took from its histogram: _cut_when_last)
     keep_ptr, starts_ptr, block_sums_ptr,  # out: keep [rows, C] uint8, block_sums [rows, NB] int64 (starts: [Hkv,
     # C + 1] int64 key ranges in)
     C, NB, RPK, stride_nh, stride_kr, stride_or,
     BLOCK_C: tl.constexpr,
-    CUT_LOW: tl.constexpr,
-    CUT_PER: tl.constexpr,
-    CUT_BINS: tl.constexpr,
     HAS_STARTS: tl.constexpr = True,  # also the kept keys per block, for the expansion
     AMONG: tl.constexpr = False,  # only the clusters keep marks (the score pass's: a list's candidates) may be kept
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
-    """A lookup cut at a number of keys, grid (row, centroid block of BLOCK_C): every program reads the histogram
-    of the clusters' keys by score bin, takes as the threshold the lower edge of the bin at which the keys of the
-    bins above it come nearest to keys[0] (ties: more keys; keys <= 0: +inf, nothing kept; the lowest bin: -1, every
-    cluster kept), then decides its block as the score pass does with a threshold (keep = score > threshold and
+    """A lookup cut at a number of keys, grid (row, centroid block of BLOCK_C): every program decides its block
+    at the threshold the score pass wrote, as the score pass does with a threshold (keep = score > threshold and
     count > 0, its kept keys summed into block_sums with HAS_STARTS; with AMONG, among the clusters keep marks).
     RPK: rows per KV head."""
     wait_prior(PDL)
     release_next(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
-    bins = tl.arange(0, CUT_BINS)
-    held = tl.load(hist_ptr + bins).to(tl.float32)  # keys per bin, lowest scores first
-    above = tl.sum(held, axis=0) - tl.cumsum(held, axis=0) + held  # keys in bins >= b
-    want = tl.load(keys_ptr)
-    gap = tl.abs(above - want)
-    best = tl.min(tl.where(gap == tl.min(gap, axis=0), bins, CUT_BINS), axis=0)
-    threshold = tl.where(best == 0, -1.0, tl.exp2(CUT_LOW + best.to(tl.float32) / CUT_PER))
-    threshold = tl.where(want > 0, threshold, float("inf"))
+    threshold = tl.load(cut_ptr)
     kv_head = row // RPK
     cid = blk * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cid < C
     cnt = tl.load(counts_ptr + kv_head * stride_nh + cid, mask=c_ok, other=0)
     score = tl.load(score_ptr + row * stride_or + cid, mask=c_ok, other=0.0)
     _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB, keep_ptr, keep_ptr, score_ptr, starts_ptr,
-            block_sums_ptr, hist_ptr, True, stride_kr, stride_kr, stride_or, AMONG, HAS_STARTS)
+            block_sums_ptr, cut_ptr, True, stride_kr, stride_kr, stride_or, AMONG, HAS_STARTS)

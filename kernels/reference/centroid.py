@@ -7,7 +7,7 @@ import torch
 
 from kernels.reference._common import CODES, NEG_INF, _grouped, _ungrouped, dequantize, token_mean_and_last
 from kernels.reference.compact import expand_groups
-from kernels.selection import Fixed, Selection
+from kernels.selection import Fixed, KeyCount, Selection
 
 
 def quantize_centroids(centroids: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -142,19 +142,20 @@ def cluster_keep_among(
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     read: tuple[float, float] | None = None,
-    keys: torch.Tensor | float | None = None,
+    keys: KeyCount | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`cluster_keep` restricted to each row's candidate clusters (a Selection over cluster ids, num_keys = C):
     the hierarchical level 2, whose denominator runs over the candidates only (eq. 3). read: (base, per): also the
     index elements the lookup read per KV head (`read_elements` of the candidates), else None third. keys
     (rows == Hkv): instead of `threshold`, the candidates kept are the best ones holding about that many keys in
-    all (`binned_cut` over the candidates, as cluster_select's keys)."""
+    all (`binned_cut` over the candidates, as cluster_select's keys; a KeyCount less the elements read takes
+    `read`)."""
     allowed = candidates.to_mask()
     keep, score = cluster_keep(q, centroids, counts, scale, threshold if keys is None else 0.0, rows,
                                allowed=allowed, step=step, valid=valid)
-    if keys is not None:
-        keep = _kept_at(keep, score, counts * allowed, keys)
     elements = read_elements(candidates.indptr, centroids.shape[0], *read) if read is not None else None
+    if keys is not None:
+        keep = _kept_at(keep, score, counts * allowed, KeyCount.of(keys).value(elements, score.device, rows))
     return keep, score, elements
 
 
@@ -242,17 +243,19 @@ def cluster_select(
     fixed: Fixed | None = None,
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
-    keys: torch.Tensor | float | None = None,
+    keys: KeyCount | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """`cluster_keep`, then the kept clusters' key positions (`kernels.layout.expand_groups(keep, starts, total,
     tail, fixed=fixed)`: starts [Hkv, C + 1] where each cluster's keys lie; fixed: heads whose rows read a fixed
     list instead). keys (rows == Hkv): instead of `threshold`, the clusters kept are the best ones that hold about
-    `keys` keys in all (a float or a [] / [1] tensor), whole bins of the scores' histogram at a time (`binned_cut`:
+    `keys` keys in all (a float or a KeyCount), whole bins of the scores' histogram at a time (`binned_cut`:
     the kernels decide from the histogram their score pass adds up; the clusters of `fixed` heads do not count).
     Returns (keep, score, Selection)."""
     keep, score = cluster_keep(q, centroids, counts, scale, threshold if keys is None else 0.0, rows, step=step,
                                valid=valid)
     if keys is not None:
-        keep = _kept_at(keep, score, counts if fixed is None else counts * ~fixed.on[:, None], keys)  # (a fixed
+        counted = torch.ones_like(counts[:, 0], dtype=torch.bool) if fixed is None else ~fixed.on  # [Hkv] (a fixed
         # head's clusters: not counted)
+        keep = _kept_at(keep, score, counts * counted[:, None],
+                        KeyCount.of(keys).value(device=score.device, heads=counted.sum()))
     return keep, score, expand_groups(keep, starts, total, tail, fixed=fixed)

@@ -20,6 +20,7 @@ from engine.text.prompt import tokenize_document
 from kernels.backend import REFERENCE, Backend
 from kernels.dispatch import backend_for
 from kernels.reference import centroid as reference
+from kernels.selection import KeyCount
 from tests.engine.test_engine_tiny import (  # the same document and index settings
     DOCUMENT,
     QUESTION,
@@ -81,7 +82,9 @@ class CheckedLookups:
         ref = reference.cluster_select(q, centroids, counts, scale, threshold, rows, starts, total, tail, fixed=fixed,
                                        step=step, valid=valid, keys=keys)
         if keys is not None:  # a cut: the reference's threshold from its own histogram
-            threshold = float(reference.binned_cut(ref[1], counts, keys))
+            heads = counts.shape[0] if fixed is None else (~fixed.on).sum()
+            threshold = float(reference.binned_cut(ref[1], counts, KeyCount.of(keys).value(device=q.device,
+                                                                                           heads=heads)))
         self._compare(keep, score, *ref[:2], threshold)
         return keep, score, sel
 
@@ -93,7 +96,8 @@ class CheckedLookups:
         ref = reference.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates, step=step,
                                            valid=valid, read=read, keys=keys)
         if keys is not None:  # a cut: the reference's threshold from its own histogram of the candidates
-            threshold = float(reference.binned_cut(ref[1], counts * candidates.to_mask(), keys))
+            want = KeyCount.of(keys).value(ref[2], q.device, counts.shape[0])
+            threshold = float(reference.binned_cut(ref[1], counts * candidates.to_mask(), want))
         self._compare(keep, score, *ref[:2], threshold)
         if read is None:
             assert elements is None and ref[2] is None

@@ -19,7 +19,7 @@ from kernels.centroid_ops import LookupConfig, cluster_keep, cluster_keep_list, 
 from kernels.layout import group_starts
 from kernels.reference import centroid as reference
 from kernels.reference.compact import expand_groups
-from kernels.selection import Fixed, Selection
+from kernels.selection import Fixed, KeyCount, Selection
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -205,20 +205,26 @@ def test_cluster_select(hq, hkv, rows, lq):
 def test_cluster_select_cut_at_a_number_of_keys(hq, hkv, lq):
     """keys: the best clusters holding about that many keys in all, decided after every score is known from the
     histogram of the scores the score pass adds up: the reference's binned cut (the same keep, the same selection),
-    nothing at 0 keys, every non-empty cluster at all of them, the keys as a device tensor the same; and within the
-    keys of the two bins at its edge as near the asked keys as the exact cut between whole clusters
-    (reference.cut_threshold)."""
+    nothing at 0 keys, every non-empty cluster at all of them, the keys worked out by the kernels from a KeyCount
+    (listed positions taken out, a floor) the same; and within the keys of the two bins at its edge as near the
+    asked keys as the exact cut between whole clusters (reference.cut_threshold)."""
     q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, 11)
     lc, tail = 150, 3
     counts, starts = clustered_counts(hkv, lc, C, 12)
     everything = int(counts.sum())
+    listed = torch.tensor([-1, 2, 7, 40, 99, 200, 100], dtype=torch.int64, device=DEVICE)  # 3 within [5, 100)
     for keys in (0.0, 1.0, 0.1 * everything, 0.3 * everything, 0.7 * everything, 2.0 * everything):
-        want = reference.cluster_select(q, centroids, counts, scale, 0.5, hkv, starts, lc, tail, keys=keys)
-        for asked in (keys, torch.tensor([keys], device=DEVICE)):
+        first = None
+        for asked in (keys, KeyCount(keys + 12.0, listed=listed, lo=5, hi=100, per_listed=4.0),
+                      KeyCount(-3.0, least=keys)):
+            assert float(KeyCount.of(asked).value(device=DEVICE)) == pytest.approx(keys, abs=1e-3)
+            want = reference.cluster_select(q, centroids, counts, scale, 0.5, hkv, starts, lc, tail, keys=asked)
             keep, score, sel = cluster_select(q, centroids, counts, scale, 0.5, hkv, starts, lc, tail, keys=asked)
             torch.testing.assert_close(score, want[1], **TOL[torch.float32])
-            assert torch.equal(keep, want[0]), keys
+            assert torch.equal(keep, want[0]), (keys, asked)
             assert_same_selection(sel, want[2])
+            first = keep if first is None else first
+            assert torch.equal(keep, first), (keys, asked)  # the same count, however it is asked
         held = int((counts * keep).sum())
         if keys <= 0:
             assert held == 0
@@ -260,7 +266,8 @@ def test_cluster_select_cut_leaves_the_fixed_heads_clusters_out():
 def test_cluster_keep_among_cut_at_a_number_of_keys(hq, hkv, lq):
     """hsqueeze's level 2 cut at a number of keys: the best of each row's candidates, from the histogram of the
     candidates' scores (the reference's binned cut over the candidates); never a cluster off the candidates, even
-    where every candidate is kept; nothing at 0 keys."""
+    where every candidate is kept; nothing at 0 keys; a KeyCount less the index elements the lookup reads (summed
+    by the kernels from the elements its score pass writes) the reference's."""
     from kernels.centroid_ops import cluster_keep_among
 
     q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, 21)
@@ -279,6 +286,13 @@ def test_cluster_keep_among_cut_at_a_number_of_keys(hq, hkv, lq):
             assert not keep.any()
         if keys > among:
             assert torch.equal(keep, allowed.to(DEVICE) & (counts > 0))
+        asked = KeyCount(keys + 40.0, per_read=0.5)
+        want = reference.cluster_keep_among(q, centroids, counts, scale, 0.5, hkv, candidates, read=(3.0, 2.0),
+                                            keys=asked)
+        keep, score, read = cluster_keep_among(q, centroids, counts, scale, 0.5, hkv, candidates, read=(3.0, 2.0),
+                                               keys=asked)
+        torch.testing.assert_close(read, want[2])
+        assert torch.equal(keep, want[0]), (keys, float(asked.value(read)))
 
 
 def test_cluster_select_with_fixed_rows():
@@ -644,7 +658,8 @@ def test_gpu_cut_at_a_number_of_keys_at_128k(lq, exact_float32_matmul):
     counts = starts[:, 1:] - starts[:, :-1]
     everything = float(counts.sum())
     for share in (0.1, 0.3):
-        keys = torch.tensor([share * everything], device="cuda")
+        listed = torch.arange(-1, 1000, 7, device="cuda")  # the follow rows of a step: 142 within [0, 1000)
+        keys = KeyCount(share * everything + 2.0 * 142, listed=listed, lo=0, hi=1000, per_listed=2.0)
         keep, score, sel = no_host_sync(cluster_select, q, centroids, counts, scale, 0.5, hkv, starts, lc, 100,
                                         keys=keys)
         held = float((counts * keep).sum())
