@@ -8,7 +8,8 @@ those curves (`keys_for`), so that a budget of 0.1 reads about 10% of the bytes 
 (centroids, page bounds) and whatever the phase keeps (a prefill's union of tokens). A budget below what the index
 and the dense tail alone cost cannot be met: the plan keeps the fewest keys the grid has, and the turn's
 statistics show what was read. On the CPU a lookup also cuts its own scores at the budget (`exact_room`,
-`cut_threshold`), so that a turn reads what it asked on any question, not what the calibration's queries would.
+`cut_threshold`), so that a turn reads what it asked on any question, not what the calibration's queries would; the
+centroid lookups do on a GPU too, inside their kernels (`cut_room`, `less_follow`).
 """
 
 from __future__ import annotations

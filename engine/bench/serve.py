@@ -118,6 +118,20 @@ def step_ms(users: list[dict]) -> float:
                              if u["tokens"] > 1], 50), 3)
 
 
+def steps_by_batch(timeline: list[tuple[str, int, float]]) -> dict:
+    """The scheduler's work while users were served together (Scheduler.timeline): each batch size's steps (count,
+    median ms), and the turns' starts (count, total seconds: the preparation, the prefill and the first token of each
+    turn admitted, while the turns under way wait)."""
+    steps: dict[int, list[float]] = {}
+    for kind, turns, seconds in timeline:
+        if kind == "step":
+            steps.setdefault(turns, []).append(seconds * 1e3)
+    starts = [seconds for kind, _, seconds in timeline if kind == "start"]
+    return {"steps": {str(n): {"count": len(v), "median_ms": round(percentile(v, 50), 3)} for n, v in
+                      sorted(steps.items())},
+            "starts": {"count": len(starts), "total_s": round(sum(starts), 3)}}
+
+
 def step_bounds(lm: LoadedModel, context: int, batch: int, kv_budget: float, new_tokens: float,
                 bandwidth_gbs: float) -> dict:
     """The byte bound of a decode step in ms at `batch` turns and alone: the weights once, and each turn its
@@ -279,13 +293,15 @@ def run(args: argparse.Namespace) -> dict:
             if lm.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(lm.device)
             profiler = engine.scheduler.profiler = cProfile.Profile() if args.profile else None
+            timeline = engine.scheduler.timeline = []
             together, wall = ask_at_once(engine, asks, method, args.tokens)
-            engine.scheduler.profiler = None
+            engine.scheduler.profiler = engine.scheduler.timeline = None
             if profiler is not None:
                 write_profile(profiler, method, args.profile)
             alone, alone_wall = one_at_a_time(engine, asks, method, args.tokens)
             entry = comparison(together, wall, alone, alone_wall)
             entry["step_ms"] = {"together": step_ms(together), "alone": step_ms(alone)}
+            entry["scheduler"] = steps_by_batch(timeline)
             budget = 1.0 if method == "full" else round(1.0 - SPARSITY, 6)
             entry["bound_ms"] = step_bounds(lm, context, min(batch, args.users), budget, args.tokens / 2,
                                             out["bandwidth_gbs"])

@@ -5,8 +5,12 @@ The first turn in the queue joins the turns under way when the batch has room an
 method's index built, its context open or openable beside theirs (the engine keeps up to max_batch contexts on the
 device), and, over a context that other turns read, in their order of its K/V (ContextSession.layout_key). Otherwise
 it, and everything behind it, waits until it can (at the latest when no turn is under way): no turn overtakes
-another. Admitted, a turn's question is prefilled alone (a long one a chunk a step, between the others' steps), then
-it takes one token a step with the others (engine.context.batching.TurnBatch). With max_batch = 1 each turn runs
+another. While turns wait, the first ones that could fit in the batch are warmed one at a time on a thread of their own
+(Request.warm: their context's files read and checked into memory, nothing on the device), and a turn joins turns
+under way only once warmed, so that admitting it costs them its copy to the device, not a read of gigabytes from
+disk (a lone turn, max_batch 1, runs while the next one's context is read). Admitted, a turn's question is
+prefilled alone (a long one a chunk a step, between the others' steps), then it takes one token a step with the
+others (engine.context.batching.TurnBatch). With max_batch = 1 each turn runs
 alone through its session's own path (on a GPU its steps replayed from CUDA graphs). A turn whose reader goes away
 (its stream closed: the user stopped it or left) leaves at the next step; the others go on.
 """
@@ -52,19 +56,24 @@ class Request:
     called when the turn is admitted); joinable(): whether its session is open with the index built, so that it
     can join turns under way without building or loading anything; make(session, fork): its Turn (fork: another
     turn over the context is under way), whose times count from `asked` (its first token's time holds its wait).
-    Its events (Delta, Answer, Waiting, an exception; None ends them) go to `events`."""
+    Its events (Delta, Answer, Waiting, an exception; None ends them) go to `events`. warm(): the work that makes
+    prepare() quick and needs neither the model nor the device, or None where there is none (a quick look, under the
+    scheduler's lock; the work runs on another thread while the turn waits, and what it raises is left for prepare
+    to raise in its turn); warm None: nothing to do ahead."""
 
     context_id: str
     method: str
     prepare: Callable[[], ContextSession]
     joinable: Callable[[], bool]
     make: Callable[[ContextSession, bool], Turn]
+    warm: Callable[[], Callable[[], None] | None] | None = None
     events: queue.Queue = field(default_factory=queue.Queue)
     gone: threading.Event = field(default_factory=threading.Event)  # its reader closed the stream
     asked: float = field(default_factory=time.perf_counter)
     told: int | None = None  # the place last told
     session: ContextSession | None = None
     turn: Turn | None = None
+    warming: str = ""  # its warm(): "" not begun, "running", "done"
 
 
 class Scheduler:
@@ -81,7 +90,11 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._batch: TurnBatch | None = None
         self._alone: Request | None = None  # the turn running alone (max_batch 1)
+        self._warming: threading.Thread | None = None  # the thread warming a waiting turn (one at a time)
+        self._starting: Request | None = None  # the turn being admitted (its preparation runs on the thread)
         self.profiler: cProfile.Profile | None = None  # set: the thread's work runs under it (bench serve --profile)
+        self.timeline: list[tuple[str, int, float]] | None = None  # set: the thread's work appended to it as (kind,
+        # turns under way before it, seconds): "start" (a turn admitted, its first token taken), "step" (bench serve)
 
     def stream(self, request: Request) -> Iterator[Delta | Answer | Waiting]:
         """Queue the request and yield its events: Waiting(ahead) while it waits (each time its place changes, and
@@ -95,6 +108,7 @@ class Scheduler:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="squeeze-scheduler", daemon=True)
                 self._thread.start()
+            self._warm_next()  # (the thread may be busy with a lone turn)
             self._cond.notify_all()
         try:
             last = None
@@ -142,29 +156,80 @@ class Scheduler:
                     if request.told != ahead:
                         request.told = ahead
                         request.events.put(Waiting(ahead))
+                self._starting = admitted
+                self._warm_next()
+                if admitted is None and not self._active:  # the first waits for its warm-up: nothing to step
+                    self._cond.wait(WAIT_REPEAT_S)
+                    continue
             if admitted is not None:
-                self._profiled(self._start, admitted)
+                try:
+                    self._profiled(self._start, admitted)
+                finally:
+                    with self._cond:
+                        self._starting = None
             elif self._active:
                 self._profiled(self._step)
 
-    def _profiled(self, work: Callable, *args) -> None:
-        """work(*args), under `profiler` where one is set (it profiles the thread that enables it: this one)."""
-        profiler = self.profiler
-        if profiler is None:
-            work(*args)
+    def _warm_next(self) -> None:
+        """Start warming the first waiting turn not yet warmed among those the batch could take next, unless one
+        is being warmed (under the lock). Where no turn runs or starts, the first is left to start at once (its
+        preparation reads what a warm-up would)."""
+        if self._warming is not None:
             return
-        profiler.enable()
+        idle = not self._active and self._alone is None and self._starting is None
+        room = max(1, self.max_batch - len(self._active))
+        for request in list(self._waiting)[1 if idle else 0:room]:
+            if request.warm is None or request.warming or request.gone.is_set():
+                continue
+            try:
+                work = request.warm()
+            except Exception:  # noqa: BLE001 - raised again by the turn's prepare(), in its turn
+                work = None
+            if work is None:
+                request.warming = "done"
+                continue
+            request.warming = "running"
+            self._warming = threading.Thread(target=self._warm, args=(request, work), name="squeeze-warm", daemon=True)
+            self._warming.start()
+            return
+
+    def _warm(self, request: Request, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except Exception:  # noqa: BLE001 - raised again by the turn's prepare(), in its turn
+            pass
+        finally:
+            with self._cond:
+                request.warming = "done"
+                self._warming = None
+                self._cond.notify_all()
+
+    def _profiled(self, work: Callable, *args) -> None:
+        """work(*args), under `profiler` where one is set (it profiles the thread that enables it: this one), and
+        timed into `timeline` where one is set."""
+        timeline, turns, t0 = self.timeline, len(self._active), time.perf_counter()
+        profiler = self.profiler
+        if profiler is not None:
+            profiler.enable()
         try:
             work(*args)
         finally:
-            profiler.disable()
+            if profiler is not None:
+                profiler.disable()
+            if timeline is not None:
+                timeline.append(("step" if work == self._step else "start", turns, time.perf_counter() - t0))
 
     def _admit(self) -> Request | None:
         """The first waiting request, taken from the queue, if it may start now (under the lock)."""
         if not self._waiting or len(self._active) >= self.max_batch:
             return None
+        self._warm_next()  # (a turn with nothing to warm is done with it at once)
         first = self._waiting[0]
+        if first.warming == "running":  # read once, by its warm-up (the turns under way step meanwhile)
+            return None
         if self._active:
+            if first.warm is not None and first.warming != "done":  # its warm-up first (_warm_next begins it)
+                return None
             if not first.joinable():
                 return None
             same = [r for r in self._active if r.context_id == first.context_id]

@@ -45,6 +45,8 @@ CHECKPOINT = ":checkpoint"  # a preparation's checkpoint in store.models: under 
 ORPHAN_MIN_AGE_S = 3600.0  # an unindexed blob file this old is no save in progress: swept when an engine opens
 WAIT_POLL_S = 0.5  # how often an ingest waiting for another one of the same context looks again
 DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
+WARM_MEMORY_SHARE = 0.5  # a waiting turn's context is read ahead into memory only where it takes at most this share
+# of the memory available (Engine.warm)
 # `squeeze eval` of the embedded model as shipped (read-only): what `latest_eval` shows until one is recorded
 SHIPPED_EVAL = Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu-eval.json"
 
@@ -103,6 +105,9 @@ class Engine:
         self.load_progress = load_progress  # told each step of the model's load, whoever loads it
         self._device_lock = threading.RLock()  # building a method's index and answering share the open context
         self._sessions: OrderedDict[str, ContextSession] = OrderedDict()  # open contexts, least recently used first
+        # contexts read into memory for a waiting turn (warm): context id -> (artifact names, tensors), oldest first
+        self._warmed: OrderedDict[str, tuple[tuple[str, ...], dict]] = OrderedDict()
+        self._warm_lock = threading.Lock()
         self.max_batch = max_batch  # turns answered together (None: default_batch of the model's device)
         self._scheduler: Scheduler | None = None
 
@@ -400,15 +405,51 @@ class Engine:
                 self._make_room()  # free the contexts to close before loading the next
                 ctx = self.store.contexts.get(context_id)
                 current = self.built_methods(context_id)
-                wanted = [r["name"] for r in self.store.artifacts.list(context_id)
-                          if names.namespace(r["name"], tuple(REGISTRY)) in (None, *current)]
-                artifacts = self.store.artifacts.load(context_id, wanted)
+                wanted = self._session_artifacts(context_id, current)
+                with self._warm_lock:
+                    warmed = self._warmed.pop(context_id, None)
+                artifacts = warmed[1] if warmed is not None and warmed[0] == wanted else \
+                    self.store.artifacts.load(context_id, [row[0] for row in wanted])
                 session = ContextSession(self.lm, artifacts, ContextSettings.from_dict(ctx["settings"]), self.backend,
                                          methods=current, prepared={n: self.prepared_for(m) for n, m in current.items()},
                                          follow=self.follow)
                 self._sessions[context_id] = session
             self._sessions.move_to_end(context_id)
             return session
+
+    def _session_artifacts(self, context_id: str, current: dict) -> tuple[tuple[str, str, int], ...]:
+        """The artifacts a session of the context reads, as (name, sha256, bytes): the context's own and its built
+        methods' (`current`)."""
+        return tuple((r["name"], r["sha256"], int(r["nbytes"])) for r in self.store.artifacts.list(context_id)
+                     if names.namespace(r["name"], tuple(REGISTRY)) in (None, *current))
+
+    def read_ahead(self, context_id: str, method: str, overrides: Overrides | None = None
+                   ) -> Callable[[], None] | None:
+        """For a turn that waits to open `context_id`: the work that reads the context's files into memory (each
+        checked against its checksum), to be run on any thread (neither the model nor the device touched), so that
+        `session` only copies them to the device; None where there is nothing to read ahead: the context open or
+        already read, its method's index to build first (that needs the model: the turn's own preparation does it),
+        or files that would take more than WARM_MEMORY_SHARE of the memory available. At most the scheduler's batch
+        of contexts is held (the oldest let go first); `session` takes its context's."""
+        if context_id in self._sessions or self.stale_methods(context_id, [method], overrides):
+            return None
+        wanted = self._session_artifacts(context_id, self.built_methods(context_id))
+        available = available_memory()
+        if available is not None and sum(row[2] for row in wanted) > WARM_MEMORY_SHARE * available:
+            return None
+        with self._warm_lock:
+            held = self._warmed.get(context_id)
+            if held is not None and held[0] == wanted:
+                return None
+
+        def read() -> None:
+            artifacts = self.store.artifacts.load(context_id, [row[0] for row in wanted])
+            with self._warm_lock:
+                self._warmed[context_id] = (wanted, artifacts)
+                while len(self._warmed) > self._open_limit():
+                    self._warmed.popitem(last=False)
+
+        return read
 
     def _open_limit(self) -> int:
         return self._scheduler.max_batch if self._scheduler is not None else 1
@@ -434,6 +475,8 @@ class Engine:
         with self._device_lock:
             for context_id in context_ids:
                 self._sessions.pop(context_id, None)
+                with self._warm_lock:
+                    self._warmed.pop(context_id, None)
 
     def plan(self, context_id: str, method: str, sparsity: float = DEFAULT_SPARSITY,
              overrides: Overrides | None = None) -> StepPlan | None:
@@ -496,7 +539,8 @@ class Engine:
         def make(session: ContextSession, fork: bool):
             return session.turn(question, method, sparsity, max_new_tokens, history, options, fork=fork)
 
-        yield from self.scheduler.stream(Request(context_id, method, prepare, joinable, make))
+        yield from self.scheduler.stream(Request(context_id, method, prepare, joinable, make,
+                                                 warm=lambda: self.read_ahead(context_id, method, overrides)))
 
     def ask(self, context_id: str, question: str, method: str = DEFAULT_METHOD, sparsity: float = DEFAULT_SPARSITY,
             max_new_tokens: int = 64, history: Sequence[Exchange] = (), options: GenerationOptions | None = None,
@@ -578,3 +622,15 @@ def _embedded_model_id() -> str | None:
         return model_id_for(EMBEDDED_MODEL)
     except ModelLoadError:
         return None
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to a new allocation (Linux's MemAvailable), or None where it is not known."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

@@ -39,8 +39,9 @@ def test_three_users_at_once_get_their_lone_answers(tmp_path, capsys):
 def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, capsys):
     """--shape: the shape's random weights through the byte tokenizer, each document --context tokens (its <bos>
     too), every answer its lone answer, and beside the time per answer token the byte bound of a step at the batch
-    (the weights once: more than alone, less than that many steps alone); each ingest timed by stage, and with
-    --profile the scheduler thread's profile of each method's users at once, through the batched forward."""
+    (the weights once: more than alone, less than that many steps alone); each ingest timed by stage, the
+    scheduler's steps by batch size and its turns' starts, and with --profile the scheduler thread's profile of each
+    method's users at once, through the batched forward."""
     out, profile = tmp_path / "serve.json", tmp_path / "serve-profile.txt"
     assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
                  "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile)]) == 0
@@ -55,6 +56,10 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
         assert entry["same_answers"] == 2, name
         assert all(u["tokens"] == 4 for u in entry["per_user"])  # a shape's turns never end early
         assert entry["step_ms"]["together"] > 0 and entry["step_ms"]["alone"] > 0
+        scheduler = entry["scheduler"]  # the users' turns admitted one by one, then stepped together
+        assert scheduler["starts"]["count"] == 2 and scheduler["starts"]["total_s"] > 0
+        assert "2" in scheduler["steps"] and all(s["count"] > 0 and s["median_ms"] > 0
+                                                 for s in scheduler["steps"].values())
         bound = entry["bound_ms"]
         assert bound["alone"] < bound["batch"] < 2 * bound["alone"]
     assert report["methods"]["full"]["bound_ms"]["batch"] > report["methods"]["squeeze"]["bound_ms"]["batch"]

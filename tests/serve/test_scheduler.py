@@ -2,7 +2,8 @@
 and each as it is alone (greedy: the same text and tokens); beyond the batch a turn waits, told its place; a closed
 stream leaves the queue or the batch and frees its place; with a batch of one each turn runs alone, the next told
 it is next, its first token's time counted from its ask; a turn that fails is raised to its reader and the others
-go on (tiny model; CPU, and CUDA where there is one)."""
+go on; a waiting turn's context is read on a thread of its own while the turns under way step (or, one turn at a
+time, while the turn before it runs), and opened from that read (tiny model; CPU, and CUDA where there is one)."""
 
 from __future__ import annotations
 
@@ -48,6 +49,20 @@ def _drain(stream, first: list) -> tuple[list, Answer | None]:
 
 def _solo(engine: Engine, contexts: dict) -> list[Answer]:
     return [engine.ask(contexts[doc], q, "squeeze", 0.5, TOKENS) for doc, q in ASKED]
+
+
+def _hold_after_first_piece(monkeypatch) -> threading.Event:
+    """A lone turn (ContextSession.run) yields its first piece, then waits until the returned event is set."""
+    gate, run = threading.Event(), ContextSession.run
+
+    def held(self, turn, stop=None):
+        for i, event in enumerate(run(self, turn, stop)):
+            yield event
+            if i == 0:
+                assert gate.wait(60)
+
+    monkeypatch.setattr(ContextSession, "run", held)
+    return gate
 
 
 def test_turns_asked_together_are_answered_as_alone(lm, tmp_path):
@@ -96,18 +111,10 @@ def test_a_closed_stream_frees_its_place(lm, tmp_path):
 def test_a_batch_of_one_answers_one_turn_at_a_time(lm, tmp_path, monkeypatch):
     engine, contexts = _engine(lm, tmp_path, max_batch=1)
     solo = _solo(engine, contexts)
-    gate, run = threading.Event(), ContextSession.run
-
-    def held(self, turn, stop=None):  # the lone turn's first piece, then it waits for the test
-        for i, event in enumerate(run(self, turn, stop)):
-            yield event
-            if i == 0:
-                assert gate.wait(60)
-
-    monkeypatch.setattr(ContextSession, "run", held)
+    gate = _hold_after_first_piece(monkeypatch)
     ferry = contexts["ferry"]
     first = engine.stream(ferry, ASKED[0][1], "squeeze", 0.5, TOKENS)
-    head = next(first)
+    head = _first_piece(first)
     second = engine.stream(ferry, ASKED[1][1], "squeeze", 0.5, TOKENS)
     assert next(second) == Waiting(0)  # told at once, while the first runs
     gate.set()
@@ -126,3 +133,102 @@ def test_a_turn_that_fails_is_raised_to_its_reader_and_the_others_go_on(lm, tmp_
         list(engine.stream("no-such-context", "When?", "squeeze", 0.5, 4))
     answer = [e for e in engine.stream(contexts["ferry"], ASKED[0][1], "squeeze", 0.5, 4) if isinstance(e, Answer)]
     assert len(answer) == 1 and answer[0].stats.new_tokens >= 1
+
+
+class _HeldReads:
+    """The engine's artifact reads recorded as (thread name, context id, names); the warm-up thread's reads of
+    `held` wait for `release` (set) and tell `reading` when they begin and `read` when they end."""
+
+    def __init__(self, engine: Engine, held: str):
+        self.calls: list[tuple[str, str, list]] = []
+        self.held, self.reading, self.read, self.release = held, threading.Event(), threading.Event(), threading.Event()
+        self._load = engine.store.artifacts.load
+        engine.store.artifacts.load = self
+
+    def __call__(self, context_id, names=None, device="cpu"):
+        thread = threading.current_thread().name
+        self.calls.append((thread, context_id, list(names) if names is not None else None))
+        warm = thread == "squeeze-warm" and context_id == self.held
+        if warm:
+            self.reading.set()
+            assert self.release.wait(120)
+        try:
+            return self._load(context_id, names, device)
+        finally:
+            if warm:
+                self.read.set()
+
+    def session_reads(self, engine: Engine, context_id: str) -> list[str]:
+        """The threads that read the whole of a session of `context_id` (its context's and its methods' files)."""
+        wanted = [row[0] for row in engine._session_artifacts(context_id, engine.built_methods(context_id))]
+        return [t for t, c, n in self.calls if c == context_id and n == wanted]
+
+
+def _first_piece(stream):
+    """A stream's first event past the places it was told (a turn asked as the one before it ends may wait an
+    instant)."""
+    event = next(stream)
+    while isinstance(event, Waiting):
+        event = next(stream)
+    return event
+
+
+def _events(stream, n: int, timeout: float = 120.0) -> list:
+    """Up to n more events of a stream, read on a thread (a stream that stalls fails the test, not hangs it)."""
+    got: list = []
+
+    def read() -> None:
+        for event in stream:
+            got.append(event)
+            if len(got) == n:
+                return
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout)
+    assert not reader.is_alive(), f"the stream stalled after {len(got)} events"
+    return got
+
+
+def test_a_waiting_turns_context_is_read_while_the_turns_under_way_step(lm, tmp_path):
+    """A turn over a context that is not open waits while its files are read and checked on another thread (the
+    turn under way keeps taking tokens meanwhile), then joins without reading them again; both answers as alone."""
+    engine, contexts = _engine(lm, tmp_path, max_batch=2)
+    solo = _solo(engine, contexts)
+    light = contexts["light"]
+    engine._forget([light])  # closed: its next turn opens it from its files
+    reads = _HeldReads(engine, light)
+    first = engine.stream(contexts["ferry"], ASKED[0][1], "squeeze", 0.5, TOKENS)
+    head = [next(first)]
+    second = engine.stream(light, ASKED[2][1], "squeeze", 0.5, TOKENS)
+    assert next(second) == Waiting(0)
+    assert reads.reading.wait(60)  # its context is being read, on the warm-up thread
+    more = _events(first, 3)  # the turn under way is not held up by that read
+    assert len(more) == 3 and not any(isinstance(e, Answer) for e in more)
+    reads.release.set()
+    events, answer = _drain(second, [])
+    assert answer.tokens == solo[2].tokens and answer.text == solo[2].text
+    events, answer = _drain(first, head + more)
+    assert answer.tokens == solo[0].tokens and answer.text == solo[0].text
+    assert reads.session_reads(engine, light) == ["squeeze-warm"]  # read once, ahead of its turn
+    assert not engine._warmed  # taken by the session it was read for
+
+
+def test_with_a_batch_of_one_the_next_turns_context_is_read_while_a_turn_runs(lm, tmp_path, monkeypatch):
+    """With one turn at a time, the next turn's context (not open) is read while the turn before it runs, and its
+    session opens from that read."""
+    engine, contexts = _engine(lm, tmp_path, max_batch=1)
+    solo = _solo(engine, contexts)  # the last turn's context stays open: "light"
+    ferry = contexts["ferry"]
+    reads = _HeldReads(engine, ferry)
+    reads.release.set()
+    gate = _hold_after_first_piece(monkeypatch)
+    first = engine.stream(contexts["light"], ASKED[2][1], "squeeze", 0.5, TOKENS)
+    head = _first_piece(first)
+    second = engine.stream(ferry, ASKED[0][1], "squeeze", 0.5, TOKENS)
+    assert next(second) == Waiting(0)
+    assert reads.read.wait(60)  # read while the first turn runs
+    gate.set()
+    assert _drain(first, [head])[1].tokens == solo[2].tokens
+    assert _drain(second, [])[1].tokens == solo[0].tokens
+    assert reads.session_reads(engine, ferry) == ["squeeze-warm"]
