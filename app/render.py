@@ -24,7 +24,8 @@ STAGE_LABELS = {
     "calibrating": "calibrating",
     "saving": "saving",
 }
-STAGE_UNITS = {"prefill": "tokens", "clustering": "layers", "saving": "files"}
+STAGE_UNITS = {"prefill": "tokens", "clustering": "layers", "saving": "files", "extracting": "pages"}
+COUNTED_AT_ONE = ("prefill", "clustering", "saving")  # stages whose count shows even where the whole is one
 LOW, HIGH = (247, 251, 255), (8, 48, 107)  # heatmap colour scale: kept fraction 0 -> 1 (light to dark blue)
 GOLDEN_ANGLE = 137.508  # degrees: consecutive cluster ids get well separated hues
 
@@ -91,7 +92,7 @@ def _stage_text(view) -> str:
     if view.stage == LOADING and (view.elapsed_s or 0) >= 1:
         return f"loading model ({format_seconds(view.elapsed_s)} so far)"
     label = STAGE_LABELS.get(view.stage, view.stage)
-    if view.total > 1 or view.stage in STAGE_UNITS:
+    if view.total > 1 or view.stage in COUNTED_AT_ONE:  # (a text file's extraction is one step: no count)
         return f"{label} {view.done}/{view.total} {STAGE_UNITS.get(view.stage, '')}".rstrip()
     return label
 
@@ -193,12 +194,14 @@ def budget_html(stats: dict) -> str:
 
 def budget_note(read: float, asked: float, slack: float = BUDGET_SLACK) -> str:
     """A line where a turn read more than it asked for (a document whose index and dense rows alone take more than
-    the budget, or a GPU's lookups on their calibrated thresholds); nothing where it read what it asked."""
+    the budget, or on a GPU a method that keeps a planned number of keys there and met more follow rows than its plan
+    set aside); nothing where it read what it asked."""
     if read <= asked + slack:
         return ""
     return (f'<div class="sq-row sq-note">This turn read {100 * (read - asked):.1f} points more than asked: on this '
             f'document the method\'s index and the dense rows take that much of the budget (the slider\'s hint says '
-            f'how low it reaches), or, on a GPU, the method kept its calibrated threshold.</div>')
+            f'how low it reaches), or, on a GPU, the question met more of the document\'s follow rows than the '
+            f'method\'s plan set aside (Quest, DuoAttention and Saap keep a planned number of keys there).</div>')
 
 
 def compare_html(compare: dict | None) -> str:

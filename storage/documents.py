@@ -39,7 +39,7 @@ import io
 import math
 import re
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path, PurePath
 
@@ -227,15 +227,17 @@ def safe_name(name: str) -> str:
     return name.strip() or "unnamed"
 
 
-def load_document_bytes(data: bytes, name: str) -> Document:
-    """Build a :class:`Document` from raw file bytes; ``name`` gives the kind and the label (safe_name)."""
+def load_document_bytes(data: bytes, name: str, progress: Callable[[int, int], None] | None = None) -> Document:
+    """Build a :class:`Document` from raw file bytes; ``name`` gives the kind and the label (safe_name). progress:
+    told (pages read, pages) after each page of a PDF (what it raises stops the reading), or None."""
     name = safe_name(name)
     kind = document_kind(name)
     if not data.strip():
         reason = "the file holds only whitespace" if data else "the file is empty"
         raise EmptyDocumentError(name, reason)
     if kind == "pdf":
-        text, starts = _join_pages(strip_page_furniture([_normalise(p) for p in _pdf_page_texts(data, name)]))
+        text, starts = _join_pages(strip_page_furniture([_normalise(p) for p in _pdf_page_texts(data, name,
+                                                                                                  progress)]))
         if not text:
             raise NoTextError(name, len(starts))
     else:
@@ -378,8 +380,8 @@ def _one_line(exc: BaseException) -> str:
     return detail
 
 
-def _pdf_page_texts(data: bytes, name: str) -> list[str]:
-    """Extract the raw text of every page with pypdf."""
+def _pdf_page_texts(data: bytes, name: str, progress: Callable[[int, int], None] | None = None) -> list[str]:
+    """Extract the raw text of every page with pypdf, telling `progress` (pages read, pages) after each."""
     if _PDF_MAGIC not in data[:_PDF_MAGIC_WINDOW]:
         raise CorruptDocumentError(name, "not a PDF file (no %PDF header)")
     try:
@@ -403,6 +405,8 @@ def _pdf_page_texts(data: bytes, name: str) -> list[str]:
             raise CorruptDocumentError(
                 name, f"pypdf cannot read page {number}: {_one_line(exc)}"
             ) from exc
+        if progress is not None:
+            progress(number, len(pages))
     return texts
 
 

@@ -56,6 +56,7 @@ CHARS_PER_TOKEN = 4.0  # rough guess for a job whose document is not tokenized y
 KEEP_FINISHED = 100  # finished jobs a worker lists (and keeps the timing of)
 RATE_JOBS = 10  # the latest finished jobs a new worker takes its first seconds per token from
 UPLOADS = "uploads"  # the cache's folder of uploads waiting for extraction (a file per document id)
+PAGES_EVERY_S = 0.5  # a PDF's extraction writes its pages read into the job's row at most this often
 
 
 @dataclass
@@ -483,6 +484,20 @@ class IngestWorker:
         self.store.jobs.update(job_id, stage=stage, done=done, total=total)
         self._mark(job_id, stage)
 
+    def _pages(self, job_id: int) -> Callable[[int, int], None]:
+        """The extraction's progress (pages read, pages) into the job's row, at most every PAGES_EVERY_S and at the
+        last page (a PDF of thousands of pages is no thousand writes); a cancelled job stops at the next page."""
+        last = [float("-inf")]
+
+        def told(done: int, total: int) -> None:
+            self._check_cancelled(job_id)
+            now = time.monotonic()
+            if done == total or now - last[0] >= PAGES_EVERY_S:
+                last[0] = now
+                self._stage(job_id, "extracting", done, total)
+
+        return told
+
     def _progress(self, job_id: int, stage: str) -> None:
         """The ingest's progress: marked; a cancelled job stops here."""
         self._check_cancelled(job_id)
@@ -507,7 +522,7 @@ class IngestWorker:
             with self._cv:
                 data = self._uploads.get(job_id)
             try:
-                doc = (load_document_bytes(data, job["name"]) if data is not None
+                doc = (load_document_bytes(data, job["name"], progress=self._pages(job_id)) if data is not None
                        else self.store.documents.get(job["doc_id"]))
                 kept = data if data is not None and doc.kind in SOURCE_KINDS else None  # a PDF's file, to open
                 doc_id, created = self.store.documents.add(doc, source=kept)

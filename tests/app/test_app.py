@@ -270,7 +270,8 @@ def test_every_method_answers_and_full_reads_everything(app, ready_doc):
     # The sparsity slider shows the plan it maps to: the share of the K/V bytes its lookups cut their scores at,
     # less for a higher sparsity.
     low, high = (client.predict("squeeze", pct, 0.05, 0.01, api_name="/threshold") for pct in (0.6, 0.95))
-    room = [[float(x) for x in re.findall(r"([\d.]+)% (?:of the K/V bytes )?in the (?:question|answer)'s", text)] for text in (low, high)]
+    share = r"([\d.]+)% (?:of the K/V bytes )?in the (?:question|answer)'s"
+    room = [[float(x) for x in re.findall(share, text)] for text in (low, high)]
     assert len(room[0]) == len(room[1]) == 2 and all(a > b for a, b in zip(*room)), (low, high)
     # A method not built for the document yet says so; its first question builds it (then its plan is shown).
     assert "built at the first question" in client.predict("quest", 0.9, 0.05, 0.01, api_name="/threshold")
@@ -440,11 +441,14 @@ def test_errors_and_limits_are_told_in_plain_words(app, tmp_path):
     broken = write(tmp_path / "broken.pdf", b"%PDF-1.4 not really a PDF")
     long = write(tmp_path / "long.txt", "word " * (limit // 5 + 200))
     big = write(tmp_path / "big.txt", "x" * int(UPLOAD_MB * 2**20 + 10))
-    out = upload(client, broken, long, big)  # (Gradio's file picker refuses other types before the handler)
+    empty = write(tmp_path / "nothing.txt", "")
+    out = upload(client, broken, long, big, empty)  # (Gradio's file picker refuses other types before the handler)
     assert f"big.txt: 0.1 MB is over the {UPLOAD_MB:g} MB limit per file" in out["message"]
+    assert "nothing.txt: the file is empty" in out["message"]
     uploads = Path(gradio.utils.get_upload_folder())
-    assert not list(uploads.rglob("big.txt")), "a refused upload stays in Gradio's upload folder"
-    assert Path(big).exists()  # (the client's own file is the client's)
+    for refused in ("big.txt", "nothing.txt"):
+        assert not list(uploads.rglob(refused)), f"a refused upload ({refused}) stays in Gradio's upload folder"
+    assert Path(big).exists() and Path(empty).exists()  # (the client's own files are the client's)
     assert app.worker.wait_idle(WAIT_S)
     now = poll(client)
     assert "Could not prepare it: broken.pdf: pypdf cannot parse it" in now["jobs"] or \

@@ -255,6 +255,10 @@ def test_small_formatters():
     html = render.jobs_html([view, running])
     assert "No document is being prepared." not in html
     assert html.index("b.txt") < html.index("Could not be prepared") < html.index("a.pdf")
+    # a PDF's extraction counts its pages; a text file's is one step, with no count
+    extracting = dataclasses.replace(running, stage="extracting", done=12, total=300)
+    assert render.stage_text(extracting) == "extracting text 12/300 pages"
+    assert render.stage_text(dataclasses.replace(extracting, done=0, total=1)) == "extracting text"
 
 
 # --------------------------------------------------------------------------- the latest `squeeze eval`

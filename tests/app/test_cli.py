@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app.cli import main
+from app.cli import main, terminal_text
 from tests.support.tiny_models import make_tiny_model
 
 DOC = "The harbour wall was rebuilt after the storm. " * 30
@@ -157,6 +157,8 @@ def test_control_characters_never_reach_the_terminal(tiny, capsys, tmp_path):
     code, out, err = run(capsys, "ingest", str(tmp_path / "red\x1b[31m.txt"), "--model", str(model), "--device",
                          "cpu", "--cache-dir", str(tmp_path / "cache"), "--quiet")
     assert code == 1 and "\x1b" not in err and "\\x1b[31m" in err
+    # what an answer's streamed text and an error go through: every control character but tab and newline escaped
+    assert terminal_text("ok\x1b]0;owned\x07 \x9b2J\tkept\nkept") == "ok\\x1b]0;owned\\x07 \\x9b2J\tkept\nkept"
 
 
 def test_method_options_build_that_index_once(tiny, capsys, tmp_path):

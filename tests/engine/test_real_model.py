@@ -156,13 +156,14 @@ def test_passkey_retrieved_by_full_attention(passkey_sessions, depth):
 
 
 @pytest.mark.parametrize("depth,method", [(d, m) for d in DEPTHS for m in ("squeeze", "hsqueeze")]
-                         + [(EVERY_METHOD_DEPTH, "duo-squeeze"), (EVERY_METHOD_DEPTH, "duo")])
+                         + [(EVERY_METHOD_DEPTH, m) for m in ("duo-squeeze", "duo", "saap")])
 def test_kv_budget_at_90_percent(answers_at_90, depth, method):
     """The question's prefill and the answer's steps each read the budget asked, 10% of the global layers' K/V
     bytes, within 0.01, on a question the calibration never saw: each lookup cuts its own scores there
     (engine.attention.budget.cut_threshold; under the calibrated thresholds alone: prefill 0.078-0.106, decode
     0.072-0.093); duo gives its heads what the step's follow rows leave (its streaming windows alone would read
-    more than a tenth of this document)."""
+    more than a tenth of this document); saap its best buckets until they hold the keys the room leaves, the one
+    that reaches them included."""
     stats = answers_at_90(depth, method).stats
     assert abs(stats.kv_budget_prefill - (1 - SPARSITY)) <= 0.01, stats.kv_budget_prefill
     assert abs(stats.kv_budget_decode - (1 - SPARSITY)) <= 0.01, stats.kv_budget_decode

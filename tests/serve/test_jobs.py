@@ -457,3 +457,43 @@ def test_a_new_worker_starts_from_the_ingest_rate_of_earlier_jobs(store):
     _, later = make(store, start=False)
     assert later.seconds_per_token == pytest.approx(12.0 / 4000)
     assert make(store, start=False, seconds_per_token=0.5)[1].seconds_per_token == 0.5  # a given prior wins
+
+
+def test_a_pdfs_extraction_tells_its_pages_and_stops_at_a_cancel(store):
+    """A PDF's text is extracted a page at a time into the job's row (pages read of its pages, the last page always);
+    cancelled mid-extraction, the job stops at the next page, cancelled, and nothing of it is stored."""
+    from tests.support.pdfs import make_text_pdf
+
+    pdf = make_text_pdf([f"Page {i} of the keeper's log: the weather every four hours." for i in range(1, 6)])
+    engine, worker = make(store)
+    told: list[tuple[int, int]] = []
+    update = store.jobs.update
+
+    def spy(job_id, **fields):
+        if fields.get("stage") == "extracting" and fields.get("total") in (3, 5):  # the PDFs' pages (the scripted
+            # ingest reports its stages out of 4)
+            told.append((fields["done"], fields["total"]))
+        return update(job_id, **fields)
+
+    store.jobs.update = spy
+    try:
+        job = worker.submit_bytes(pdf, "log.pdf")
+        assert worker.wait_idle(10) and worker.view(job.id).status == "done"
+        assert told[0] == (1, 5) and told[-1] == (5, 5)  # the first page, and the last whatever the clock
+
+        told.clear()
+
+        def cancel_at_the_first_page(job_id, **fields):
+            spy(job_id, **fields)
+            if told == [(1, 3)]:
+                assert worker.cancel(job_id)
+
+        store.jobs.update = cancel_at_the_first_page
+        again = worker.submit_bytes(make_text_pdf(["Another log.", "Its second page.", "Its third."]), "other.pdf")
+        assert worker.wait_idle(10)
+        view = worker.view(again.id)
+        assert (view.status, view.error) == ("cancelled", CANCELLED)
+        assert told == [(1, 3)] and len(store.documents.list()) == 1  # stopped at the next page; not stored
+    finally:
+        store.jobs.update = update
+        worker.close()

@@ -146,6 +146,24 @@ def furnished(bodies: list[str]) -> list[str]:
     return [f"{HEADER}\n{body}\n{n}\nPage {n} of {len(bodies)}" for n, body in enumerate(bodies, start=1)]
 
 
+def test_a_pdfs_pages_are_told_as_they_are_read():
+    """load_document_bytes tells its progress (pages read, pages) after each page of a PDF; what the progress raises
+    stops the reading (a cancelled preparation)."""
+    pdf = make_text_pdf(["First page.", "Second page.", "Third page."])
+    told: list[tuple[int, int]] = []
+    doc = load_document_bytes(pdf, "three.pdf", progress=lambda done, total: told.append((done, total)))
+    assert told == [(1, 3), (2, 3), (3, 3)] and doc.pages == 3
+
+    def stop(done: int, total: int) -> None:
+        raise KeyboardInterrupt  # stands for the worker's cancel
+
+    with pytest.raises(KeyboardInterrupt):
+        load_document_bytes(pdf, "three.pdf", progress=stop)
+    told.clear()
+    load_document_bytes(b"A text file is one step.", "a.txt", progress=lambda done, total: told.append((done, total)))
+    assert told == []
+
+
 def test_pdf_page_furniture_is_left_out_and_the_page_map_follows():
     """The running header and both footers go, the body stays whole (its own numbers included, the '42' at a
     page's foot too), and every page's start points at its body."""
