@@ -135,6 +135,22 @@ def test_a_document_too_long_for_the_model_is_refused_and_not_kept(tiny, capsys,
     assert len(json.loads(run(capsys, "list", "--json", *common)[1])) == 1
 
 
+def test_a_50_mb_one_line_text_is_refused_in_seconds(tiny, capsys, tmp_path):
+    """A 50 MB text of one line, far over the model's context: refused in words within seconds (the tokenizer reads
+    only its start), nothing kept in the library."""
+    import time  # noqa: PLC0415
+
+    model, _ = tiny
+    huge = tmp_path / "huge.txt"
+    huge.write_bytes(b"word " * (10 * 2**20))
+    common = ["--model", str(model), "--device", "cpu", "--cache-dir", str(tmp_path / "cache"), "--quiet"]
+    started = time.perf_counter()
+    code, out, err = run(capsys, "ingest", str(huge), *common)
+    assert code == 1 and "pass --truncate" in err
+    assert time.perf_counter() - started < 60  # (81-223 s when the whole text was tokenized)
+    assert json.loads(run(capsys, "list", "--json", *common)[1]) == []
+
+
 def test_list_tells_an_ingest_whose_process_died_as_failed(tmp_path, capsys):
     """A context left "running" by a killed ingest is listed as failed (interrupted) by `squeeze list` itself."""
     from storage import Store, load_document_bytes  # noqa: PLC0415
@@ -159,6 +175,18 @@ def test_control_characters_never_reach_the_terminal(tiny, capsys, tmp_path):
     assert code == 1 and "\x1b" not in err and "\\x1b[31m" in err
     # what an answer's streamed text and an error go through: every control character but tab and newline escaped
     assert terminal_text("ok\x1b]0;owned\x07 \x9b2J\tkept\nkept") == "ok\\x1b]0;owned\\x07 \\x9b2J\tkept\nkept"
+
+
+def test_a_named_pipe_is_refused_without_reading_it(tiny, capsys, tmp_path):
+    """`squeeze ingest` of a named pipe is refused in one line at once (a read would block until a writer came)."""
+    import os  # noqa: PLC0415
+
+    model, _ = tiny
+    pipe = tmp_path / "notes.txt"
+    os.mkfifo(pipe)
+    code, out, err = run(capsys, "ingest", str(pipe), "--model", str(model), "--device", "cpu", "--cache-dir",
+                         str(tmp_path / "cache"), "--quiet")
+    assert code == 1 and "notes.txt: not a regular file" in err and len(err.strip().splitlines()) == 1
 
 
 def test_method_options_build_that_index_once(tiny, capsys, tmp_path):

@@ -1,5 +1,6 @@
 """Faults a server meets: the disk fills up during an ingest (a write made to fail, and a real filesystem too small
-for the cache: a clear error, no half-written context, the cache still opens, the next ingest completes), a killed server (the upload it had queued is prepared by the next one), and
+for the cache: a clear error, no half-written context, the cache still opens, the next ingest completes), a killed
+server (the upload it had queued is prepared by the next one), a killed ingest (listed failed, prepared again), and
 several users at once (four sessions on two documents through the app's API: the waiting ones told their place in
 the queue, each answer its own document's and chat's, nothing lost; eight sessions on four documents answered
 together, each as alone)."""
@@ -455,3 +456,59 @@ def test_an_upload_queued_when_the_server_is_killed_is_prepared_after_a_restart(
     finally:
         server.kill()
         server.wait(10)
+
+
+def test_an_ingest_killed_mid_way_is_listed_failed_and_prepared_again(tiny_lm, tmp_path, capsys):
+    """A real `squeeze ingest` (the tiny model) killed (SIGKILL) once its prefill has begun: `squeeze list` shows its
+    document failed (its process is gone), the files it had written that no row points to (none or a few, as the
+    kill falls) are swept once old enough when an engine opens the cache, the indexed ones kept, and the next ingest
+    of the file prepares it."""
+    import json
+    import os
+    import signal
+    import sys
+    from pathlib import Path
+
+    from app.cli import main
+    from storage import Store
+    from tests.support.tiny_models import make_tiny_model
+
+    model, cache, repo = make_tiny_model(tmp_path, "llama_gqa"), tmp_path / "cache", Path(__file__).parents[2]
+    long = tmp_path / "long.txt"
+    long.write_text("Callow Head Light was first lit in 1847; its keeper logged the weather. " * 40)
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    ingest = subprocess.Popen([sys.executable, "-m", "app.cli", "ingest", str(long), "--model", str(model), "--device",
+                               "cpu", "--cache-dir", str(cache), "--quiet"], cwd=repo, env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert ingest.poll() is None, ingest.stderr.read().decode()  # (done before the kill: the test is void)
+            if (cache / "index.db").exists():
+                with Store(cache) as store:
+                    running = [j for j in store.jobs.list() if j["status"] == "running"
+                               and j["stage"] in ("prefill", "clustering", "calibrating", "saving")]
+                if running:
+                    ingest.send_signal(signal.SIGKILL)
+                    break
+            assert time.monotonic() < deadline, "the ingest did not reach its prefill"
+            time.sleep(0.02)
+        ingest.wait(10)
+    finally:
+        ingest.kill()
+        ingest.wait(10)
+    with Store(cache) as store:
+        assert [c["status"] for c in store.contexts.list(running[0]["doc_id"])] == ["running"]  # as killed
+    assert main(["list", "--json", "--cache-dir", str(cache)]) == 0
+    assert [d["status"] for d in json.loads(capsys.readouterr().out)] == ["failed"]
+    with Store(cache) as store:
+        indexed = {cache / r["path"] for c in store.contexts.list(running[0]["doc_id"])
+                   for r in store.artifacts.list(c["id"])}
+    written = {p for p in (cache / "blobs").rglob("*") if p.is_file()} if (cache / "blobs").exists() else set()
+    hours_ago = time.time() - 2 * 3600
+    for orphan in written - indexed:
+        os.utime(orphan, (hours_ago, hours_ago))
+    engine = Engine(cache, lm=tiny_lm)  # opening the cache sweeps what the killed process left
+    assert not [p for p in written - indexed if p.exists()] and all(p.exists() for p in indexed)
+    report = engine.ingest(long)
+    assert not report.cached and engine.store.contexts.get(report.context_id)["status"] == "ready"
