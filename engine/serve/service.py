@@ -46,7 +46,7 @@ ORPHAN_MIN_AGE_S = 3600.0  # an unindexed blob file this old is no save in progr
 WAIT_POLL_S = 0.5  # how often an ingest waiting for another one of the same context looks again
 DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
 WARM_MEMORY_SHARE = 0.5  # a waiting turn's context is read ahead into memory only where it takes at most this share
-# of the memory available (Engine.warm)
+# of the memory available (Engine.read_ahead)
 # `squeeze eval` of the embedded model as shipped (read-only): what `latest_eval` shows until one is recorded
 SHIPPED_EVAL = Path(__file__).resolve().parents[1] / "bench" / "results" / "cpu-eval.json"
 
@@ -105,8 +105,9 @@ class Engine:
         self.load_progress = load_progress  # told each step of the model's load, whoever loads it
         self._device_lock = threading.RLock()  # building a method's index and answering share the open context
         self._sessions: OrderedDict[str, ContextSession] = OrderedDict()  # open contexts, least recently used first
-        # contexts read into memory for a waiting turn (warm): context id -> (artifact names, tensors), oldest first
-        self._warmed: OrderedDict[str, tuple[tuple[str, ...], dict]] = OrderedDict()
+        # contexts read into memory for a waiting turn (read_ahead): context id -> ((name, sha256, bytes) of each
+        # artifact, the tensors), oldest first
+        self._warmed: OrderedDict[str, tuple[tuple[tuple[str, str, int], ...], dict]] = OrderedDict()
         self._warm_lock = threading.Lock()
         self.max_batch = max_batch  # turns answered together (None: default_batch of the model's device)
         self._scheduler: Scheduler | None = None
@@ -445,6 +446,8 @@ class Engine:
         def read() -> None:
             artifacts = self.store.artifacts.load(context_id, [row[0] for row in wanted])
             with self._warm_lock:
+                if context_id in self._sessions:  # opened meanwhile (by another path): nothing to hand over
+                    return
                 self._warmed[context_id] = (wanted, artifacts)
                 while len(self._warmed) > self._open_limit():
                     self._warmed.popitem(last=False)

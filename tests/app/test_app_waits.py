@@ -1,11 +1,13 @@
 """What a question waits for, told in the chat while it lasts, through gradio_client against a running app on the tiny
 model: a method's training once per model (with its expected time before the first question, its steps and the time
 left while it runs, and Cancel), the rebuild of an index after a change of the centroid ratio, and the plan hint,
-which follows the index as it is built elsewhere."""
+which follows the index as it is built elsewhere; and, through the wait's own handler, the model's first load step
+by step."""
 
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 import pytest
@@ -165,3 +167,34 @@ def test_the_plan_hint_says_built_at_the_first_question_only_while_it_is_not_bui
         assert re.fullmatch(QUEST_HINT, hint)
     finally:
         app.close()
+
+
+def test_the_models_first_load_is_told_in_the_chat_step_by_step_until_stop():
+    """While the model loads (its first load parses its weights: minutes), a question's wait says which step of the
+    load is under way, each poll; Stop ends the wait in words and leaves the load going (not cancellable)."""
+    from types import SimpleNamespace
+
+    from app.waits import WaitEnded, _loading
+    from engine.model.load import STEP_TOKENIZER, STEP_WEIGHTS, LoadStep
+
+    loader = threading.Event()  # set: the load is over
+    engine = SimpleNamespace(model_loaded=False, load_step=None)
+    services = SimpleNamespace(engine=engine, config=SimpleNamespace(poll_s=0.01),
+                               load_model=lambda: SimpleNamespace(is_alive=lambda: not loader.is_set()))
+    stop, cancel = threading.Event(), threading.Event()
+    told = []
+    waiting = _loading(services, stop, cancel)
+    for step in (None, LoadStep(STEP_TOKENIZER, 0, 2), LoadStep(STEP_WEIGHTS, 1, 2)):
+        engine.load_step = step
+        wait = next(waiting)
+        assert wait.kind == "loading" and not wait.cancellable
+        told.append(wait.text)
+    assert told == ["Loading the model before its first answer: starting.",
+                    f"Loading the model before its first answer: {STEP_TOKENIZER} (step 1 of 2).",
+                    f"Loading the model before its first answer: {STEP_WEIGHTS} (step 2 of 2)."]
+    stop.set()
+    with pytest.raises(WaitEnded, match="Stopped waiting; the model goes on loading."):
+        next(waiting)
+    assert not loader.is_set()  # the load goes on
+    engine.model_loaded = True  # loaded: nothing to wait for
+    assert list(_loading(services, threading.Event(), threading.Event())) == []
