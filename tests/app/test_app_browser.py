@@ -182,7 +182,8 @@ def served_untrained(real_lm, tmp_path_factory):
 
 def test_a_first_question_with_a_method_that_trains_says_so_in_the_chat(served_untrained, page):
     """Choosing duo, which learns its gates once per model, says so before the question; the first question then
-    shows, where its answer will be, that duo is training and how far, and the answer replaces it."""
+    shows, where its answer will be, that duo is training and how far, and the answer replaces it; a reload brings
+    the document and the method back (kept in the browser)."""
     from playwright.sync_api import expect
 
     url, demo = served_untrained
@@ -211,3 +212,6 @@ def test_a_first_question_with_a_method_that_trains_says_so_in_the_chat(served_u
     (turn,) = turns()
     assert turn["method"] == "duo" and turn["question"] == PASSKEY_QUESTION
     assert demo.services.engine.needs_preparation("duo") == []
+    page.reload()  # this browser's choices come back with the page: the document, and the method it asked with
+    expect(page.locator("#sq-doc-status")).to_contain_text(f"{MARKDOWN.name}: ready", timeout=60_000)
+    expect(page.locator("#sq-method input[value='duo']")).to_be_checked(timeout=30_000)
