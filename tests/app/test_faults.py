@@ -1,9 +1,9 @@
 """Faults a server meets: the disk fills up during an ingest (a write made to fail, and a real filesystem too small
 for the cache: a clear error, no half-written context, the cache still opens, the next ingest completes), a killed
-server (the upload it had queued is prepared by the next one), a killed ingest (listed failed, prepared again), and
-several users at once (four sessions on two documents through the app's API: the waiting ones told their place in
-the queue, each answer its own document's and chat's, nothing lost; eight sessions on four documents answered
-together, each as alone)."""
+server (the upload it had queued is prepared by the next one), a killed ingest (listed failed, prepared again), two
+ingests of one file at once (built once), and several users at once (four sessions on two documents through the
+app's API: the waiting ones told their place in the queue, each answer its own document's and chat's, nothing lost;
+eight sessions on four documents answered together, each as alone)."""
 
 from __future__ import annotations
 
@@ -512,3 +512,31 @@ def test_an_ingest_killed_mid_way_is_listed_failed_and_prepared_again(tiny_lm, t
     assert not [p for p in written - indexed if p.exists()] and all(p.exists() for p in indexed)
     report = engine.ingest(long)
     assert not report.cached and engine.store.contexts.get(report.context_id)["status"] == "ready"
+
+
+def test_two_ingests_of_one_file_at_once_build_it_once(tmp_path):
+    """Two real `squeeze ingest` processes of the same file started together: both end with its context, and it is
+    built once (the one that comes second waits for the first and answers from what it built)."""
+    import json
+    import os
+    import sys
+    from pathlib import Path
+
+    from tests.support.tiny_models import make_tiny_model
+
+    model, cache, repo = make_tiny_model(tmp_path, "llama_gqa"), tmp_path / "cache", Path(__file__).parents[2]
+    long = tmp_path / "long.txt"  # seconds to prepare: the two overlap
+    long.write_text("Callow Head Light was first lit in 1847; its keeper logged the weather. " * 40)
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    ingests = [subprocess.Popen([sys.executable, "-m", "app.cli", "ingest", str(long), "--model", str(model),
+                                 "--device", "cpu", "--cache-dir", str(cache), "--quiet", "--json"], cwd=repo, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE) for _ in range(2)]
+    try:
+        outs = [p.communicate(timeout=300) for p in ingests]
+    finally:
+        for p in ingests:
+            p.kill()
+    assert [p.returncode for p in ingests] == [0, 0], [err.decode()[-2000:] for _, err in outs]
+    reports = [json.loads(out) for out, _ in outs]
+    assert reports[0]["context_id"] == reports[1]["context_id"]
+    assert sorted(r["cached"] for r in reports) == [False, True]  # built by one of them only
