@@ -110,11 +110,6 @@ class KeyCount:
     def at_least(self, least: float) -> "KeyCount":
         return replace(self, least=max(self.least, float(least)))
 
-    def times(self, factor: float) -> "KeyCount":
-        """factor >= 0 times the count (every term scaled)."""
-        return replace(self, base=self.base * factor, least=self.least * factor if factor else 0.0,
-                       per_listed=self.per_listed * factor, per_read=self.per_read * factor)
-
     def value(self, read: torch.Tensor | None = None, device: torch.device | None = None,
               heads: int | torch.Tensor | None = None) -> torch.Tensor:
         """[] float32 on `device` (or the listed positions'): the count, in torch (the kernels' reference; the CPU's

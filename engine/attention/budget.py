@@ -65,11 +65,6 @@ def keys_for(curve: torch.Tensor, budget: float) -> float:
     return KEYS_GRID[-1]
 
 
-def at_least(keys: KeyCount | float, least: float) -> KeyCount | float:
-    """`keys` (a host number, or a count the lookup works out on the device) raised to `least`, in its own kind."""
-    return keys.at_least(least) if isinstance(keys, KeyCount) else max(keys, least)
-
-
 def less_follow(keys: float, hkv: int, follow: FollowRows | None) -> KeyCount:
     """`keys` less each of the step's follow rows among the indexed keys, once per KV head (those a row already keeps
     are not read twice: a few keys under), counted where the lookup runs (a GPU's inside its kernels)."""

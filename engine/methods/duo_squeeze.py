@@ -114,7 +114,7 @@ class DuoSqueezePolicy(Method):
         read = layer.elements(hkv, index, q.device)
         cut = cut_room(plan, q, follow)
         # the retrieval heads' best clusters up to their share of the room (retrieval_keys), or the plan's threshold
-        keys = None if cut is None else retrieval_keys(plan, layer, cut, index, q.shape[2], hkv)
+        keys = None if cut is None else retrieval_keys(plan, layer, cut, index, q.shape[2])
         centroid = backend.kernel("centroid")
         if keys is not None and q.device.type == "cpu":  # the exact cut between whole clusters
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, hkv,
@@ -154,8 +154,7 @@ class DuoSqueezePolicy(Method):
         return layer["labels"]
 
 
-def retrieval_keys(plan: HeadThresholdPlan, layer: LayerIndex, cut: tuple, index: float, head_dim: int,
-                   hkv: int) -> KeyCount:
+def retrieval_keys(plan: HeadThresholdPlan, layer: LayerIndex, cut: tuple, index: float, head_dim: int) -> KeyCount:
     """The keys each retrieval head's clusters may hold so that the model's heads together read the room, as a
     count per retrieval KV head (KeyCount.per_head: the cut multiplies it by the layer's retrieval heads): every head
     reads its index (`index` elements) and the step's follow rows (cut = (room, follow rows):
