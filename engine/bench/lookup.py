@@ -1,0 +1,108 @@
+"""A decode step's centroid lookup, layer after layer: with a calibrated threshold against a cut at a number of keys.
+
+    python -m engine.bench.lookup [--shape llama3-8b] [--context 131072] [--budget 0.1] [--out FILE]
+
+Every global layer of the shape gets its own index (one-byte centroid codes, 5% of the keys; cluster sizes skewed
+as k-means leaves them) and query, so the layers' centroids stream from memory as in a decode step rather than
+from the L2 cache a single repeated lookup would keep them in. Times, replayed from one CUDA graph over all layers,
+`kernels.centroid_ops.cluster_select` (the lookup's passes and the expansion into positions) (a) at a threshold
+and (b) with `keys=`: the budget's keys per KV head, less 64 listed follow positions, decided on the device. Prints
+one JSON document: microseconds per layer, the kernels' time per layer from the profiler, the keys the cut kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+from engine.bench.e2e.models import SHAPES
+from engine.bench.e2e.report import emit
+from engine.bench.kernels import bench_graph
+from kernels import centroid_ops
+from kernels.layout import group_starts
+from kernels.selection import KeyCount
+
+CENTROID_RATIO = 0.05  # squeeze's default (engine.methods.squeeze)
+TAIL = 32  # dense tail positions per KV head
+FOLLOW = 64  # listed positions taken out of the keys, as a step's follow rows are
+
+
+def layer_index(hkv: int, n: int, d: int, gen: torch.Generator, device: torch.device) -> dict:
+    """One layer's lookup inputs: centroids [Hkv, C, D] uint8 codes with step [Hkv, D], counts [Hkv, C] and starts
+    [Hkv, C + 1] of n - TAIL keys (sizes skewed: the smaller of two uniform labels)."""
+    c = max(1, round(n * CENTROID_RATIO))
+    labels = torch.minimum(torch.randint(0, c, (hkv, n - TAIL), generator=gen),
+                           torch.randint(0, c, (hkv, n - TAIL), generator=gen)).to(device)
+    starts = group_starts(labels, c)
+    return {"centroids": torch.randint(0, 256, (hkv, c, d), dtype=torch.uint8, generator=gen).to(device),
+            "step": (torch.rand(hkv, d, generator=gen) * 0.04).to(device),
+            "counts": (starts[:, 1:] - starts[:, :-1]).to(torch.int32), "starts": starts}
+
+
+def kernel_us(fn, layers: int) -> dict:
+    """Each kernel's GPU time per layer (us) over 20 replays of fn from a CUDA graph."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(20):
+            graph.replay()
+        torch.cuda.synchronize()
+    return {e.key: round(e.device_time_total / 20 / layers, 2) for e in prof.key_averages()
+            if e.key.endswith("_kernel")}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.lookup", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="llama3-8b")
+    parser.add_argument("--context", type=int, default=131072)
+    parser.add_argument("--budget", type=float, default=0.1, help="the cut's share of the keys")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("engine.bench.lookup needs a CUDA GPU", file=sys.stderr)
+        return 2
+    device = torch.device("cuda")
+    shape = SHAPES[args.shape]
+    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    n, layers = args.context, shape["num_hidden_layers"]
+    gen = torch.Generator().manual_seed(0)
+    indexes = [layer_index(hkv, n, d, gen, device) for _ in range(layers)]
+    queries = [(torch.randn(hq, 1, d, generator=gen) * 2).to(device, torch.bfloat16) for _ in range(layers)]
+    listed = torch.arange(FOLLOW, device=device) * (n // FOLLOW)
+    keys = KeyCount(args.budget * hkv * n + FOLLOW, listed=listed, lo=0, hi=n, per_listed=1.0)
+    scale = d ** -0.5
+    kept = []
+
+    def lookups(k):
+        def fn():
+            kept.clear()
+            for q, ix in zip(queries, indexes):
+                keep, _, _ = centroid_ops.cluster_select(q, ix["centroids"], ix["counts"], scale, 0.05, hkv,
+                                                         ix["starts"], n - TAIL, TAIL, step=ix["step"], keys=k)
+                kept.append(keep)
+        return fn
+
+    out: dict = {"bench": "lookup", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+                 "shape": args.shape, "context": n, "layers": layers, "budget": args.budget,
+                 "centroids": int(indexes[0]["counts"].shape[1]), "cases": {}}
+    for case, k in (("threshold", None), ("cut", keys)):
+        fn = lookups(k)
+        us = bench_graph(fn) * 1000 / layers
+        out["cases"][case] = {"us_per_layer": round(us, 2), "kernels_us_per_layer": kernel_us(fn, layers)}
+    fn = lookups(keys)
+    fn()
+    held = sum(float((ix["counts"] * keep).sum()) for ix, keep in zip(indexes, kept)) / layers
+    out["cases"]["cut"]["keys_kept_share"] = round(held / (hkv * n), 5)
+    emit(out, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
