@@ -16,6 +16,7 @@ from app.render import format_seconds
 from engine.serve.jobs import IngestWorker
 from engine.serve.service import Engine
 from tests.app.test_app import ASK_NAMES, DOC, QUEST_HINT, WAIT_S, ask, launch, open_doc, texts, write
+from tests.support.tiny_models import QUICK_TRAINING, SMALL_SAAP
 
 pytestmark = [
     pytest.mark.usefixtures("one_thread"),
@@ -25,6 +26,9 @@ pytestmark = [
 SLOW_DUO = {"duo": {"train_steps": 2000, "train_min_tokens": 120, "train_max_tokens": 200, "train_passkeys": 2,
                     "train_words": 3, "train_sink": 4, "train_recent": 16}}  # minutes: cancelled, never finished
 QUICK_DUO = {"duo": {**SLOW_DUO["duo"], "train_steps": 40}}
+QUICK_SAAP = {"saap": {**SMALL_SAAP["saap"], **QUICK_TRAINING["saap"], "train_steps": 1000}}
+LEARNED = [("duo", QUICK_DUO, r"training duo: step \d+/40"),  # each told by its own steps while it trains
+           ("saap", QUICK_SAAP, r"training saap: [a-z ]+ \d+/1000")]
 
 
 def prepared_app(tiny_lm, tmp_path, methods, worker_started=True):
@@ -54,33 +58,36 @@ def pending(named: dict) -> str:
     return chat[-1] if len(chat) == 2 else ""
 
 
-def test_a_method_that_learns_says_how_long_before_the_question_then_the_question_waits_with_its_steps(tiny_lm,
-                                                                                                       tmp_path):
-    """Choosing duo says that it trains once per model and how long that takes here (the ingest rate the worker
-    learned, times duo's work) without starting it; the first question starts it and waits in the chat, where the
-    pending answer tells the training's steps and the time left, then the answer comes."""
-    app, doc_id = prepared_app(tiny_lm, tmp_path, QUICK_DUO)
+@pytest.mark.parametrize("method,methods,steps", LEARNED, ids=[m for m, _, _ in LEARNED])
+def test_a_method_that_learns_says_how_long_before_the_question_then_the_question_waits_with_its_steps(
+        tiny_lm, tmp_path, method, methods, steps):
+    """Choosing duo (or saap) says that it trains once per model and how long that takes here (the ingest rate the
+    worker learned, times the method's work) without starting it; the first question starts it and waits in the
+    chat, where the pending answer tells the training's steps and the time left, then the answer comes."""
+    app, doc_id = prepared_app(tiny_lm, tmp_path, methods)
     try:
         client = app.client()
         open_doc(client, doc_id)
-        hint = client.predict("duo", 0.9, 0.05, 0.01, api_name="/threshold")
-        expected = app.demo.services.preparer.expected_seconds("duo")
+        hint = client.predict(method, 0.9, 0.05, 0.01, api_name="/threshold")
+        expected = app.demo.services.preparer.expected_seconds(method)
         assert expected is not None and expected > 0
-        assert hint == (f"duo learns what it needs once per model, before its first answer: training duo takes about "
-                        f"{format_seconds(expected)} on this machine. The first question starts it (Cancel stops it).")
-        assert app.demo.services.preparer.view("duo") is None and app.engine.needs_preparation("duo")
-        job = ask(client, "Who kept the light?", method="duo", wait=False)
-        waiting = outputs_until(job, lambda o: re.search(r"training duo: step \d+/40", pending(o)))
+        assert hint == (f"{method} learns what it needs once per model, before its first answer: training {method} "
+                        f"takes about {format_seconds(expected)} on this machine. The first question starts it "
+                        f"(Cancel stops it).")
+        assert app.demo.services.preparer.view(method) is None and app.engine.needs_preparation(method)
+        job = ask(client, "Who kept the light?", method=method, wait=False)
+        waiting = outputs_until(job, lambda o: re.search(steps, pending(o)))
         assert texts(waiting["chat"])[0] == "Who kept the light?"
-        assert pending(waiting).startswith("Training duo, once per model, before its first answer: training duo: ")
+        assert pending(waiting).startswith(f"Training {method}, once per model, before its first answer: training "
+                                           f"{method}: ")
         assert re.search(r"\((about .+ left|estimating the time left)\)\.$", pending(waiting))
-        assert "Training duo" in waiting["status"]
+        assert f"Training {method}" in waiting["status"]
         answered = dict(zip(ASK_NAMES, job.result(timeout=WAIT_S)))
         chat = texts(answered["chat"])
         assert len(chat) == 2 and not chat[1].startswith("Training")
         turn = app.store.chats.turns(app.store.chats.list(doc_id)[0]["id"])[-1]
-        assert (turn["method"], turn["answer"]) == ("duo", chat[1])
-        assert not app.engine.needs_preparation("duo")
+        assert (turn["method"], turn["answer"]) == (method, chat[1])
+        assert not app.engine.needs_preparation(method)
     finally:
         app.close()
 
