@@ -657,3 +657,43 @@ def test_an_app_served_with_logins_asks_for_them(app, ready_doc):
         assert "ready" in open_doc(client, ready_doc)["status"]
     finally:
         demo.close()
+
+
+def test_quests_scores_and_duos_views_as_the_browser_gets_them(app, ready_doc):
+    """Through the client, as the page draws them: Quest's retrieved pages are scored for the answer's lookups too
+    (not a column of zeros) and previewed with the document's words (not punctuation); duo's heatmap marks every
+    head R or S, and its projection says in words why there is none (never "choose one of []")."""
+    client = app.client()
+    open_doc(client, ready_doc)
+    out, _ = ask(client, "Who kept the light?", method="quest", sparsity=0.8, max_new=8)
+    table = out["clusters"]
+    answer, preview = table["headers"].index("score (answer)"), len(table["headers"]) - 1
+    assert table["data"] and any(float(row[answer]) > 0 for row in table["data"])
+    assert all(re.search(r"[A-Za-z]{3}", row[preview]) for row in table["data"])
+    out, _ = ask(client, "Who kept the light?", method="duo", max_new=8)
+    heat = figure(out["heatmap"])
+    marks = [cell for trace in heat["data"] if trace["type"] == "heatmap" for row in trace.get("text") or []
+             for cell in row]
+    assert marks and set(marks) <= {"R", "S"}
+    said = " ".join(a["text"] for a in figure(out["projection"])["layout"].get("annotations", []))
+    assert "keeps whole heads" in said and "choose one of" not in said
+
+
+def test_an_answer_that_runs_on_into_a_page_number_ends_before_it_in_the_chat(app, ready_doc, monkeypatch):
+    """The model's tokens after its answer go on with a page footer's number (scripted here, in place of the tiny
+    model's own, as a model that reads the document's pages writes it): the chat and the stored turn hold the answer
+    alone."""
+    from engine.context.turn import Turn
+
+    answer = "The keeper was Ada Voss."
+    tok = app.engine.lm.tokenizer
+    said = tok(answer + "\n18\n\nThe lighthouse", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    script = iter(said)
+    own = Turn.feed
+    monkeypatch.setattr(Turn, "feed", lambda turn, token: own(turn, next(script)))
+    client = app.client()
+    open_doc(client, ready_doc)
+    out, _ = ask(client, "Who kept the light?", method="full", max_new=max(8, len(said)))
+    assert texts(out["chat"])[1] == answer
+    turn = app.store.chats.turns(app.store.chats.list(ready_doc)[0]["id"])[-1]
+    assert turn["answer"] == answer
