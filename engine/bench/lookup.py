@@ -2,13 +2,13 @@
 
     python -m engine.bench.lookup [--shape llama3-8b] [--context 131072] [--budget 0.1] [--out FILE]
 
-Every global layer of the shape gets its own index (one-byte centroid codes, 5% of the keys; cluster sizes skewed
-as k-means leaves them) and query, so the layers' centroids stream from memory as in a decode step rather than
-from the L2 cache a single repeated lookup would keep them in. Times, replayed from one CUDA graph over all layers,
-`kernels.centroid_ops.cluster_select` (the lookup's passes and the expansion into positions) (a) at a threshold
-and (b) with `keys=`: the budget's share of every KV head's keys, asked as a KeyCount 64 higher less 64 listed
-follow positions (worked out on the device, as a step's is). Prints
-one JSON document: microseconds per layer, the kernels' time per layer from the profiler, the keys the cut kept.
+Every global layer of the shape gets its own index (one-byte centroid codes, 5% of the keys; cluster sizes skewed:
+each key's label the smaller of two uniform ones) and query, so the layers' centroids stream from memory as in a
+decode step rather than from the L2 cache a single repeated lookup would keep them in. Times, replayed from one
+CUDA graph over all layers, `kernels.centroid_ops.cluster_select` (the lookup's passes and the expansion into
+positions) (a) at a threshold and (b) with `keys=`: the budget's share of every KV head's keys, asked as a
+KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is). Prints one JSON
+document: microseconds per layer, the kernels' time per layer from the profiler, the keys the cut kept.
 """
 
 from __future__ import annotations
