@@ -21,11 +21,11 @@ import torch
 from engine.bench.e2e.models import SHAPES
 from engine.bench.e2e.report import emit
 from engine.bench.kernels import bench_graph
+from engine.methods.squeeze import SqueezeSettings, num_centroids
 from kernels import centroid_ops
 from kernels.layout import group_starts
 from kernels.selection import KeyCount
 
-CENTROID_RATIO = 0.05  # squeeze's default (engine.methods.squeeze)
 TAIL = 32  # dense tail positions per KV head
 FOLLOW = 64  # listed positions taken out of the keys, as a step's follow rows are
 
@@ -33,13 +33,20 @@ FOLLOW = 64  # listed positions taken out of the keys, as a step's follow rows a
 def layer_index(hkv: int, n: int, d: int, gen: torch.Generator, device: torch.device) -> dict:
     """One layer's lookup inputs: centroids [Hkv, C, D] uint8 codes with step [Hkv, D], counts [Hkv, C] and starts
     [Hkv, C + 1] of n - TAIL keys (sizes skewed: the smaller of two uniform labels)."""
-    c = max(1, round(n * CENTROID_RATIO))
+    c = num_centroids(n, SqueezeSettings().centroid_ratio)
     labels = torch.minimum(torch.randint(0, c, (hkv, n - TAIL), generator=gen),
                            torch.randint(0, c, (hkv, n - TAIL), generator=gen)).to(device)
     starts = group_starts(labels, c)
     return {"centroids": torch.randint(0, 256, (hkv, c, d), dtype=torch.uint8, generator=gen).to(device),
             "step": (torch.rand(hkv, d, generator=gen) * 0.04).to(device),
             "counts": (starts[:, 1:] - starts[:, :-1]).to(torch.int32), "starts": starts}
+
+
+def asked_keys(budget: float, hkv: int, n: int, device: torch.device) -> KeyCount:
+    """The cut's keys: `budget` of every KV head's n keys, asked as a step asks them (FOLLOW more, less FOLLOW
+    listed positions within the context, worked out on the device)."""
+    listed = torch.arange(FOLLOW, device=device) * (n // FOLLOW)
+    return KeyCount(budget * hkv * n + FOLLOW, listed=listed, lo=0, hi=n, per_listed=1.0)
 
 
 def kernel_us(fn, layers: int) -> dict:
@@ -76,8 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     indexes = [layer_index(hkv, n, d, gen, device) for _ in range(layers)]
     queries = [(torch.randn(hq, 1, d, generator=gen) * 2).to(device, torch.bfloat16) for _ in range(layers)]
-    listed = torch.arange(FOLLOW, device=device) * (n // FOLLOW)
-    keys = KeyCount(args.budget * hkv * n + FOLLOW, listed=listed, lo=0, hi=n, per_listed=1.0)
+    keys = asked_keys(args.budget, hkv, n, device)
     scale = d ** -0.5
     kept = []
 
@@ -97,8 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = lookups(k)
         us = bench_graph(fn) * 1000 / layers
         out["cases"][case] = {"us_per_layer": round(us, 2), "kernels_us_per_layer": kernel_us(fn, layers)}
-    fn = lookups(keys)
-    fn()
+    fn()  # the cut's lookups once more, eagerly: `kept` holds their keep
     held = sum(float((ix["counts"] * keep).sum()) for ix, keep in zip(indexes, kept)) / layers
     out["cases"]["cut"]["keys_kept_share"] = round(held / (hkv * n), 5)
     emit(out, args.out)

@@ -6,9 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.bench.lookup import FOLLOW, TAIL, layer_index, main
+from engine.bench.lookup import TAIL, asked_keys, layer_index, main
 from kernels import centroid_ops
-from kernels.selection import KeyCount
 
 
 def test_a_layers_index_holds_every_key_once_and_its_cut_keeps_the_budget():
@@ -20,8 +19,7 @@ def test_a_layers_index_holds_every_key_once_and_its_cut_keeps_the_budget():
     assert torch.equal(ix["starts"][:, 1:] - ix["starts"][:, :-1], ix["counts"].long())
     assert ix["counts"][:, : c // 2].sum() > ix["counts"][:, c // 2 :].sum()  # skewed: low labels hold more keys
     q = (torch.randn(8, 1, d, generator=torch.Generator().manual_seed(1)) * 2).half()
-    listed = torch.arange(FOLLOW) * (n // FOLLOW)
-    keys = KeyCount(0.1 * hkv * n + FOLLOW, listed=listed, lo=0, hi=n, per_listed=1.0)
+    keys = asked_keys(0.1, hkv, n, torch.device("cpu"))
     keep, _, _ = centroid_ops.cluster_select(q, ix["centroids"], ix["counts"], d ** -0.5, 0.05, hkv, ix["starts"],
                                              n - TAIL, TAIL, step=ix["step"], keys=keys)
     held = float((ix["counts"] * keep).sum()) / (hkv * n)
