@@ -56,6 +56,10 @@ from kernels.reference.centroid import (  # noqa: F401
 )
 from kernels.selection import Fixed, KeyCount, Selection
 
+# The cut's histogram in CUT_COPIES copies, the score pass's programs spread over them round robin: the bins around
+# the scores' mode take an atomic from every program, and one copy queues them (`python -m engine.bench.lookup`, H100,
+# 128K: the cut's lookup 26.1 us a layer with one copy of 4,096 bins, 22.6 with four of 1,024)
+CUT_COPIES = 4
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_DOT_DIM = 16  # tl.dot needs every block dimension >= 16
@@ -207,9 +211,9 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class _Cut:
-    """A lookup cut at a number of keys: hist [CUT_BINS + 1] int32 (the score pass's histogram and ticket, zeroed by
-    the denominator pass), out [1] float32 (the threshold its last program writes), the keys asked, and off: [Hkv]
-    bool KV heads whose clusters stay out of the histogram (their rows read fixed lists), or None."""
+    """A lookup cut at a number of keys: hist [CUT_COPIES * CUT_BINS + 1] int32 (the score pass's histograms and
+    ticket, zeroed by the denominator pass), out [1] float32 (the threshold its last program writes), the keys asked,
+    and off: [Hkv] bool KV heads whose clusters stay out of the histogram (their rows read fixed lists), or None."""
 
     hist: torch.Tensor
     out: torch.Tensor
@@ -222,7 +226,7 @@ class _Cut:
         if keys.listed is not None and (keys.listed.device != device or keys.listed.dtype != torch.int64
                                         or keys.listed.dim() != 1):
             raise ValueError(f"the keys' listed positions must be a 1-D int64 tensor on {device}")
-        return _Cut(torch.empty(CUT_BINS + 1, dtype=torch.int32, device=device),
+        return _Cut(torch.empty(CUT_COPIES * CUT_BINS + 1, dtype=torch.int32, device=device),
                     torch.empty(1, dtype=torch.float32, device=device), keys, off)
 
     def score_args(self, dummy: torch.Tensor, read: bool) -> tuple[tuple, dict]:
@@ -235,7 +239,7 @@ class _Cut:
         pointers = (self.hist, self.off.view(torch.uint8) if self.off is not None else dummy, self.out,
                     listed.contiguous() if listed is not None else dummy)
         constants = dict(HAS_HIST=True, HIST_FIXED=self.off is not None, CUT_LOW=CUT_LOW, CUT_PER=CUT_PER,
-                         CUT_BINS=CUT_BINS, HAS_LISTED=listed is not None,
+                         CUT_BINS=CUT_BINS, CUT_COPIES=CUT_COPIES, HAS_LISTED=listed is not None,
                          M=listed.numel() if listed is not None else 0, lo=int(keys.lo), hi=int(keys.hi),
                          key_base=float(keys.base), key_least=float(keys.least), per_listed=float(keys.per_listed),
                          PER_HEAD=keys.per_head)
@@ -309,8 +313,9 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
         cut.hist if cut is not None else counts,
         float(scale) * LOG2E, lq, c, capacity, g, gh, hpr, nsplit, *strides, keep.stride(0), score.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, STORE_S=cache_s, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, HAS_VALID=valid is not None, ZERO=zero and use_list, ZERO_HIST=cut is not None,
-        CUT_BINS=CUT_BINS, **common,
+        num_stages=cfg.num_stages, HAS_VALID=valid is not None, AHEAD=not use_list and valid is None,
+        ZERO=zero and use_list, ZERO_HIST=cut is not None,
+        CUT_BINS=CUT_BINS, CUT_COPIES=CUT_COPIES, **common,
     )
     out_elements, read_base, read_per = elements if elements is not None else (score, 0.0, 0.0)  # dummy unless given
     cut_ptrs, cut_args = cut.score_args(counts, elements is not None and use_list) if cut is not None else \

@@ -78,6 +78,18 @@ def _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc, DTYPE: tl.const
 
 
 @triton.jit
+def _centroids_ahead(cent_ptr, pos, C, offs_d, D, stride_cc, DTYPE: tl.constexpr, CODES16: tl.constexpr,
+                     AHEAD: tl.constexpr):
+    """With AHEAD, the dense centroids at positions pos [BLOCK_C] (those below C) as _load_centroids_t reads them,
+    before the kernel waits on the one before it (an index is no kernel's output in a step); else zeros, unused."""
+    if AHEAD:
+        out = _load_centroids_t(cent_ptr, pos, pos < C, offs_d, D, stride_cc, DTYPE, CODES16)
+    else:
+        out = tl.zeros([offs_d.shape[0], pos.shape[0]], DTYPE)
+    return out
+
+
+@triton.jit
 def _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED: tl.constexpr,
                   CODES16: tl.constexpr):
     """Query rows (head, tok) [BLOCK_M] -> [BLOCK_M, BLOCK_D] (zeros where masked). SCALED: times the KV head's
@@ -154,16 +166,17 @@ def _hist_add(hist_ptr, bins, weight, ok, CUT_BINS: tl.constexpr, LOCAL: tl.cons
 def _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, elements_ptr, NEL,
                    per_read, on_ptr, HAS_LISTED: tl.constexpr, READ_KEYS: tl.constexpr, PER_HEAD: tl.constexpr,
                    HIST_FIXED: tl.constexpr, CUT_LOW: tl.constexpr, CUT_PER: tl.constexpr, CUT_BINS: tl.constexpr,
-                   BLOCK_LIST: tl.constexpr = 1024):
-    """The end of a score pass that a cut follows: every program takes a ticket (hist[CUT_BINS], zeroed with the
-    histogram by the denominator pass) once its atomics are in; the last one works out the keys asked (the
+                   CUT_COPIES: tl.constexpr = 1, BLOCK_LIST: tl.constexpr = 1024):
+    """The end of a score pass that a cut follows: every program takes a ticket (hist[CUT_COPIES * CUT_BINS],
+    zeroed with the histograms by the denominator pass) once its atomics are in; the last one sums the CUT_COPIES
+    histograms (the programs add into one each, round robin) and works out the keys asked (the
     KeyCount: key_base, less per_listed for each of the M listed positions within [lo, hi) and per_read for each
     index element the pass's units read, elements [NEL], at least key_least; with PER_HEAD times the KV heads the
     histogram counts, the grid's first axis less those on_ptr marks) and writes cut [1] float32, the
     threshold of the bin edge whose keys above come nearest (ties: more keys; keys <= 0: +inf; the lowest bin: -1):
     the reference's binned_cut, once per lookup."""
     tl.debug_barrier()  # the program's histogram atomics are in before its ticket (a release at GPU scope)
-    ticket = tl.atomic_add(hist_ptr + CUT_BINS, 1)
+    ticket = tl.atomic_add(hist_ptr + CUT_COPIES * CUT_BINS, 1)
     if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
         want = key_base + 0.0
         if HAS_LISTED:
@@ -188,7 +201,9 @@ def _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least
                 heads = tl.sum((on == 0).to(tl.int32), axis=0)
             want = want * heads.to(tl.float32)
         bins = tl.arange(0, CUT_BINS)
-        held = tl.load(hist_ptr + bins, cache_modifier=".cg").to(tl.float32)  # keys per bin, lowest scores first
+        held = tl.zeros([CUT_BINS], tl.float32)  # keys per bin, lowest scores first, summed over the copies
+        for copy in tl.static_range(0, CUT_COPIES):
+            held += tl.load(hist_ptr + copy * CUT_BINS + bins, cache_modifier=".cg").to(tl.float32)
         above = tl.sum(held, axis=0) - tl.cumsum(held, axis=0) + held  # keys in bins >= b
         gap = tl.abs(above - want)
         best = tl.min(tl.where(gap == tl.min(gap, axis=0), bins, CUT_BINS), axis=0)
@@ -205,7 +220,8 @@ def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
     (& allowed, which also zeroes the score), written at the centroid ids cid [BLOCK_C]; with HAS_STARTS, the kept
     clusters' keys summed into block_sums[row, blk] for the expansion (kernels/jit/compact.py). With HAS_HIST (a cut
     at a number of keys, decided after every score is known: centroid_cut_kernel) the score alone is written and
-    each cluster's keys are added into its score's bin of the histogram hist [CUT_BINS] int32 (where `counted`)."""
+    each cluster's keys are added into its score's bin of the histogram hist [CUT_BINS] int32 (where `counted`; the
+    program's copy of the histogram)."""
     keep = (score > threshold) & (cnt > 0)
     if HAS_ALLOWED:
         allowed = tl.load(allowed_ptr + row * stride_ar + cid, mask=c_ok, other=0) != 0
@@ -226,13 +242,36 @@ def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
 
 
 @triton.jit
+def _denominator_block(qb, ct, cid, c_ok, pos, start, m_i, l_i, qrow, m_ok, head, scale2, counts_ptr, allowed_ptr,
+                       s_ptr, stride_ar, stride_s, HPR, HAS_ALLOWED: tl.constexpr, STORE_S: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """One centroid block of the denominator pass: the running (max, sum) [BLOCK_M] of the rows updated with the
+    block's x = s2 + log2 N (ct: its centroids [BLOCK_D, BLOCK_C]); with STORE_S, s2 stored at the block's positions."""
+    s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale2  # [BLOCK_M, BLOCK_C] float32, log2 domain
+    cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
+    c_in = c_ok & (cnt > 0)
+    log2_n = tl.where(c_in, tl.log2(tl.maximum(cnt, 1).to(tl.float32)), float("-inf"))  # [BLOCK_C]
+    x = s + log2_n[None, :]
+    if HAS_ALLOWED:
+        allowed = tl.load(allowed_ptr + (head // HPR)[:, None] * stride_ar + cid[None, :],
+                          mask=m_ok[:, None] & c_in[None, :], other=0)
+        x = tl.where(allowed != 0, x, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(x, axis=1))
+    ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    l_i = l_i * tl.exp2(m_i - ref) + tl.sum(tl.exp2(x - ref[:, None]), axis=1)
+    if STORE_S:
+        tl.store(s_ptr + qrow[:, None] * stride_s + (start + pos)[None, :], s, mask=m_ok[:, None] & c_ok[None, :])
+    return m_new, l_i
+
+
+@triton.jit
 def centroid_denominator_kernel(
     q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr,  # inputs (allowed / indptr / idx: see flags)
     step_ptr,  # SCALED: [Hkv, D] float32, the one-byte centroids' step
     part_max_ptr, part_sum_ptr, s_ptr,  # outputs: [Hq * Lq, NSPLIT] float32 each; s2 cache [Hq * Lq, W] float32
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     keep_ptr, score_ptr,  # ZERO: the score pass's outputs [rows, C], zeroed here (a list's row: unit == row)
-    hist_ptr,  # ZERO_HIST: [CUT_BINS + 1] int32, the cut's histogram and ticket, zeroed here (_cut_when_last)
+    hist_ptr,  # ZERO_HIST: [CUT_COPIES * CUT_BINS + 1] int32, the cut's histograms and ticket, zeroed here
     scale2, Lq, C, CAP, G, GH, HPR, NSPLIT,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
@@ -246,10 +285,12 @@ def centroid_denominator_kernel(
     SCALED: tl.constexpr,  # the centroids are uint8 codes: the queries are scaled by their step
     CODES16: tl.constexpr,  # SCALED with 16-bit queries: the dots run in float16 (_as_dot_operand)
     HAS_VALID: tl.constexpr = False,  # a block of padding tokens alone computes nothing (its partials: -inf, 0)
+    AHEAD: tl.constexpr = False,  # dense: the first block's centroids read before waiting (PDL) on the queries
     ZERO: tl.constexpr = False,  # USE_LIST: zero the row's keep and score, BLOCK_Z at a time (no launch of its own)
     BLOCK_Z: tl.constexpr = 1024,
     ZERO_HIST: tl.constexpr = False,
     CUT_BINS: tl.constexpr = 4096,
+    CUT_COPIES: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
@@ -257,8 +298,9 @@ def centroid_denominator_kernel(
     log2(e)). Empty clusters, masked ones and invalid positions give x = -inf; without an `allowed` mask that is a
     per-centroid offset, so a tile costs one FMA, one max, one exp2 and one add per element. Rows past the unit's
     end compute on zero queries and are not stored; with HAS_VALID, a block whose rows are all padding skips its
-    centroids (no pass reads a padding row's partials)."""
-    wait_prior(PDL)
+    centroids (no pass reads a padding row's partials). With AHEAD (a dense lookup without HAS_VALID) the program
+    reads its first block of centroids before it waits (PDL) for the kernel that wrote the queries (an index is no
+    kernel's output in a step), so that read overlaps the kernel before."""
     release_next(PDL)
     unit = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -267,13 +309,16 @@ def centroid_denominator_kernel(
     cent_ptr += (h0 // G) * stride_ch
     counts_ptr += (h0 // G) * stride_nh
     step_ptr += (h0 // G) * D
+    offs_d = tl.arange(0, BLOCK_D)
+    pos0 = split * BLOCK_C + tl.arange(0, BLOCK_C)
+    ct0 = _centroids_ahead(cent_ptr, pos0, C, offs_d, D, stride_cc, q_ptr.dtype.element_ty, CODES16, AHEAD)
+    wait_prior(PDL)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # stacked query rows of the unit
     m_ok = offs_m < GH * Lq
     head = h0 + offs_m // Lq
     tok = offs_m % Lq
     qrow = head * Lq + tok
-    offs_d = tl.arange(0, BLOCK_D)
     # [BLOCK_M, BLOCK_D]
     qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED, CODES16)
 
@@ -284,26 +329,20 @@ def centroid_denominator_kernel(
         blocks = tl.where(tl.max((m_ok & (tok < n_tok)).to(tl.int32), axis=0) > 0, blocks, 0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    for blk in range(split, blocks, NSPLIT):
+    first = split
+    if AHEAD:  # the first block from the tile read ahead (positions past C are masked: nothing of them counts)
+        m_i, l_i = _denominator_block(qb, ct0, pos0, pos0 < C, pos0, start, m_i, l_i, qrow, m_ok, head, scale2,
+                                      counts_ptr, allowed_ptr, s_ptr, stride_ar, stride_s, HPR, HAS_ALLOWED, STORE_S,
+                                      DOT_PRECISION)
+        first = split + NSPLIT
+    for blk in range(first, blocks, NSPLIT):
         pos = blk * BLOCK_C + tl.arange(0, BLOCK_C)
         cid, c_ok = _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST)
         # [BLOCK_D, BLOCK_C]
         ct = _load_centroids_t(cent_ptr, cid, c_ok, offs_d, D, stride_cc, q_ptr.dtype.element_ty, CODES16)
-        s = tl.dot(qb, ct, input_precision=DOT_PRECISION) * scale2  # [BLOCK_M, BLOCK_C] float32, log2 domain
-        cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
-        c_in = c_ok & (cnt > 0)
-        log2_n = tl.where(c_in, tl.log2(tl.maximum(cnt, 1).to(tl.float32)), float("-inf"))  # [BLOCK_C]
-        x = s + log2_n[None, :]
-        if HAS_ALLOWED:
-            allowed = tl.load(allowed_ptr + (head // HPR)[:, None] * stride_ar + cid[None, :],
-                              mask=m_ok[:, None] & c_in[None, :], other=0)
-            x = tl.where(allowed != 0, x, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(x, axis=1))
-        ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        l_i = l_i * tl.exp2(m_i - ref) + tl.sum(tl.exp2(x - ref[:, None]), axis=1)
-        m_i = m_new
-        if STORE_S:
-            tl.store(s_ptr + qrow[:, None] * stride_s + (start + pos)[None, :], s, mask=m_ok[:, None] & c_ok[None, :])
+        m_i, l_i = _denominator_block(qb, ct, cid, c_ok, pos, start, m_i, l_i, qrow, m_ok, head, scale2, counts_ptr,
+                                      allowed_ptr, s_ptr, stride_ar, stride_s, HPR, HAS_ALLOWED, STORE_S,
+                                      DOT_PRECISION)
     tl.store(part_max_ptr + qrow * NSPLIT + split, m_i, mask=m_ok)
     tl.store(part_sum_ptr + qrow * NSPLIT + split, l_i, mask=m_ok)
     if ZERO:  # the row's keep and score off its candidates (the score pass writes the candidates' after this launch)
@@ -312,10 +351,12 @@ def centroid_denominator_kernel(
                 offs_c = c0 + tl.arange(0, BLOCK_Z)
                 tl.store(keep_ptr + unit * stride_kr + offs_c, tl.zeros([BLOCK_Z], tl.uint8), mask=offs_c < C)
                 tl.store(score_ptr + unit * stride_or + offs_c, tl.zeros([BLOCK_Z], tl.float32), mask=offs_c < C)
-    if ZERO_HIST:  # (no memset of its own before the lookup)
-        if unit + pid_m + split == 0:
-            tl.store(hist_ptr + tl.arange(0, CUT_BINS), tl.zeros([CUT_BINS], tl.int32))
-            tl.store(hist_ptr + CUT_BINS, 0)
+    if ZERO_HIST:  # (no memset of its own before the lookup): BLOCK_Z entries a program, the grid's programs in turn
+        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+        me = (unit * tl.num_programs(1) + pid_m) * tl.num_programs(2) + split
+        for z0 in range(me * BLOCK_Z, CUT_COPIES * CUT_BINS + 1, programs * BLOCK_Z):
+            offs_z = z0 + tl.arange(0, BLOCK_Z)
+            tl.store(hist_ptr + offs_z, tl.zeros([BLOCK_Z], tl.int32), mask=offs_z <= CUT_COPIES * CUT_BINS)
 
 
 @triton.jit
@@ -326,7 +367,7 @@ def centroid_score_kernel(
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
     elements_ptr,  # HAS_ELEMENTS: [rows] float32 out, read_base + read_per * the row's candidates (USE_LIST)
-    hist_ptr,  # HAS_HIST: [CUT_BINS + 1] int32, zeroed: the keys by score bin (_decide), the programs' ticket
+    hist_ptr,  # HAS_HIST: [CUT_COPIES * CUT_BINS + 1] int32, zeroed: keys by score bin (_decide), the ticket
     on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
     cut_ptr, listed_ptr,  # HAS_HIST: [1] float32 out, the cut's threshold; HAS_LISTED: [M] int64 (_cut_when_last)
     scale2, threshold, Lq, C, CAP, G, GH, HPR, NSPLIT, NPROG, NB,
@@ -356,6 +397,7 @@ def centroid_score_kernel(
     CUT_LOW: tl.constexpr = -64.0,
     CUT_PER: tl.constexpr = 64.0,
     CUT_BINS: tl.constexpr = 4096,
+    CUT_COPIES: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
@@ -414,13 +456,14 @@ def centroid_score_kernel(
                 total += tl.sum(p, axis=0)
                 last += tl.sum(tl.where((tok == n_tok - 1)[:, None], p, 0.0), axis=0)
             _decide(tl.maximum(total / (HPR * n_tok), last / HPR), threshold, cnt, cid, c_ok, row, h0 // G, blk, C, NB,
-                    allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr,
+                    allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr,
+                    hist_ptr + (pid * tl.num_programs(0) + unit) % CUT_COPIES * CUT_BINS,
                     _counted(on_ptr, h0 // G, HIST_FIXED), stride_ar, stride_kr, stride_or, HAS_ALLOWED, HAS_STARTS,
                     HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
     if HAS_HIST:
         _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, elements_ptr,
                        tl.num_programs(0), per_read, on_ptr, HAS_LISTED, READ_KEYS, PER_HEAD, HIST_FIXED, CUT_LOW,
-                       CUT_PER, CUT_BINS)
+                       CUT_PER, CUT_BINS, CUT_COPIES)
 
 
 @triton.jit
@@ -450,7 +493,7 @@ def centroid_score_prefill_kernel(
     keep_ptr, score_ptr,  # outputs [rows, C]
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
     valid_ptr,  # HAS_VALID: [1] int64, the real tokens (the first ones of Lq; the rest is padding)
-    hist_ptr,  # HAS_HIST: [CUT_BINS + 1] int32, zeroed: the keys by score bin (_decide), the programs' ticket
+    hist_ptr,  # HAS_HIST: [CUT_COPIES * CUT_BINS + 1] int32, zeroed: keys by score bin (_decide), the ticket
     on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
     cut_ptr, listed_ptr,  # HAS_HIST: [1] float32 out, the cut's threshold; HAS_LISTED: [M] int64 (_cut_when_last)
     scale2, threshold, Lq, C, G, HPR, NSPLIT, NB,
@@ -475,6 +518,7 @@ def centroid_score_prefill_kernel(
     CUT_LOW: tl.constexpr = -64.0,
     CUT_PER: tl.constexpr = 64.0,
     CUT_BINS: tl.constexpr = 4096,
+    CUT_COPIES: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Pass 2 of a dense lookup over Lq > 1 tokens (the question's prefill), grid (KV head, centroid block): the
@@ -542,12 +586,12 @@ def centroid_score_prefill_kernel(
         st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_H]
         last = tl.sum(tl.where(h_ok[None, :], tl.exp2(st * scale2 - log2_d[None, :]), 0.0), axis=1)
         _decide(tl.maximum(total / (HPR * n_tok), last / HPR), threshold, cnt, cid, c_ok, row, unit, cb, C, NB,
-                allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr,
-                _counted(on_ptr, unit, HIST_FIXED), stride_ar, stride_kr, stride_or, HAS_ALLOWED, HAS_STARTS,
-                HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
+                allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr,
+                hist_ptr + (cb * tl.num_programs(0) + unit) % CUT_COPIES * CUT_BINS, _counted(on_ptr, unit, HIST_FIXED),
+                stride_ar, stride_kr, stride_or, HAS_ALLOWED, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
     if HAS_HIST:
         _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, cut_ptr, 0, 0.0,
-                       on_ptr, HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS)
+                       on_ptr, HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS, CUT_COPIES)
 
 
 @triton.jit

@@ -189,8 +189,8 @@ def cut_threshold(score: torch.Tensor, sizes: torch.Tensor, keys: torch.Tensor |
 
 
 # A lookup cut at a number of keys (cluster_select's keys) decides from a histogram of the scores: CUT_PER bins to a
-# power of two from 2^CUT_LOW up to 1 (S <= 1; lower scores in the first bin), a bin 1.1% of a score wide
-CUT_LOW, CUT_PER, CUT_BINS = -64.0, 64.0, 4096
+# power of two from 2^CUT_LOW up to 1 (S <= 1; lower scores in the first bin), a bin 2.2% of a score wide
+CUT_LOW, CUT_PER, CUT_BINS = -64.0, 32.0, 2048
 
 
 def score_bins(score: torch.Tensor) -> torch.Tensor:
