@@ -58,7 +58,7 @@ from kernels.selection import Fixed, KeyCount, Selection
 
 # The cut's histogram in CUT_COPIES copies, the score pass's programs spread over them round robin: the bins around
 # the scores' mode take an atomic from every program, and one copy queues them (`python -m engine.bench.lookup`, H100,
-# 128K: the cut's lookup 26.1 us a layer with one copy of 4,096 bins, 22.6 with four of 1,024)
+# 128K: the cut's lookup 26.9 us a layer with one copy of 4,096 bins, 21.0 with four of 2,048; engine/bench/README.md)
 CUT_COPIES = 4
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 INDEX_DTYPES = (torch.int32, torch.int64)
