@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from kernels import centroid_ops
 from kernels.centroid_ops import LookupConfig, cluster_keep, cluster_keep_list, cluster_select
 from kernels.layout import group_starts
 from kernels.reference import centroid as reference
@@ -239,6 +240,32 @@ def test_cluster_select_cut_at_a_number_of_keys(hq, hkv, lq):
         below = bins[live & ~keep].max() if (live & ~keep).any() else lowest  # the highest left
         boundary = int((counts * ((bins == lowest) | (bins == below))).sum())
         assert abs(held - keys) <= abs(exact - keys) + boundary, (keys, held, exact, boundary)
+
+
+@pytest.mark.parametrize("lq", [1, 7])
+def test_the_cuts_histograms_are_zeroed_whatever_their_memory_held(monkeypatch, lq):
+    """The score pass adds into CUT_COPIES histograms and takes its tickets after them, all zeroed by the
+    denominator pass's programs in turn (no memset of their own): a cut over memory left full of other counts keeps
+    what the reference does, for one token and for a question's tokens."""
+    hq, hkv = 8, 2
+    q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, 21)
+    lc, tail = 150, 3
+    counts, starts = clustered_counts(hkv, lc, C, 22)
+    keys = 0.3 * float(counts.sum())
+    fresh = centroid_ops._Cut.new
+
+    def dirty(*args, **kwargs):
+        cut = fresh(*args, **kwargs)
+        cut.hist.fill_(977)
+        return cut
+
+    monkeypatch.setattr(centroid_ops._Cut, "new", staticmethod(dirty))
+    assert centroid_ops.CUT_COPIES > 1
+    want = reference.cluster_select(q, centroids, counts, scale, 0.5, hkv, starts, lc, tail, keys=keys)
+    keep, score, sel = cluster_select(q, centroids, counts, scale, 0.5, hkv, starts, lc, tail, keys=keys)
+    torch.testing.assert_close(score, want[1], **TOL[torch.float32])
+    assert torch.equal(keep, want[0])
+    assert_same_selection(sel, want[2])
 
 
 def test_cluster_select_cut_leaves_the_fixed_heads_clusters_out():
