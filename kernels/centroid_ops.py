@@ -85,6 +85,8 @@ class LookupConfig:
                      (0: those of the denominator pass). In prefill the score pass loops over every query row for
                      its centroids, so it wants wide centroid blocks, the denominator pass tall query blocks; in
                      decode its query loop runs once, and buffers for a pipeline only cost occupancy.
+    read_ahead: a dense lookup's denominator pass reads its first block of centroids before it waits (PDL) for the
+                kernel that wrote the queries.
     """
 
     block_m: int = 64
@@ -97,6 +99,7 @@ class LookupConfig:
     score_block_c: int = 0
     score_warps: int = 0
     score_stages: int = 0
+    read_ahead: bool = True
 
     @property
     def score_tiles(self) -> tuple[int, int, int, int]:
@@ -313,7 +316,7 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
         cut.hist if cut is not None else counts,
         float(scale) * LOG2E, lq, c, capacity, g, gh, hpr, nsplit, *strides, keep.stride(0), score.stride(0),
         BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, STORE_S=cache_s, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, HAS_VALID=valid is not None, AHEAD=not use_list and valid is None,
+        num_stages=cfg.num_stages, HAS_VALID=valid is not None, AHEAD=cfg.read_ahead and not use_list and valid is None,
         ZERO=zero and use_list, ZERO_HIST=cut is not None,
         CUT_BINS=CUT_BINS, CUT_COPIES=CUT_COPIES, **common,
     )

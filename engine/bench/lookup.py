@@ -6,15 +6,18 @@ Every global layer of the shape gets its own index (one-byte centroid codes, 5% 
 each key's label the smaller of two uniform ones) and query, so the layers' centroids stream from memory as in a
 decode step rather than from the L2 cache a single repeated lookup would keep them in. Times, replayed from one
 CUDA graph over all layers, `kernels.centroid_ops.cluster_select` (the lookup's passes and the expansion into
-positions) (a) at a threshold and (b) with `keys=`: the budget's share of every KV head's keys, asked as a
-KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is). Prints one JSON
-document: microseconds per layer, the kernels' time per layer from the profiler, the keys the cut kept.
+positions) (a) at a threshold, (b) with `keys=`: the budget's share of every KV head's keys, asked as a
+KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is), and (c) that cut
+with the denominator pass reading its centroids only after its wait on the queries (LookupConfig.read_ahead off).
+Prints one JSON document: microseconds per layer, the kernels' time per layer from the profiler, the keys the cut
+kept.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+from dataclasses import replace
 
 import torch
 
@@ -87,22 +90,27 @@ def main(argv: list[str] | None = None) -> int:
     scale = d ** -0.5
     kept = []
 
-    def lookups(k):
+    default = centroid_ops.default_config(device, 1, d, torch.bfloat16, int(indexes[0]["counts"].shape[1]), hkv)
+
+    def lookups(k, config):
         def fn():
             kept.clear()
             for q, ix in zip(queries, indexes):
                 keep, _, _ = centroid_ops.cluster_select(q, ix["centroids"], ix["counts"], scale, 0.05, hkv,
-                                                         ix["starts"], n - TAIL, TAIL, step=ix["step"], keys=k)
+                                                         ix["starts"], n - TAIL, TAIL, step=ix["step"], keys=k,
+                                                         config=config)
                 kept.append(keep)
         return fn
 
     out: dict = {"bench": "lookup", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                  "shape": args.shape, "context": n, "layers": layers, "budget": args.budget,
                  "centroids": int(indexes[0]["counts"].shape[1]), "cases": {}}
-    for case, k in (("threshold", None), ("cut", keys)):
-        fn = lookups(k)
+    for case, k, config in (("threshold", None, default), ("cut", keys, default),
+                            ("cut_read_after_wait", keys, replace(default, read_ahead=False))):
+        fn = lookups(k, config)
         us = bench_graph(fn) * 1000 / layers
         out["cases"][case] = {"us_per_layer": round(us, 2), "kernels_us_per_layer": kernel_us(fn, layers)}
+    fn = lookups(keys, default)
     fn()  # the cut's lookups once more, eagerly: `kept` holds their keep
     held = sum(float((ix["counts"] * keep).sum()) for ix, keep in zip(indexes, kept)) / layers
     out["cases"]["cut"]["keys_kept_share"] = round(held / (hkv * n), 5)

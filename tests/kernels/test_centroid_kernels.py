@@ -268,6 +268,26 @@ def test_the_cuts_histograms_are_zeroed_whatever_their_memory_held(monkeypatch, 
     assert_same_selection(sel, want[2])
 
 
+@pytest.mark.parametrize("lq", [1, 7])
+def test_centroids_read_ahead_of_the_wait_give_the_same_lookup(lq):
+    """A dense lookup's denominator pass reads its first block of centroids before its wait on the queries
+    (LookupConfig.read_ahead, the default) or with the rest after it: the same scores, keep and selection, at a
+    threshold and cut at a number of keys, with centroid blocks split over programs (several blocks each)."""
+    hq, hkv = 8, 2
+    q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, 31)
+    lc, tail = 150, 3
+    counts, starts = clustered_counts(hkv, lc, C, 32)
+    for config in (None, LookupConfig(block_m=16, block_c=16, num_warps=1, num_stages=1, target_programs=4)):
+        ahead = config or centroid_ops.default_config(q.device, lq, q.shape[-1], q.dtype, C, hkv)
+        assert ahead.read_ahead
+        for keys in (None, 0.3 * float(counts.sum())):
+            got = cluster_select(q, centroids, counts, scale, 0.02, hkv, starts, lc, tail, keys=keys, config=ahead)
+            after = cluster_select(q, centroids, counts, scale, 0.02, hkv, starts, lc, tail, keys=keys,
+                                   config=replace(ahead, read_ahead=False))
+            assert torch.equal(got[1], after[1]) and torch.equal(got[0], after[0]), (config, keys)
+            assert_same_selection(got[2], after[2])
+
+
 def test_cluster_select_cut_leaves_the_fixed_heads_clusters_out():
     """duo-squeeze's cut: the streaming heads' rows read their windows, and their clusters do not count in the
     histogram (the keys asked are the retrieval heads'): the reference's, and the retrieval head holds about the
