@@ -215,7 +215,7 @@ def _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least
 def _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB,
             allowed_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr, hist_ptr, counted, stride_ar, stride_kr,
             stride_or, HAS_ALLOWED: tl.constexpr, HAS_STARTS: tl.constexpr, HAS_HIST: tl.constexpr = False,
-            CUT_LOW: tl.constexpr = -64.0, CUT_PER: tl.constexpr = 64.0, CUT_BINS: tl.constexpr = 4096):
+            CUT_LOW: tl.constexpr = -64.0, CUT_PER: tl.constexpr = 32.0, CUT_BINS: tl.constexpr = 2048):
     """Both score passes' last step for one row and centroid block: keep = score > threshold & count > 0
     (& allowed, which also zeroes the score), written at the centroid ids cid [BLOCK_C]; with HAS_STARTS, the kept
     clusters' keys summed into block_sums[row, blk] for the expansion (kernels/jit/compact.py). With HAS_HIST (a cut
@@ -289,7 +289,7 @@ def centroid_denominator_kernel(
     ZERO: tl.constexpr = False,  # USE_LIST: zero the row's keep and score, BLOCK_Z at a time (no launch of its own)
     BLOCK_Z: tl.constexpr = 1024,
     ZERO_HIST: tl.constexpr = False,
-    CUT_BINS: tl.constexpr = 4096,
+    CUT_BINS: tl.constexpr = 2048,
     CUT_COPIES: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
@@ -395,8 +395,8 @@ def centroid_score_kernel(
     READ_KEYS: tl.constexpr = False,  # (HAS_ELEMENTS) the keys less per_read per element read
     PER_HEAD: tl.constexpr = False,  # the keys per KV head the histogram counts
     CUT_LOW: tl.constexpr = -64.0,
-    CUT_PER: tl.constexpr = 64.0,
-    CUT_BINS: tl.constexpr = 4096,
+    CUT_PER: tl.constexpr = 32.0,
+    CUT_BINS: tl.constexpr = 2048,
     CUT_COPIES: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
@@ -516,8 +516,8 @@ def centroid_score_prefill_kernel(
     HAS_LISTED: tl.constexpr = False,
     PER_HEAD: tl.constexpr = False,  # the keys per KV head the histogram counts
     CUT_LOW: tl.constexpr = -64.0,
-    CUT_PER: tl.constexpr = 64.0,
-    CUT_BINS: tl.constexpr = 4096,
+    CUT_PER: tl.constexpr = 32.0,
+    CUT_BINS: tl.constexpr = 2048,
     CUT_COPIES: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
