@@ -97,10 +97,15 @@ class StepContext:
 class BatchStep:
     """One forward call over one token of each of several sequences (a batched decode step): steps[b] is sequence
     b's StepContext, with its own cache (engine.attention.cache.BatchCache holds them for the call), method, plan,
-    recorder, follow rows and position. Each sequence's attention is the one a call of its own would compute; the
-    sequences are attended one after another."""
+    recorder, follow rows and position. Each sequence's attention is the one a call of its own would compute.
+
+    streams: with none the sequences attend one after another; given B - 1 CUDA streams, sequence 0 attends on the
+    current stream and sequence b on streams[b - 1], all at once, forked from the current stream and joined back
+    into it at each layer (a CUDA graph captures them as parallel branches). A layer's lookups and attention of one
+    decode token are short, latency-bound launches that leave most of a GPU idle; several sequences' fill it."""
 
     steps: list[StepContext]
+    streams: list = field(default_factory=list)  # [B - 1] torch.cuda.Stream on the sequences' device, or none
 
 
 def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
@@ -183,12 +188,28 @@ def squeeze_attention(
     if query.shape[0] != len(steps):
         raise ValueError(f"a call over {len(steps)} sequence(s) got a batch of {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    outs = [_attend(module, query[b], scale, step) for b, step in enumerate(steps)]
-    return (outs[0].unsqueeze(0) if len(outs) == 1 else torch.stack(outs)), None
+    batch, hq, lq, d = query.shape
+    out = torch.empty(batch, lq, hq, d, device=query.device, dtype=query.dtype)
+    streams = squeeze_step.streams if isinstance(squeeze_step, BatchStep) else []
+    if len(streams) < batch - 1 or batch == 1 or streams[0].device != query.device:  # one after another (a layer
+        # on another GPU than the streams': device_map="auto")
+        for b, step in enumerate(steps):
+            _attend(module, query[b], scale, step, out[b])
+        return out, None
+    main = torch.cuda.current_stream(query.device)
+    for stream in streams[: batch - 1]:
+        stream.wait_stream(main)  # the new tokens' K/V are in, the queries written
+    _attend(module, query[0], scale, steps[0], out[0])
+    for b in range(1, batch):
+        with torch.cuda.stream(streams[b - 1]):
+            _attend(module, query[b], scale, steps[b], out[b])
+    for stream in streams[: batch - 1]:
+        main.wait_stream(stream)
+    return out, None
 
 
-def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepContext) -> torch.Tensor:
-    """One sequence's attention at `module`'s layer: q [Hq, Lq, D] -> [Lq, Hq, D] in q's dtype."""
+def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepContext, out: torch.Tensor) -> None:
+    """One sequence's attention at `module`'s layer, q [Hq, Lq, D], written into out [Lq, Hq, D] (q's dtype)."""
     if step.positions is None:
         raise RuntimeError("StepContext.positions must hold the call's query positions")
     layer: FixedContextLayer = step.cache.layers[module.layer_idx]
@@ -197,7 +218,6 @@ def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepCo
         k_new, v_new = layer.new_kv(step.static)  # [Hkv, n, D], slot i at position fixed_len + i
         if step.capture is not None and layer.sliding_window is None:
             step.capture.take(module.layer_idx, q, q_pos)
-        out = torch.empty(q.shape[1], q.shape[0], q.shape[2], device=q.device, dtype=q.dtype)  # [Lq, Hq, D]
         has_fixed = layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0
         if has_fixed and layer.sliding_window is None and step.method is not None:
             _looked_up(layer, q, q_pos, scale, step, k_new, v_new, out.transpose(0, 1))
@@ -206,7 +226,6 @@ def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepCo
             # the new tokens' part, merged with the fixed part's straight into the layout the model reads next
             step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
                                                            layer.sliding_window, prior=fixed, out=out.transpose(0, 1))
-    return out
 
 
 def _current_device(device: torch.device):

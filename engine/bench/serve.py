@@ -37,6 +37,7 @@ import torch
 from engine.bench.e2e.bound import byte_bound, copy_bandwidth
 from engine.bench.e2e.models import SHAPES, device_name, open_model
 from engine.context.turn import Answer
+from engine.model import batch as batching
 from engine.model.compiled import compile_layers, wants_compile, warm_up
 from engine.model.load import LoadedModel
 from engine.serve.scheduler import Waiting
@@ -285,7 +286,8 @@ def run(args: argparse.Namespace) -> dict:
         out = {"bench": "serve", "device": device_name(lm.device), "model": lm.model_id, "shape": args.shape,
                "users": args.users, "documents": len(contexts), "context_tokens": [c.tokens for c in ingested],
                "ingest_s": stages, "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
-               "bandwidth_gbs": round(copy_bandwidth(lm.device), 1), "methods": {}}
+               "concurrent": batching.CONCURRENT, "bandwidth_gbs": round(copy_bandwidth(lm.device), 1),
+               "methods": {}}
         context = max(out["context_tokens"])
         for method in args.methods.split(","):
             print(f"{method}: {args.users} users at once, then one at a time", file=sys.stderr, flush=True)
@@ -320,7 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=32768, help="with --shape: each document's tokens")
     parser.add_argument("--profile", default=None,
                         help="write the scheduler thread's Python profile of each method's users at once to this file")
+    parser.add_argument("--concurrent", action=argparse.BooleanOptionalAction, default=True,
+                        help="a batch's sequences attend at once, each on a CUDA stream of its own "
+                             "(engine.model.batch.CONCURRENT; the product's default)")
     args = parse(parser, argv)
+    batching.CONCURRENT = args.concurrent
     if args.shape and args.model:
         parser.error("--shape and --model exclude each other")
     if args.shape and args.context < 64:

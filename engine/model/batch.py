@@ -6,7 +6,7 @@ for a second sequence over the same context, FixedContextCache.fork) whose quest
 (engine.model.generate.forward_step). A step feeds each sequence's last token at its own position; the model's
 products, norms and MLPs run once over the B tokens, and each sequence's attention is the one a call of its own
 would compute (engine.attention.function.BatchStep), so its logits are those of its step alone, up to the order in
-which a batched product sums.
+which a batched product sums. On a GPU the sequences attend at once, each on a CUDA stream of its own.
 """
 
 from __future__ import annotations
@@ -17,11 +17,24 @@ from engine.attention.cache import BatchCache
 from engine.attention.function import BatchStep, StepContext
 from engine.model.load import LoadedModel
 
+# Whether a batch's sequences attend at once on CUDA streams of their own (BatchStep.streams) rather than one after
+# another: a benchmark's switch (squeeze bench serve --no-concurrent)
+CONCURRENT = True
 
-def forward_batch(lm: LoadedModel, steps: list[StepContext], tokens: torch.Tensor,
-                  positions: list[int]) -> torch.Tensor:
+
+def side_streams(device: torch.device, batch: int) -> list:
+    """The streams sequences 1 .. batch - 1 of a batch on `device` attend on (engine.attention.function.BatchStep):
+    torch.cuda.Stream from torch's pool on a GPU with CONCURRENT; none elsewhere."""
+    if device.type != "cuda" or not CONCURRENT:
+        return []
+    return [torch.cuda.Stream(device=device) for _ in range(batch - 1)]
+
+
+def forward_batch(lm: LoadedModel, steps: list[StepContext], tokens: torch.Tensor, positions: list[int],
+                  streams: list | None = None) -> torch.Tensor:
     """One call over tokens [B] int64, token b at positions[b] of sequence steps[b] (its K/V joins that sequence's
-    new tokens). Returns the logits [B, V] on the device."""
+    new tokens). streams: the side streams the sequences attend on (side_streams' by default). Returns the logits
+    [B, V] on the device."""
     if tokens.shape != (len(steps),) or len(positions) != len(steps) or not steps:
         raise ValueError(f"one token and one position per sequence: {len(steps)} sequences, tokens "
                          f"{tuple(tokens.shape)}, {len(positions)} positions")
@@ -35,5 +48,6 @@ def forward_batch(lm: LoadedModel, steps: list[StepContext], tokens: torch.Tenso
     position_ids = torch.stack([step.positions for step in steps])  # [B, 1]
     out = lm.model(input_ids=tokens[:, None], position_ids=position_ids,
                    past_key_values=BatchCache([step.cache for step in steps]), use_cache=True, logits_to_keep=1,
-                   squeeze_step=BatchStep(steps))
+                   squeeze_step=BatchStep(steps, side_streams(lm.device, len(steps)) if streams is None
+                                          else streams))
     return out.logits[:, -1]

@@ -19,6 +19,7 @@ import torch
 from engine.attention.cache import BatchCache
 from engine.attention.function import BatchStep, StepContext
 from engine.attention.stats import StepTotals
+from engine.model.batch import side_streams
 from engine.model.load import LoadedModel
 from engine.model.sampling import greedy
 
@@ -44,6 +45,7 @@ class BatchGraph:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.steps_run = 0
         self._stream = torch.cuda.Stream(device=lm.device)
+        self._side = side_streams(lm.device, batch)  # where sequences 1 .. B - 1 attend
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -54,7 +56,7 @@ class BatchGraph:
                 step.follow.begin(self.ids[b : b + 1])
         out = self.lm.model(input_ids=self.ids[:, None], position_ids=self.positions[:, None],
                             past_key_values=BatchCache([step.cache for step in self._steps]), use_cache=True,
-                            logits_to_keep=1, squeeze_step=BatchStep(self._steps))
+                            logits_to_keep=1, squeeze_step=BatchStep(self._steps, self._side))
         self.logits = out.logits[:, -1]  # [B, V]
         self.ids.copy_(torch.cat([greedy(self.logits[b : b + 1]) for b in range(len(self._steps))]))
         self.positions.add_(1)

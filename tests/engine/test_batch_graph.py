@@ -2,7 +2,8 @@
 same turns' eager batched steps fed the same tokens (logits within bf16 tolerance, greedy tokens or bf16 ties),
 with turns over two documents of different lengths, different methods and budgets and a fork in one batch; and turns
 answered together through TurnBatch, one joining and one leaving mid-answer (each a new capture), against the same
-batch run eagerly: the same statistics where their tokens are the same (tiny models on CUDA, Triton backend, bf16).
+batch run eagerly: the same statistics where their tokens are the same; and the sequences attending at once on
+streams of their own against one after another (tiny models on CUDA, Triton backend, bf16).
 On the CPU a batch steps eagerly (tests/engine/test_batching.py): these tests are skipped there."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 from engine.context.batching import TurnBatch
 from engine.context.session import ContextSession
-from engine.model.batch import forward_batch
+from engine.model.batch import forward_batch, side_streams
 from engine.model.batch_graph import BatchGraph
 from engine.model.generate import forward_step
 from engine.model.load import load_model
@@ -83,6 +84,27 @@ def test_a_replayed_batch_step_is_the_eager_batch_step(sessions):
                 assert int(logits[b].argmax()) == token or _tie(logits[b : b + 1], token), (i, b)
     for step in (*steps, *eager_steps):
         step.cache.reset_dynamic()
+
+
+def test_sequences_attending_at_once_on_streams_match_one_after_another(sessions):
+    """The eager batched step with each sequence on a stream of its own (the default on a GPU) against the same
+    step with the sequences attending one after another on the current stream: the same kernels on the same
+    inputs, so the logits are bitwise equal, step after step (nothing read before it was written)."""
+    lm = sessions[0].lm
+    with torch.inference_mode():
+        got = {}
+        for streams in (side_streams(lm.device, len(SEQUENCES)), []):
+            steps, tokens, positions = _steps(sessions, graphs=False)
+            seen = []
+            for i in range(STEPS):
+                logits = forward_batch(lm, steps, tokens, [p + i for p in positions], streams=streams)
+                tokens = logits.argmax(dim=-1)
+                seen.append(logits.float().clone())
+            got[len(streams) > 0] = torch.stack(seen)
+            for step in steps:
+                step.cache.reset_dynamic()
+    assert len(side_streams(lm.device, len(SEQUENCES))) == len(SEQUENCES) - 1
+    assert torch.equal(got[True], got[False])
 
 
 def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions):
