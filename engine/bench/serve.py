@@ -2,21 +2,24 @@
 with every method, and the run reports what each user waited for and what the model served in all.
 
     squeeze bench serve [--model M | --shape llama3-8b --context 32768] [--device cpu|cuda|auto] [--users 4]
-                        [--documents N] [--tokens 48] [--methods squeeze,full] [--batch B] [--out FILE]
+                        [--documents N] [--tokens 48] [--methods squeeze,full] [--batch B] [--steps N]
+                        [--no-concurrent] [--out FILE]
 
 Documents: `assets/apache-2.0.txt` cut into --documents parts (default: one per user, each headed by its own
 number, so that no two users share a context), each cut to the model's context; with --shape (a random-weight
 model of engine.bench.e2e's shapes, read through the engine's byte tokenizer: its time is what it measures, its
 answers mean nothing) each document is --context bytes (one token each) of that text, from an offset of its own;
-questions:
-`assets/apache-2.0_questions.json`, user i the (i mod 6)-th. For each method the users' turns are asked at once
-from one thread each (engine.serve.service.Engine.stream: its scheduler answers up to its batch together and
-queues the rest), and once more one after another (each alone, the reference: every answer must be the same text).
-Per user: the time to its first piece of answer (queue wait included) and to its end, its tokens; in all: time to
-first token p50 / p95, tokens per second of the whole run against one user at a time, the answers' agreement with
-their lone answers, the time per answer token after the first (p50 over the users: together, at the batch, and
-alone) beside the byte bound of a decode step at that batch and alone (the weights once, each turn's share of its
-document's K/V), the peak GPU memory where there is one. Ends with one JSON document on stdout.
+questions: `assets/apache-2.0_questions.json`, user i the (i mod 6)-th. For each method, the users' contexts open
+(up to the batch of them, as on a server that has answered on them before: opening one is its read from disk), the
+turns are asked at once from one thread each (engine.serve.service.Engine.stream: its scheduler answers up to its
+batch together and queues the rest), and once more one after another (each alone, the reference: every answer must
+be the same text). Per user: the time to its first piece of answer (queue wait included) and to its end, its
+tokens; in all: time to first token p50 / p95, tokens per second of the whole run against one user at a time, the
+answers' agreement with their lone answers, the time per answer token after the first (p50 over the users:
+together, at the batch, and alone) beside the byte bound of a decode step at that batch and alone (the weights once,
+each turn's share of its document's K/V), the scheduler's steps by batch size, the peak GPU memory where there is
+one; with --steps N, the median decode step of one turn and of a full batch over the open contexts, their
+sequences attending at once and one after another (batch_steps). Ends with one JSON document on stdout.
 """
 
 from __future__ import annotations
@@ -36,11 +39,12 @@ import torch
 
 from engine.bench.e2e.bound import byte_bound, copy_bandwidth
 from engine.bench.e2e.models import SHAPES, device_name, open_model
+from engine.context.batching import TurnBatch
 from engine.context.turn import Answer
 from engine.model import batch as batching
 from engine.model.compiled import compile_layers, wants_compile, warm_up
 from engine.model.load import LoadedModel
-from engine.serve.scheduler import Waiting
+from engine.serve.scheduler import Waiting, default_batch
 from engine.serve.service import Engine
 from engine.text.byte_tokens import byte_tokenizer
 from kernels.dispatch import backend_for
@@ -79,14 +83,15 @@ def shape_documents(count: int, tokens: int, folder: Path) -> list[Path]:
     return out
 
 
-def shape_model(shape: str, device: str, compile: str) -> LoadedModel:
+def shape_model(shape: str, device: str, compile: str, batch: int | None) -> LoadedModel:
     """SHAPES[shape]'s random-weight model on `device` ("auto": CUDA where there is one) with the byte tokenizer,
-    its layers compiled where `compile` asks (as the product's load does on one GPU)."""
+    its layers compiled where `compile` asks and warmed up for `batch` turns together (None: the engine's default),
+    as the product's load does on one GPU."""
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     lm = dataclasses.replace(open_model(shape, None, device), tokenizer=byte_tokenizer())
     if wants_compile(compile, lm):
         compile_layers(lm)
-        warm_up(lm, backend_for(lm.device))
+        warm_up(lm, backend_for(lm.device), batch if batch is not None else default_batch(lm.device))
     return lm
 
 
@@ -265,10 +270,37 @@ def summary(users: list[dict], wall: float) -> dict:
             "first_s_p50": round(percentile(firsts, 50), 4), "first_s_p95": round(percentile(firsts, 95), 4)}
 
 
+def batch_steps(engine: Engine, contexts: list[str], question: str, method: str, steps: int) -> dict:
+    """The median ms of a decode step of one turn and of len(contexts) turns answered together (one over each
+    context, already open: engine.context.batching.TurnBatch, captured steps on a GPU), with a batch's sequences
+    attending at once on streams of their own and one after another (engine.model.batch.CONCURRENT), `steps` steps
+    each after two (the capture's); a step counts only while every turn is under way."""
+    out = {}
+    for concurrent in (True, False):
+        batching.CONCURRENT = concurrent
+        for size in sorted({1, len(contexts)}):
+            turns = [engine.session(c).turn(question, method, SPARSITY, steps + 8) for c in contexts[:size]]
+            batch = TurnBatch(engine.lm)
+            for turn in turns:
+                batch.join(turn)
+            times = []
+            for _ in range(steps + 2):
+                start = time.perf_counter()
+                batch.step()  # (reads its tokens back: a step's whole time)
+                if len(batch.turns) == size:
+                    times.append((time.perf_counter() - start) * 1e3)
+            for turn in list(batch.turns):
+                batch.leave(turn)
+            out.setdefault(str(size), {})["concurrent_ms" if concurrent else "one_after_another_ms"] = \
+                round(percentile(times[2:], 50), 3) if len(times) > 2 else None
+    batching.CONCURRENT = True
+    return out
+
+
 def run(args: argparse.Namespace) -> dict:
     asked = questions()
     with tempfile.TemporaryDirectory() as tmp:
-        shaped = shape_model(args.shape, args.device, args.compile) if args.shape else None
+        shaped = shape_model(args.shape, args.device, args.compile, args.batch) if args.shape else None
         engine = Engine(Path(tmp) / "cache", model=args.model, device=args.device, compile=args.compile,
                         max_batch=args.batch, lm=shaped)
         count = args.documents or args.users
@@ -292,6 +324,9 @@ def run(args: argparse.Namespace) -> dict:
         for method in args.methods.split(","):
             print(f"{method}: {args.users} users at once, then one at a time", file=sys.stderr, flush=True)
             engine.ask(asks[0][0], asks[0][1], method, SPARSITY, 2)  # builds what the method lacks, warms up
+            for context_id in list(dict.fromkeys(c for c, _ in asks))[:batch]:  # open, as on a server that has
+                engine.ensure_methods(context_id, [method])  # answered on them: every method's run alike
+                engine.session(context_id)
             if lm.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(lm.device)
             profiler = engine.scheduler.profiler = cProfile.Profile() if args.profile else None
@@ -309,6 +344,9 @@ def run(args: argparse.Namespace) -> dict:
                                             out["bandwidth_gbs"])
             if lm.device.type == "cuda":
                 entry["peak_gib"] = round(torch.cuda.max_memory_allocated(lm.device) / 2**30, 3)
+            if args.steps:
+                entry["batch_steps"] = batch_steps(engine, contexts[: min(batch, len(contexts))], asked[0], method,
+                                                   args.steps)
             out["methods"][method] = entry
         engine.store.close()
     return out
@@ -322,6 +360,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=32768, help="with --shape: each document's tokens")
     parser.add_argument("--profile", default=None,
                         help="write the scheduler thread's Python profile of each method's users at once to this file")
+    parser.add_argument("--steps", type=int, default=0,
+                        help="also time this many decode steps of one turn and of a batch of turns over the open "
+                             "contexts, sequences attending at once and one after another (batch_steps)")
     parser.add_argument("--concurrent", action=argparse.BooleanOptionalAction, default=True,
                         help="a batch's sequences attend at once, each on a CUDA stream of its own "
                              "(engine.model.batch.CONCURRENT; the product's default)")

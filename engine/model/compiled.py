@@ -16,7 +16,10 @@ without it gains nothing (engine/bench/README.md).
 Compilation happens at a layer's first call per input shape. `warm_up` pays it once per process, when the model is
 loaded (a stage of the load the app and the command line show): calls of three lengths over a small random context,
 so that a question's prefill (any length: the second length makes dynamo compile the token dimension as dynamic),
-a decode step (one token, which dynamo specialises) and an ingest's chunks find their code compiled.
+a decode step (one token, which dynamo specialises) and an ingest's chunks find their code compiled; where turns are
+answered together, decode steps of two and three sequences too (the batch dimension compiled as dynamic: every
+batch size finds its code compiled; without them a server's first batches compile for seconds while their turns
+wait: engine/bench/README.md, "Several users on one GPU").
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import time
 import torch
 import torch._inductor.config as inductor_config
 
+from engine.attention.function import StepContext
+from engine.model.batch import forward_batch
 from engine.model.load import LoadedModel
 from engine.model.prefill import prefill
 from kernels import launch
@@ -35,6 +40,9 @@ COMPILE_MODES = ("auto", "on", "off")
 # The warm-up's calls, in tokens: a first length (compiled for its static shape), a second one (the token dimension
 # compiled as dynamic: every later length of two or more tokens), then one token (a decode step's specialisation).
 WARM_UP_LENGTHS = (40, 24, 1)
+# Decode steps of this many sequences (engine.model.batch), where turns are answered together: dynamo specialises the
+# first batch size it sees and compiles the batch dimension as dynamic at the second.
+WARM_UP_BATCHES = (2, 3)
 
 
 def wants_compile(mode: str | bool, lm: LoadedModel) -> bool:
@@ -65,15 +73,25 @@ def compile_layers(lm: LoadedModel) -> int:
     return compiled
 
 
-def warm_up(lm: LoadedModel, backend: Backend) -> float:
+def warm_up(lm: LoadedModel, backend: Backend, batch: int = 1) -> float:
     """Run the compiled layers once at each of WARM_UP_LENGTHS (dense attention over a small random context: the
-    engine's own prefill path), so that their compilation is paid here rather than by a user's first question.
+    engine's own prefill path) and, with batch > 1 (turns answered together), a decode step of WARM_UP_BATCHES
+    sequences up to `batch`, so that their compilation is paid here rather than by a user's first question.
     Returns the seconds it took."""
     start = time.perf_counter()
     gen = torch.Generator().manual_seed(0)
     for length in WARM_UP_LENGTHS:
         ids = torch.randint(0, lm.config.vocab_size, (length,), generator=gen)
-        prefill(lm, ids, 1, backend, chunk=length)
+        cache, _ = prefill(lm, ids, 1, backend, chunk=length)
+    for size in (b for b in WARM_UP_BATCHES if b <= batch):
+        steps = []
+        for b in range(size):  # sequences over the last context (forks: new-token buffers of their own)
+            fork = cache if b == 0 else cache.fork()
+            fork.reserve(1)
+            steps.append(StepContext(cache=fork, method=None, plan=None, backend=backend))
+        with torch.inference_mode():
+            forward_batch(lm, steps, torch.zeros(size, dtype=torch.int64), [length] * size)
+        cache.reset_dynamic()
     if lm.device.type == "cuda":
         torch.cuda.synchronize(lm.device)
     return time.perf_counter() - start

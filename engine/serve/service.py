@@ -143,7 +143,8 @@ class Engine:
                         if wants_compile(self.compile, lm):
                             report(STEP_COMPILE, total, total + 1)
                             compile_layers(lm)
-                            self.compile_seconds = warm_up(lm, backend_for(lm.device, self.backend_name))
+                            batch = self.max_batch if self.max_batch is not None else default_batch(lm.device)
+                            self.compile_seconds = warm_up(lm, backend_for(lm.device, self.backend_name), batch)
                             total += 1
                         report(STEP_DONE, total, total)
                         self._lm = lm

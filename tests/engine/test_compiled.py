@@ -86,3 +86,29 @@ def test_the_warm_up_compiles_what_a_turn_needs(tiny_model_path):
     prompt = question_ids(lm.tokenizer, QUESTION)
     assert len(list(generate_tokens(lm, session.step_context("squeeze", 0.7), prompt, STEPS))) == STEPS
     assert sum(counters["stats"].values()) == compiled, dict(counters["stats"])
+
+
+def test_the_warm_up_for_a_batch_compiles_every_batch_size(tiny_model_path):
+    """Where turns are answered together (warm_up's batch > 1), a batched decode step of any size up to the batch,
+    over different documents and methods, compiles nothing more after the warm-up: a server's first batches pay no
+    compilation."""
+    from torch._dynamo.utils import counters
+
+    from engine.model.batch import forward_batch
+    from engine.model.compiled import warm_up
+    from tests.engine.test_batch_step import SEQUENCES, _prefill, _sessions, _steps
+
+    torch._dynamo.reset()
+    lm = load_model(str(tiny_model_path), device="cpu")
+    compile_layers(lm)
+    sessions = _sessions(lm)
+    assert warm_up(lm, REFERENCE, batch=len(SEQUENCES)) > 0
+    compiled = sum(counters["stats"].values())
+    with torch.inference_mode():
+        steps = _steps(sessions)
+        firsts = [_prefill(lm, step, question) for step, (_, _, _, question) in zip(steps, SEQUENCES)]
+        for size in range(2, len(SEQUENCES) + 1):
+            tokens = torch.stack([f[0] for f in firsts[:size]]).argmax(dim=-1)
+            logits = forward_batch(lm, steps[:size], tokens, [f[1] + size - 2 for f in firsts[:size]])
+            assert logits.shape == (size, lm.config.vocab_size)
+    assert sum(counters["stats"].values()) == compiled, dict(counters["stats"])
