@@ -979,3 +979,27 @@ def test_a_damaged_index_is_rebuilt_from_the_rows_it_can_read(tmp_path, capsys):
             for chat in store.chats.list(doc["id"]):
                 assert all(t["question"].startswith("question ") for t in store.chats.turns(chat["id"]))
     assert damaged.stat().st_size == len(data)
+
+
+def test_many_artifacts_load_at_once_in_the_order_asked(store):
+    """A context's files are read and hashed by several threads at once: every tensor comes back under its name, in
+    the order asked; of two damaged files the error names the first in that order, whichever thread got to it first."""
+    cid = new_context(store)["id"]
+    saved = {f"layer{i}.keys": torch.randn(257) + i for i in range(12)}
+    for name, tensor in saved.items():
+        store.artifacts.save(cid, name, tensor)
+    order = list(reversed(saved))
+    loaded = store.artifacts.load(cid, names=order)
+    assert list(loaded) == order
+    for name in order:
+        assert torch.equal(loaded[name], saved[name]), name
+    rows = {r["name"]: r for r in store.artifacts.list(cid)}
+    for name in ("layer3.keys", "layer9.keys"):
+        path = store.root / rows[name]["path"]
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0x01
+        path.write_bytes(bytes(data))
+    with pytest.raises(DamagedArtifactError, match=f"{cid}/layer9.keys"):
+        store.artifacts.load(cid, names=order)  # layer9 comes before layer3 in this order
+    with pytest.raises(DamagedArtifactError, match=f"{cid}/layer3.keys"):
+        store.artifacts.load(cid, names=sorted(saved, key=lambda n: int(n[5:-5])))
