@@ -3,14 +3,14 @@ keeps the rest in a queue, first come first served, each told its place.
 
 The first turn in the queue joins the turns under way when the batch has room and it can run beside them: its
 method's index built, its context open or openable beside theirs (the engine keeps up to max_batch contexts on the
-device), and, over a context that other turns read, in their order of its K/V (ContextSession.layout_key). Otherwise
-it, and everything behind it, waits until it can (at the latest when no turn is under way): no turn overtakes
-another. While turns wait, the first ones that could fit in the batch are warmed one at a time on a thread of their own
-(Request.warm: their context's files read and checked into memory, nothing on the device), and a turn joins turns
-under way only once warmed, so that admitting it costs them its copy to the device, not a read of gigabytes from
-disk (a lone turn, max_batch 1, runs while the next one's context is read). Admitted, a turn's question is
-prefilled alone (a long one a chunk a step, between the others' steps), then it takes one token a step with the
-others (engine.context.batching.TurnBatch). With max_batch = 1 each turn runs
+device, as many as its memory holds: Engine.can_open), and, over a context that other turns read, in their order of
+its K/V (ContextSession.layout_key). Otherwise it, and everything behind it, waits until it can (at the latest when
+no turn is under way): no turn overtakes another. While turns wait, the first ones that could fit in the batch are
+warmed one at a time on a thread of their own (Request.warm: their context's files read and checked into memory,
+nothing on the device), and a turn joins turns under way only once warmed, so that admitting it costs them its copy
+to the device, not a read of gigabytes from disk (a lone turn, max_batch 1, runs while the next one's context is
+read). Admitted, a turn's question is prefilled alone (a long one a chunk a step, between the others' steps), then
+it takes one token a step with the others (engine.context.batching.TurnBatch). With max_batch = 1 each turn runs
 alone through its session's own path (on a GPU its steps replayed from CUDA graphs). A turn whose reader goes away
 (its stream closed: the user stopped it or left) leaves at the next step; the others go on.
 """

@@ -10,6 +10,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from engine.attention.budget import CALIBRATION_VERSION
 from engine.attention.follow import FollowSettings
 from engine.context.ingest import ingest_tokens
@@ -45,6 +47,7 @@ CHECKPOINT = ":checkpoint"  # a preparation's checkpoint in store.models: under 
 ORPHAN_MIN_AGE_S = 3600.0  # an unindexed blob file this old is no save in progress: swept when an engine opens
 WAIT_POLL_S = 0.5  # how often an ingest waiting for another one of the same context looks again
 DEFAULT_METHODS = ("squeeze",)  # built when a document is prepared; the others when first asked for
+CONTEXT_HEADROOM = 1 << 30  # bytes an open context needs beside its files: its turns' new tokens, buffers, graphs
 WARM_MEMORY_SHARE = 0.5  # a waiting turn's context is read ahead into memory only where it takes at most this share
 # of the memory available (Engine.read_ahead)
 # `squeeze eval` of the embedded model as shipped (read-only): what `latest_eval` shows until one is recorded
@@ -105,6 +108,7 @@ class Engine:
         self.load_progress = load_progress  # told each step of the model's load, whoever loads it
         self._device_lock = threading.RLock()  # building a method's index and answering share the open context
         self._sessions: OrderedDict[str, ContextSession] = OrderedDict()  # open contexts, least recently used first
+        self._open_bytes: dict[str, int] = {}  # open context -> the bytes of its files (context_bytes)
         # contexts read into memory for a waiting turn (read_ahead): context id -> ((name, sha256, bytes) of each
         # artifact, the tensors), oldest first
         self._warmed: OrderedDict[str, tuple[tuple[tuple[str, str, int], ...], dict]] = OrderedDict()
@@ -275,6 +279,7 @@ class Engine:
         if ctx["status"] != "running":  # (a running one is another ingest's, writing its files now)
             with self._device_lock:  # a failed or damaged build's files, and any session over them: rebuilt below
                 self._sessions.pop(ctx["id"], None)
+                self._open_bytes.pop(ctx["id"], None)
                 self.store.artifacts.clear(ctx["id"])
         own = job is None
         if own:
@@ -404,7 +409,7 @@ class Engine:
         with self._device_lock:
             session = self._sessions.get(context_id)
             if session is None:
-                self._make_room()  # free the contexts to close before loading the next
+                self._make_room(context_id)  # free the contexts to close before loading the next
                 ctx = self.store.contexts.get(context_id)
                 current = self.built_methods(context_id)
                 wanted = self._session_artifacts(context_id, current)
@@ -416,6 +421,7 @@ class Engine:
                                          methods=current, prepared={n: self.prepared_for(m) for n, m in current.items()},
                                          follow=self.follow)
                 self._sessions[context_id] = session
+                self._open_bytes[context_id] = self.context_bytes(context_id)
             self._sessions.move_to_end(context_id)
             return session
 
@@ -463,22 +469,53 @@ class Engine:
         busy = self._scheduler.contexts_in_use() if self._scheduler is not None else set()
         return [c for c in list(self._sessions) if c not in busy]
 
-    def _make_room(self) -> None:
-        """Close idle contexts until one more fits under the limit (a context a turn reads stays open)."""
+    def free_bytes(self) -> int | None:
+        """Bytes the model's device could still give another context (None: not known, or no model loaded): on a GPU
+        the driver's free memory and what torch's allocator holds unused, on the CPU the memory available."""
+        if self._lm is None:
+            return None
+        device = self._lm.device
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return available_memory()
+
+    def context_bytes(self, context_id: str) -> int:
+        """The bytes of the files a session of `context_id` holds on the device (its K/V, its methods' indexes)."""
+        return sum(row[2] for row in self._session_artifacts(context_id, self.built_methods(context_id)))
+
+    def _fits(self, context_id: str, closable: list[str]) -> bool:
+        """Whether `context_id` fits the device's memory (CONTEXT_HEADROOM beside it) once `closable` are closed."""
+        free = self.free_bytes()
+        if free is None:
+            return True
+        freed = sum(self._open_bytes.get(c, 0) for c in closable)
+        return self.context_bytes(context_id) + CONTEXT_HEADROOM <= free + freed
+
+    def _make_room(self, context_id: str) -> None:
+        """Close idle contexts, least recently used first, until `context_id` fits under the limit and in the
+        device's memory (a context a turn reads stays open)."""
         idle = self._idle_sessions()
-        while len(self._sessions) >= self._open_limit() and idle:
-            self._sessions.pop(idle.pop(0), None)
+        while idle and (len(self._sessions) >= self._open_limit() or not self._fits(context_id, [])):
+            closed = idle.pop(0)
+            self._sessions.pop(closed, None)
+            self._open_bytes.pop(closed, None)
 
     def can_open(self, context_id: str) -> bool:
-        """Whether a turn over `context_id` can start now without closing a context that a turn reads."""
-        return (context_id in self._sessions or len(self._sessions) < self._open_limit()
-                or bool(self._idle_sessions()))
+        """Whether a turn over `context_id` can start now without closing a context that a turn reads: under the
+        limit of open contexts, and in the device's memory beside the contexts turns read (contexts open on a
+        GPU with the turns under way and one more that does not fit: the turn waits for their end)."""
+        if context_id in self._sessions:
+            return True
+        idle = self._idle_sessions()
+        return (len(self._sessions) < self._open_limit() or bool(idle)) and self._fits(context_id, idle)
 
     def _forget(self, context_ids) -> None:
         """Close these contexts (their files change or go); turns under way keep what they read."""
         with self._device_lock:
             for context_id in context_ids:
                 self._sessions.pop(context_id, None)
+                self._open_bytes.pop(context_id, None)
                 with self._warm_lock:
                     self._warmed.pop(context_id, None)
 

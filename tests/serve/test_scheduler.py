@@ -232,3 +232,34 @@ def test_with_a_batch_of_one_the_next_turns_context_is_read_while_a_turn_runs(lm
     assert _drain(first, [head])[1].tokens == solo[2].tokens
     assert _drain(second, [])[1].tokens == solo[0].tokens
     assert reads.session_reads(engine, ferry) == ["squeeze-warm"]
+
+
+def test_a_context_that_does_not_fit_beside_the_turns_under_way_waits_for_them(lm, tmp_path, monkeypatch):
+    """With memory for one context (and CONTEXT_HEADROOM) but a batch of two, a turn over a second context is not
+    opened beside a turn under way: it waits, told it is next, and opens once the first ends (the idle first
+    context closed to make room); both answers as alone. Without the memory check both would run together."""
+    from engine.serve.service import CONTEXT_HEADROOM
+
+    engine, contexts = _engine(lm, tmp_path, max_batch=2)
+    solo = _solo(engine, contexts)
+    ferry, light = contexts["ferry"], contexts["light"]
+    sizes = {c: engine.context_bytes(c) for c in (ferry, light)}
+    assert min(sizes.values()) > 0
+    budget = max(sizes.values()) + CONTEXT_HEADROOM + min(sizes.values()) // 2  # one context, not two
+    monkeypatch.setattr(engine, "free_bytes", lambda: budget - sum(engine._open_bytes.values()))
+    engine._forget([ferry, light])
+    engine.session(ferry)
+    assert engine.can_open(light)  # the open one is idle: it would be closed for it
+    monkeypatch.setattr(engine.scheduler, "contexts_in_use", lambda: {ferry})
+    assert not engine.can_open(light) and engine.can_open(ferry)  # a turn reads it: no room beside it
+    monkeypatch.undo()
+    monkeypatch.setattr(engine, "free_bytes", lambda: budget - sum(engine._open_bytes.values()))
+    first = engine.stream(ferry, ASKED[0][1], "squeeze", 0.5, TOKENS)
+    head = _first_piece(first)
+    second = engine.stream(light, ASKED[2][1], "squeeze", 0.5, TOKENS)
+    assert next(second) == Waiting(0)  # the batch has room, the memory has not
+    events, answer = _drain(first, [head])
+    assert answer.tokens == solo[0].tokens and answer.text == solo[0].text
+    events, answer = _drain(second, [])
+    assert answer.tokens == solo[2].tokens and answer.text == solo[2].text
+    assert light in engine._sessions and ferry not in engine._sessions  # the idle one closed to make room
