@@ -5,9 +5,13 @@ synchronises with the host. Where the sparse kernels would split the keys over p
 G * Lq <= kernels.sparse_ops.DECODE_MAX_M), the selection's keys, the new tokens and the follow rows are items of one
 split-KV launch and one merge writes the layer's output: two launches where the sparse, follow and causal kernels
 took four. Otherwise (a question's prefill: its grids fill the GPU on their own) it runs those three in turn.
+`union_attention_batch(calls)`: several sequences' steps, those of one kind in one split and one merge launch.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -18,6 +22,7 @@ from kernels.checks import LOG2E, check_qkv
 from kernels.jit.union import union_attn_fwd_kernel, union_merge_kernel
 from kernels.launch import dependent_launch
 from kernels.reference import union as reference
+from kernels.reference.union import UnionCall, check_batch
 from kernels.selection import FollowRows, Selection, StepTally
 
 NEW_ITEMS_EXPECTED = 1  # items a row's new tokens take in a typical step (a question and an answer: < a chunk)
@@ -29,6 +34,81 @@ MAX_REGISTERS = 168
 # fitted_plan). H200, 8B shape, 128K, 10%: DuoAttention's step 5.41 -> 5.05 ms, the others unchanged
 # (engine/bench/README.md). A benchmark's switch (squeeze bench e2e --no-fit-items).
 FIT_ITEMS = True
+
+
+@dataclass
+class _Call:
+    """One union_attention call checked and planned: its tensors as the kernels read them, its partial buffers and
+    the values its launches take (split, merge)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    q_pos: torch.Tensor
+    follow_args: tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # positions, order, fresh (dummies without)
+    part_out: torch.Tensor
+    part_lse: torch.Tensor
+    out: torch.Tensor
+    lse: torch.Tensor
+    fresh: torch.Tensor | None
+    tally_args: tuple[torch.Tensor, ...]  # kept, read, elements, scores, best (dummies without)
+    scores: torch.Tensor | None
+    cfg: sparse_ops.SparseAttentionConfig
+    rows: int
+    hkv: int
+    workers: int
+    spread: int
+    num_keys: int
+    k_start: int
+    first: int
+    indexed: int
+    m_rows: int
+    stride_order: int
+    scale: float
+    dense: bool
+    has_order: bool
+    n_elements: int
+
+    @property
+    def num_m(self) -> int:
+        return self.q.shape[0] // self.rows * self.q.shape[1]
+
+    @property
+    def dense_len(self) -> int:
+        return self.num_keys if self.dense else 0
+
+    @property
+    def follows(self) -> bool:
+        return self.fresh is not None
+
+    @property
+    def merge_block_m(self) -> int:
+        return min(self.cfg.merge_block_m, triton.next_power_of_2(self.num_m))
+
+    def kind(self) -> tuple:
+        """What calls launched together must share: shapes, dtypes, tiles, the constexprs and the strides that are
+        kernel arguments (the rest differ per call: SPLIT_PARAMS, MERGE_PARAMS)."""
+        cfg = self.cfg
+        return (tuple(self.q.shape), self.q.dtype, self.k.dtype, self.indices.dtype, self.rows, self.hkv, self.dense,
+                self.follows, self.has_order, self.tally_args[0] is self.lse, self.scores is not None,
+                cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_block_i, self.merge_block_m,
+                self.q.stride(), self.k.stride()[1:], self.v.stride()[1:], self.k_new.stride()[1:],
+                self.v_new.stride()[1:], self.q_pos.stride(0), self.out.dtype, self.scale)
+
+
+# Row b of a batched launch's tables (kernels/jit/union.py reads them by these positions)
+SPLIT_POINTERS = ("q", "k", "v", "indptr", "indices", "k_new", "v_new", "q_pos", "positions", "order", "fresh",
+                  "part_out", "part_lse")
+SPLIT_PARAMS = ("stride_kh", "stride_vh", "stride_nkh", "stride_nvh", "stride_order", "chunk", "k_start", "n_new",
+                "first", "indexed", "m_rows", "spread", "dense_len")
+MERGE_POINTERS = ("part_out", "part_lse", "indptr", "q_pos", "out", "lse", "fresh", "kept", "read", "elements",
+                  "scores", "best")
+MERGE_PARAMS = ("chunk", "k_start", "n_new", "m_rows", "n_elements", "n_units", "stride_scores", "stride_best",
+                "spread", "dense_len", "stride_oh", "stride_ol")
 
 
 def union_attention(
@@ -48,6 +128,45 @@ def union_attention(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """kernels.reference.union.union_attention's signature and semantics; tiles: the split launch's
     (sparse_ops.DecodeTiles: the defaults unless a benchmark sweeps them)."""
+    call = _prepare(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out, tally, tiles, 1)
+    if call is None:
+        return reference.union_in_turn(TRITON, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out,
+                                       tally)
+    _launch([call])
+    return call.out, call.lse, call.fresh.view(torch.bool) if call.fresh is not None else None
+
+
+def union_attention_batch(calls: Sequence[UnionCall], keep: list | None = None,
+                          tiles: sparse_ops.DecodeTiles = sparse_ops.DecodeTiles(),
+                          ) -> list[torch.Tensor | None]:
+    """Each call's union_attention (written into its out, its tally added) for several sequences over contexts of
+    their own (a batched decode step): calls of one kind (_Call.kind: the model's shapes and dtypes, a selection or
+    every key, follow rows or none, a tally or none) share one split launch and one merge launch, the GPU's workers
+    shared out between them, each sequence's tensors and values read from a row of a table (SPLIT_POINTERS, ...);
+    a call of another kind, or one union_attention would not take, runs on its own. keep: where the tables' host
+    copies go, to live as long as a CUDA graph that captured their upload (None: the caller keeps nothing, an eager
+    call). Returns each call's fresh follow rows (union_attention's third result)."""
+    check_batch(calls)
+    share = max(1, len(calls))
+    prepared = [_prepare(*call.args(), tiles, share) for call in calls]
+    fresh: list[torch.Tensor | None] = [None] * len(calls)
+    groups: dict[tuple, list[int]] = {}
+    for i, (call, got) in enumerate(zip(calls, prepared)):
+        if got is None:
+            fresh[i] = union_attention(*call.args(), tiles)[2]
+        else:
+            groups.setdefault(got.kind(), []).append(i)
+    for members in groups.values():
+        _launch([prepared[i] for i in members], keep)
+        for i in members:
+            fresh[i] = prepared[i].fresh.view(torch.bool) if prepared[i].fresh is not None else None
+    return fresh
+
+
+def _prepare(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out, tally,
+             tiles: sparse_ops.DecodeTiles, share: int) -> _Call | None:
+    """A call checked and planned for 1 / share of the GPU's workers, its buffers allocated; None where the kernels
+    do not take it (a question's prefill, an odd head dimension, no keys: the ops in turn)."""
     check_qkv(q, k_new, v_new)
     hq, lq, d = q.shape
     hkv, n_new = k_new.shape[:2]
@@ -58,8 +177,7 @@ def union_attention(
         raise ValueError(f"out must be [{hq}, {lq}, {d}] with a unit stride in D; got {tuple(out.shape)} "
                          f"strides {out.stride()}")
     if num_m > sparse_ops.DECODE_MAX_M or d & (d - 1) or d < 16 or k.shape[1] == 0 or n_new == 0:
-        return reference.union_in_turn(TRITON, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out,
-                                       tally)
+        return None
     if selection is None:
         check_qkv(q, k, v)
         indptr = indices = k  # DENSE: neither is read
@@ -76,7 +194,7 @@ def union_attention(
     if with_follow:  # the follow kernel reads rows of unit stride in D
         k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (k, v))
     extra = NEW_ITEMS_EXPECTED + int(with_follow)
-    sms = sparse_ops.num_sms(q.device)
+    sms = max(1, sparse_ops.num_sms(q.device) // share)
     cfg = sparse_ops.plan(num_m, rows, d, capacity, num_keys, sms, k.element_size(), dense=selection is None,
                           extra_items=extra, tiles=tiles)
     items = sparse_ops.max_items(capacity, rows, num_keys, cfg.chunk) + rows * (triton.cdiv(n_new, cfg.chunk)
@@ -101,35 +219,79 @@ def union_attention(
         follow_args = tuple(torch.empty(1, device=q.device, dtype=t)  # not read: pos, order, fresh
                             for t in (torch.int64, torch.int32, torch.int8))
         first = indexed = stride_order = 0
-    block_r = max(2, triton.next_power_of_2(rows))
-    dense_len = num_keys if selection is None else 0
-    spread = max(1, workers - rows * extra)  # the workers the selection's items may take
-    union_attn_fwd_kernel[(triton.cdiv(num_m, cfg.block_m), workers)](
-        q, k, v, indptr, indices, k_new, v_new, q_pos, *follow_args, part_out, part_lse,
-        *q.stride(), *k.stride(), *v.stride(), *k_new.stride(), *v_new.stride(), q_pos.stride(0), stride_order,
-        rows, hkv, hq // rows, lq, cfg.chunk, scale * LOG2E, int(k_start), n_new, first, indexed, m_rows,
-        spread,
-        HEAD_DIM=d, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_R=block_r,
-        BLOCK_K=max(16, triton.next_power_of_2(max(m_rows, 1))), EXACT_FP32=q.dtype == torch.float32,
-        DENSE=selection is None, FOLLOW=with_follow, HAS_ORDER=order is not None, PROBES=follow_ops.PROBES,
-        ROUNDS=follow_ops.search_rounds(num_keys), dense_len=dense_len, FIT=FIT_ITEMS,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_register_cap(q.device), **dependent_launch(q.device),
+    tally_args, scores = _tally_args(tally, selection, lse)
+    return _Call(q, k, v, indptr, indices, k_new, v_new, q_pos, follow_args, part_out, part_lse, out, lse, fresh,
+                 tally_args, scores, cfg, rows, hkv, workers, max(1, workers - rows * extra), num_keys, int(k_start),
+                 first, indexed, m_rows, stride_order, scale, selection is None, order is not None,
+                 tally.elements.numel() if tally is not None else 0)
+
+
+def _table(rows: list[list[int]], device: torch.device, keep: list | None) -> torch.Tensor:
+    """[B, W] int64 on `device`: on a GPU copied from pinned host memory without a synchronisation (a CUDA graph
+    may capture the copy: its host copy then goes into `keep`, to live as long as the graph)."""
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    host = host.pin_memory()
+    if keep is not None:
+        keep.append(host)
+    return host.to(device, non_blocking=True)
+
+
+def _launch(calls: list[_Call], keep: list | None = None) -> None:
+    """The split launch and the merge launch of calls of one kind (_Call.kind): one call as it is, several
+    BATCHED, their tensors and values in tables."""
+    c = calls[0]
+    batched = len(calls) > 1
+    hq, lq, d = c.q.shape
+    workers = max(x.workers for x in calls)
+    block_r = max(2, triton.next_power_of_2(c.rows))
+    m_rows = max(x.m_rows for x in calls)
+    constexprs = dict(HEAD_DIM=d, BLOCK_M=c.cfg.block_m, BLOCK_N=c.cfg.block_n, BLOCK_R=block_r,
+                      BLOCK_K=max(16, triton.next_power_of_2(max(m_rows, 1))), EXACT_FP32=c.q.dtype == torch.float32,
+                      DENSE=c.dense, FOLLOW=c.follows, HAS_ORDER=c.has_order, PROBES=follow_ops.PROBES,
+                      ROUNDS=max(follow_ops.search_rounds(x.num_keys) for x in calls), FIT=FIT_ITEMS)
+    batch = {}
+    if batched:
+        batch = dict(table_ptr=_table([[t.data_ptr() for t in (x.q, x.k, x.v, x.indptr, x.indices, x.k_new, x.v_new,
+                                                                   x.q_pos, *x.follow_args, x.part_out, x.part_lse)]
+                                       for x in calls], c.q.device, keep),
+                     params_ptr=_table([[x.k.stride(0), x.v.stride(0), x.k_new.stride(0), x.v_new.stride(0),
+                                         x.stride_order, x.cfg.chunk, x.k_start, x.k_new.shape[1], x.first, x.indexed,
+                                         x.m_rows, x.spread, x.dense_len] for x in calls], c.q.device, keep),
+                     BATCHED=True)
+    union_attn_fwd_kernel[(triton.cdiv(c.num_m, c.cfg.block_m), workers, len(calls))](
+        c.q, c.k, c.v, c.indptr, c.indices, c.k_new, c.v_new, c.q_pos, *c.follow_args, c.part_out, c.part_lse,
+        *c.q.stride(), *c.k.stride(), *c.v.stride(), *c.k_new.stride(), *c.v_new.stride(), c.q_pos.stride(0),
+        c.stride_order, c.rows, c.hkv, hq // c.rows, lq, c.cfg.chunk, c.scale * LOG2E, c.k_start, c.k_new.shape[1],
+        c.first, c.indexed, c.m_rows, c.spread, dense_len=c.dense_len, **constexprs,
+        num_warps=c.cfg.num_warps, num_stages=c.cfg.num_stages, **_register_cap(c.q.device),
+        **dependent_launch(c.q.device), **batch,
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
-    merge_block_m = min(cfg.merge_block_m, triton.next_power_of_2(num_m))
-    tally_args, scores = _tally_args(tally, selection, lse)
-    union_merge_kernel[(triton.cdiv(num_m, merge_block_m), rows, d // block_d)](
-        part_out, part_lse, indptr, q_pos, out, lse, fresh if fresh is not None else follow_args[2], *tally_args,
-        rows, hq // rows, lq, cfg.chunk, int(k_start), n_new, q_pos.stride(0), out.stride(0), out.stride(1),
-        m_rows, tally.elements.numel() if tally is not None else 0, scores.shape[1] if scores is not None else 0,
-        scores.stride(0) if scores is not None else 0, tally.best.stride(0) if scores is not None else 0,
-        spread,
-        HEAD_DIM=d, BLOCK_M=merge_block_m, BLOCK_I=cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
-        DENSE=selection is None, FOLLOW=with_follow, TALLY=tally is not None, HAS_SCORES=scores is not None,
-        dense_len=dense_len, FIT=FIT_ITEMS, BLOCK_N=cfg.block_n, num_warps=sparse_ops.MERGE_WARPS,
-        **dependent_launch(q.device),
+    scores = c.scores
+    if batched:
+        batch = dict(table_ptr=_table([[t.data_ptr() for t in (x.part_out, x.part_lse, x.indptr, x.q_pos, x.out, x.lse,
+                                                                   x.follow_args[2], *x.tally_args)] for x in calls],
+                                      c.q.device, keep),
+                     params_ptr=_table([[x.cfg.chunk, x.k_start, x.k_new.shape[1], x.m_rows, x.n_elements,
+                                         x.scores.shape[1] if x.scores is not None else 0,
+                                         x.scores.stride(0) if x.scores is not None else 0,
+                                         x.tally_args[4].stride(0) if x.scores is not None else 0, x.spread,
+                                         x.dense_len, x.out.stride(0), x.out.stride(1)] for x in calls],
+                                       c.q.device, keep),
+                     BATCHED=True)
+    union_merge_kernel[(triton.cdiv(c.num_m, c.merge_block_m), c.rows * len(calls), d // block_d)](
+        c.part_out, c.part_lse, c.indptr, c.q_pos, c.out, c.lse, c.follow_args[2], *c.tally_args,
+        c.rows, hq // c.rows, lq, c.cfg.chunk, c.k_start, c.k_new.shape[1], c.q_pos.stride(0), c.out.stride(0),
+        c.out.stride(1), c.m_rows, c.n_elements, scores.shape[1] if scores is not None else 0,
+        scores.stride(0) if scores is not None else 0, c.tally_args[4].stride(0) if scores is not None else 0,
+        c.spread,
+        HEAD_DIM=d, BLOCK_M=c.merge_block_m, BLOCK_I=c.cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
+        DENSE=c.dense, FOLLOW=c.follows, TALLY=c.tally_args[0] is not c.lse, HAS_SCORES=scores is not None,
+        dense_len=c.dense_len, FIT=FIT_ITEMS, BLOCK_N=c.cfg.block_n, num_warps=sparse_ops.MERGE_WARPS,
+        **dependent_launch(c.q.device), **batch,
     )
-    return out, lse, fresh.view(torch.bool) if fresh is not None else None
 
 
 def _tally_args(tally: StepTally | None, selection: Selection | None,
@@ -155,4 +317,4 @@ def _register_cap(device: torch.device) -> dict:
 union_in_turn = reference.union_in_turn  # the same ops one after another (any backend's)
 
 
-__all__ = ["union_attention", "union_in_turn"]
+__all__ = ["UnionCall", "check_batch", "union_attention", "union_attention_batch", "union_in_turn"]

@@ -19,6 +19,7 @@ from engine.attention.follow import Follow, layout_order
 from engine.attention.method import Method, StepPlan
 from engine.attention.stats import TurnRecorder
 from kernels.backend import Backend
+from kernels.reference.union import UnionCall
 from kernels.selection import FollowRows
 
 ATTN_NAME = "squeeze"
@@ -102,10 +103,29 @@ class BatchStep:
     streams: with none the sequences attend one after another; given B - 1 CUDA streams, sequence 0 attends on the
     current stream and sequence b on streams[b - 1], all at once, forked from the current stream and joined back
     into it at each layer (a CUDA graph captures them as parallel branches). A layer's lookups and attention of one
-    decode token are short, latency-bound launches that leave most of a GPU idle; several sequences' fill it."""
+    decode token are short, latency-bound launches that leave most of a GPU idle; several sequences' fill it.
+    shared: at a global layer, the sequences' attentions over what their lookups selected go to the union kernels
+    together, after every lookup (the backend's union_attention_batch: on a GPU one split and one merge launch for
+    those of one kind, each sequence's tensors read from a table); else each right after its own lookup.
+    keep: where such a launch leaves the host copies of its tables, to live as long as a CUDA graph that captured
+    their upload (engine.model.batch_graph); None: an eager step's, freed once copied."""
 
     steps: list[StepContext]
     streams: list = field(default_factory=list)  # [B - 1] torch.cuda.Stream on the sequences' device, or none
+    shared: bool = False
+    keep: list | None = None
+
+
+@dataclass
+class _Pending:
+    """A sequence's attention at a global layer whose lookup ran and whose union kernels wait for the batch's
+    (BatchStep.shared)."""
+
+    step: StepContext
+    layer_idx: int
+    lookup: object  # engine.attention.method.Lookup
+    tally: object  # kernels.selection.StepTally or None
+    call: UnionCall
 
 
 def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
@@ -119,16 +139,16 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
 
 
 def _looked_up(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext,
-               k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor) -> None:
+               k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor, defer: bool) -> _Pending | None:
     """A global layer's attention with a method: one lookup for the call's tokens (or, with
-    StepContext.token_lookups, one per token of a prefill), then the union kernel, written into out [Hq, Lq, D]."""
+    StepContext.token_lookups, one per token of a prefill), then the union kernel, written into out [Hq, Lq, D];
+    with `defer`, a single lookup's union kernels are left to the caller (returned)."""
     method, lq = step.method, q.shape[1]
     index = layer.indexes.get(method.name)
     if index is None and method.sparse:
         raise RuntimeError(f"layer {layer.layer_idx} has no {method.name} index: build the method for this context")
     if not (step.token_lookups and method.sparse and lq > 1):
-        _union(layer, index, q, q_pos, scale, step, k_new, v_new, out)
-        return
+        return _union(layer, index, q, q_pos, scale, step, k_new, v_new, out, defer)
     if step.recorder is not None:
         step.recorder.lookups_per_step(lq)
     for t in range(lq):
@@ -136,9 +156,10 @@ def _looked_up(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, s
 
 
 def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext,
-           k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor) -> None:
+           k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor, defer: bool = False) -> _Pending | None:
     """One lookup for q's Lq tokens, then their attention over the union of the keys it selected, the follow rows
-    and the new tokens their positions see (kernels/union_ops.py), written into out [Hq, Lq, D]."""
+    and the new tokens their positions see (kernels/union_ops.py), written into out [Hq, Lq, D]; with `defer`
+    the attention is returned, to run with the batch's (_union_together)."""
     method, recorder = step.method, step.recorder
     timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
     follow, rows = step.follow, None
@@ -148,14 +169,29 @@ def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor
     with timed("lookup"):
         lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos, step.valid, rows)
     tally = recorder.tally(layer.layer_idx, lookup) if recorder is not None else None
+    call = UnionCall(q, layer.fixed_keys, layer.fixed_values, lookup.selection, scale, k_new, v_new, q_pos,
+                     layer.fixed_len, rows if lookup.selection is not None else None, out, tally)  # the step's
+    # statistics added by the union's merge
+    if defer:
+        return _Pending(step, layer.layer_idx, lookup, tally, call)
     with timed("attention"):
-        if lookup.selection is None:
-            rows = None
-        _, _, fresh = step.backend.kernel("union").union_attention(
-            q, layer.fixed_keys, layer.fixed_values, lookup.selection, scale, k_new, v_new, q_pos, layer.fixed_len,
-            rows, out=out, tally=tally)  # the step's statistics added by the union's merge
+        _, _, fresh = step.backend.kernel("union").union_attention(*call.args())
     if recorder is not None:
         recorder.record(layer.layer_idx, lookup, step.backend, fresh, tallied=tally)
+    return None
+
+
+def _union_together(pending: list[_Pending], keep: list | None) -> None:
+    """The batch's deferred attentions at one layer through their backends' union_attention_batch, each sequence's
+    statistics recorded after."""
+    backends: dict[int, list[_Pending]] = {}
+    for p in pending:
+        backends.setdefault(id(p.step.backend), []).append(p)
+    for group in backends.values():
+        fresh = group[0].step.backend.kernel("union").union_attention_batch([p.call for p in group], keep)
+        for p, rows in zip(group, fresh):
+            if p.step.recorder is not None:
+                p.step.recorder.record(p.layer_idx, p.lookup, p.step.backend, rows, tallied=p.tally)
 
 
 @torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.model.compiled): host logic, our own kernels
@@ -190,26 +226,30 @@ def squeeze_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     batch, hq, lq, d = query.shape
     out = torch.empty(batch, lq, hq, d, device=query.device, dtype=query.dtype)
-    streams = squeeze_step.streams if isinstance(squeeze_step, BatchStep) else []
-    if len(streams) < batch - 1 or batch == 1 or streams[0].device != query.device:  # one after another (a layer
-        # on another GPU than the streams': device_map="auto")
-        for b, step in enumerate(steps):
-            _attend(module, query[b], scale, step, out[b])
-        return out, None
-    main = torch.cuda.current_stream(query.device)
-    for stream in streams[: batch - 1]:
+    together = isinstance(squeeze_step, BatchStep) and batch > 1
+    streams = squeeze_step.streams[: batch - 1] if together else []
+    if len(streams) < batch - 1 or (streams and streams[0].device != query.device):  # (a layer on another GPU than
+        streams = []  # the streams': device_map="auto")
+    defer = together and squeeze_step.shared
+    main = torch.cuda.current_stream(query.device) if streams else None
+    for stream in streams:
         stream.wait_stream(main)  # the new tokens' K/V are in, the queries written
-    _attend(module, query[0], scale, steps[0], out[0])
-    for b in range(1, batch):
-        with torch.cuda.stream(streams[b - 1]):
-            _attend(module, query[b], scale, steps[b], out[b])
-    for stream in streams[: batch - 1]:
+    pending = []
+    for b, step in enumerate(steps):
+        with torch.cuda.stream(streams[b - 1]) if streams and b else nullcontext():
+            pending.append(_attend(module, query[b], scale, step, out[b], defer))
+    for stream in streams:
         main.wait_stream(stream)
+    pending = [p for p in pending if p is not None]
+    if pending:
+        _union_together(pending, squeeze_step.keep)
     return out, None
 
 
-def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepContext, out: torch.Tensor) -> None:
-    """One sequence's attention at `module`'s layer, q [Hq, Lq, D], written into out [Lq, Hq, D] (q's dtype)."""
+def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepContext, out: torch.Tensor,
+            defer: bool = False) -> _Pending | None:
+    """One sequence's attention at `module`'s layer, q [Hq, Lq, D], written into out [Lq, Hq, D] (q's dtype); with
+    `defer` a global layer's union kernels are returned to run with the batch's (BatchStep.shared)."""
     if step.positions is None:
         raise RuntimeError("StepContext.positions must hold the call's query positions")
     layer: FixedContextLayer = step.cache.layers[module.layer_idx]
@@ -220,12 +260,13 @@ def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepCo
             step.capture.take(module.layer_idx, q, q_pos)
         has_fixed = layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0
         if has_fixed and layer.sliding_window is None and step.method is not None:
-            _looked_up(layer, q, q_pos, scale, step, k_new, v_new, out.transpose(0, 1))
+            return _looked_up(layer, q, q_pos, scale, step, k_new, v_new, out.transpose(0, 1), defer)
         else:
             fixed = _fixed_part(layer, q, q_pos, scale, step) if has_fixed else None
             # the new tokens' part, merged with the fixed part's straight into the layout the model reads next
             step.backend.kernel("causal").causal_attention(q, k_new, v_new, scale, q_pos, layer.fixed_len,
                                                            layer.sliding_window, prior=fixed, out=out.transpose(0, 1))
+    return None
 
 
 def _current_device(device: torch.device):

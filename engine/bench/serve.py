@@ -3,7 +3,7 @@ with every method, and the run reports what each user waited for and what the mo
 
     squeeze bench serve [--model M | --shape llama3-8b --context 32768] [--device cpu|cuda|auto] [--users 4]
                         [--documents N] [--tokens 48] [--methods squeeze,full] [--batch B] [--steps N]
-                        [--no-concurrent] [--out FILE]
+                        [--no-concurrent] [--shared-launches] [--out FILE]
 
 Documents: `assets/apache-2.0.txt` cut into --documents parts (default: one per user, each headed by its own
 number, so that no two users share a context), each cut to the model's context; with --shape (a random-weight
@@ -19,7 +19,8 @@ answers' agreement with their lone answers, the time per answer token after the 
 together, at the batch, and alone) beside the byte bound of a decode step at that batch and alone (the weights once,
 each turn's share of its document's K/V), the scheduler's steps by batch size, the peak GPU memory where there is
 one; with --steps N, the median decode step of one turn and of a full batch over the open contexts, their
-sequences attending at once and one after another (batch_steps). Ends with one JSON document on stdout.
+sequences attending at once (their union kernels in launches of their own or shared) and one after another
+(batch_steps). Ends with one JSON document on stdout.
 """
 
 from __future__ import annotations
@@ -273,11 +274,14 @@ def summary(users: list[dict], wall: float) -> dict:
 def batch_steps(engine: Engine, contexts: list[str], question: str, method: str, steps: int) -> dict:
     """The median ms of a decode step of one turn and of len(contexts) turns answered together (one over each
     context, already open: engine.context.batching.TurnBatch, captured steps on a GPU), with a batch's sequences
-    attending at once on streams of their own and one after another (engine.model.batch.CONCURRENT), `steps` steps
-    each after two (the capture's); a step counts only while every turn is under way."""
+    attending at once on streams of their own ("concurrent_ms"), so and with their union kernels in shared launches
+    ("shared_ms"), and one after another ("one_after_another_ms"; engine.model.batch.CONCURRENT, SHARED_LAUNCHES),
+    `steps` steps each after two (the capture's); a step counts only while every turn is under way."""
     out = {}
-    for concurrent in (True, False):
-        batching.CONCURRENT = concurrent
+    modes = {"concurrent_ms": (True, False), "shared_ms": (True, True), "one_after_another_ms": (False, False)}
+    settings = batching.CONCURRENT, batching.SHARED_LAUNCHES
+    for name, (concurrent, shared) in modes.items():
+        batching.CONCURRENT, batching.SHARED_LAUNCHES = concurrent, shared
         for size in sorted({1, len(contexts)}):
             turns = [engine.session(c).turn(question, method, SPARSITY, steps + 8) for c in contexts[:size]]
             batch = TurnBatch(engine.lm)
@@ -291,9 +295,8 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
                     times.append((time.perf_counter() - start) * 1e3)
             for turn in list(batch.turns):
                 batch.leave(turn)
-            out.setdefault(str(size), {})["concurrent_ms" if concurrent else "one_after_another_ms"] = \
-                round(percentile(times[2:], 50), 3) if len(times) > 2 else None
-    batching.CONCURRENT = True
+            out.setdefault(str(size), {})[name] = round(percentile(times[2:], 50), 3) if len(times) > 2 else None
+    batching.CONCURRENT, batching.SHARED_LAUNCHES = settings
     return out
 
 
@@ -318,7 +321,8 @@ def run(args: argparse.Namespace) -> dict:
         out = {"bench": "serve", "device": device_name(lm.device), "model": lm.model_id, "shape": args.shape,
                "users": args.users, "documents": len(contexts), "context_tokens": [c.tokens for c in ingested],
                "ingest_s": stages, "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
-               "concurrent": batching.CONCURRENT, "bandwidth_gbs": round(copy_bandwidth(lm.device), 1),
+               "concurrent": batching.CONCURRENT, "shared_launches": batching.SHARED_LAUNCHES,
+               "bandwidth_gbs": round(copy_bandwidth(lm.device), 1),
                "methods": {}}
         context = max(out["context_tokens"])
         for method in args.methods.split(","):
@@ -366,8 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrent", action=argparse.BooleanOptionalAction, default=True,
                         help="a batch's sequences attend at once, each on a CUDA stream of its own "
                              "(engine.model.batch.CONCURRENT; the product's default)")
+    parser.add_argument("--shared-launches", action=argparse.BooleanOptionalAction, default=batching.SHARED_LAUNCHES,
+                        help="a batch's attentions at a global layer share the union kernels' launches "
+                             "(engine.model.batch.SHARED_LAUNCHES)")
     args = parse(parser, argv)
     batching.CONCURRENT = args.concurrent
+    batching.SHARED_LAUNCHES = args.shared_launches
     if args.shape and args.model:
         parser.error("--shape and --model exclude each other")
     if args.shape and args.context < 64:

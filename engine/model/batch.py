@@ -20,6 +20,9 @@ from engine.model.load import LoadedModel
 # Whether a batch's sequences attend at once on CUDA streams of their own (BatchStep.streams) rather than one after
 # another: a benchmark's switch (squeeze bench serve --no-concurrent)
 CONCURRENT = True
+# Whether a batch's attentions at a global layer share the union kernels' launches (BatchStep.shared): off until
+# measured on a GPU (squeeze bench serve --shared-launches)
+SHARED_LAUNCHES = False
 
 
 def side_streams(device: torch.device, batch: int) -> list:
@@ -31,10 +34,10 @@ def side_streams(device: torch.device, batch: int) -> list:
 
 
 def forward_batch(lm: LoadedModel, steps: list[StepContext], tokens: torch.Tensor, positions: list[int],
-                  streams: list | None = None) -> torch.Tensor:
+                  streams: list | None = None, shared: bool | None = None) -> torch.Tensor:
     """One call over tokens [B] int64, token b at positions[b] of sequence steps[b] (its K/V joins that sequence's
-    new tokens). streams: the side streams the sequences attend on (side_streams' by default). Returns the logits
-    [B, V] on the device."""
+    new tokens). streams: the side streams the sequences attend on (side_streams' by default); shared: whether
+    their union kernels share launches (SHARED_LAUNCHES by default). Returns the logits [B, V] on the device."""
     if tokens.shape != (len(steps),) or len(positions) != len(steps) or not steps:
         raise ValueError(f"one token and one position per sequence: {len(steps)} sequences, tokens "
                          f"{tuple(tokens.shape)}, {len(positions)} positions")
@@ -48,6 +51,6 @@ def forward_batch(lm: LoadedModel, steps: list[StepContext], tokens: torch.Tenso
     position_ids = torch.stack([step.positions for step in steps])  # [B, 1]
     out = lm.model(input_ids=tokens[:, None], position_ids=position_ids,
                    past_key_values=BatchCache([step.cache for step in steps]), use_cache=True, logits_to_keep=1,
-                   squeeze_step=BatchStep(steps, side_streams(lm.device, len(steps)) if streams is None
-                                          else streams))
+                   squeeze_step=BatchStep(steps, side_streams(lm.device, len(steps)) if streams is None else streams,
+                                          SHARED_LAUNCHES if shared is None else shared))
     return out.logits[:, -1]

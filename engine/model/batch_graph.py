@@ -19,6 +19,7 @@ import torch
 from engine.attention.cache import BatchCache
 from engine.attention.function import BatchStep, StepContext
 from engine.attention.stats import StepTotals
+from engine.model import batch as batching
 from engine.model.batch import side_streams
 from engine.model.load import LoadedModel
 from engine.model.sampling import greedy
@@ -46,6 +47,8 @@ class BatchGraph:
         self.steps_run = 0
         self._stream = torch.cuda.Stream(device=lm.device)
         self._side = side_streams(lm.device, batch)  # where sequences 1 .. B - 1 attend
+        self._shared = batching.SHARED_LAUNCHES
+        self._keep: list = []  # the host tables the captured step's shared launches upload (BatchStep.keep)
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -56,7 +59,7 @@ class BatchGraph:
                 step.follow.begin(self.ids[b : b + 1])
         out = self.lm.model(input_ids=self.ids[:, None], position_ids=self.positions[:, None],
                             past_key_values=BatchCache([step.cache for step in self._steps]), use_cache=True,
-                            logits_to_keep=1, squeeze_step=BatchStep(self._steps, self._side))
+                            logits_to_keep=1, squeeze_step=BatchStep(self._steps, self._side, self._shared, self._keep))
         self.logits = out.logits[:, -1]  # [B, V]
         self.ids.copy_(torch.cat([greedy(self.logits[b : b + 1]) for b in range(len(self._steps))]))
         self.positions.add_(1)

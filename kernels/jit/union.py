@@ -10,7 +10,8 @@ read on the device) and, with FOLLOW, one over its follow rows. A worker runs it
 items from the last worker back (those that drew a selection item fewer). The two loops are apart so the
 selection's loop keeps the sparse kernel's registers (three workers to an SM). Every item writes a normalised
 partial and its base-2 lse; the merge kernel combines a row's items and writes the layer's output in the
-model's dtype and layout.
+model's dtype and layout. BATCHED: one launch of each for several sequences, each over its own context, their
+tensors and values read from tables (kernels/union_ops.py union_attention_batch).
 """
 
 from __future__ import annotations
@@ -59,6 +60,12 @@ def fitted_plan(indptr_ptr, rows, chunk, spread, BLOCK_R: tl.constexpr, BLOCK_N:
 
 
 @triton.jit
+def _pointer(row, i, like):
+    """Entry i of a table's row (an address) as a pointer to like's element type (BATCHED launches)."""
+    return tl.load(row + i).to(tl.pointer_type(like.dtype.element_ty))
+
+
+@triton.jit
 def _store_partial(part_out_ptr, part_lse_ptr, item, num_m, offs_m, offs_d, m_valid, acc, m_i, l_i,
                    HEAD_DIM: tl.constexpr):
     """An item's normalised partial and its base-2 lse (out 0, lse -inf where it saw no key)."""
@@ -94,8 +101,13 @@ def union_attn_fwd_kernel(
     dense_len=0,
     FIT: tl.constexpr = False,
     PDL: tl.constexpr = False,  # kernels/launch.py
+    table_ptr=None,  # BATCHED: [B, SPLIT_POINTERS] int64 addresses
+    params_ptr=None,  # BATCHED: [B, SPLIT_PARAMS] int64
+    BATCHED: tl.constexpr = False,
 ):
-    """Grid (cdiv(M, BLOCK_M), workers), M = group * lq query rows per row.
+    """Grid (cdiv(M, BLOCK_M), workers), M = group * lq query rows per row; BATCHED: grid (cdiv(M, BLOCK_M), workers,
+    B), sequence b's tensors and the values that differ between sequences read from row b of table and params
+    (_sequence_split; every other argument, the first sequence's, gives the dtypes and the shared strides).
 
     q [Hq, Lq, D]; k / v [Hkv, N, D] the fixed context (DENSE: every key of row r's KV head, indptr / indices not
     read); kn / vn [Hkv, n_new, D] the new tokens' slots, slot j at position k_start + j; q_pos [Lq] (stride
@@ -108,6 +120,35 @@ def union_attn_fwd_kernel(
     """
     wait_prior(PDL)
     release_next(PDL)
+    if BATCHED:  # this program's sequence (SPLIT_POINTERS, SPLIT_PARAMS in kernels/union_ops.py)
+        at = table_ptr + tl.program_id(2) * 13
+        q_ptr = _pointer(at, 0, q_ptr)
+        k_ptr = _pointer(at, 1, k_ptr)
+        v_ptr = _pointer(at, 2, v_ptr)
+        indptr_ptr = _pointer(at, 3, indptr_ptr)
+        indices_ptr = _pointer(at, 4, indices_ptr)
+        kn_ptr = _pointer(at, 5, kn_ptr)
+        vn_ptr = _pointer(at, 6, vn_ptr)
+        q_pos_ptr = _pointer(at, 7, q_pos_ptr)
+        pos_ptr = _pointer(at, 8, pos_ptr)
+        order_ptr = _pointer(at, 9, order_ptr)
+        fresh_ptr = _pointer(at, 10, fresh_ptr)
+        part_out_ptr = _pointer(at, 11, part_out_ptr)
+        part_lse_ptr = _pointer(at, 12, part_lse_ptr)
+        at = params_ptr + tl.program_id(2) * 13
+        stride_kh = tl.load(at)
+        stride_vh = tl.load(at + 1)
+        stride_nkh = tl.load(at + 2)
+        stride_nvh = tl.load(at + 3)
+        stride_order = tl.load(at + 4)
+        chunk = tl.load(at + 5)
+        k_start = tl.load(at + 6)
+        n_new = tl.load(at + 7)
+        first = tl.load(at + 8)
+        indexed = tl.load(at + 9)
+        m_rows = tl.load(at + 10)
+        spread = tl.load(at + 11)
+        dense_len = tl.load(at + 12)
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     num_m = group * lq
@@ -184,6 +225,9 @@ def union_merge_kernel(
     BLOCK_E: tl.constexpr = 128,
     BLOCK_U: tl.constexpr = 512,
     PDL: tl.constexpr = False,  # kernels/launch.py
+    table_ptr=None,  # BATCHED: [B, MERGE_POINTERS] int64 addresses
+    params_ptr=None,  # BATCHED: [B, MERGE_PARAMS] int64
+    BATCHED: tl.constexpr = False,
 ):
     """Each row's items merged by log-sum-exp (the same plan as union_attn_fwd_kernel, derived on the device): its
     selection's BLOCK_I at a time, its few short items BLOCK_S at a time. Grid (cdiv(M, BLOCK_M), rows,
@@ -193,10 +237,41 @@ def union_merge_kernel(
     TALLY: also the step's statistics (kernels.reference.tally.tally_step, one row per KV head): the first program
     of each row adds its kept keys and fresh follow rows (fresh [rows, m_rows] int8, written by the split launch)
     into kept [rows], row 0 the elements [n_elements] into read [1]; with HAS_SCORES the row's programs share its
-    running max of the unit scores [rows, n_units] into best."""
+    running max of the unit scores [rows, n_units] into best.
+    BATCHED: grid (cdiv(M, BLOCK_M), B * rows, HEAD_DIM // BLOCK_D), sequence b's rows b * rows ..., its tensors and
+    values read from row b of table and params (as the split launch's)."""
     wait_prior(PDL)
     release_next(PDL)
     row = tl.program_id(1)
+    if BATCHED:  # this program's sequence (MERGE_POINTERS, MERGE_PARAMS in kernels/union_ops.py)
+        seq = row // rows
+        row = row - seq * rows
+        at = table_ptr + seq * 12
+        part_out_ptr = _pointer(at, 0, part_out_ptr)
+        part_lse_ptr = _pointer(at, 1, part_lse_ptr)
+        indptr_ptr = _pointer(at, 2, indptr_ptr)
+        q_pos_ptr = _pointer(at, 3, q_pos_ptr)
+        out_ptr = _pointer(at, 4, out_ptr)
+        lse_ptr = _pointer(at, 5, lse_ptr)
+        fresh_ptr = _pointer(at, 6, fresh_ptr)
+        kept_ptr = _pointer(at, 7, kept_ptr)
+        read_ptr = _pointer(at, 8, read_ptr)
+        elements_ptr = _pointer(at, 9, elements_ptr)
+        scores_ptr = _pointer(at, 10, scores_ptr)
+        best_ptr = _pointer(at, 11, best_ptr)
+        at = params_ptr + seq * 12
+        chunk = tl.load(at)
+        k_start = tl.load(at + 1)
+        n_new = tl.load(at + 2)
+        m_rows = tl.load(at + 3)
+        n_elements = tl.load(at + 4)
+        n_units = tl.load(at + 5)
+        stride_scores = tl.load(at + 6)
+        stride_best = tl.load(at + 7)
+        spread = tl.load(at + 8)
+        dense_len = tl.load(at + 9)
+        stride_oh = tl.load(at + 10)
+        stride_ol = tl.load(at + 11)
     num_m = group * lq
     first_item, n_items, total, _ = fitted_plan(indptr_ptr, rows, chunk, spread, BLOCK_R, BLOCK_N, DENSE, dense_len,
                                                 FIT)

@@ -5,10 +5,37 @@ reference's own, and what the GPU wrapper runs where its one-pass kernel does no
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 import torch
 
 from kernels.backend import REFERENCE, Backend
 from kernels.selection import FollowRows, Selection, StepTally
+
+
+@dataclass(frozen=True)
+class UnionCall:
+    """One sequence's union_attention arguments in a batched decode step (union_attention_batch); `out` is where its
+    output goes (required there)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    selection: Selection | None
+    scale: float
+    k_new: torch.Tensor
+    v_new: torch.Tensor
+    q_pos: torch.Tensor
+    k_start: int
+    follow: FollowRows | None = None
+    out: torch.Tensor | None = None
+    tally: StepTally | None = None
+
+    def args(self) -> tuple:
+        """union_attention's arguments, in its order."""
+        return (self.q, self.k, self.v, self.selection, self.scale, self.k_new, self.v_new, self.q_pos, self.k_start,
+                self.follow, self.out, self.tally)
 
 
 def union_attention(
@@ -35,6 +62,19 @@ def union_attention(
     tally: the step's statistics to add (kernels.selection.StepTally; a selection's rows only), or None.
     """
     return union_in_turn(REFERENCE, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out, tally)
+
+
+def union_attention_batch(calls: Sequence[UnionCall], keep: list | None = None) -> list[torch.Tensor | None]:
+    """Each call's union_attention, written into its out (several sequences' decode steps, each over its own
+    context). keep: the GPU kernels' (kernels/union_ops.py). Returns each call's fresh follow rows."""
+    check_batch(calls)
+    return [union_attention(*call.args())[2] for call in calls]
+
+
+def check_batch(calls: Sequence[UnionCall]) -> None:
+    """Every call of a batch gives its out."""
+    if any(call.out is None for call in calls):
+        raise ValueError("each call of a batch gives the tensor its output goes to (out)")
 
 
 def union_in_turn(backend: Backend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, selection: Selection | None,

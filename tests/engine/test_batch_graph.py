@@ -15,6 +15,7 @@ import torch
 
 from engine.context.batching import TurnBatch
 from engine.context.session import ContextSession
+from engine.model import batch as batching
 from engine.model.batch import forward_batch, side_streams
 from engine.model.batch_graph import BatchGraph
 from engine.model.generate import forward_step
@@ -58,7 +59,11 @@ def _steps(sessions: list[ContextSession], graphs: bool) -> list:
     return steps, torch.cat(tokens), positions
 
 
-def test_a_replayed_batch_step_is_the_eager_batch_step(sessions):
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_replayed_batch_step_is_the_eager_batch_step(sessions, shared, monkeypatch):
+    """shared: the batch's attentions at a global layer in shared launches (union_attention_batch), captured with
+    their tables' uploads, eager and replayed alike."""
+    monkeypatch.setattr(batching, "SHARED_LAUNCHES", shared)
     lm = sessions[0].lm
     with torch.inference_mode():
         steps, first, positions = _steps(sessions, graphs=True)
@@ -89,22 +94,29 @@ def test_a_replayed_batch_step_is_the_eager_batch_step(sessions):
 def test_sequences_attending_at_once_on_streams_match_one_after_another(sessions):
     """The eager batched step with each sequence on a stream of its own (the default on a GPU) against the same
     step with the sequences attending one after another on the current stream: the same kernels on the same
-    inputs, so the logits are bitwise equal, step after step (nothing read before it was written)."""
+    inputs, so the logits are bitwise equal, step after step (nothing read before it was written); and with their
+    attentions in shared launches (fed the same tokens: the kernels' split differs, so within bf16 tolerance)."""
     lm = sessions[0].lm
     with torch.inference_mode():
-        got = {}
-        for streams in (side_streams(lm.device, len(SEQUENCES)), []):
+        got, fed = {}, []
+        for mode in ("streams", "one after another", "shared"):
             steps, tokens, positions = _steps(sessions, graphs=False)
             seen = []
             for i in range(STEPS):
-                logits = forward_batch(lm, steps, tokens, [p + i for p in positions], streams=streams)
+                if mode == "shared":
+                    tokens = fed[i]
+                logits = forward_batch(lm, steps, tokens, [p + i for p in positions],
+                                       streams=[] if mode == "one after another" else None, shared=mode == "shared")
+                if mode == "streams":
+                    fed.append(tokens)
                 tokens = logits.argmax(dim=-1)
                 seen.append(logits.float().clone())
-            got[len(streams) > 0] = torch.stack(seen)
+            got[mode] = torch.stack(seen)
             for step in steps:
                 step.cache.reset_dynamic()
     assert len(side_streams(lm.device, len(SEQUENCES))) == len(SEQUENCES) - 1
-    assert torch.equal(got[True], got[False])
+    assert torch.equal(got["streams"], got["one after another"])
+    torch.testing.assert_close(got["shared"], got["streams"], **LOGIT_TOL)
 
 
 def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions):

@@ -33,13 +33,13 @@ pytestmark = [pytest.mark.usefixtures("one_thread"),
               pytest.mark.parametrize("tiny_model_path", ["llama_gqa", "gemma3_hybrid"], indirect=True)]
 
 
-def _sessions(lm, backend=REFERENCE) -> list[ContextSession]:
-    """A session over each of DOCUMENT and OTHER with every method built, on `backend`."""
+def _sessions(lm, backend=REFERENCE, names: tuple[str, ...] | None = None) -> list[ContextSession]:
+    """A session over each of DOCUMENT and OTHER with every method built (or those `names`), on `backend`."""
+    methods = [m for m in all_methods() if names is None or m.name in names]
     out = []
     for text in (DOCUMENT, OTHER):
         ids = tokenize_document(lm.tokenizer, text, lm.max_context).ids
-        artifacts = ingest_tokens(lm, ids, SETTINGS, backend, all_methods(),
-                                  prepared=gates_for(lm, all_methods())).artifacts
+        artifacts = ingest_tokens(lm, ids, SETTINGS, backend, methods, prepared=gates_for(lm, methods)).artifacts
         out.append(ContextSession(lm, artifacts, SETTINGS, backend))
     return out
 
@@ -66,7 +66,9 @@ def _prefill(lm, step, question: str) -> tuple[torch.Tensor, int]:
     return forward_step(lm, step, prompt, start)[0], start + prompt.numel()
 
 
-def test_a_batched_step_is_each_sequences_own_step(tiny_model_path):
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_batched_step_is_each_sequences_own_step(tiny_model_path, shared):
+    """shared: every sequence's lookup first, then their attentions through union_attention_batch."""
     lm = load_model(str(tiny_model_path), device="cpu")
     sessions = _sessions(lm)
     with torch.inference_mode():
@@ -85,7 +87,7 @@ def test_a_batched_step_is_each_sequences_own_step(tiny_model_path):
         positions = [f[1] for f in firsts]
         together = [logits]
         for _ in range(STEPS):
-            logits = forward_batch(lm, steps, logits.argmax(dim=-1), positions)
+            logits = forward_batch(lm, steps, logits.argmax(dim=-1), positions, shared=shared)
             positions = [p + 1 for p in positions]
             together.append(logits)
         together = torch.stack(together, dim=1)  # [B, 1 + STEPS, V]
@@ -101,3 +103,30 @@ def test_a_batch_needs_a_token_and_a_position_per_sequence(tiny_model_path):
     steps = _steps(_sessions(lm))[:2]
     with pytest.raises(ValueError, match="one token and one position per sequence"):
         forward_batch(lm, steps, torch.zeros(3, dtype=torch.int64), [0, 0])
+
+
+def test_shared_launches_of_the_triton_kernels_attend_as_each_sequences_own(tiny_model_path):
+    """On the Triton backend (its interpreter on the CPU), a batched step whose attentions share the union kernels'
+    launches (kernels/union_ops.py union_attention_batch: one split and one merge launch for the sequences of one
+    kind) gives the logits of the same step with each sequence's own launches, step after step (the kernels do not
+    depend on the model's layers: one tiny model, a minute in the interpreter)."""
+    from kernels.dispatch import backend_for
+
+    if tiny_model_path.name != "llama_gqa":
+        pytest.skip("one model is enough for the kernels' launches")
+    lm = load_model(str(tiny_model_path), device="cpu")
+    sessions = _sessions(lm, backend_for(lm.device, "triton"), names=tuple({m for _, m, _, _ in SEQUENCES}))
+    got = {}
+    with torch.inference_mode():
+        for shared in (False, True):
+            steps = _steps(sessions)
+            firsts = [_prefill(lm, step, q) for step, (_, _, _, q) in zip(steps, SEQUENCES)]
+            logits = torch.stack([f[0] for f in firsts])
+            positions = [f[1] for f in firsts]
+            seen = []
+            for _ in range(2):
+                logits = forward_batch(lm, steps, logits.argmax(dim=-1), positions, shared=shared)
+                positions = [p + 1 for p in positions]
+                seen.append(logits)
+            got[shared] = torch.stack(seen)
+    torch.testing.assert_close(got[True], got[False], **TOL)

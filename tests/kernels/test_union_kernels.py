@@ -226,3 +226,78 @@ def test_a_row_without_items_has_no_keys_and_its_statistics():
     torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(got_tally.kept.cpu(), want_tally.kept)
     torch.testing.assert_close(got_tally.read.cpu(), want_tally.read)
+
+
+def _on_device(q, k, v, sel, k_new, v_new, q_pos, follow):
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    if sel is not None:
+        sel = Selection(on(sel.indptr), on(sel.indices), sel.num_keys)
+    if follow is not None:
+        follow = FollowRows(on(follow.positions), follow.first, follow.indexed,
+                            None if follow.order is None else on(follow.order))
+    return (*(on(x) for x in (q, k, v)), sel, on(k_new), on(v_new), on(q_pos), follow)
+
+
+# per sequence of one batch: seed, rows (None: every key), fixed keys, new-token slots, seen, follow rows, layout
+BATCH = [(10, 2, 700, 300, 150, 8, True), (11, 2, 420, 40, 7, 12, True), (12, None, 600, 64, 10, 0, False),
+         (13, 2, 900, 16, 1, 72, True), (14, 8, 500, 40, 40, 8, False)]
+
+
+def test_a_batch_of_sequences_over_contexts_of_their_own_attends_as_each_alone():
+    """Five decode steps over five contexts of different lengths, selections, new tokens, positions and follow rows
+    (through a layout or not), one reading every key, each adding its step's statistics: one call of
+    union_attention_batch (the calls of one kind in one split and one merge launch, each sequence's tensors read
+    from a table) gives each sequence the reference's output, lse, fresh follow rows and statistics."""
+    calls, wants, tallies, want_tallies = [], [], [], []
+    for seed, rows, n, slots, seen, m, layout in BATCH:
+        q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(seed, 8, 2, rows, 1, n, slots, seen, m, layout,
+                                                                     index_dtype=torch.int32)
+        tally = want_tally = None
+        if sel is not None:
+            g = torch.Generator().manual_seed(seed)
+            elements, scores = torch.rand(3, generator=g) * 50, torch.rand(sel.rows, 700, generator=g)
+
+            def sums(rows=sel.rows):
+                best = torch.rand(rows, 700, generator=torch.Generator().manual_seed(1))
+                return torch.full((rows,), 3.0), torch.full((1,), 7.0), best
+
+            want_tally = StepTally(elements, *sums()[:2], scores, sums()[2])
+            tally = StepTally(*(t.to(DEVICE) for t in (elements, *sums()[:2], scores, sums()[2])))
+        wants.append(reference.union_attention(q, k, v, sel, SCALE, k_new[:, :seen], v_new[:, :seen], q_pos,
+                                               k_start, follow, tally=want_tally))
+        q, k, v, sel, k_new, v_new, q_pos, follow = _on_device(q, k, v, sel, k_new, v_new, q_pos, follow)
+        out = torch.empty(1, 8, 64, device=DEVICE).transpose(0, 1)  # the model's layout
+        calls.append(union_ops.UnionCall(q, k, v, sel, SCALE, k_new, v_new, q_pos, k_start, follow, out, tally))
+        tallies.append(tally)
+        want_tallies.append(want_tally)
+    keep: list = []
+    fresh = union_ops.union_attention_batch(calls, keep=keep)
+    for call, got_fresh, want, tally, want_tally in zip(calls, fresh, wants, tallies, want_tallies):
+        torch.testing.assert_close(call.out.cpu(), want[0], atol=1e-4, rtol=1e-4)
+        if want[2] is None:
+            assert got_fresh is None
+        else:
+            assert torch.equal(got_fresh.cpu(), want[2])
+        if tally is not None:
+            torch.testing.assert_close(tally.kept.cpu(), want_tally.kept)
+            torch.testing.assert_close(tally.read.cpu(), want_tally.read)
+            torch.testing.assert_close(tally.best.cpu(), want_tally.best)
+    assert len(keep) == (4 if DEVICE == "cuda" else 0)  # one batched group (the dense call and the one of 8 rows
+    # are kinds of their own): its two launches' two tables each, kept for a graph that captured their upload
+
+
+def test_a_batch_takes_a_prefill_and_a_lone_call_as_union_attention_does():
+    """A call the kernels do not take (four query tokens of 8 heads over 2 rows: a question's prefill) and a lone
+    call of its kind run as union_attention runs them: the reference's output."""
+    calls, wants = [], []
+    for seed, lq in ((20, 4), (21, 1)):
+        q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(seed, 8, 2, 2, lq, 300, 32, 20, 8, True)
+        wants.append(reference.union_attention(q, k, v, sel, SCALE, k_new[:, :20], v_new[:, :20], q_pos, k_start,
+                                               follow))
+        q, k, v, sel, k_new, v_new, q_pos, follow = _on_device(q, k, v, sel, k_new, v_new, q_pos, follow)
+        out = torch.empty(8, lq, 64, device=DEVICE)
+        calls.append(union_ops.UnionCall(q, k, v, sel, SCALE, k_new, v_new, q_pos, k_start, follow, out))
+    fresh = union_ops.union_attention_batch(calls)
+    for call, got_fresh, want in zip(calls, fresh, wants):
+        torch.testing.assert_close(call.out.cpu(), want[0], atol=1e-4, rtol=1e-4)
+        assert torch.equal(got_fresh.cpu(), want[2])
