@@ -139,7 +139,7 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
 
 
 def _looked_up(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext,
-               k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor, defer: bool) -> _Pending | None:
+               k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor, defer: bool = False) -> _Pending | None:
     """A global layer's attention with a method: one lookup for the call's tokens (or, with
     StepContext.token_lookups, one per token of a prefill), then the union kernel, written into out [Hq, Lq, D];
     with `defer`, a single lookup's union kernels are left to the caller (returned)."""
