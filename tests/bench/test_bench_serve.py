@@ -41,10 +41,12 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     too), every answer its lone answer, and beside the time per answer token the byte bound of a step at the batch
     (the weights once: more than alone, less than that many steps alone); each ingest timed by stage, the
     scheduler's steps by batch size and its turns' starts, and with --profile the scheduler thread's profile of each
-    method's users at once, through the batched forward."""
+    method's users at once, through the batched forward; with --steps the median step of one turn and of the batch
+    in each way a batch attends."""
     out, profile = tmp_path / "serve.json", tmp_path / "serve-profile.txt"
     assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
-                 "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile)]) == 0
+                 "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile),
+                 "--steps", "3"]) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "random-tiny" and report["shape"] == "tiny"
     assert [set(stages) >= {"prefill", "saving"} for stages in report["ingest_s"]] == [True, True]
@@ -62,6 +64,9 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
                                                  for s in scheduler["steps"].values())
         bound = entry["bound_ms"]
         assert bound["alone"] < bound["batch"] < 2 * bound["alone"]
+        steps = entry["batch_steps"]
+        assert set(steps) == {"1", "2"} and all(set(s) == {"concurrent_ms", "shared_ms", "one_after_another_ms"}
+                                                and min(s.values()) > 0 for s in steps.values()), steps
     assert report["methods"]["full"]["bound_ms"]["batch"] > report["methods"]["squeeze"]["bound_ms"]["batch"]
 
 
