@@ -259,7 +259,8 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
                      params_ptr=_table([[x.k.stride(0), x.v.stride(0), x.k_new.stride(0), x.v_new.stride(0),
                                          x.stride_order, x.cfg.chunk, x.k_start, x.k_new.shape[1], x.first, x.indexed,
                                          x.m_rows, x.spread, x.dense_len] for x in calls], c.q.device, keep),
-                     BATCHED=True)
+                     BATCHED=True, TABLE_W=len(SPLIT_POINTERS), PARAMS_W=len(SPLIT_PARAMS))
+        _check_width(batch, SPLIT_POINTERS, SPLIT_PARAMS)
     union_attn_fwd_kernel[(triton.cdiv(c.num_m, c.cfg.block_m), workers, len(calls))](
         c.q, c.k, c.v, c.indptr, c.indices, c.k_new, c.v_new, c.q_pos, *c.follow_args, c.part_out, c.part_lse,
         *c.q.stride(), *c.k.stride(), *c.v.stride(), *c.k_new.stride(), *c.v_new.stride(), c.q_pos.stride(0),
@@ -280,7 +281,8 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
                                          x.tally_args[4].stride(0) if x.scores is not None else 0, x.spread,
                                          x.dense_len, x.out.stride(0), x.out.stride(1)] for x in calls],
                                        c.q.device, keep),
-                     BATCHED=True)
+                     BATCHED=True, TABLE_W=len(MERGE_POINTERS), PARAMS_W=len(MERGE_PARAMS))
+        _check_width(batch, MERGE_POINTERS, MERGE_PARAMS)
     union_merge_kernel[(triton.cdiv(c.num_m, c.merge_block_m), c.rows * len(calls), d // block_d)](
         c.part_out, c.part_lse, c.indptr, c.q_pos, c.out, c.lse, c.follow_args[2], *c.tally_args,
         c.rows, hq // c.rows, lq, c.cfg.chunk, c.k_start, c.k_new.shape[1], c.q_pos.stride(0), c.out.stride(0),
@@ -292,6 +294,13 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
         dense_len=c.dense_len, FIT=FIT_ITEMS, BLOCK_N=c.cfg.block_n, num_warps=sparse_ops.MERGE_WARPS,
         **dependent_launch(c.q.device), **batch,
     )
+
+
+def _check_width(batch: dict, pointers: tuple[str, ...], params: tuple[str, ...]) -> None:
+    """A launch's tables hold a row of its pointers' and its values' names (the kernel reads them by position)."""
+    if batch["table_ptr"].shape[1] != len(pointers) or batch["params_ptr"].shape[1] != len(params):
+        raise AssertionError(f"tables of {batch['table_ptr'].shape[1]} pointers and {batch['params_ptr'].shape[1]} "
+                             f"values, the kernel reads {len(pointers)} and {len(params)}")
 
 
 def _tally_args(tally: StepTally | None, selection: Selection | None,

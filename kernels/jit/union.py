@@ -101,13 +101,16 @@ def union_attn_fwd_kernel(
     dense_len=0,
     FIT: tl.constexpr = False,
     PDL: tl.constexpr = False,  # kernels/launch.py
-    table_ptr=None,  # BATCHED: [B, SPLIT_POINTERS] int64 addresses
-    params_ptr=None,  # BATCHED: [B, SPLIT_PARAMS] int64
+    table_ptr=None,  # BATCHED: [B, TABLE_W] int64 addresses
+    params_ptr=None,  # BATCHED: [B, PARAMS_W] int64
     BATCHED: tl.constexpr = False,
+    TABLE_W: tl.constexpr = 13,  # len(SPLIT_POINTERS)
+    PARAMS_W: tl.constexpr = 13,  # len(SPLIT_PARAMS)
 ):
     """Grid (cdiv(M, BLOCK_M), workers), M = group * lq query rows per row; BATCHED: grid (cdiv(M, BLOCK_M), workers,
     B), sequence b's tensors and the values that differ between sequences read from row b of table and params
-    (_sequence_split; every other argument, the first sequence's, gives the dtypes and the shared strides).
+    (in the order of SPLIT_POINTERS and SPLIT_PARAMS, kernels/union_ops.py; every other argument, the first
+    sequence's, gives the dtypes and the strides the sequences share).
 
     q [Hq, Lq, D]; k / v [Hkv, N, D] the fixed context (DENSE: every key of row r's KV head, indptr / indices not
     read); kn / vn [Hkv, n_new, D] the new tokens' slots, slot j at position k_start + j; q_pos [Lq] (stride
@@ -121,7 +124,7 @@ def union_attn_fwd_kernel(
     wait_prior(PDL)
     release_next(PDL)
     if BATCHED:  # this program's sequence (SPLIT_POINTERS, SPLIT_PARAMS in kernels/union_ops.py)
-        at = table_ptr + tl.program_id(2) * 13
+        at = table_ptr + tl.program_id(2) * TABLE_W
         q_ptr = _pointer(at, 0, q_ptr)
         k_ptr = _pointer(at, 1, k_ptr)
         v_ptr = _pointer(at, 2, v_ptr)
@@ -135,7 +138,7 @@ def union_attn_fwd_kernel(
         fresh_ptr = _pointer(at, 10, fresh_ptr)
         part_out_ptr = _pointer(at, 11, part_out_ptr)
         part_lse_ptr = _pointer(at, 12, part_lse_ptr)
-        at = params_ptr + tl.program_id(2) * 13
+        at = params_ptr + tl.program_id(2) * PARAMS_W
         stride_kh = tl.load(at)
         stride_vh = tl.load(at + 1)
         stride_nkh = tl.load(at + 2)
@@ -225,9 +228,11 @@ def union_merge_kernel(
     BLOCK_E: tl.constexpr = 128,
     BLOCK_U: tl.constexpr = 512,
     PDL: tl.constexpr = False,  # kernels/launch.py
-    table_ptr=None,  # BATCHED: [B, MERGE_POINTERS] int64 addresses
-    params_ptr=None,  # BATCHED: [B, MERGE_PARAMS] int64
+    table_ptr=None,  # BATCHED: [B, TABLE_W] int64 addresses
+    params_ptr=None,  # BATCHED: [B, PARAMS_W] int64
     BATCHED: tl.constexpr = False,
+    TABLE_W: tl.constexpr = 12,  # len(MERGE_POINTERS)
+    PARAMS_W: tl.constexpr = 12,  # len(MERGE_PARAMS)
 ):
     """Each row's items merged by log-sum-exp (the same plan as union_attn_fwd_kernel, derived on the device): its
     selection's BLOCK_I at a time, its few short items BLOCK_S at a time. Grid (cdiv(M, BLOCK_M), rows,
@@ -246,7 +251,7 @@ def union_merge_kernel(
     if BATCHED:  # this program's sequence (MERGE_POINTERS, MERGE_PARAMS in kernels/union_ops.py)
         seq = row // rows
         row = row - seq * rows
-        at = table_ptr + seq * 12
+        at = table_ptr + seq * TABLE_W
         part_out_ptr = _pointer(at, 0, part_out_ptr)
         part_lse_ptr = _pointer(at, 1, part_lse_ptr)
         indptr_ptr = _pointer(at, 2, indptr_ptr)
@@ -259,7 +264,7 @@ def union_merge_kernel(
         elements_ptr = _pointer(at, 9, elements_ptr)
         scores_ptr = _pointer(at, 10, scores_ptr)
         best_ptr = _pointer(at, 11, best_ptr)
-        at = params_ptr + seq * 12
+        at = params_ptr + seq * PARAMS_W
         chunk = tl.load(at)
         k_start = tl.load(at + 1)
         n_new = tl.load(at + 2)
