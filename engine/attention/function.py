@@ -16,11 +16,11 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from engine.attention.cache import FixedContextCache, FixedContextLayer
 from engine.attention.follow import Follow, layout_order
-from engine.attention.method import Method, StepPlan
+from engine.attention.method import Lookup, Method, StepPlan
 from engine.attention.stats import TurnRecorder
 from kernels.backend import Backend
 from kernels.reference.union import UnionCall
-from kernels.selection import FollowRows
+from kernels.selection import FollowRows, StepTally
 
 ATTN_NAME = "squeeze"
 # A question's prompt of more tokens is prefilled this many a call: the longest prefill a GPU replays from a CUDA graph
@@ -123,8 +123,8 @@ class _Pending:
 
     step: StepContext
     layer_idx: int
-    lookup: object  # engine.attention.method.Lookup
-    tally: object  # kernels.selection.StepTally or None
+    lookup: Lookup
+    tally: StepTally | None
     call: UnionCall
 
 
