@@ -89,12 +89,28 @@ class _Call:
     def merge_block_m(self) -> int:
         return min(self.cfg.merge_block_m, triton.next_power_of_2(self.num_m))
 
+    @property
+    def tallied(self) -> bool:
+        return self.tally_args[0] is not self.lse  # (a call without a tally passes lse as every dummy)
+
+    @property
+    def n_units(self) -> int:
+        return self.scores.shape[1] if self.scores is not None else 0
+
+    @property
+    def stride_scores(self) -> int:
+        return self.scores.stride(0) if self.scores is not None else 0
+
+    @property
+    def stride_best(self) -> int:
+        return self.tally_args[4].stride(0) if self.scores is not None else 0
+
     def kind(self) -> tuple:
         """What calls launched together must share: shapes, dtypes, tiles, the constexprs and the strides that are
         kernel arguments (the rest differ per call: SPLIT_PARAMS, MERGE_PARAMS)."""
         cfg = self.cfg
         return (tuple(self.q.shape), self.q.dtype, self.k.dtype, self.indices.dtype, self.rows, self.hkv, self.dense,
-                self.follows, self.has_order, self.tally_args[0] is self.lse, self.scores is not None,
+                self.follows, self.has_order, self.tallied, self.scores is not None,
                 cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_block_i, self.merge_block_m,
                 self.q.stride(), self.k.stride()[1:], self.v.stride()[1:], self.k_new.stride()[1:],
                 self.v_new.stride()[1:], self.q_pos.stride(0), self.out.dtype, self.scale)
@@ -152,8 +168,8 @@ def union_attention_batch(calls: Sequence[UnionCall], keep: list | None = None,
     fresh: list[torch.Tensor | None] = [None] * len(calls)
     groups: dict[tuple, list[int]] = {}
     for i, (call, got) in enumerate(zip(calls, prepared)):
-        if got is None:
-            fresh[i] = union_attention(*call.args(), tiles)[2]
+        if got is None:  # as union_attention runs such a call
+            fresh[i] = reference.union_in_turn(TRITON, *call.args())[2]
         else:
             groups.setdefault(got.kind(), []).append(i)
     for members in groups.values():
@@ -270,27 +286,21 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
         **dependent_launch(c.q.device), **batch,
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
-    scores = c.scores
     if batched:
         batch = dict(table_ptr=_table([[t.data_ptr() for t in (x.part_out, x.part_lse, x.indptr, x.q_pos, x.out, x.lse,
                                                                    x.follow_args[2], *x.tally_args)] for x in calls],
                                       c.q.device, keep),
-                     params_ptr=_table([[x.cfg.chunk, x.k_start, x.k_new.shape[1], x.m_rows, x.n_elements,
-                                         x.scores.shape[1] if x.scores is not None else 0,
-                                         x.scores.stride(0) if x.scores is not None else 0,
-                                         x.tally_args[4].stride(0) if x.scores is not None else 0, x.spread,
-                                         x.dense_len, x.out.stride(0), x.out.stride(1)] for x in calls],
-                                       c.q.device, keep),
+                     params_ptr=_table([[x.cfg.chunk, x.k_start, x.k_new.shape[1], x.m_rows, x.n_elements, x.n_units,
+                                         x.stride_scores, x.stride_best, x.spread, x.dense_len, x.out.stride(0),
+                                         x.out.stride(1)] for x in calls], c.q.device, keep),
                      BATCHED=True, TABLE_W=len(MERGE_POINTERS), PARAMS_W=len(MERGE_PARAMS))
         _check_width(batch, MERGE_POINTERS, MERGE_PARAMS)
     union_merge_kernel[(triton.cdiv(c.num_m, c.merge_block_m), c.rows * len(calls), d // block_d)](
         c.part_out, c.part_lse, c.indptr, c.q_pos, c.out, c.lse, c.follow_args[2], *c.tally_args,
         c.rows, hq // c.rows, lq, c.cfg.chunk, c.k_start, c.k_new.shape[1], c.q_pos.stride(0), c.out.stride(0),
-        c.out.stride(1), c.m_rows, c.n_elements, scores.shape[1] if scores is not None else 0,
-        scores.stride(0) if scores is not None else 0, c.tally_args[4].stride(0) if scores is not None else 0,
-        c.spread,
+        c.out.stride(1), c.m_rows, c.n_elements, c.n_units, c.stride_scores, c.stride_best, c.spread,
         HEAD_DIM=d, BLOCK_M=c.merge_block_m, BLOCK_I=c.cfg.merge_block_i, BLOCK_D=block_d, BLOCK_R=block_r,
-        DENSE=c.dense, FOLLOW=c.follows, TALLY=c.tally_args[0] is not c.lse, HAS_SCORES=scores is not None,
+        DENSE=c.dense, FOLLOW=c.follows, TALLY=c.tallied, HAS_SCORES=c.scores is not None,
         dense_len=c.dense_len, FIT=FIT_ITEMS, BLOCK_N=c.cfg.block_n, num_warps=sparse_ops.MERGE_WARPS,
         **dependent_launch(c.q.device), **batch,
     )

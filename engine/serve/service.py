@@ -409,10 +409,11 @@ class Engine:
         with self._device_lock:
             session = self._sessions.get(context_id)
             if session is None:
-                self._make_room(context_id)  # free the contexts to close before loading the next
                 ctx = self.store.contexts.get(context_id)
                 current = self.built_methods(context_id)
                 wanted = self._session_artifacts(context_id, current)
+                size = sum(row[2] for row in wanted)
+                self._make_room(size)  # free the contexts to close before loading the next
                 with self._warm_lock:
                     warmed = self._warmed.pop(context_id, None)
                 artifacts = warmed[1] if warmed is not None and warmed[0] == wanted else \
@@ -421,7 +422,7 @@ class Engine:
                                          methods=current, prepared={n: self.prepared_for(m) for n, m in current.items()},
                                          follow=self.follow)
                 self._sessions[context_id] = session
-                self._open_bytes[context_id] = self.context_bytes(context_id)
+                self._open_bytes[context_id] = size
             self._sessions.move_to_end(context_id)
             return session
 
@@ -484,19 +485,20 @@ class Engine:
         """The bytes of the files a session of `context_id` holds on the device (its K/V, its methods' indexes)."""
         return sum(row[2] for row in self._session_artifacts(context_id, self.built_methods(context_id)))
 
-    def _fits(self, context_id: str, closable: list[str]) -> bool:
-        """Whether `context_id` fits the device's memory (CONTEXT_HEADROOM beside it) once `closable` are closed."""
+    def _fits(self, size: int, closable: list[str]) -> bool:
+        """Whether a context of `size` bytes (context_bytes) fits the device's memory (CONTEXT_HEADROOM beside it) once
+        `closable` are closed."""
         free = self.free_bytes()
         if free is None:
             return True
         freed = sum(self._open_bytes.get(c, 0) for c in closable)
-        return self.context_bytes(context_id) + CONTEXT_HEADROOM <= free + freed
+        return size + CONTEXT_HEADROOM <= free + freed
 
-    def _make_room(self, context_id: str) -> None:
-        """Close idle contexts, least recently used first, until `context_id` fits under the limit and in the
-        device's memory (a context a turn reads stays open)."""
+    def _make_room(self, size: int) -> None:
+        """Close idle contexts, least recently used first, until one more of `size` bytes fits under the limit and
+        in the device's memory (a context a turn reads stays open)."""
         idle = self._idle_sessions()
-        while idle and (len(self._sessions) >= self._open_limit() or not self._fits(context_id, [])):
+        while idle and (len(self._sessions) >= self._open_limit() or not self._fits(size, [])):
             closed = idle.pop(0)
             self._sessions.pop(closed, None)
             self._open_bytes.pop(closed, None)
@@ -508,7 +510,8 @@ class Engine:
         if context_id in self._sessions:
             return True
         idle = self._idle_sessions()
-        return (len(self._sessions) < self._open_limit() or bool(idle)) and self._fits(context_id, idle)
+        return ((len(self._sessions) < self._open_limit() or bool(idle))
+                and self._fits(self.context_bytes(context_id), idle))
 
     def _forget(self, context_ids) -> None:
         """Close these contexts (their files change or go); turns under way keep what they read."""

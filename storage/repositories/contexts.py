@@ -212,10 +212,8 @@ class Artifacts:
             return read_artifact(root, rows[name], f"{context_id}/{name}", device)
 
         try:
-            if len(wanted) < 2:
-                return {name: read(name) for name in wanted}
-            with ThreadPoolExecutor(min(LOAD_THREADS, len(wanted))) as pool:  # the first error in `wanted`'s order
-                return dict(zip(wanted, pool.map(read, wanted)))
+            with ThreadPoolExecutor(max(1, min(LOAD_THREADS, len(wanted)))) as pool:
+                return dict(zip(wanted, pool.map(read, wanted)))  # (the first error in `wanted`'s order)
         except (MissingArtifactError, DamagedArtifactError) as exc:
             self._mark_damaged(context_id, exc)
             raise
