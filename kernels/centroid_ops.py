@@ -1,11 +1,15 @@
 """Typed wrappers of the centroid-lookup kernels (kernels/jit/centroid.py): check, pick block sizes, launch.
 
-Both functions have the semantics of `kernels.reference.centroid.cluster_keep` and never synchronise with the host: grids
+The lookups have the semantics of `kernels.reference.centroid`'s and never synchronise with the host: grids
 depend only on shapes, the candidate lists' lengths are read on the device.
 
     cluster_keep       every centroid of the row's KV head (optionally under a dense `allowed` mask)
     cluster_keep_list  only the row's candidates (hierarchical level 2), from a packed CSR list; the work grows with
                        the number of candidates, not with C
+    cluster_select     cluster_keep and the expansion of the kept clusters into key positions; select_later plans
+                       one (its outputs allocated) and select_now launches those planned, the decode lookups of
+                       several sequences of one kind in one launch of each kernel (BATCHED, tables of their tensors
+                       and values)
 
 Passes (see the kernels' docstrings):
     1. denominator, grid (unit, query-row block, split): partial (max, sum) of N_j exp(s_j) per (head, token), in
@@ -28,7 +32,7 @@ import torch
 import triton
 
 from kernels.checks import LOG2E, check_valid
-from kernels.compact_ops import expand_block_sums
+from kernels.compact_ops import Expansion, batch_tables, launch_expansions, plan_expansion
 from kernels.jit.centroid import (
     centroid_cut_kernel,
     centroid_denominator_kernel,
@@ -42,6 +46,7 @@ from kernels.reference.centroid import (  # noqa: F401
     CUT_BINS,
     CUT_LOW,
     CUT_PER,
+    SelectCall,
     binned_cut,
     centroid_log_scores,
     cut_threshold,
@@ -66,6 +71,10 @@ MIN_DOT_DIM = 16  # tl.dot needs every block dimension >= 16
 PROGRAMS_PER_SM = 4  # the denominator pass splits the centroids until it has about this many programs per SM
 CPU_PROGRAMS = 4  # the same target in Triton's interpreter (programs run one after the other there)
 CUT_BLOCK = 256  # centroids per program of a list's cut (no block sums to match the score pass's tiles)
+# Partials per step of the score pass's merge of the denominator's splits (kernels/jit/centroid.py
+# _log2_denominator): one tile for any split count, so that lookups of different splits batch with the sums of their
+# own (a decode lookup's splits: up to 66 at 4 programs per SM of an H100)
+SPLIT_TILE = 32
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
 
 
@@ -251,19 +260,148 @@ class _Cut:
         return pointers, constants
 
 
-def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config,
-            starts=None, block_sums=None, step=None, valid=None, zero=False, elements=None, cut=None):
-    """Both passes. allowed: [rows, C] bool or None; indptr/idx: CSR candidates or None (dense); keep/score: the
-    [rows, C] outputs (for lists the score pass writes the candidates' entries only: the others are zeroed by the
-    denominator pass with `zero`); starts / block_sums: the
-    clusters' key ranges [Hkv, C + 1] and the kept keys per (row, score block) [rows, NB] out (dense only); step:
-    the one-byte centroids' step [Hkv, D] (the kernels scale q by it as they load it), or None; valid: [1] int64, the
-    real tokens of Lq (the first ones), or None (all). elements (lists whose rows are the KV heads): (out [rows]
-    float32, base, per), out set to base + per x each row's candidates by the score pass. cut: a _Cut, or None:
-    the score pass writes the scores, marks in keep the clusters it scored, adds each cluster's keys into its
-    score's bin of the histogram, and its last program writes the threshold, for centroid_cut_kernel to decide keep
-    (and the block sums) after it. Returns whether the
-    passes ran (not for lists of no capacity)."""
+@dataclass
+class _Passes:
+    """One lookup's two passes checked and planned, their buffers allocated (_plan_passes): what _run_passes
+    launches. inputs: (q, centroids, counts, allowed, indptr, idx, step) as the kernels read them (dummies where
+    unused); keep / score [rows, C] out; starts / block_sums: dense only, or None; elements: (out, base, per) of a
+    list whose rows are the KV heads, or None; cut: a _Cut or None, with its pointers and constants (cut_ptrs,
+    cut_args) for the score pass."""
+
+    inputs: tuple
+    part_max: torch.Tensor
+    part_sum: torch.Tensor
+    s_cache: torch.Tensor
+    valid: torch.Tensor | None
+    keep: torch.Tensor
+    score: torch.Tensor
+    starts: torch.Tensor | None
+    block_sums: torch.Tensor | None
+    elements: tuple | None
+    cut: _Cut | None
+    cut_ptrs: tuple
+    cut_args: dict
+    cfg: LookupConfig
+    scale2: float
+    threshold: float
+    rows: int
+    capacity: int
+    units: int
+    m_blocks: int
+    nsplit: int
+    score_blocks: int
+    score_m: int
+    has_allowed: bool
+    use_list: bool
+    scaled: bool
+    zero: bool
+
+    @property
+    def q(self) -> torch.Tensor:
+        return self.inputs[0]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        return self.inputs[2]
+
+    @property
+    def c(self) -> int:
+        return self.inputs[1].shape[1]
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """The strides both passes take: q's two, the centroids' two, the counts', allowed's, the s cache's."""
+        q, centroids, counts, allowed = self.inputs[:4]
+        return (q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
+                allowed.stride(0), self.s_cache.stride(0))
+
+    def kind(self) -> tuple:
+        """What lookups launched together share (BATCHED): shapes, dtypes, the launch parameters and the constexprs.
+        Only dense decode lookups (one token, no allowed mask, with starts) batch; any other is a kind of its own."""
+        q, centroids, counts = self.inputs[:3]
+        if self.use_list or self.has_allowed or q.shape[1] != 1 or self.starts is None:
+            return (id(self),)
+        cut = self.cut
+        return (q.device, q.dtype, centroids.dtype, counts.dtype, tuple(q.shape), centroids.shape[0], self.rows,
+                self.cfg, self.scaled, self.valid is not None,
+                None if cut is None else (cut.off is not None, cut.keys.listed is not None, cut.keys.per_head))
+
+    def denominator_pointers(self) -> tuple:
+        """Row of DENOMINATOR_POINTERS."""
+        q, centroids, counts = self.inputs[:3]
+        return (q, centroids, counts, self.inputs[6], self.part_max, self.part_sum, self.s_cache, self._valid_arg,
+                self._hist)
+
+    def denominator_params(self) -> list[int]:
+        """Row of DENOMINATOR_PARAMS."""
+        strides = self.strides
+        return [self.c, self.nsplit, *strides[:5], strides[6], *_bits(self.scale2)]
+
+    def score_pointers(self) -> tuple:
+        """Row of SCORE_POINTERS."""
+        return (*self.denominator_pointers(), self.keep, self.score, *self._starts_args, *self.cut_ptrs[1:])
+
+    def score_params(self) -> list[int]:
+        """Row of SCORE_PARAMS."""
+        a = self.cut_args
+        return [*self.denominator_params(), self.score_blocks, self.score_blocks, self.keep.stride(0),
+                self.score.stride(0), *_bits(self.threshold), a.get("M", 0), a.get("lo", 0), a.get("hi", 0),
+                *_bits(a.get("key_base", 0.0), a.get("key_least", 0.0), a.get("per_listed", 0.0))]
+
+    def cut_pointers(self) -> tuple:
+        """Row of CUT_POINTERS."""
+        return (self.score, self.counts, self.cut.out, self.keep, *self._starts_args)
+
+    def cut_params(self, block_c: int) -> list[int]:
+        """Row of CUT_PARAMS."""
+        return [self.c, max(1, triton.cdiv(self.c, block_c)), self.counts.stride(0), self.keep.stride(0),
+                self.score.stride(0)]
+
+    @property
+    def _valid_arg(self) -> torch.Tensor:
+        return self.valid if self.valid is not None else self.counts  # dummy unless HAS_VALID
+
+    @property
+    def _hist(self) -> torch.Tensor:
+        return self.cut.hist if self.cut is not None else self.counts  # dummy unless ZERO_HIST
+
+    @property
+    def _starts_args(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(starts, block_sums), dummies unless HAS_STARTS."""
+        return (self.starts, self.block_sums) if self.starts is not None else (self.counts, self.counts)
+
+
+# Row b of a batched launch's tables (kernels/jit/centroid.py reads them by these positions; floats as their
+# float32 bits). The score pass's begin with the denominator pass's (kernels/jit/centroid.py _sequence).
+DENOMINATOR_POINTERS = ("q", "centroids", "counts", "step", "part_max", "part_sum", "s_cache", "valid", "hist")
+DENOMINATOR_PARAMS = ("C", "NSPLIT", "stride_qh", "stride_qt", "stride_ch", "stride_cc", "stride_nh", "stride_s",
+                      "scale2")
+SCORE_POINTERS = DENOMINATOR_POINTERS + ("keep", "score", "starts", "block_sums", "on", "cut", "listed")
+SCORE_PARAMS = DENOMINATOR_PARAMS + ("NPROG", "NB", "stride_kr", "stride_or", "threshold", "M", "lo", "hi",
+                                     "key_base", "key_least", "per_listed")
+CUT_POINTERS = ("score", "counts", "cut", "keep", "starts", "block_sums")
+CUT_PARAMS = ("C", "NB", "stride_nh", "stride_kr", "stride_or")
+MAX_GRID_Z = 65535  # CUDA's limit on a grid's third axis: a batched denominator pass holds B x its splits there
+
+
+def _bits(*values: float) -> list[int]:
+    """Floats as the int32 bits of their float32 values (what a launch passes for a Python float)."""
+    return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
+
+
+def _plan_passes(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, keep, score, config,
+                 starts=None, block_sums=None, step=None, valid=None, zero=False, elements=None,
+                 cut=None) -> _Passes | None:
+    """Both passes planned. allowed: [rows, C] bool or None; indptr/idx: CSR candidates or None (dense); keep/score:
+    the [rows, C] outputs (for lists the score pass writes the candidates' entries only: the others are zeroed by
+    the denominator pass with `zero`); starts / block_sums: the clusters' key ranges [Hkv, C + 1] and the kept keys
+    per (row, score block) [rows, NB] out (dense only); step: the one-byte centroids' step [Hkv, D] (the kernels
+    scale q by it as they load it), or None; valid: [1] int64, the real tokens of Lq (the first ones), or None
+    (all). elements (lists whose rows are the KV heads): (out [rows] float32, base, per), out set to base + per x
+    each row's candidates by the score pass. cut: a _Cut, or None: the score pass writes the scores, marks in keep
+    the clusters it scored, adds each cluster's keys into its score's bin of the histogram, and its last program
+    writes the threshold, for centroid_cut_kernel to decide keep (and the block sums) after it. Returns None where
+    nothing is to run (lists of no capacity)."""
     hq, lq, d = q.shape
     hkv, c, _ = centroids.shape
     use_list = indptr is not None
@@ -273,83 +411,101 @@ def _launch(q, centroids, counts, scale, threshold, rows, allowed, indptr, idx, 
     capacity = idx.numel() if use_list else 0
     width = min(c, capacity) if use_list else c  # the most positions one unit can have
     if width == 0:
-        return False
+        return None
     cfg = config or default_config(q.device, lq, d, q.dtype, c, units)
 
     q, centroids, counts = _row_major(q), _row_major(centroids), _row_major(counts)
     m_blocks = triton.cdiv(gh * lq, cfg.block_m)
     c_blocks = triton.cdiv(width, cfg.block_c)
     nsplit = max(1, min(c_blocks, cfg.max_splits, triton.cdiv(cfg.target_programs, units * m_blocks)))
-    score_m, score_c, score_warps, score_stages = cfg.score_tiles
+    score_m, score_c = cfg.score_tiles[:2]
     if lq == 1:  # the score pass reads s, no tl.dot: its row tile need only cover the unit's query rows (G in decode)
         score_m = min(score_m, max(2, triton.next_power_of_2(gh * lq)))
-    score_blocks = triton.cdiv(width, score_c)
-    cache_s = lq == 1
     f32 = dict(dtype=torch.float32, device=q.device)
     part_max = torch.empty(hq * lq, nsplit, **f32)
     part_sum = torch.empty(hq * lq, nsplit, **f32)
-    s_cache = torch.empty(hq * lq, capacity if use_list else c, **f32) if cache_s else part_max  # dummy if unused
+    s_cache = torch.empty(hq * lq, capacity if use_list else c, **f32) if lq == 1 else part_max  # dummy if unused
     allowed_u8 = _row_major(allowed).view(torch.uint8) if allowed is not None else keep.view(torch.uint8)  # dummy
-    indptr = indptr if use_list else counts  # dummies: never read unless USE_LIST
-    idx = idx if use_list else counts
-    step_arg = step.contiguous() if step is not None else part_max  # dummy unless SCALED
-    valid_arg = valid if valid is not None else counts  # dummy unless HAS_VALID
+    inputs = (q, centroids, counts, allowed_u8, indptr if use_list else counts, idx if use_list else counts,
+              step.contiguous() if step is not None else part_max)  # dummies: never read unless USE_LIST, SCALED
+    cut_ptrs, cut_args = cut.score_args(counts, elements is not None and use_list) if cut is not None else \
+        ((counts, counts, score, counts), {})
+    return _Passes(inputs, part_max, part_sum, s_cache, valid, keep.view(torch.uint8), score, starts, block_sums,
+                   elements, cut, cut_ptrs, cut_args, cfg, float(scale) * LOG2E,
+                   float(threshold) if threshold > 0 else -1.0,  # S >= 0, so "> -1" keeps every cluster
+                   rows, capacity, units, m_blocks, nsplit, triton.cdiv(width, score_c), score_m, allowed is not None,
+                   use_list, step is not None, zero)
 
+
+def _run_passes(calls: list[_Passes], hold: list | None = None) -> None:
+    """Both passes of lookups of one kind (_Passes.kind): one as it is, several BATCHED, their tensors and values in
+    tables (hold: as kernels.union_ops.union_attention_batch's keep)."""
+    p = calls[0]
+    batched = len(calls) > 1
+    q = p.q
+    hq, lq, d = q.shape
+    hkv = p.inputs[1].shape[0]
+    cfg, use_list, cut = p.cfg, p.use_list, p.cut
+    g, hpr = hq // hkv, hq // p.rows
+    gh = hpr if use_list else g
+    nsplit = max(x.nsplit for x in calls)
     common = dict(
         D=d,
         BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(d)),
-        HAS_ALLOWED=allowed is not None,
+        HAS_ALLOWED=p.has_allowed,
         USE_LIST=use_list,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 must not round through tf32;
         # "tf32" is Triton's default and means nothing for 16-bit inputs
-        SCALED=step is not None,
-        CODES16=step is not None and q.dtype != torch.float32,  # float16 dots over 1024 + code (no conversion)
+        SCALED=p.scaled,
+        CODES16=p.scaled and q.dtype != torch.float32,  # float16 dots over 1024 + code (no conversion)
         **dependent_launch(q.device),
     )
-    strides = (
-        q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
-        allowed_u8.stride(0), s_cache.stride(0),
+    batch = batch_tables(calls, _Passes.denominator_pointers, _Passes.denominator_params,
+                         (DENOMINATOR_POINTERS, DENOMINATOR_PARAMS), q.device, hold) if batched else {}
+    centroid_denominator_kernel[(p.units, p.m_blocks, nsplit * len(calls))](
+        *p.inputs, p.part_max, p.part_sum, p.s_cache, p._valid_arg, p.keep, p.score, p._hist,
+        p.scale2, lq, p.c, p.capacity, g, gh, hpr, nsplit, *p.strides, p.keep.stride(0), p.score.stride(0),
+        BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, STORE_S=lq == 1, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, HAS_VALID=p.valid is not None,
+        AHEAD=cfg.read_ahead and not use_list and p.valid is None and not batched,
+        ZERO=p.zero and use_list, ZERO_HIST=cut is not None, CUT_BINS=CUT_BINS, CUT_COPIES=CUT_COPIES, **common,
+        **batch,
     )
-    inputs = (q, centroids, counts, allowed_u8, indptr, idx, step_arg)
-    centroid_denominator_kernel[(units, m_blocks, nsplit)](
-        *inputs, part_max, part_sum, s_cache, valid_arg, keep.view(torch.uint8), score,
-        cut.hist if cut is not None else counts,
-        float(scale) * LOG2E, lq, c, capacity, g, gh, hpr, nsplit, *strides, keep.stride(0), score.stride(0),
-        BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, STORE_S=cache_s, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, HAS_VALID=valid is not None, AHEAD=cfg.read_ahead and not use_list and valid is None,
-        ZERO=zero and use_list, ZERO_HIST=cut is not None,
-        CUT_BINS=CUT_BINS, CUT_COPIES=CUT_COPIES, **common,
-    )
-    out_elements, read_base, read_per = elements if elements is not None else (score, 0.0, 0.0)  # dummy unless given
-    cut_ptrs, cut_args = cut.score_args(counts, elements is not None and use_list) if cut is not None else \
-        ((counts, counts, score, counts), {})
-    keep_threshold = float(threshold) if threshold > 0 else -1.0  # S >= 0, so "> -1" keeps every cluster
-    has_starts = starts is not None
-    if not use_list and lq > 1:  # dense prefill: the centroid-major score pass
-        centroid_score_prefill_kernel[(units, score_blocks)](
-            q, centroids, counts, allowed_u8, step_arg, part_max, part_sum, keep.view(torch.uint8), score,
-            starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-            valid_arg, *cut_ptrs, float(scale) * LOG2E, keep_threshold, lq, c, g, hpr, nsplit, score_blocks,
-            q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
-            allowed_u8.stride(0), keep.stride(0), score.stride(0),
-            D=d, BLOCK_D=common["BLOCK_D"], BLOCK_M=score_m, BLOCK_C=score_c,
-            BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(hpr)), BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)),
-            HAS_ALLOWED=allowed is not None, HAS_STARTS=has_starts, DOT_PRECISION=common["DOT_PRECISION"],
-            SCALED=common["SCALED"], CODES16=common["CODES16"], HAS_VALID=valid is not None, num_warps=score_warps,
-            num_stages=score_stages, **cut_args, **dependent_launch(q.device),
+    score_c, score_warps, score_stages = p.cfg.score_tiles[1:]
+    starts, block_sums = p._starts_args
+    if not use_list and lq > 1:  # dense prefill: the centroid-major score pass (never batched)
+        centroid_score_prefill_kernel[(p.units, p.score_blocks)](
+            *p.inputs[:4], p.inputs[6], p.part_max, p.part_sum, p.keep, p.score, starts, block_sums, p._valid_arg,
+            *p.cut_ptrs, p.scale2, p.threshold, lq, p.c, g, hpr, p.nsplit, p.score_blocks, *p.strides[:6],
+            p.keep.stride(0), p.score.stride(0),
+            D=d, BLOCK_D=common["BLOCK_D"], BLOCK_M=p.score_m, BLOCK_C=score_c,
+            BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(hpr)),
+            BLOCK_SPLIT=max(2, triton.next_power_of_2(p.nsplit)), HAS_ALLOWED=p.has_allowed,
+            HAS_STARTS=p.starts is not None, DOT_PRECISION=common["DOT_PRECISION"], SCALED=common["SCALED"],
+            CODES16=common["CODES16"], HAS_VALID=p.valid is not None, num_warps=score_warps,
+            num_stages=score_stages, **p.cut_args, **dependent_launch(q.device),
         )
-        return True
-    centroid_score_kernel[(units, score_blocks)](
-        *inputs, part_max, part_sum, s_cache, keep.view(torch.uint8), score,
-        starts if has_starts else counts, block_sums if has_starts else counts,  # dummies unless HAS_STARTS
-        valid_arg, out_elements, *cut_ptrs, float(scale) * LOG2E, keep_threshold, lq, c, capacity, g, gh, hpr, nsplit,
-        score_blocks, score_blocks, *strides, keep.stride(0), score.stride(0),
-        BLOCK_M=score_m, BLOCK_C=score_c, BLOCK_SPLIT=max(2, triton.next_power_of_2(nsplit)), LOAD_S=cache_s,
-        HAS_STARTS=has_starts, HAS_VALID=valid is not None, num_warps=score_warps, num_stages=score_stages,
-        read_base=float(read_base), read_per=float(read_per), HAS_ELEMENTS=elements is not None and use_list,
-        **cut_args, **common,
+        return
+    out_elements, read_base, read_per = p.elements if p.elements is not None else (p.score, 0.0, 0.0)  # dummy
+    batch = batch_tables(calls, _Passes.score_pointers, _Passes.score_params, (SCORE_POINTERS, SCORE_PARAMS),
+                         q.device, hold) if batched else {}
+    centroid_score_kernel[(p.units, max(x.score_blocks for x in calls), len(calls))](
+        *p.inputs, p.part_max, p.part_sum, p.s_cache, p.keep, p.score, starts, block_sums, p._valid_arg,
+        out_elements, *p.cut_ptrs, p.scale2, p.threshold, lq, p.c, p.capacity, g, gh, hpr, p.nsplit,
+        p.score_blocks, p.score_blocks, *p.strides, p.keep.stride(0), p.score.stride(0),
+        BLOCK_M=p.score_m, BLOCK_C=score_c, BLOCK_SPLIT=SPLIT_TILE, LOAD_S=lq == 1,
+        HAS_STARTS=p.starts is not None, HAS_VALID=p.valid is not None, num_warps=score_warps,
+        num_stages=score_stages, read_base=float(read_base), read_per=float(read_per),
+        HAS_ELEMENTS=p.elements is not None and use_list, **p.cut_args, **common, **batch,
     )
-    return True
+
+
+def _launch(*args, **kwargs) -> _Passes | None:
+    """_plan_passes(*args, **kwargs) launched at once: the plan, or None where nothing ran."""
+    passes = _plan_passes(*args, **kwargs)
+    if passes is not None:
+        _run_passes([passes])
+    return passes
 
 
 def cluster_keep(
@@ -424,45 +580,105 @@ def cluster_select(
     Returns keep, score (as cluster_keep) and the Selection of `kernels.layout.expand_groups(keep, starts, total,
     tail)`; no host synchronisation.
     """
+    pending: list = []
+    out = select_later(SelectCall(q, centroids, counts, scale, threshold, rows, starts, total, tail, fixed=fixed,
+                                  step=step, valid=valid, keys=keys), pending, config=config)
+    select_now(pending)
+    return out
+
+
+@dataclass
+class _Select:
+    """A cluster_select planned (select_later): its passes (None where there is no centroid), the score pass's
+    centroid block (the cut's and the expansion's) and its expansion."""
+
+    passes: _Passes | None
+    block_c: int
+    expansion: Expansion | None
+
+    def kind(self) -> tuple:
+        """What lookups launched together share: their passes' kind, and their expansions'."""
+        if self.passes is None or self.expansion is None:
+            return (id(self),)
+        return (self.passes.kind(), self.block_c, self.expansion.kind())
+
+
+def select_later(call: SelectCall, pending: list, *, config: LookupConfig | None = None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
+    """cluster_select(*call.args(), **call.kwargs(), config=config) checked and planned, every buffer allocated and
+    the plan appended to `pending`: its results (keep, score, Selection) at once, their values written when
+    select_now(pending) runs. No launch (except a row-major copy of an input that needs one: inputs are read as they
+    are here) and no host synchronisation."""
+    q, centroids, counts, scale, threshold, rows, starts, total, tail = call.args()
+    fixed, step, valid, keys = call.fixed, call.step, call.valid, call.keys
     _check_common(q, centroids, counts, rows, step, valid)
     _check_scalars(scale, threshold)
     hkv, c = counts.shape
     if tuple(starts.shape) != (hkv, c + 1) or starts.dtype != torch.int64 or starts.device != q.device:
         raise ValueError(f"starts must be an int64 [Hkv, C + 1] = [{hkv}, {c + 1}] tensor on {q.device}")
+    if keys is not None and rows != hkv:
+        raise ValueError("a cut at a number of keys needs one row per KV head")
     cfg = config or default_config(q.device, q.shape[1], q.shape[2], q.dtype, c, hkv)
     score_c = cfg.score_tiles[1]
     keep = torch.empty(rows, c, dtype=torch.bool, device=q.device)
     score = torch.empty(rows, c, dtype=torch.float32, device=q.device)
     nb = max(1, triton.cdiv(c, score_c))
-    block_sums = torch.empty(rows, nb, dtype=torch.int64, device=q.device)  # all written
+    block_sums = (torch.zeros if c == 0 else torch.empty)(rows, nb, dtype=torch.int64, device=q.device)  # all
+    # written (no centroid: no pass)
     starts = starts.contiguous()
-    if keys is None:
-        _launch(q, centroids, counts, scale, threshold, rows, None, None, None, keep, score, cfg, starts, block_sums,
-                step, valid)
-    else:
-        if rows != hkv:
-            raise ValueError("a cut at a number of keys needs one row per KV head")
-        cut = _Cut.new(keys, q.device, fixed.on.contiguous() if fixed is not None else None)
-        _launch(q, centroids, counts, scale, 1.0, rows, None, None, None, keep, score, cfg, starts, block_sums,
-                step, valid, cut=cut)
-        _cut(score, counts, cut, keep, score_c, starts, block_sums)
-    return keep, score, expand_block_sums(keep, starts, block_sums, score_c, total, tail, fixed=fixed)
+    cut = None if keys is None else _Cut.new(keys, q.device, fixed.on.contiguous() if fixed is not None else None)
+    passes = _plan_passes(q, centroids, counts, scale, threshold if cut is None else 1.0, rows, None, None, None,
+                          keep, score, cfg, starts, block_sums, step, valid, cut=cut)
+    selection, expansion = plan_expansion(keep, starts, block_sums, score_c, total, tail, fixed=fixed)
+    pending.append(_Select(passes, score_c, expansion))
+    return keep, score, selection
 
 
-def _cut(score: torch.Tensor, counts: torch.Tensor, cut: _Cut, keep: torch.Tensor, block_c: int,
-         starts: torch.Tensor | None = None, block_sums: torch.Tensor | None = None, among: bool = False) -> None:
-    """centroid_cut_kernel over score [rows, C] at the threshold the score pass wrote (cut.out): keep [rows, C]
-    written (among: only where the score pass marked it, a list's candidates), and with starts the kept keys per
-    block of block_c centroids into block_sums."""
-    rows, c = score.shape
-    counts = _row_major(counts)
-    nb = max(1, triton.cdiv(c, block_c))
-    has_starts = starts is not None
-    centroid_cut_kernel[(rows, nb)](
-        score, counts, cut.out, keep.view(torch.uint8), starts if has_starts else counts,
-        block_sums if has_starts else counts, c, nb, rows // counts.shape[0], counts.stride(0), keep.stride(0),
-        score.stride(0), BLOCK_C=block_c, HAS_STARTS=has_starts, AMONG=among, num_warps=4,
-        **dependent_launch(score.device),
+def select_now(pending: list, keep: list | None = None) -> None:
+    """Launch the lookups select_later planned into `pending`, and empty it: those of one kind (_Select.kind: dense
+    decode lookups of the same shapes, dtypes, launch parameters and options, over any number of centroids and
+    keys) through one launch of each of their kernels (the denominator pass, the score pass, the cut where keys
+    are asked, the expansion), BATCHED, each lookup's tensors and values read from tables; a lone lookup of its kind,
+    or one the batched kernels do not take (Lq > 1: a question's prefill), as cluster_select launches it. Kinds in
+    the order of their first lookup. keep: where the tables' host copies go, to live as long as a CUDA graph that
+    captured their upload (as kernels.union_ops.union_attention_batch's; None: an eager call)."""
+    kinds: dict[tuple, list[_Select]] = {}
+    for record in pending:
+        kinds.setdefault(record.kind(), []).append(record)
+    for members in kinds.values():
+        splits = max(1, max(r.passes.nsplit if r.passes is not None else 1 for r in members))
+        per_launch = MAX_GRID_Z // splits  # (the denominator pass's third grid axis)
+        for first in range(0, len(members), per_launch):
+            _run_selects(members[first:first + per_launch], keep)
+    pending.clear()
+
+
+def _run_selects(records: list[_Select], hold: list | None) -> None:
+    """The launches of cluster_select lookups of one kind: both passes, the cut where keys are asked, the
+    expansion."""
+    passes = [r.passes for r in records]
+    if passes[0] is not None:
+        _run_passes(passes, hold)
+        if passes[0].cut is not None:
+            _cut(passes, records[0].block_c, hold=hold)
+    if records[0].expansion is not None:
+        launch_expansions([r.expansion for r in records], hold)
+
+
+def _cut(calls: list[_Passes], block_c: int, among: bool = False, hold: list | None = None) -> None:
+    """centroid_cut_kernel over each lookup's score [rows, C] at the threshold its score pass wrote (cut.out): keep
+    [rows, C] written (among: only where the score pass marked it, a list's candidates), and with starts the kept
+    keys per block of block_c centroids into block_sums. Lookups of one kind: several BATCHED."""
+    p = calls[0]
+    rows, counts = p.rows, p.counts
+    starts, block_sums = p._starts_args
+    batch = batch_tables(calls, _Passes.cut_pointers, lambda x: x.cut_params(block_c), (CUT_POINTERS, CUT_PARAMS),
+                         p.q.device, hold) if len(calls) > 1 else {}
+    nb = [max(1, triton.cdiv(x.c, block_c)) for x in calls]
+    centroid_cut_kernel[(rows, max(nb), len(calls))](
+        p.score, counts, p.cut.out, p.keep, starts, block_sums, p.c, nb[0], rows // counts.shape[0],
+        counts.stride(0), p.keep.stride(0), p.score.stride(0), BLOCK_C=block_c, HAS_STARTS=p.starts is not None,
+        AMONG=among, num_warps=4, **dependent_launch(p.q.device), **batch,
     )
 
 
@@ -522,12 +738,12 @@ def cluster_keep_list(
     ran = _launch(q, centroids, counts, scale, 1.0 if keys is not None else threshold, rows, None,
                   cand_indptr.contiguous(), cand_idx.contiguous(), keep, score, config, step=step, valid=valid,
                   zero=True, elements=out_read if in_kernel else None, cut=cut)
-    if not ran:  # no candidate can be listed: nothing kept, nothing scored
+    if ran is None:  # no candidate can be listed: nothing kept, nothing scored
         keep.zero_()
         score.zero_()
     elif keys is not None:
-        _cut(score, counts, cut, keep, CUT_BLOCK, among=True)
-    if out_read is not None and (not in_kernel or not ran):
+        _cut([ran], CUT_BLOCK, among=True)
+    if out_read is not None and (not in_kernel or ran is None):
         out_read[0].copy_(read_elements(cand_indptr, hkv, out_read[1], out_read[2]))
     return keep, score
 
@@ -541,7 +757,8 @@ def _output(out, name, shape, dtype, device) -> torch.Tensor:
     return out
 
 
-__all__ = ["LookupConfig", "cluster_keep", "cluster_keep_list", "cluster_select", "default_config"]
+__all__ = ["LookupConfig", "SelectCall", "cluster_keep", "cluster_keep_list", "cluster_select", "default_config",
+           "select_later", "select_now"]
 
 
 def cluster_keep_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scale: float, threshold: float,

@@ -1,6 +1,10 @@
-"""Typed wrappers of the group expansion kernels: kept clusters -> a Selection of positions, on the device, no host sync."""
+"""Typed wrappers of the group expansion kernels: kept clusters -> a Selection of positions, on the device, no host
+sync. plan_expansion / launch_expansions: the expansion planned now and launched later, those of several lookups of
+one kind in one launch (BATCHED: kernels.centroid_ops.select_now)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -8,6 +12,7 @@ import triton
 from kernels.jit.compact import expand_groups_kernel, group_block_sums_kernel
 from kernels.launch import dependent_launch
 from kernels.selection import Fixed, Selection
+from kernels.tables import batch_tables
 
 BLOCK_G = 256  # groups (clusters) per program of the standalone expansion
 # Write tiles of the expansion: a step writes SUB_G groups x BLOCK_K positions, up to the longest of its SUB_G groups.
@@ -79,6 +84,55 @@ def expand_block_sums(keep: torch.Tensor, starts: torch.Tensor, block_sums: torc
     group_block_sums_kernel or by the lookup's score pass). keep, starts, total, tail: as expand_groups;
     block_sums: [rows, cdiv(G, block_g)] int64; sub, block_k: write tiles (tuning). Returns the same Selection as
     expand_groups."""
+    selection, expansion = plan_expansion(keep, starts, block_sums, block_g, total, tail, fixed=fixed, sub=sub,
+                                          block_k=block_k)
+    if expansion is not None:
+        launch_expansions([expansion])
+    return selection
+
+
+@dataclass(frozen=True)
+class Expansion:
+    """An expansion planned (plan_expansion), its outputs allocated: what launch_expansions launches. The tensors
+    as the kernel reads them; fixed_args: (lists, on, W) or dummies."""
+
+    keep: torch.Tensor
+    starts: torch.Tensor
+    block_sums: torch.Tensor
+    indptr: torch.Tensor
+    out: torch.Tensor
+    fixed_args: tuple
+    tail: int
+    block_g: int
+    sub: int
+    block_k: int
+    has_fixed: bool
+
+    @property
+    def nb(self) -> int:
+        return self.block_sums.shape[1]
+
+    def kind(self) -> tuple:
+        """What expansions launched together share: the rows per head, the tiles, fixed lists or none."""
+        return (self.keep.device, self.keep.shape[0], self.starts.shape[0], self.block_g, self.sub, self.block_k,
+                self.has_fixed)
+
+    def params(self) -> list[int]:
+        """Row of EXPAND_PARAMS."""
+        return [self.keep.shape[1], self.nb, self.tail, self.fixed_args[2]]
+
+
+# Row b of a batched expansion's tables (kernels/jit/compact.py reads them by these positions)
+EXPAND_POINTERS = ("keep", "starts", "block_sums", "indptr", "out", "fixed", "fixed_on")
+EXPAND_PARAMS = ("G", "NB", "tail", "W")
+
+
+def plan_expansion(keep: torch.Tensor, starts: torch.Tensor, block_sums: torch.Tensor, block_g: int, total: int,
+                   tail: int = 0, *, fixed: Fixed | None = None, sub: int = SUB_G,
+                   block_k: int = BLOCK_K) -> tuple[Selection, Expansion | None]:
+    """expand_block_sums checked and planned, its Selection allocated (filled by launch_expansions; None to launch
+    where there are no rows). keep and block_sums are read at the launch: where they are written after this, pass
+    them contiguous (a copy made here would hold what they held before)."""
     _check(keep, starts, fixed)
     rows, groups = keep.shape
     nb = max(1, triton.cdiv(groups, block_g))
@@ -89,13 +143,28 @@ def expand_block_sums(keep: torch.Tensor, starts: torch.Tensor, block_sums: torc
     dev = keep.device
     indptr = (torch.zeros if rows == 0 else torch.empty)(rows + 1, dtype=torch.int64, device=dev)
     out = torch.empty(max(1, rows * num_keys), dtype=torch.int32, device=dev)
-    if rows:
-        block_nb = max(2, triton.next_power_of_2(nb))
-        expand_groups_kernel[(rows, nb)](
-            keep.contiguous(), starts.contiguous(), block_sums.contiguous(), indptr, out, groups, nb,
-            rows // starts.shape[0], tail, *(fixed.launch_args() if fixed is not None else (out, out, 0)),
-            BLOCK_G=block_g, BLOCK_K=block_k, SUB=min(sub, block_g), RCHUNK=max(1, min(triton.next_power_of_2(rows), SUM_TILE // block_nb)),
-            BLOCK_NB=block_nb, BLOCK_T=BLOCK_T, HAS_FIXED=fixed is not None, num_stages=1,  # no pipeline buffers: they would only cost occupancy
-            **dependent_launch(keep.device),
-        )
-    return Selection(indptr=indptr, indices=out, num_keys=num_keys)
+    selection = Selection(indptr=indptr, indices=out, num_keys=num_keys)
+    if not rows:
+        return selection, None
+    return selection, Expansion(keep.contiguous(), starts.contiguous(), block_sums.contiguous(), indptr, out,
+                                fixed.launch_args() if fixed is not None else (out, out, 0), int(tail), block_g,
+                                min(sub, block_g), block_k, fixed is not None)
+
+
+def launch_expansions(plans: list[Expansion], keep: list | None = None) -> None:
+    """expand_groups_kernel for expansions of one kind (Expansion.kind): one as it is, several BATCHED (their
+    tensors and values in tables; keep: as kernels.union_ops.union_attention_batch's)."""
+    e = plans[0]
+    rows = e.keep.shape[0]
+    block_nb = max(2, triton.next_power_of_2(max(p.nb for p in plans)))  # (the block sums' integer sums: any)
+    batch = {}
+    if len(plans) > 1:
+        batch = batch_tables(plans, lambda p: (p.keep, p.starts, p.block_sums, p.indptr, p.out, *p.fixed_args[:2]),
+                             Expansion.params, (EXPAND_POINTERS, EXPAND_PARAMS), e.keep.device, keep)
+    expand_groups_kernel[(rows, max(p.nb for p in plans), len(plans))](
+        e.keep, e.starts, e.block_sums, e.indptr, e.out, e.keep.shape[1], e.nb, rows // e.starts.shape[0], e.tail,
+        *e.fixed_args, BLOCK_G=e.block_g, BLOCK_K=e.block_k, SUB=e.sub,
+        RCHUNK=max(1, min(triton.next_power_of_2(rows), SUM_TILE // block_nb)), BLOCK_NB=block_nb, BLOCK_T=BLOCK_T,
+        HAS_FIXED=e.has_fixed, num_stages=1,  # no pipeline buffers: they would only cost occupancy
+        **dependent_launch(e.keep.device), **batch,
+    )

@@ -24,6 +24,7 @@ from kernels.launch import dependent_launch
 from kernels.reference import union as reference
 from kernels.reference.union import UnionCall, check_batch
 from kernels.selection import FollowRows, Selection, StepTally
+from kernels.tables import check_width, table
 
 NEW_ITEMS_EXPECTED = 1  # items a row's new tokens take in a typical step (a question and an answer: < a chunk)
 # Registers per thread of the split launch: the selection's loop alone needs 152 (D 128, 4 warps: Triton 3.6 for
@@ -242,18 +243,6 @@ def _prepare(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, ou
                  tally.elements.numel() if tally is not None else 0)
 
 
-def _table(rows: list[list[int]], device: torch.device, keep: list | None) -> torch.Tensor:
-    """[B, W] int64 on `device`: on a GPU copied from pinned host memory without a synchronisation (a CUDA graph
-    may capture the copy: its host copy then goes into `keep`, to live as long as the graph)."""
-    host = torch.tensor(rows, dtype=torch.int64)
-    if device.type != "cuda":
-        return host.to(device)
-    host = host.pin_memory()
-    if keep is not None:
-        keep.append(host)
-    return host.to(device, non_blocking=True)
-
-
 def _launch(calls: list[_Call], keep: list | None = None) -> None:
     """The split launch and the merge launch of calls of one kind (_Call.kind): one call as it is, several
     BATCHED, their tensors and values in tables."""
@@ -269,14 +258,14 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
                       ROUNDS=max(follow_ops.search_rounds(x.num_keys) for x in calls), FIT=FIT_ITEMS)
     batch = {}
     if batched:
-        batch = dict(table_ptr=_table([[t.data_ptr() for t in (x.q, x.k, x.v, x.indptr, x.indices, x.k_new, x.v_new,
+        batch = dict(table_ptr=table([[t.data_ptr() for t in (x.q, x.k, x.v, x.indptr, x.indices, x.k_new, x.v_new,
                                                                    x.q_pos, *x.follow_args, x.part_out, x.part_lse)]
                                        for x in calls], c.q.device, keep),
-                     params_ptr=_table([[x.k.stride(0), x.v.stride(0), x.k_new.stride(0), x.v_new.stride(0),
+                     params_ptr=table([[x.k.stride(0), x.v.stride(0), x.k_new.stride(0), x.v_new.stride(0),
                                          x.stride_order, x.cfg.chunk, x.k_start, x.k_new.shape[1], x.first, x.indexed,
                                          x.m_rows, x.spread, x.dense_len] for x in calls], c.q.device, keep),
                      BATCHED=True, TABLE_W=len(SPLIT_POINTERS), PARAMS_W=len(SPLIT_PARAMS))
-        _check_width(batch, SPLIT_POINTERS, SPLIT_PARAMS)
+        check_width(batch, SPLIT_POINTERS, SPLIT_PARAMS)
     union_attn_fwd_kernel[(triton.cdiv(c.num_m, c.cfg.block_m), workers, len(calls))](
         c.q, c.k, c.v, c.indptr, c.indices, c.k_new, c.v_new, c.q_pos, *c.follow_args, c.part_out, c.part_lse,
         *c.q.stride(), *c.k.stride(), *c.v.stride(), *c.k_new.stride(), *c.v_new.stride(), c.q_pos.stride(0),
@@ -287,14 +276,14 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
     if batched:
-        batch = dict(table_ptr=_table([[t.data_ptr() for t in (x.part_out, x.part_lse, x.indptr, x.q_pos, x.out, x.lse,
+        batch = dict(table_ptr=table([[t.data_ptr() for t in (x.part_out, x.part_lse, x.indptr, x.q_pos, x.out, x.lse,
                                                                    x.follow_args[2], *x.tally_args)] for x in calls],
                                       c.q.device, keep),
-                     params_ptr=_table([[x.cfg.chunk, x.k_start, x.k_new.shape[1], x.m_rows, x.n_elements, x.n_units,
+                     params_ptr=table([[x.cfg.chunk, x.k_start, x.k_new.shape[1], x.m_rows, x.n_elements, x.n_units,
                                          x.stride_scores, x.stride_best, x.spread, x.dense_len, x.out.stride(0),
                                          x.out.stride(1)] for x in calls], c.q.device, keep),
                      BATCHED=True, TABLE_W=len(MERGE_POINTERS), PARAMS_W=len(MERGE_PARAMS))
-        _check_width(batch, MERGE_POINTERS, MERGE_PARAMS)
+        check_width(batch, MERGE_POINTERS, MERGE_PARAMS)
     union_merge_kernel[(triton.cdiv(c.num_m, c.merge_block_m), c.rows * len(calls), d // block_d)](
         c.part_out, c.part_lse, c.indptr, c.q_pos, c.out, c.lse, c.follow_args[2], *c.tally_args,
         c.rows, hq // c.rows, lq, c.cfg.chunk, c.k_start, c.k_new.shape[1], c.q_pos.stride(0), c.out.stride(0),
@@ -304,13 +293,6 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
         dense_len=c.dense_len, FIT=FIT_ITEMS, BLOCK_N=c.cfg.block_n, num_warps=sparse_ops.MERGE_WARPS,
         **dependent_launch(c.q.device), **batch,
     )
-
-
-def _check_width(batch: dict, pointers: tuple[str, ...], params: tuple[str, ...]) -> None:
-    """A launch's tables hold a row of its pointers' and its values' names (the kernel reads them by position)."""
-    if batch["table_ptr"].shape[1] != len(pointers) or batch["params_ptr"].shape[1] != len(params):
-        raise AssertionError(f"tables of {batch['table_ptr'].shape[1]} pointers and {batch['params_ptr'].shape[1]} "
-                             f"values, the kernel reads {len(pointers)} and {len(params)}")
 
 
 def _tally_args(tally: StepTally | None, selection: Selection | None,

@@ -16,6 +16,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from engine.attention.cache import FixedContextCache, FixedContextLayer
 from engine.attention.follow import Follow, layout_order
+from engine.attention.later import LaterLookups
 from engine.attention.method import Lookup, Method, StepPlan
 from engine.attention.stats import TurnRecorder
 from kernels.backend import Backend
@@ -106,7 +107,9 @@ class BatchStep:
     decode token are short, latency-bound launches that leave most of a GPU idle; several sequences' fill it.
     shared: at a global layer, the sequences' attentions over what their lookups selected go to the union kernels
     together, after every lookup (the backend's union_attention_batch: on a GPU one split and one merge launch for
-    those of one kind, each sequence's tensors read from a table); else each right after its own lookup.
+    those of one kind, each sequence's tensors read from a table); else each right after its own lookup. The lookups
+    of methods that allow it (Method.batched_lookup) are planned and then launched together as well
+    (engine.attention.later: one launch of each lookup kernel for those of one kind).
     keep: where such a launch leaves the host copies of its tables, to live as long as a CUDA graph that captured
     their upload (engine.model.batch_graph); None: an eager step's, freed once copied."""
 
@@ -118,14 +121,25 @@ class BatchStep:
 
 @dataclass
 class _Pending:
-    """A sequence's attention at a global layer whose lookup ran and whose union kernels wait for the batch's
-    (BatchStep.shared)."""
+    """A sequence's attention at a global layer whose lookup ran, or was planned (engine.attention.later), and
+    whose union kernels wait for the batch's (BatchStep.shared)."""
 
     step: StepContext
-    layer_idx: int
+    layer: FixedContextLayer
     lookup: Lookup
-    tally: StepTally | None
-    call: UnionCall
+    q: torch.Tensor  # [Hq, Lq, D]
+    q_pos: torch.Tensor  # [Lq]
+    scale: float
+    k_new: torch.Tensor  # [Hkv, n, D]
+    v_new: torch.Tensor
+    out: torch.Tensor  # [Hq, Lq, D]
+    rows: FollowRows | None
+
+    def call(self, tally: StepTally | None) -> UnionCall:
+        """Its union_attention arguments, the step's statistics added by the union's merge (tally)."""
+        layer, selection = self.layer, self.lookup.selection
+        return UnionCall(self.q, layer.fixed_keys, layer.fixed_values, selection, self.scale, self.k_new, self.v_new,
+                         self.q_pos, layer.fixed_len, self.rows if selection is not None else None, self.out, tally)
 
 
 def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext):
@@ -139,16 +153,18 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
 
 
 def _looked_up(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext,
-               k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor, defer: bool = False) -> _Pending | None:
+               k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor,
+               later: dict[str, LaterLookups] | None = None) -> _Pending | None:
     """A global layer's attention with a method: one lookup for the call's tokens (or, with
     StepContext.token_lookups, one per token of a prefill), then the union kernel, written into out [Hq, Lq, D];
-    with `defer`, a single lookup's union kernels are left to the caller (returned)."""
+    given `later` (a batched step's: a backend's name -> its LaterLookups), a single lookup's union kernels are left
+    to the caller (returned), and a Method.batched_lookup's lookup kernels are planned into later's too."""
     method, lq = step.method, q.shape[1]
     index = layer.indexes.get(method.name)
     if index is None and method.sparse:
         raise RuntimeError(f"layer {layer.layer_idx} has no {method.name} index: build the method for this context")
     if not (step.token_lookups and method.sparse and lq > 1):
-        return _union(layer, index, q, q_pos, scale, step, k_new, v_new, out, defer)
+        return _union(layer, index, q, q_pos, scale, step, k_new, v_new, out, later)
     if step.recorder is not None:
         step.recorder.lookups_per_step(lq)
     for t in range(lq):
@@ -156,42 +172,51 @@ def _looked_up(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, s
 
 
 def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext,
-           k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor, defer: bool = False) -> _Pending | None:
+           k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor,
+           later: dict[str, LaterLookups] | None = None) -> _Pending | None:
     """One lookup for q's Lq tokens, then their attention over the union of the keys it selected, the follow rows
-    and the new tokens their positions see (kernels/union_ops.py), written into out [Hq, Lq, D]; with `defer`
-    the attention is returned, to run with the batch's (_union_together)."""
+    and the new tokens their positions see (kernels/union_ops.py), written into out [Hq, Lq, D]; given `later` the
+    attention is returned, to run with the batch's (_union_together), and a Method.batched_lookup's lookup is
+    planned there as well (engine.attention.later)."""
     method, recorder = step.method, step.recorder
     timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
     follow, rows = step.follow, None
     if method.sparse and follow is not None and follow.positions.numel():
         rows = FollowRows(follow.positions.to(q.device), follow.fixed_rows.sink, follow.fixed_rows.indexed,
                           layout_order(method, index))
+    backend = step.backend
+    if later is not None and method.batched_lookup:
+        backend = later.setdefault(backend.name, LaterLookups(backend.name))
     with timed("lookup"):
-        lookup = method.lookup(q, index, step.plan, scale, step.backend, q_pos, step.valid, rows)
+        lookup = method.lookup(q, index, step.plan, scale, backend, q_pos, step.valid, rows)
+    pending = _Pending(step, layer, lookup, q, q_pos, scale, k_new, v_new, out, rows)
+    if later is not None:
+        return pending
     tally = recorder.tally(layer.layer_idx, lookup) if recorder is not None else None
-    call = UnionCall(q, layer.fixed_keys, layer.fixed_values, lookup.selection, scale, k_new, v_new, q_pos,
-                     layer.fixed_len, rows if lookup.selection is not None else None, out, tally)  # the step's
-    # statistics added by the union's merge
-    if defer:
-        return _Pending(step, layer.layer_idx, lookup, tally, call)
     with timed("attention"):
-        _, _, fresh = step.backend.kernel("union").union_attention(*call.args())
+        _, _, fresh = step.backend.kernel("union").union_attention(*pending.call(tally).args())
     if recorder is not None:
         recorder.record(layer.layer_idx, lookup, step.backend, fresh, tallied=tally)
     return None
 
 
-def _union_together(pending: list[_Pending], keep: list | None) -> None:
-    """The batch's deferred attentions at one layer through their backends' union_attention_batch, each sequence's
-    statistics recorded after."""
+def _union_together(pending: list[_Pending], later: dict[str, LaterLookups], keep: list | None) -> None:
+    """The batch's planned lookups, then its deferred attentions at one layer through their backends'
+    union_attention_batch, each sequence's statistics recorded after. (A recorder's tally may read a lookup's
+    scores: it is taken once the lookups ran.)"""
+    for lookups in later.values():
+        lookups.run(keep)
     backends: dict[int, list[_Pending]] = {}
     for p in pending:
         backends.setdefault(id(p.step.backend), []).append(p)
     for group in backends.values():
-        fresh = group[0].step.backend.kernel("union").union_attention_batch([p.call for p in group], keep)
-        for p, rows in zip(group, fresh):
+        tallies = [p.step.recorder.tally(p.layer.layer_idx, p.lookup) if p.step.recorder is not None else None
+                   for p in group]
+        calls = [p.call(tally) for p, tally in zip(group, tallies)]
+        fresh = group[0].step.backend.kernel("union").union_attention_batch(calls, keep)
+        for p, tally, rows in zip(group, tallies, fresh):
             if p.step.recorder is not None:
-                p.step.recorder.record(p.layer_idx, p.lookup, p.step.backend, rows, tallied=p.tally)
+                p.step.recorder.record(p.layer.layer_idx, p.lookup, p.step.backend, rows, tallied=tally)
 
 
 @torch.compiler.disable  # opaque to torch.compile'd decoder layers (engine.model.compiled): host logic, our own kernels
@@ -230,26 +255,26 @@ def squeeze_attention(
     streams = squeeze_step.streams[: batch - 1] if together else []
     if len(streams) < batch - 1 or (streams and streams[0].device != query.device):  # (a layer on another GPU than
         streams = []  # the streams': device_map="auto")
-    defer = together and squeeze_step.shared
+    later = {} if together and squeeze_step.shared else None  # a backend's name -> its planned lookups
     main = torch.cuda.current_stream(query.device) if streams else None
     for stream in streams:
         stream.wait_stream(main)  # the new tokens' K/V are in, the queries written
     pending = []
     for b, step in enumerate(steps):
         with torch.cuda.stream(streams[b - 1]) if streams and b else nullcontext():
-            pending.append(_attend(module, query[b], scale, step, out[b], defer))
+            pending.append(_attend(module, query[b], scale, step, out[b], later))
     for stream in streams:
         main.wait_stream(stream)
     pending = [p for p in pending if p is not None]
     if pending:
-        _union_together(pending, squeeze_step.keep)
+        _union_together(pending, later, squeeze_step.keep)
     return out, None
 
 
 def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepContext, out: torch.Tensor,
-            defer: bool = False) -> _Pending | None:
-    """One sequence's attention at `module`'s layer, q [Hq, Lq, D], written into out [Lq, Hq, D] (q's dtype); with
-    `defer` a global layer's union kernels are returned to run with the batch's (BatchStep.shared)."""
+            later: dict[str, LaterLookups] | None = None) -> _Pending | None:
+    """One sequence's attention at `module`'s layer, q [Hq, Lq, D], written into out [Lq, Hq, D] (q's dtype); given
+    `later` (BatchStep.shared) a global layer's union kernels are returned to run with the batch's (_looked_up)."""
     if step.positions is None:
         raise RuntimeError("StepContext.positions must hold the call's query positions")
     layer: FixedContextLayer = step.cache.layers[module.layer_idx]
@@ -260,7 +285,7 @@ def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepCo
             step.capture.take(module.layer_idx, q, q_pos)
         has_fixed = layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0
         if has_fixed and layer.sliding_window is None and step.method is not None:
-            return _looked_up(layer, q, q_pos, scale, step, k_new, v_new, out.transpose(0, 1), defer)
+            return _looked_up(layer, q, q_pos, scale, step, k_new, v_new, out.transpose(0, 1), later)
         else:
             fixed = _fixed_part(layer, q, q_pos, scale, step) if has_fixed else None
             # the new tokens' part, merged with the fixed part's straight into the layout the model reads next

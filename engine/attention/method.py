@@ -179,6 +179,10 @@ class Method(ABC):
     sparse: ClassVar[bool] = True
     follows: ClassVar[bool] = True  # its steps also read the follow rows (engine.attention.follow) when the session has them
     unit: ClassVar[str] = "cluster"  # what a lookup keeps, in the UI's words
+    # Its lookup's kernels are one cluster_select of the backend's centroid family and write nothing but what
+    # `lookup` returns: a batched step may plan them and launch them later, with other sequences'
+    # (engine.attention.later)
+    batched_lookup: ClassVar[bool] = False
     # Bumped when what the method builds or calibrates changes meaning: contexts built before rebuild its index and
     # calibration on their next question (it is part of the build key: engine.serve.service.Engine.build_key)
     revision: ClassVar[int] = 0

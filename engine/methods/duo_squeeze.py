@@ -69,6 +69,7 @@ class DuoSqueezePolicy(Method):
     name: ClassVar[str] = "duo-squeeze"
     Settings: ClassVar[type] = DuoSqueezeSettings
     requires: ClassVar[tuple[str, ...]] = ("duo", "squeeze")
+    batched_lookup: ClassVar[bool] = True  # one cluster_select
 
     def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
         """squeeze's clusters and duo's ranks, and `window` [Hkv, W + tail] int32: each head's streaming keys as places

@@ -238,6 +238,7 @@ class SqueezePolicy(Method):
 
     name: ClassVar[str] = "squeeze"
     Settings: ClassVar[type] = SqueezeSettings
+    batched_lookup: ClassVar[bool] = True  # one cluster_select
 
     def build(self, layer: LayerKeys, required: dict[str, Tensors], prepared: Tensors) -> Tensors:
         s = self.settings

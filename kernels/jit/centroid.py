@@ -10,6 +10,12 @@ kernels.reference.cluster_keep. One kernel per pass (two forms of the score pass
                                  compares it with the threshold and writes keep / score at the centroid ids.
     centroid_score_prefill_kernel  the same outputs for a dense lookup over many tokens, computed centroid-major
                                  (C q^T on the tensor cores, the query rows streamed): the prefill's score pass.
+    centroid_cut_kernel          keep at the threshold a cut at a number of keys took from the score pass's histogram.
+
+BATCHED (the denominator, score and cut kernels): the dense decode lookups of several sequences, each over a context
+of its own, in one launch; each sequence's tensors and values are read from its row of two tables (addresses, and
+int32 values or float32 bits: kernels/centroid_ops.py select_now), its programs past its own split or block counts
+return at once, and its results are those of its lone launch.
 
 Vocabulary (batch 1):
     q [Hq, Lq, D], centroids [Hkv, C, D] (q's dtype, or uint8 codes read as their values with q scaled by the KV
@@ -28,6 +34,35 @@ import triton
 import triton.language as tl
 
 from kernels.launch import release_next, wait_prior
+from kernels.tables import table_pointer
+
+
+@triton.jit
+def _int(row, i):
+    """Entry i of a BATCHED launch's params row: an int32 (as a lone launch passes the value)."""
+    return tl.load(row + i).to(tl.int32)
+
+
+@triton.jit
+def _float(row, i):
+    """Entry i of a BATCHED launch's params row: a float stored as its float32 bits."""
+    return tl.load(row + i).to(tl.int32).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _sequence(table_ptr, params_ptr, seq, q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr, part_sum_ptr, s_ptr,
+              valid_ptr, hist_ptr, TABLE_W: tl.constexpr, PARAMS_W: tl.constexpr):
+    """What both passes read of sequence `seq` of a BATCHED launch: its rows' first entries (DENOMINATOR_POINTERS
+    and DENOMINATOR_PARAMS, kernels/centroid_ops.py; SCORE_POINTERS and SCORE_PARAMS begin with them), the pointers
+    typed as those given. Returns (q, centroids, counts, step, part_max, part_sum, s cache, valid, hist, C, NSPLIT,
+    stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_s, scale2)."""
+    at = table_ptr + seq * TABLE_W
+    row = params_ptr + seq * PARAMS_W
+    return (table_pointer(at, 0, q_ptr), table_pointer(at, 1, cent_ptr), table_pointer(at, 2, counts_ptr),
+            table_pointer(at, 3, step_ptr),
+            table_pointer(at, 4, part_max_ptr), table_pointer(at, 5, part_sum_ptr), table_pointer(at, 6, s_ptr),
+            table_pointer(at, 7, valid_ptr), table_pointer(at, 8, hist_ptr), _int(row, 0), _int(row, 1), _int(row, 2),
+            _int(row, 3), _int(row, 4), _int(row, 5), _int(row, 6), _int(row, 7), _float(row, 8))
 
 
 @triton.jit
@@ -112,17 +147,24 @@ def _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_
 @triton.jit
 def _log2_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLIT: tl.constexpr):
     """log2 D = log2 sum_j N_j 2^(s2_j) per query row [BLOCK_M] from the NSPLIT base-2 partials (max, sum of
-    2^(x - max)), s2 = log2(e) * scale * q . C.
+    2^(x - max)), s2 = log2(e) * scale * q . C, read BLOCK_SPLIT at a time (the max over all of them first): a sum
+    that depends on NSPLIT and the tile only, so lookups of other split counts may share the tile (BATCHED).
 
     -inf where no cluster enters the denominator (then S = 2^(s2 + inf) = inf, as in the reference)."""
     offs = tl.arange(0, BLOCK_SPLIT)
-    mask = m_ok[:, None] & (offs < NSPLIT)[None, :]
-    ptrs = qrow[:, None] * NSPLIT + offs[None, :]
-    pmax = tl.load(part_max_ptr + ptrs, mask=mask, other=float("-inf"))  # [BLOCK_M, BLOCK_SPLIT]
-    psum = tl.load(part_sum_ptr + ptrs, mask=mask, other=0.0)
-    mx = tl.max(pmax, axis=1)
+    mx = tl.full([qrow.shape[0]], float("-inf"), tl.float32)
+    for s0 in range(0, NSPLIT, BLOCK_SPLIT):
+        mask = m_ok[:, None] & (s0 + offs < NSPLIT)[None, :]
+        pmax = tl.load(part_max_ptr + qrow[:, None] * NSPLIT + s0 + offs[None, :], mask=mask, other=float("-inf"))
+        mx = tl.maximum(mx, tl.max(pmax, axis=1))
     ref = tl.where(mx == float("-inf"), 0.0, mx)  # keeps exp2() away from -inf - -inf
-    total = tl.sum(psum * tl.exp2(pmax - ref[:, None]), axis=1)
+    total = tl.zeros([qrow.shape[0]], tl.float32)
+    for s0 in range(0, NSPLIT, BLOCK_SPLIT):
+        mask = m_ok[:, None] & (s0 + offs < NSPLIT)[None, :]
+        ptrs = qrow[:, None] * NSPLIT + s0 + offs[None, :]
+        pmax = tl.load(part_max_ptr + ptrs, mask=mask, other=float("-inf"))  # [BLOCK_M, BLOCK_SPLIT]
+        psum = tl.load(part_sum_ptr + ptrs, mask=mask, other=0.0)
+        total += tl.sum(psum * tl.exp2(pmax - ref[:, None]), axis=1)
     return tl.where(total > 0, ref + tl.log2(tl.where(total > 0, total, 1.0)), float("-inf"))
 
 
@@ -292,6 +334,11 @@ def centroid_denominator_kernel(
     CUT_BINS: tl.constexpr = 2048,
     CUT_COPIES: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # kernels/launch.py
+    table_ptr=None,  # BATCHED: [B, TABLE_W] int64 addresses (DENOMINATOR_POINTERS, kernels/centroid_ops.py)
+    params_ptr=None,  # BATCHED: [B, PARAMS_W] int64 values (DENOMINATOR_PARAMS; floats as their float32 bits)
+    BATCHED: tl.constexpr = False,
+    TABLE_W: tl.constexpr = 1,
+    PARAMS_W: tl.constexpr = 1,
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
     centroid blocks split, split + NSPLIT, ... (flash style, base 2: s2 = scale2 * q . C with scale2 = scale *
@@ -300,7 +347,11 @@ def centroid_denominator_kernel(
     end compute on zero queries and are not stored; with HAS_VALID, a block whose rows are all padding skips its
     centroids (no pass reads a padding row's partials). With AHEAD (a dense lookup without HAS_VALID) the program
     reads its first block of centroids before it waits (PDL) for the kernel that wrote the queries (an index is no
-    kernel's output in a step), so that read overlaps the kernel before."""
+    kernel's output in a step), so that read overlaps the kernel before.
+
+    BATCHED (dense decode lookups of several sequences; never with AHEAD, whose tile is the first sequence's): grid
+    (unit, query-row block, B * NSPLIT), NSPLIT the grid's splits per sequence; sequence b = split // NSPLIT reads
+    its tensors and values from row b of the tables, and its programs past its own NSPLIT return at once."""
     release_next(PDL)
     unit = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -313,6 +364,18 @@ def centroid_denominator_kernel(
     pos0 = split * BLOCK_C + tl.arange(0, BLOCK_C)
     ct0 = _centroids_ahead(cent_ptr, pos0, C, offs_d, D, stride_cc, q_ptr.dtype.element_ty, CODES16, AHEAD)
     wait_prior(PDL)
+    if BATCHED:  # (the tables are read after the wait: their upload precedes the launch)
+        seq = split // NSPLIT
+        split = split % NSPLIT
+        (q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr, part_sum_ptr, s_ptr, valid_ptr, hist_ptr, C, NSPLIT,
+         stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_s, scale2) = _sequence(
+            table_ptr, params_ptr, seq, q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr, part_sum_ptr, s_ptr,
+            valid_ptr, hist_ptr, TABLE_W, PARAMS_W)
+        if split >= NSPLIT:
+            return
+        cent_ptr += (h0 // G) * stride_ch
+        counts_ptr += (h0 // G) * stride_nh
+        step_ptr += (h0 // G) * D
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # stacked query rows of the unit
     m_ok = offs_m < GH * Lq
@@ -352,8 +415,8 @@ def centroid_denominator_kernel(
                 tl.store(keep_ptr + unit * stride_kr + offs_c, tl.zeros([BLOCK_Z], tl.uint8), mask=offs_c < C)
                 tl.store(score_ptr + unit * stride_or + offs_c, tl.zeros([BLOCK_Z], tl.float32), mask=offs_c < C)
     if ZERO_HIST:  # (no memset of its own before the lookup): BLOCK_Z entries a program, the grid's programs in turn
-        programs = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-        me = (unit * tl.num_programs(1) + pid_m) * tl.num_programs(2) + split
+        programs = tl.num_programs(0) * tl.num_programs(1) * NSPLIT  # (BATCHED: the sequence's)
+        me = (unit * tl.num_programs(1) + pid_m) * NSPLIT + split
         for z0 in range(me * BLOCK_Z, CUT_COPIES * CUT_BINS + 1, programs * BLOCK_Z):
             offs_z = z0 + tl.arange(0, BLOCK_Z)
             tl.store(hist_ptr + offs_z, tl.zeros([BLOCK_Z], tl.int32), mask=offs_z <= CUT_COPIES * CUT_BINS)
@@ -399,17 +462,44 @@ def centroid_score_kernel(
     CUT_BINS: tl.constexpr = 2048,
     CUT_COPIES: tl.constexpr = 1,
     PDL: tl.constexpr = False,  # kernels/launch.py
+    table_ptr=None,  # BATCHED: [B, TABLE_W] int64 addresses (SCORE_POINTERS, kernels/centroid_ops.py)
+    params_ptr=None,  # BATCHED: [B, PARAMS_W] int64 values (SCORE_PARAMS; floats as their float32 bits)
+    BATCHED: tl.constexpr = False,
+    TABLE_W: tl.constexpr = 1,
+    PARAMS_W: tl.constexpr = 1,
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
     sums S = exp(s - log D) over them (mean over heads and tokens) and over its heads' last tokens, and writes
     score = max(mean, last) and keep = score > threshold & count > 0 (& allowed). The max correction of the
     softmax is folded into log2 D = max + log2(sum), a scalar per query row, so S costs one subtraction and one exp2.
     threshold <= 0 (keep every cluster) is passed as -1, since S >= 0. With HAS_STARTS (dense lookups only) it also
-    sums the kept clusters' sizes per block of BLOCK_C centroids: the expansion's first step, fused here."""
+    sums the kept clusters' sizes per block of BLOCK_C centroids: the expansion's first step, fused here.
+
+    BATCHED (dense decode lookups of several sequences): grid (unit, centroid program, B), sequence b's tensors and
+    values (C, NSPLIT, NPROG, NB, strides, the keys, the threshold...) read from row b of the tables; programs past
+    its NPROG score nothing. A cut's ticket counts the programs of the sequence's slice of the grid (every one
+    takes one), its histogram and ticket are its own."""
     wait_prior(PDL)
     release_next(PDL)
     unit = tl.program_id(0)
     pid = tl.program_id(1)
+    if BATCHED:
+        (q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr, part_sum_ptr, s_ptr, valid_ptr, hist_ptr, C, NSPLIT,
+         stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_s, scale2) = _sequence(
+            table_ptr, params_ptr, tl.program_id(2), q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr,
+            part_sum_ptr, s_ptr, valid_ptr, hist_ptr, TABLE_W, PARAMS_W)
+        at = table_ptr + tl.program_id(2) * TABLE_W
+        keep_ptr = table_pointer(at, 9, keep_ptr)
+        score_ptr = table_pointer(at, 10, score_ptr)
+        starts_ptr = table_pointer(at, 11, starts_ptr)
+        block_sums_ptr = table_pointer(at, 12, block_sums_ptr)
+        on_ptr = table_pointer(at, 13, on_ptr)
+        at = params_ptr + tl.program_id(2) * PARAMS_W
+        NPROG = _int(at, 9)
+        NB = _int(at, 10)
+        stride_kr = _int(at, 11)
+        stride_or = _int(at, 12)
+        threshold = _float(at, 13)
     h0 = unit * GH
     cent_ptr += (h0 // G) * stride_ch
     counts_ptr += (h0 // G) * stride_nh
@@ -461,6 +551,17 @@ def centroid_score_kernel(
                     _counted(on_ptr, h0 // G, HIST_FIXED), stride_ar, stride_kr, stride_or, HAS_ALLOWED, HAS_STARTS,
                     HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
     if HAS_HIST:
+        if BATCHED:  # the cut's own values, read once the scores are in (not held through the loop)
+            at = table_ptr + tl.program_id(2) * TABLE_W
+            cut_ptr = table_pointer(at, 14, cut_ptr)
+            listed_ptr = table_pointer(at, 15, listed_ptr)
+            at = params_ptr + tl.program_id(2) * PARAMS_W
+            M = _int(at, 14)
+            lo = _int(at, 15)
+            hi = _int(at, 16)
+            key_base = _float(at, 17)
+            key_least = _float(at, 18)
+            per_listed = _float(at, 19)
         _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, elements_ptr,
                        tl.num_programs(0), per_read, on_ptr, HAS_LISTED, READ_KEYS, PER_HEAD, HIST_FIXED, CUT_LOW,
                        CUT_PER, CUT_BINS, CUT_COPIES)
@@ -605,15 +706,37 @@ def centroid_cut_kernel(
     HAS_STARTS: tl.constexpr = True,  # also the kept keys per block, for the expansion
     AMONG: tl.constexpr = False,  # only the clusters keep marks (the score pass's: a list's candidates) may be kept
     PDL: tl.constexpr = False,  # kernels/launch.py
+    table_ptr=None,  # BATCHED: [B, TABLE_W] int64 addresses (CUT_POINTERS, kernels/centroid_ops.py)
+    params_ptr=None,  # BATCHED: [B, PARAMS_W] int64 values (CUT_PARAMS)
+    BATCHED: tl.constexpr = False,
+    TABLE_W: tl.constexpr = 1,
+    PARAMS_W: tl.constexpr = 1,
 ):
     """A lookup cut at a number of keys, grid (row, centroid block of BLOCK_C): every program decides its block
     at the threshold the score pass wrote, as the score pass does with a threshold (keep = score > threshold and
     count > 0, its kept keys summed into block_sums with HAS_STARTS; with AMONG, among the clusters keep marks).
-    RPK: rows per KV head."""
+    RPK: rows per KV head. BATCHED: grid (row, centroid block, B), sequence b's tensors, C, NB and strides from
+    row b of the tables; its blocks past its NB return at once."""
     wait_prior(PDL)
     release_next(PDL)
     row = tl.program_id(0)
     blk = tl.program_id(1)
+    if BATCHED:
+        at = table_ptr + tl.program_id(2) * TABLE_W
+        score_ptr = table_pointer(at, 0, score_ptr)
+        counts_ptr = table_pointer(at, 1, counts_ptr)
+        cut_ptr = table_pointer(at, 2, cut_ptr)
+        keep_ptr = table_pointer(at, 3, keep_ptr)
+        starts_ptr = table_pointer(at, 4, starts_ptr)
+        block_sums_ptr = table_pointer(at, 5, block_sums_ptr)
+        at = params_ptr + tl.program_id(2) * PARAMS_W
+        C = _int(at, 0)
+        NB = _int(at, 1)
+        stride_nh = _int(at, 2)
+        stride_kr = _int(at, 3)
+        stride_or = _int(at, 4)
+        if blk >= NB:
+            return
     threshold = tl.load(cut_ptr)
     kv_head = row // RPK
     cid = blk * BLOCK_C + tl.arange(0, BLOCK_C)

@@ -7,13 +7,15 @@ Two steps over a (row, block of BLOCK_G groups) grid, both fully parallel and fr
                  block of the rows before, then the blocks before it in its row, then a scan inside the block)
                  and writes its kept groups' positions; the row's blocks write its tail (or, for a row of a head
                  marked fixed, that head's list instead of its groups and tail: DuoAttention's streaming windows)
-                 BLOCK_T positions each in turn, and its first block writes indptr.
+                 BLOCK_T positions each in turn, and its first block writes indptr; BATCHED, the expansions of
+                 several lookups in one launch (kernels.compact_ops.launch_expansions).
 """
 
 import triton
 import triton.language as tl
 
 from kernels.launch import release_next, wait_prior
+from kernels.tables import table_pointer
 
 
 @triton.jit
@@ -68,11 +70,35 @@ def expand_groups_kernel(
     BLOCK_T: tl.constexpr,  # positions of the tail (or of a fixed list) a program writes per step
     HAS_FIXED: tl.constexpr,
     PDL: tl.constexpr = False,  # kernels/launch.py
+    table_ptr=None,  # BATCHED: [B, TABLE_W] int64 addresses (EXPAND_POINTERS, kernels/compact_ops.py)
+    params_ptr=None,  # BATCHED: [B, PARAMS_W] int64 values (EXPAND_PARAMS)
+    BATCHED: tl.constexpr = False,
+    TABLE_W: tl.constexpr = 1,
+    PARAMS_W: tl.constexpr = 1,
 ):
+    """Grid (row, block of BLOCK_G groups); BATCHED: (row, block, B), the expansions of several lookups (each
+    sequence's keep, starts, block sums, outputs, fixed lists, G, NB, tail and W from row b of the tables; its
+    blocks past its NB return at once)."""
     wait_prior(PDL)
     release_next(PDL)
     r = tl.program_id(0)
     gb = tl.program_id(1)
+    if BATCHED:
+        at = table_ptr + tl.program_id(2) * TABLE_W
+        keep_ptr = table_pointer(at, 0, keep_ptr)
+        starts_ptr = table_pointer(at, 1, starts_ptr)
+        block_sums_ptr = table_pointer(at, 2, block_sums_ptr)
+        indptr_ptr = table_pointer(at, 3, indptr_ptr)
+        out_ptr = table_pointer(at, 4, out_ptr)
+        fixed_ptr = table_pointer(at, 5, fixed_ptr)
+        fixed_on_ptr = table_pointer(at, 6, fixed_on_ptr)
+        at = params_ptr + tl.program_id(2) * PARAMS_W
+        G = tl.load(at).to(tl.int32)  # (int32, as a lone launch passes them)
+        NB = tl.load(at + 1).to(tl.int32)
+        tail = tl.load(at + 2).to(tl.int32)
+        W = tl.load(at + 3).to(tl.int32)
+        if gb >= NB:
+            return
     h = r // ROWS_PER_HEAD
     rr = tl.arange(0, RCHUNK)[:, None]
     bb = tl.arange(0, BLOCK_NB)[None, :]

@@ -25,6 +25,7 @@ from kernels.jit.merge import merge_pair
 from kernels.jit.sparse import attend, bounds, item_plan, merge_items
 from kernels.jit.tally import running_max, tally_row
 from kernels.launch import release_next, wait_prior
+from kernels.tables import table_pointer
 
 
 @triton.jit
@@ -57,12 +58,6 @@ def fitted_plan(indptr_ptr, rows, chunk, spread, BLOCK_R: tl.constexpr, BLOCK_N:
         key_chunk = tl.maximum((least + BLOCK_N - 1) // BLOCK_N * BLOCK_N, chunk)
     first_item, n_items, total = item_plan(indptr_ptr, rows, key_chunk, BLOCK_R, DENSE, dense_len)
     return first_item, n_items, total, key_chunk
-
-
-@triton.jit
-def _pointer(row, i, like):
-    """Entry i of a table's row (an address) as a pointer to like's element type (BATCHED launches)."""
-    return tl.load(row + i).to(tl.pointer_type(like.dtype.element_ty))
 
 
 @triton.jit
@@ -125,19 +120,19 @@ def union_attn_fwd_kernel(
     release_next(PDL)
     if BATCHED:  # this program's sequence (SPLIT_POINTERS, SPLIT_PARAMS in kernels/union_ops.py)
         at = table_ptr + tl.program_id(2) * TABLE_W
-        q_ptr = _pointer(at, 0, q_ptr)
-        k_ptr = _pointer(at, 1, k_ptr)
-        v_ptr = _pointer(at, 2, v_ptr)
-        indptr_ptr = _pointer(at, 3, indptr_ptr)
-        indices_ptr = _pointer(at, 4, indices_ptr)
-        kn_ptr = _pointer(at, 5, kn_ptr)
-        vn_ptr = _pointer(at, 6, vn_ptr)
-        q_pos_ptr = _pointer(at, 7, q_pos_ptr)
-        pos_ptr = _pointer(at, 8, pos_ptr)
-        order_ptr = _pointer(at, 9, order_ptr)
-        fresh_ptr = _pointer(at, 10, fresh_ptr)
-        part_out_ptr = _pointer(at, 11, part_out_ptr)
-        part_lse_ptr = _pointer(at, 12, part_lse_ptr)
+        q_ptr = table_pointer(at, 0, q_ptr)
+        k_ptr = table_pointer(at, 1, k_ptr)
+        v_ptr = table_pointer(at, 2, v_ptr)
+        indptr_ptr = table_pointer(at, 3, indptr_ptr)
+        indices_ptr = table_pointer(at, 4, indices_ptr)
+        kn_ptr = table_pointer(at, 5, kn_ptr)
+        vn_ptr = table_pointer(at, 6, vn_ptr)
+        q_pos_ptr = table_pointer(at, 7, q_pos_ptr)
+        pos_ptr = table_pointer(at, 8, pos_ptr)
+        order_ptr = table_pointer(at, 9, order_ptr)
+        fresh_ptr = table_pointer(at, 10, fresh_ptr)
+        part_out_ptr = table_pointer(at, 11, part_out_ptr)
+        part_lse_ptr = table_pointer(at, 12, part_lse_ptr)
         at = params_ptr + tl.program_id(2) * PARAMS_W
         stride_kh = tl.load(at)
         stride_vh = tl.load(at + 1)
@@ -252,18 +247,18 @@ def union_merge_kernel(
         seq = row // rows
         row = row - seq * rows
         at = table_ptr + seq * TABLE_W
-        part_out_ptr = _pointer(at, 0, part_out_ptr)
-        part_lse_ptr = _pointer(at, 1, part_lse_ptr)
-        indptr_ptr = _pointer(at, 2, indptr_ptr)
-        q_pos_ptr = _pointer(at, 3, q_pos_ptr)
-        out_ptr = _pointer(at, 4, out_ptr)
-        lse_ptr = _pointer(at, 5, lse_ptr)
-        fresh_ptr = _pointer(at, 6, fresh_ptr)
-        kept_ptr = _pointer(at, 7, kept_ptr)
-        read_ptr = _pointer(at, 8, read_ptr)
-        elements_ptr = _pointer(at, 9, elements_ptr)
-        scores_ptr = _pointer(at, 10, scores_ptr)
-        best_ptr = _pointer(at, 11, best_ptr)
+        part_out_ptr = table_pointer(at, 0, part_out_ptr)
+        part_lse_ptr = table_pointer(at, 1, part_lse_ptr)
+        indptr_ptr = table_pointer(at, 2, indptr_ptr)
+        q_pos_ptr = table_pointer(at, 3, q_pos_ptr)
+        out_ptr = table_pointer(at, 4, out_ptr)
+        lse_ptr = table_pointer(at, 5, lse_ptr)
+        fresh_ptr = table_pointer(at, 6, fresh_ptr)
+        kept_ptr = table_pointer(at, 7, kept_ptr)
+        read_ptr = table_pointer(at, 8, read_ptr)
+        elements_ptr = table_pointer(at, 9, elements_ptr)
+        scores_ptr = table_pointer(at, 10, scores_ptr)
+        best_ptr = table_pointer(at, 11, best_ptr)
         at = params_ptr + seq * PARAMS_W
         chunk = tl.load(at)
         k_start = tl.load(at + 1)

@@ -3,6 +3,8 @@ per row and compared with a threshold."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.reference._common import CODES, NEG_INF, _grouped, _ungrouped, dequantize, token_mean_and_last
@@ -259,3 +261,44 @@ def cluster_select(
         keep = _kept_at(keep, score, counts * counted[:, None],
                         KeyCount.of(keys).value(device=score.device, heads=counted.sum()))
     return keep, score, expand_groups(keep, starts, total, tail, fixed=fixed)
+
+
+@dataclass(frozen=True)
+class SelectCall:
+    """One lookup's cluster_select arguments (same names, order and meaning), for a lookup planned now and run later
+    with other sequences' (select_later, select_now)."""
+
+    q: torch.Tensor
+    centroids: torch.Tensor
+    counts: torch.Tensor
+    scale: float
+    threshold: float
+    rows: int
+    starts: torch.Tensor
+    total: int
+    tail: int = 0
+    fixed: Fixed | None = None
+    step: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    keys: KeyCount | float | None = None
+
+    def args(self) -> tuple:
+        """cluster_select's positional arguments, in its order."""
+        return (self.q, self.centroids, self.counts, self.scale, self.threshold, self.rows, self.starts, self.total,
+                self.tail)
+
+    def kwargs(self) -> dict:
+        """cluster_select's keyword arguments."""
+        return dict(fixed=self.fixed, step=self.step, valid=self.valid, keys=self.keys)
+
+
+def select_later(call: SelectCall, pending: list) -> tuple[torch.Tensor, torch.Tensor, Selection]:
+    """cluster_select's results for `call`, whose kernels may run later (select_now) together with other lookups'
+    planned into the same `pending` list: here computed at once (nothing is appended)."""
+    return cluster_select(*call.args(), **call.kwargs())
+
+
+def select_now(pending: list, keep: list | None = None) -> None:
+    """Run the lookups select_later planned into `pending` and empty it: here there are none (keep: the GPU
+    kernels', kernels/centroid_ops.py)."""
+    pending.clear()

@@ -1,0 +1,56 @@
+"""The tables of a BATCHED launch: one launch of a kernel for several sequences, each over tensors of its own.
+
+Row b of a launch's pointer table holds sequence b's tensors' addresses, row b of its value table its values (sizes,
+strides, counts), each in the order of the kernel's names for them; the kernel finds its sequence's row from its
+grid and reads entry i of it (`table_pointer` turns an address back into a typed pointer). The tables are uploaded
+from pinned host memory without a synchronisation, so that a CUDA graph may capture the upload: their host copies
+must then live as long as the graph (`keep`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+INT32 = (-(2**31), 2**31 - 1)
+
+
+def table(rows: list[list[int]], device: torch.device, keep: list | None) -> torch.Tensor:
+    """[B, W] int64 on `device`: on a GPU copied from pinned host memory without a synchronisation (a CUDA graph
+    may capture the copy: its host copy then goes into `keep`, to live as long as the graph)."""
+    host = torch.tensor(rows, dtype=torch.int64)
+    if device.type != "cuda":
+        return host.to(device)
+    host = host.pin_memory()
+    if keep is not None:
+        keep.append(host)
+    return host.to(device, non_blocking=True)
+
+
+def check_width(batch: dict, pointers: tuple[str, ...], params: tuple[str, ...]) -> None:
+    """A launch's tables hold a row of its pointers' and its values' names (the kernel reads them by position)."""
+    if batch["table_ptr"].shape[1] != len(pointers) or batch["params_ptr"].shape[1] != len(params):
+        raise AssertionError(f"tables of {batch['table_ptr'].shape[1]} pointers and {batch['params_ptr'].shape[1]} "
+                             f"values, the kernel reads {len(pointers)} and {len(params)}")
+
+
+def batch_tables(calls: list, pointers, params, names: tuple[tuple[str, ...], tuple[str, ...]],
+                 device: torch.device, keep: list | None) -> dict:
+    """The options of a BATCHED launch of `calls`: tables of their tensors' addresses (pointers(call): the tensors,
+    in the order of names[0]) and of their values (params(call): ints, in the order of names[1], each read by the
+    kernel as an int32, as a lone launch passes it), a row per call (keep gets their host copies: `table`)."""
+    values = [params(c) for c in calls]
+    if any(not INT32[0] <= v <= INT32[1] for row in values for v in row):
+        raise ValueError(f"a batched launch's values are int32s: {values}")
+    batch = dict(table_ptr=table([[t.data_ptr() for t in pointers(c)] for c in calls], device, keep),
+                 params_ptr=table(values, device, keep),
+                 BATCHED=True, TABLE_W=len(names[0]), PARAMS_W=len(names[1]))
+    check_width(batch, *names)
+    return batch
+
+
+@triton.jit
+def table_pointer(row, i, like):
+    """Entry i of a table's row (an address) as a pointer to like's element type (BATCHED launches)."""
+    return tl.load(row + i).to(tl.pointer_type(like.dtype.element_ty))
