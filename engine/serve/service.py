@@ -271,22 +271,25 @@ class Engine:
         ctx = self.store.contexts.context_for(doc_id, self.model_id, settings.as_dict())
         if job is not None:
             self.store.jobs.update(job, context_id=ctx["id"])
-        if ctx["status"] == "running":
-            ctx = self._after_other_ingest(ctx, report)
-        if ctx["status"] == "ready" and self._files_in_place(ctx["id"]):
-            self.ensure_methods(ctx["id"], methods, tracked, overrides)
-            return IngestReport(doc_id, ctx["id"], ctx["tokens"], doc.pages, time.perf_counter() - start, cached=True)
-        if ctx["status"] != "running":  # (a running one is another ingest's, writing its files now)
-            with self._device_lock:  # a failed or damaged build's files, and any session over them: rebuilt below
-                self._sessions.pop(ctx["id"], None)
-                self._open_bytes.pop(ctx["id"], None)
-                self.store.artifacts.clear(ctx["id"])
         own = job is None
-        if own:
-            job = self.store.jobs.create(doc_id, doc.name, self.model_id, settings.as_dict(), methods=methods,
-                                         truncate=truncate, context_id=ctx["id"])
-            self.store.jobs.start(job)
-        self.store.contexts.set_status(ctx["id"], "running")
+        while True:
+            if ctx["status"] == "running":
+                ctx = self._after_other_ingest(ctx, report)
+            if ctx["status"] == "ready" and self._files_in_place(ctx["id"]):
+                self.ensure_methods(ctx["id"], methods, tracked, overrides)
+                return IngestReport(doc_id, ctx["id"], ctx["tokens"], doc.pages, time.perf_counter() - start,
+                                    cached=True)
+            claimed = self._claim(ctx["id"], job, lambda: self.store.jobs.create(
+                doc_id, doc.name, self.model_id, settings.as_dict(), methods=methods, truncate=truncate,
+                context_id=ctx["id"]))
+            if claimed is not None:
+                job = claimed
+                break
+            ctx = self.store.contexts.get(ctx["id"])  # another process claimed it first: wait for its build
+        with self._device_lock:  # a failed or damaged build's files, and any session over them: rebuilt below
+            self._sessions.pop(ctx["id"], None)
+            self._open_bytes.pop(ctx["id"], None)
+            self.store.artifacts.clear(ctx["id"])
         try:
             tracked("tokenizing", 0, 1)
             lm = self.lm
@@ -315,6 +318,20 @@ class Engine:
             raise
         return IngestReport(doc_id, ctx["id"], out.tokens, doc.pages, time.perf_counter() - start, cached=False,
                             truncated=fixed.truncated)
+
+    def _claim(self, context_id: str, job: int | None, new_job: Callable[[], int]) -> int | None:
+        """Mark the context "running" for this process's build, its job (`job`, or new_job()'s) running here, in
+        one transaction (one writer at a time, across processes): unless another live process builds it now (its
+        claim came first). Returns the job, or None where another process builds it."""
+        with self.store.database.transaction():
+            if self.store.contexts.get(context_id)["status"] == "running" and \
+                    self.store.jobs.building_elsewhere(context_id) is not None:
+                return None
+            if job is None:
+                job = new_job()
+                self.store.jobs.start(job)
+            self.store.contexts.set_status(context_id, "running")
+        return job
 
     def _after_other_ingest(self, ctx: dict, progress: Progress) -> dict:
         """A context that another process is building now: wait for that ingest (telling its stage every

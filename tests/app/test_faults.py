@@ -299,6 +299,39 @@ def test_an_ingest_of_a_document_another_process_is_preparing_waits_for_it(tiny_
         other.kill()
 
 
+def test_an_ingest_claims_a_context_only_where_no_other_live_process_builds_it(tiny_lm, tmp_path):
+    """The claim that makes an ingest the context's builder (its status "running" and its job started here, in one
+    transaction) is refused where another live process's claim came first, whatever the ingest read before; a
+    context nobody builds is claimed. So two ingests that both read the context before either claimed it do not
+    both build it."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "ferry.txt"
+    path.write_text(DOC)
+    engine = Engine(tmp_path / "cache", lm=tiny_lm)
+    first = engine.ingest(path)
+    store = engine.store
+    store.contexts.set_status(first.context_id, "failed", error="damaged")  # what both ingests read
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # "another process"
+    try:
+        job = store.jobs.create(first.doc_id, "ferry.txt", engine.model_id, {}, context_id=first.context_id)
+        assert engine._claim(first.context_id, None, lambda: job) == job  # the first claim
+        assert store.contexts.get(first.context_id)["status"] == "running"
+        assert store.jobs.get(job)["status"] == "running"
+        with store.database.transaction() as db:  # as if that claim had been another process's
+            db.table("jobs").update(job, {"pid": other.pid})
+        made = []
+        assert engine._claim(first.context_id, None, lambda: made.append(1) or 0) is None  # the second: refused
+        assert made == []  # (no job of its own left behind)
+        other.kill()
+        other.wait()
+        second = store.jobs.create(first.doc_id, "ferry.txt", engine.model_id, {}, context_id=first.context_id)
+        assert engine._claim(first.context_id, None, lambda: second) == second  # its builder died: claimed
+    finally:
+        other.kill()
+
+
 def test_files_a_killed_ingest_left_are_swept_when_an_engine_opens(tiny_lm, tmp_path):
     """Blob files no row points to (a killed ingest's) are deleted when an engine opens the cache, unless written in
     the last hour (another process may be saving them); indexed files stay."""
