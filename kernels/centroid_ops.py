@@ -461,7 +461,8 @@ def _run_passes(calls: list[_Passes], hold: list | None = None) -> None:
         **dependent_launch(q.device),
     )
     batch = batch_tables(calls, _Passes.denominator_pointers, _Passes.denominator_params,
-                         (DENOMINATOR_POINTERS, DENOMINATOR_PARAMS), q.device, hold) if batched else {}
+                         (DENOMINATOR_POINTERS, DENOMINATOR_PARAMS), q.device, hold,
+                         hinted=lambda x: x.strides[:4]) if batched else {}
     centroid_denominator_kernel[(p.units, p.m_blocks, nsplit * len(calls))](
         *p.inputs, p.part_max, p.part_sum, p.s_cache, p._valid_arg, p.keep, p.score, p._hist,
         p.scale2, lq, p.c, p.capacity, g, gh, hpr, nsplit, *p.strides, p.keep.stride(0), p.score.stride(0),
@@ -488,7 +489,8 @@ def _run_passes(calls: list[_Passes], hold: list | None = None) -> None:
         return
     out_elements, read_base, read_per = p.elements if p.elements is not None else (p.score, 0.0, 0.0)  # dummy
     batch = batch_tables(calls, _Passes.score_pointers, _Passes.score_params, (SCORE_POINTERS, SCORE_PARAMS),
-                         q.device, hold) if batched else {}
+                         q.device, hold,
+                         hinted=lambda x: x.strides[:4]) if batched else {}
     centroid_score_kernel[(p.units, max(x.score_blocks for x in calls), len(calls))](
         *p.inputs, p.part_max, p.part_sum, p.s_cache, p.keep, p.score, starts, block_sums, p._valid_arg,
         out_elements, *p.cut_ptrs, p.scale2, p.threshold, lq, p.c, p.capacity, g, gh, hpr, p.nsplit,

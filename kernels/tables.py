@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 INT32 = (-(2**31), 2**31 - 1)
+ALIGN = 16  # bytes of an address, elements of a stride (the divisibility Triton specialises a launch on)
 
 
 def table(rows: list[list[int]], device: torch.device, keep: list | None) -> torch.Tensor:
@@ -36,21 +37,43 @@ def check_width(batch: dict, pointers: tuple[str, ...], params: tuple[str, ...])
 
 
 def batch_tables(calls: list, pointers, params, names: tuple[tuple[str, ...], tuple[str, ...]],
-                 device: torch.device, keep: list | None) -> dict:
+                 device: torch.device, keep: list | None, hinted=lambda call: ()) -> dict:
     """The options of a BATCHED launch of `calls`: tables of their tensors' addresses (pointers(call): the tensors,
     in the order of names[0]) and of their values (params(call): ints, in the order of names[1], each read by the
-    kernel as an int32, as a lone launch passes it), a row per call (keep gets their host copies: `table`)."""
+    kernel as an int32, as a lone launch passes it), a row per call (keep gets their host copies: `table`), and
+    ALIGNED: whether every address and the strides hinted(call) the kernel takes as multiples of 16 are (`aligned`)."""
     values = [params(c) for c in calls]
     if any(not INT32[0] <= v <= INT32[1] for row in values for v in row):
         raise ValueError(f"a batched launch's values are int32s: {values}")
     batch = dict(table_ptr=table([[t.data_ptr() for t in pointers(c)] for c in calls], device, keep),
                  params_ptr=table(values, device, keep),
-                 BATCHED=True, TABLE_W=len(names[0]), PARAMS_W=len(names[1]))
+                 BATCHED=True, TABLE_W=len(names[0]), PARAMS_W=len(names[1]),
+                 ALIGNED=all(aligned(pointers(c), hinted(c)) for c in calls))
     check_width(batch, *names)
     return batch
 
 
+def aligned(tensors, values=()) -> bool:
+    """Whether every tensor's address is a multiple of ALIGN bytes and every value (a stride in elements) a multiple
+    of ALIGN: what a lone launch's arguments are specialised on, and what a BATCHED kernel may then assume of its
+    tables' entries (`table_pointer`, `table_stride`): without it its loads of a tile are not vectorised."""
+    return all(t.data_ptr() % ALIGN == 0 for t in tensors) and all(int(v) % ALIGN == 0 for v in values)
+
+
 @triton.jit
-def table_pointer(row, i, like):
-    """Entry i of a table's row (an address) as a pointer to like's element type (BATCHED launches)."""
-    return tl.load(row + i).to(tl.pointer_type(like.dtype.element_ty))
+def table_pointer(row, i, like, ALIGNED: tl.constexpr = False):
+    """Entry i of a table's row (an address) as a pointer to like's element type (BATCHED launches); ALIGNED: the
+    address is a multiple of 16 bytes (`aligned`)."""
+    pointer = tl.load(row + i).to(tl.pointer_type(like.dtype.element_ty))
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
+def table_stride(row, i, ALIGNED: tl.constexpr = False):
+    """Entry i of a table's row, a stride in elements; ALIGNED: a multiple of 16 (`aligned`)."""
+    stride = tl.load(row + i)
+    if ALIGNED:
+        stride = tl.multiple_of(stride, 16)
+    return stride

@@ -24,7 +24,7 @@ from kernels.launch import dependent_launch
 from kernels.reference import union as reference
 from kernels.reference.union import UnionCall, check_batch
 from kernels.selection import FollowRows, Selection, StepTally
-from kernels.tables import check_width, table
+from kernels.tables import aligned, check_width, table
 
 NEW_ITEMS_EXPECTED = 1  # items a row's new tokens take in a typical step (a question and an answer: < a chunk)
 # Registers per thread of the split launch: the selection's loop alone needs 152 (D 128, 4 warps: Triton 3.6 for
@@ -258,13 +258,15 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
                       ROUNDS=max(follow_ops.search_rounds(x.num_keys) for x in calls), FIT=FIT_ITEMS)
     batch = {}
     if batched:
-        batch = dict(table_ptr=table([[t.data_ptr() for t in (x.q, x.k, x.v, x.indptr, x.indices, x.k_new, x.v_new,
-                                                                   x.q_pos, *x.follow_args, x.part_out, x.part_lse)]
-                                       for x in calls], c.q.device, keep),
-                     params_ptr=table([[x.k.stride(0), x.v.stride(0), x.k_new.stride(0), x.v_new.stride(0),
-                                         x.stride_order, x.cfg.chunk, x.k_start, x.k_new.shape[1], x.first, x.indexed,
-                                         x.m_rows, x.spread, x.dense_len] for x in calls], c.q.device, keep),
-                     BATCHED=True, TABLE_W=len(SPLIT_POINTERS), PARAMS_W=len(SPLIT_PARAMS))
+        pointers = [(x.q, x.k, x.v, x.indptr, x.indices, x.k_new, x.v_new, x.q_pos, *x.follow_args, x.part_out,
+                     x.part_lse) for x in calls]
+        strides = [(x.k.stride(0), x.v.stride(0), x.k_new.stride(0), x.v_new.stride(0)) for x in calls]
+        batch = dict(table_ptr=table([[t.data_ptr() for t in row] for row in pointers], c.q.device, keep),
+                     params_ptr=table([[*head_strides, x.stride_order, x.cfg.chunk, x.k_start, x.k_new.shape[1],
+                                         x.first, x.indexed, x.m_rows, x.spread, x.dense_len]
+                                        for x, head_strides in zip(calls, strides)], c.q.device, keep),
+                     BATCHED=True, TABLE_W=len(SPLIT_POINTERS), PARAMS_W=len(SPLIT_PARAMS),
+                     ALIGNED=all(aligned(t, v) for t, v in zip(pointers, strides)))
         check_width(batch, SPLIT_POINTERS, SPLIT_PARAMS)
     union_attn_fwd_kernel[(triton.cdiv(c.num_m, c.cfg.block_m), workers, len(calls))](
         c.q, c.k, c.v, c.indptr, c.indices, c.k_new, c.v_new, c.q_pos, *c.follow_args, c.part_out, c.part_lse,
@@ -276,13 +278,14 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
     if batched:
-        batch = dict(table_ptr=table([[t.data_ptr() for t in (x.part_out, x.part_lse, x.indptr, x.q_pos, x.out, x.lse,
-                                                                   x.follow_args[2], *x.tally_args)] for x in calls],
-                                      c.q.device, keep),
+        pointers = [(x.part_out, x.part_lse, x.indptr, x.q_pos, x.out, x.lse, x.follow_args[2], *x.tally_args)
+                    for x in calls]
+        batch = dict(table_ptr=table([[t.data_ptr() for t in row] for row in pointers], c.q.device, keep),
                      params_ptr=table([[x.cfg.chunk, x.k_start, x.k_new.shape[1], x.m_rows, x.n_elements, x.n_units,
                                          x.stride_scores, x.stride_best, x.spread, x.dense_len, x.out.stride(0),
                                          x.out.stride(1)] for x in calls], c.q.device, keep),
-                     BATCHED=True, TABLE_W=len(MERGE_POINTERS), PARAMS_W=len(MERGE_PARAMS))
+                     BATCHED=True, TABLE_W=len(MERGE_POINTERS), PARAMS_W=len(MERGE_PARAMS),
+                     ALIGNED=all(aligned(t, x.out.stride()[:2]) for t, x in zip(pointers, calls)))
         check_width(batch, MERGE_POINTERS, MERGE_PARAMS)
     union_merge_kernel[(triton.cdiv(c.num_m, c.merge_block_m), c.rows * len(calls), d // block_d)](
         c.part_out, c.part_lse, c.indptr, c.q_pos, c.out, c.lse, c.follow_args[2], *c.tally_args,

@@ -44,6 +44,15 @@ def _int(row, i):
 
 
 @triton.jit
+def _stride(row, i, ALIGNED: tl.constexpr):
+    """Entry i of a BATCHED launch's params row, a stride (int32); ALIGNED: a multiple of 16 (tables.aligned)."""
+    stride = _int(row, i)
+    if ALIGNED:
+        stride = tl.multiple_of(stride, 16)
+    return stride
+
+
+@triton.jit
 def _float(row, i):
     """Entry i of a BATCHED launch's params row: a float stored as its float32 bits."""
     return tl.load(row + i).to(tl.int32).to(tl.float32, bitcast=True)
@@ -51,18 +60,20 @@ def _float(row, i):
 
 @triton.jit
 def _sequence(table_ptr, params_ptr, seq, q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr, part_sum_ptr, s_ptr,
-              valid_ptr, hist_ptr, TABLE_W: tl.constexpr, PARAMS_W: tl.constexpr):
+              valid_ptr, hist_ptr, TABLE_W: tl.constexpr, PARAMS_W: tl.constexpr, ALIGNED: tl.constexpr = False):
     """What both passes read of sequence `seq` of a BATCHED launch: its rows' first entries (DENOMINATOR_POINTERS
     and DENOMINATOR_PARAMS, kernels/centroid_ops.py; SCORE_POINTERS and SCORE_PARAMS begin with them), the pointers
     typed as those given. Returns (q, centroids, counts, step, part_max, part_sum, s cache, valid, hist, C, NSPLIT,
     stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_s, scale2)."""
     at = table_ptr + seq * TABLE_W
     row = params_ptr + seq * PARAMS_W
-    return (table_pointer(at, 0, q_ptr), table_pointer(at, 1, cent_ptr), table_pointer(at, 2, counts_ptr),
-            table_pointer(at, 3, step_ptr),
-            table_pointer(at, 4, part_max_ptr), table_pointer(at, 5, part_sum_ptr), table_pointer(at, 6, s_ptr),
-            table_pointer(at, 7, valid_ptr), table_pointer(at, 8, hist_ptr), _int(row, 0), _int(row, 1), _int(row, 2),
-            _int(row, 3), _int(row, 4), _int(row, 5), _int(row, 6), _int(row, 7), _float(row, 8))
+    return (table_pointer(at, 0, q_ptr, ALIGNED), table_pointer(at, 1, cent_ptr, ALIGNED),
+            table_pointer(at, 2, counts_ptr, ALIGNED), table_pointer(at, 3, step_ptr, ALIGNED),
+            table_pointer(at, 4, part_max_ptr, ALIGNED), table_pointer(at, 5, part_sum_ptr, ALIGNED),
+            table_pointer(at, 6, s_ptr, ALIGNED),
+            table_pointer(at, 7, valid_ptr, ALIGNED), table_pointer(at, 8, hist_ptr, ALIGNED), _int(row, 0),
+            _int(row, 1), _stride(row, 2, ALIGNED), _stride(row, 3, ALIGNED), _stride(row, 4, ALIGNED),
+            _stride(row, 5, ALIGNED), _int(row, 6), _int(row, 7), _float(row, 8))
 
 
 @triton.jit
@@ -339,6 +350,7 @@ def centroid_denominator_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses (and q's and the centroids' strides) 16-aligned
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
     centroid blocks split, split + NSPLIT, ... (flash style, base 2: s2 = scale2 * q . C with scale2 = scale *
@@ -370,7 +382,7 @@ def centroid_denominator_kernel(
         (q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr, part_sum_ptr, s_ptr, valid_ptr, hist_ptr, C, NSPLIT,
          stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_s, scale2) = _sequence(
             table_ptr, params_ptr, seq, q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr, part_sum_ptr, s_ptr,
-            valid_ptr, hist_ptr, TABLE_W, PARAMS_W)
+            valid_ptr, hist_ptr, TABLE_W, PARAMS_W, ALIGNED)
         if split >= NSPLIT:
             return
         cent_ptr += (h0 // G) * stride_ch
@@ -467,6 +479,7 @@ def centroid_score_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses (and q's and the centroids' strides) 16-aligned
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
     sums S = exp(s - log D) over them (mean over heads and tokens) and over its heads' last tokens, and writes
@@ -487,13 +500,13 @@ def centroid_score_kernel(
         (q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr, part_sum_ptr, s_ptr, valid_ptr, hist_ptr, C, NSPLIT,
          stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_s, scale2) = _sequence(
             table_ptr, params_ptr, tl.program_id(2), q_ptr, cent_ptr, counts_ptr, step_ptr, part_max_ptr,
-            part_sum_ptr, s_ptr, valid_ptr, hist_ptr, TABLE_W, PARAMS_W)
+            part_sum_ptr, s_ptr, valid_ptr, hist_ptr, TABLE_W, PARAMS_W, ALIGNED)
         at = table_ptr + tl.program_id(2) * TABLE_W
-        keep_ptr = table_pointer(at, 9, keep_ptr)
-        score_ptr = table_pointer(at, 10, score_ptr)
-        starts_ptr = table_pointer(at, 11, starts_ptr)
-        block_sums_ptr = table_pointer(at, 12, block_sums_ptr)
-        on_ptr = table_pointer(at, 13, on_ptr)
+        keep_ptr = table_pointer(at, 9, keep_ptr, ALIGNED)
+        score_ptr = table_pointer(at, 10, score_ptr, ALIGNED)
+        starts_ptr = table_pointer(at, 11, starts_ptr, ALIGNED)
+        block_sums_ptr = table_pointer(at, 12, block_sums_ptr, ALIGNED)
+        on_ptr = table_pointer(at, 13, on_ptr, ALIGNED)
         at = params_ptr + tl.program_id(2) * PARAMS_W
         NPROG = _int(at, 9)
         NB = _int(at, 10)
@@ -553,8 +566,8 @@ def centroid_score_kernel(
     if HAS_HIST:
         if BATCHED:  # the cut's own values, read once the scores are in (not held through the loop)
             at = table_ptr + tl.program_id(2) * TABLE_W
-            cut_ptr = table_pointer(at, 14, cut_ptr)
-            listed_ptr = table_pointer(at, 15, listed_ptr)
+            cut_ptr = table_pointer(at, 14, cut_ptr, ALIGNED)
+            listed_ptr = table_pointer(at, 15, listed_ptr, ALIGNED)
             at = params_ptr + tl.program_id(2) * PARAMS_W
             M = _int(at, 14)
             lo = _int(at, 15)
@@ -711,6 +724,7 @@ def centroid_cut_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses (and q's and the centroids' strides) 16-aligned
 ):
     """A lookup cut at a number of keys, grid (row, centroid block of BLOCK_C): every program decides its block
     at the threshold the score pass wrote, as the score pass does with a threshold (keep = score > threshold and
@@ -723,12 +737,12 @@ def centroid_cut_kernel(
     blk = tl.program_id(1)
     if BATCHED:
         at = table_ptr + tl.program_id(2) * TABLE_W
-        score_ptr = table_pointer(at, 0, score_ptr)
-        counts_ptr = table_pointer(at, 1, counts_ptr)
-        cut_ptr = table_pointer(at, 2, cut_ptr)
-        keep_ptr = table_pointer(at, 3, keep_ptr)
-        starts_ptr = table_pointer(at, 4, starts_ptr)
-        block_sums_ptr = table_pointer(at, 5, block_sums_ptr)
+        score_ptr = table_pointer(at, 0, score_ptr, ALIGNED)
+        counts_ptr = table_pointer(at, 1, counts_ptr, ALIGNED)
+        cut_ptr = table_pointer(at, 2, cut_ptr, ALIGNED)
+        keep_ptr = table_pointer(at, 3, keep_ptr, ALIGNED)
+        starts_ptr = table_pointer(at, 4, starts_ptr, ALIGNED)
+        block_sums_ptr = table_pointer(at, 5, block_sums_ptr, ALIGNED)
         at = params_ptr + tl.program_id(2) * PARAMS_W
         C = _int(at, 0)
         NB = _int(at, 1)

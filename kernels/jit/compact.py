@@ -75,6 +75,7 @@ def expand_groups_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses (and q's and the centroids' strides) 16-aligned
 ):
     """Grid (row, block of BLOCK_G groups); BATCHED: (row, block, B), the expansions of several lookups (each
     sequence's keep, starts, block sums, outputs, fixed lists, G, NB, tail and W from row b of the tables; its
@@ -85,13 +86,13 @@ def expand_groups_kernel(
     gb = tl.program_id(1)
     if BATCHED:
         at = table_ptr + tl.program_id(2) * TABLE_W
-        keep_ptr = table_pointer(at, 0, keep_ptr)
-        starts_ptr = table_pointer(at, 1, starts_ptr)
-        block_sums_ptr = table_pointer(at, 2, block_sums_ptr)
-        indptr_ptr = table_pointer(at, 3, indptr_ptr)
-        out_ptr = table_pointer(at, 4, out_ptr)
-        fixed_ptr = table_pointer(at, 5, fixed_ptr)
-        fixed_on_ptr = table_pointer(at, 6, fixed_on_ptr)
+        keep_ptr = table_pointer(at, 0, keep_ptr, ALIGNED)
+        starts_ptr = table_pointer(at, 1, starts_ptr, ALIGNED)
+        block_sums_ptr = table_pointer(at, 2, block_sums_ptr, ALIGNED)
+        indptr_ptr = table_pointer(at, 3, indptr_ptr, ALIGNED)
+        out_ptr = table_pointer(at, 4, out_ptr, ALIGNED)
+        fixed_ptr = table_pointer(at, 5, fixed_ptr, ALIGNED)
+        fixed_on_ptr = table_pointer(at, 6, fixed_on_ptr, ALIGNED)
         at = params_ptr + tl.program_id(2) * PARAMS_W
         G = tl.load(at).to(tl.int32)  # (int32, as a lone launch passes them)
         NB = tl.load(at + 1).to(tl.int32)

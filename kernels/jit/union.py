@@ -25,7 +25,7 @@ from kernels.jit.merge import merge_pair
 from kernels.jit.sparse import attend, bounds, item_plan, merge_items
 from kernels.jit.tally import running_max, tally_row
 from kernels.launch import release_next, wait_prior
-from kernels.tables import table_pointer
+from kernels.tables import table_pointer, table_stride
 
 
 @triton.jit
@@ -101,6 +101,7 @@ def union_attn_fwd_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 13,  # len(SPLIT_POINTERS)
     PARAMS_W: tl.constexpr = 13,  # len(SPLIT_PARAMS)
+    ALIGNED: tl.constexpr = False,  # BATCHED: every table address and K/V head stride 16-aligned (tables.aligned)
 ):
     """Grid (cdiv(M, BLOCK_M), workers), M = group * lq query rows per row; BATCHED: grid (cdiv(M, BLOCK_M), workers,
     B), sequence b's tensors and the values that differ between sequences read from row b of table and params
@@ -120,24 +121,24 @@ def union_attn_fwd_kernel(
     release_next(PDL)
     if BATCHED:  # this program's sequence (SPLIT_POINTERS, SPLIT_PARAMS in kernels/union_ops.py)
         at = table_ptr + tl.program_id(2) * TABLE_W
-        q_ptr = table_pointer(at, 0, q_ptr)
-        k_ptr = table_pointer(at, 1, k_ptr)
-        v_ptr = table_pointer(at, 2, v_ptr)
-        indptr_ptr = table_pointer(at, 3, indptr_ptr)
-        indices_ptr = table_pointer(at, 4, indices_ptr)
-        kn_ptr = table_pointer(at, 5, kn_ptr)
-        vn_ptr = table_pointer(at, 6, vn_ptr)
-        q_pos_ptr = table_pointer(at, 7, q_pos_ptr)
-        pos_ptr = table_pointer(at, 8, pos_ptr)
-        order_ptr = table_pointer(at, 9, order_ptr)
-        fresh_ptr = table_pointer(at, 10, fresh_ptr)
-        part_out_ptr = table_pointer(at, 11, part_out_ptr)
-        part_lse_ptr = table_pointer(at, 12, part_lse_ptr)
+        q_ptr = table_pointer(at, 0, q_ptr, ALIGNED)
+        k_ptr = table_pointer(at, 1, k_ptr, ALIGNED)
+        v_ptr = table_pointer(at, 2, v_ptr, ALIGNED)
+        indptr_ptr = table_pointer(at, 3, indptr_ptr, ALIGNED)
+        indices_ptr = table_pointer(at, 4, indices_ptr, ALIGNED)
+        kn_ptr = table_pointer(at, 5, kn_ptr, ALIGNED)
+        vn_ptr = table_pointer(at, 6, vn_ptr, ALIGNED)
+        q_pos_ptr = table_pointer(at, 7, q_pos_ptr, ALIGNED)
+        pos_ptr = table_pointer(at, 8, pos_ptr, ALIGNED)
+        order_ptr = table_pointer(at, 9, order_ptr, ALIGNED)
+        fresh_ptr = table_pointer(at, 10, fresh_ptr, ALIGNED)
+        part_out_ptr = table_pointer(at, 11, part_out_ptr, ALIGNED)
+        part_lse_ptr = table_pointer(at, 12, part_lse_ptr, ALIGNED)
         at = params_ptr + tl.program_id(2) * PARAMS_W
-        stride_kh = tl.load(at)
-        stride_vh = tl.load(at + 1)
-        stride_nkh = tl.load(at + 2)
-        stride_nvh = tl.load(at + 3)
+        stride_kh = table_stride(at, 0, ALIGNED)
+        stride_vh = table_stride(at, 1, ALIGNED)
+        stride_nkh = table_stride(at, 2, ALIGNED)
+        stride_nvh = table_stride(at, 3, ALIGNED)
         stride_order = tl.load(at + 4)
         chunk = tl.load(at + 5)
         k_start = tl.load(at + 6)
@@ -228,6 +229,7 @@ def union_merge_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 12,  # len(MERGE_POINTERS)
     PARAMS_W: tl.constexpr = 12,  # len(MERGE_PARAMS)
+    ALIGNED: tl.constexpr = False,  # BATCHED: every table address and out stride 16-aligned (tables.aligned)
 ):
     """Each row's items merged by log-sum-exp (the same plan as union_attn_fwd_kernel, derived on the device): its
     selection's BLOCK_I at a time, its few short items BLOCK_S at a time. Grid (cdiv(M, BLOCK_M), rows,
@@ -247,18 +249,18 @@ def union_merge_kernel(
         seq = row // rows
         row = row - seq * rows
         at = table_ptr + seq * TABLE_W
-        part_out_ptr = table_pointer(at, 0, part_out_ptr)
-        part_lse_ptr = table_pointer(at, 1, part_lse_ptr)
-        indptr_ptr = table_pointer(at, 2, indptr_ptr)
-        q_pos_ptr = table_pointer(at, 3, q_pos_ptr)
-        out_ptr = table_pointer(at, 4, out_ptr)
-        lse_ptr = table_pointer(at, 5, lse_ptr)
-        fresh_ptr = table_pointer(at, 6, fresh_ptr)
-        kept_ptr = table_pointer(at, 7, kept_ptr)
-        read_ptr = table_pointer(at, 8, read_ptr)
-        elements_ptr = table_pointer(at, 9, elements_ptr)
-        scores_ptr = table_pointer(at, 10, scores_ptr)
-        best_ptr = table_pointer(at, 11, best_ptr)
+        part_out_ptr = table_pointer(at, 0, part_out_ptr, ALIGNED)
+        part_lse_ptr = table_pointer(at, 1, part_lse_ptr, ALIGNED)
+        indptr_ptr = table_pointer(at, 2, indptr_ptr, ALIGNED)
+        q_pos_ptr = table_pointer(at, 3, q_pos_ptr, ALIGNED)
+        out_ptr = table_pointer(at, 4, out_ptr, ALIGNED)
+        lse_ptr = table_pointer(at, 5, lse_ptr, ALIGNED)
+        fresh_ptr = table_pointer(at, 6, fresh_ptr, ALIGNED)
+        kept_ptr = table_pointer(at, 7, kept_ptr, ALIGNED)
+        read_ptr = table_pointer(at, 8, read_ptr, ALIGNED)
+        elements_ptr = table_pointer(at, 9, elements_ptr, ALIGNED)
+        scores_ptr = table_pointer(at, 10, scores_ptr, ALIGNED)
+        best_ptr = table_pointer(at, 11, best_ptr, ALIGNED)
         at = params_ptr + seq * PARAMS_W
         chunk = tl.load(at)
         k_start = tl.load(at + 1)
@@ -270,8 +272,8 @@ def union_merge_kernel(
         stride_best = tl.load(at + 7)
         spread = tl.load(at + 8)
         dense_len = tl.load(at + 9)
-        stride_oh = tl.load(at + 10)
-        stride_ol = tl.load(at + 11)
+        stride_oh = table_stride(at, 10, ALIGNED)
+        stride_ol = table_stride(at, 11, ALIGNED)
     num_m = group * lq
     first_item, n_items, total, _ = fitted_plan(indptr_ptr, rows, chunk, spread, BLOCK_R, BLOCK_N, DENSE, dense_len,
                                                 FIT)
