@@ -40,6 +40,7 @@ import torch
 
 from engine.bench.e2e.bound import byte_bound, copy_bandwidth
 from engine.bench.e2e.models import SHAPES, device_name, open_model
+from engine.bench.e2e.runner import idle_time, kernel_spans
 from engine.context.batching import TurnBatch
 from engine.context.turn import Answer
 from engine.model import batch as batching
@@ -271,19 +272,26 @@ def summary(users: list[dict], wall: float) -> dict:
             "first_s_p50": round(percentile(firsts, 50), 4), "first_s_p95": round(percentile(firsts, 95), 4)}
 
 
-def batch_steps(engine: Engine, contexts: list[str], question: str, method: str, steps: int) -> dict:
+PROFILED_STEPS = 4  # steps of a full batch under torch.profiler in each way it attends (--kernel-profile)
+
+
+def batch_steps(engine: Engine, contexts: list[str], question: str, method: str, steps: int,
+                profile: str | None = None) -> dict:
     """The median ms of a decode step of one turn and of len(contexts) turns answered together (one over each
     context, already open: engine.context.batching.TurnBatch, captured steps on a GPU), with a batch's sequences
     attending at once on streams of their own ("concurrent_ms"), so and with their union kernels in shared launches
     ("shared_ms"), and one after another ("one_after_another_ms"; engine.model.batch.CONCURRENT, SHARED_LAUNCHES),
-    `steps` steps each after two (the capture's); a step counts only while every turn is under way."""
+    `steps` steps each after two (the capture's); a step counts only while every turn is under way. profile: also
+    run PROFILED_STEPS more steps of the full batch in each way under torch.profiler, appending its kernels' table to
+    that file, and report where the GPU was busy and idle in them (key "profiled": way -> ms a step)."""
     out = {}
     modes = {"concurrent_ms": (True, False), "shared_ms": (True, True), "one_after_another_ms": (False, False)}
     settings = batching.CONCURRENT, batching.SHARED_LAUNCHES
     for name, (concurrent, shared) in modes.items():
         batching.CONCURRENT, batching.SHARED_LAUNCHES = concurrent, shared
         for size in sorted({1, len(contexts)}):
-            turns = [engine.session(c).turn(question, method, SPARSITY, steps + 8) for c in contexts[:size]]
+            turns = [engine.session(c).turn(question, method, SPARSITY, steps + 8 + PROFILED_STEPS)
+                     for c in contexts[:size]]
             batch = TurnBatch(engine.lm)
             for turn in turns:
                 batch.join(turn)
@@ -293,11 +301,36 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
                 batch.step()  # (reads its tokens back: a step's whole time)
                 if len(batch.turns) == size:
                     times.append((time.perf_counter() - start) * 1e3)
+            out.setdefault(str(size), {})[name] = round(percentile(times[2:], 50), 3) if len(times) > 2 else None
+            if profile is not None and size == len(contexts) and len(batch.turns) == size:
+                out.setdefault("profiled", {})[name] = profiled_steps(batch, f"{method}, {size} turns, {name}",
+                                                                      profile)
             for turn in list(batch.turns):
                 batch.leave(turn)
-            out.setdefault(str(size), {})[name] = round(percentile(times[2:], 50), 3) if len(times) > 2 else None
     batching.CONCURRENT, batching.SHARED_LAUNCHES = settings
     return out
+
+
+def profiled_steps(batch: TurnBatch, tag: str, path: str) -> dict:
+    """PROFILED_STEPS steps of `batch` under torch.profiler: its table of kernels by GPU time appended to `path`
+    (headed "== tag"); returns the GPU's busy and idle ms a step (engine.bench.e2e.runner.idle_time) and the
+    kernels launched a step."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    device = batch.lm.device
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILED_STEPS):
+            batch.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    averages = prof.key_averages()
+    with open(path, "a") as f:
+        f.write(f"== {tag}: {PROFILED_STEPS} steps\n")
+        f.write(averages.table(sort_by="self_device_time_total", row_limit=25) + "\n")
+    kernels = kernel_spans(prof)
+    launched = sum(e.count for e in averages if e.device_type == torch.autograd.DeviceType.CUDA)
+    return {**idle_time(kernels, PROFILED_STEPS), "kernels_per_step": launched / PROFILED_STEPS}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -350,7 +383,7 @@ def run(args: argparse.Namespace) -> dict:
                 entry["peak_gib"] = round(torch.cuda.max_memory_allocated(lm.device) / 2**30, 3)
             if args.steps:
                 entry["batch_steps"] = batch_steps(engine, contexts[: min(batch, len(contexts))], asked[0], method,
-                                                   args.steps)
+                                                   args.steps, args.kernel_profile)
             out["methods"][method] = entry
         engine.store.close()
     return out
@@ -367,6 +400,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=0,
                         help="also time this many decode steps of one turn and of a batch of turns over the open "
                              "contexts, sequences attending at once and one after another (batch_steps)")
+    parser.add_argument("--kernel-profile", default=None,
+                        help="with --steps: append a torch.profiler table of a full batch's steps in each way it "
+                             "attends to this file, and report the GPU's busy and idle time in them")
     parser.add_argument("--concurrent", action=argparse.BooleanOptionalAction, default=True,
                         help="a batch's sequences attend at once, each on a CUDA stream of its own "
                              "(engine.model.batch.CONCURRENT; the product's default)")
