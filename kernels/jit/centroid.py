@@ -724,7 +724,7 @@ def centroid_cut_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
-    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses (and q's and the centroids' strides) 16-aligned
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses 16-aligned (kernels.tables.aligned)
 ):
     """A lookup cut at a number of keys, grid (row, centroid block of BLOCK_C): every program decides its block
     at the threshold the score pass wrote, as the score pass does with a threshold (keep = score > threshold and
