@@ -20,8 +20,10 @@ from engine.model.load import LoadedModel
 # Whether a batch's sequences attend at once on CUDA streams of their own (BatchStep.streams) rather than one after
 # another: a benchmark's switch (squeeze bench serve --no-concurrent)
 CONCURRENT = True
-# Whether a batch's attentions at a global layer share the union kernels' launches (BatchStep.shared): off until
-# measured on a GPU (squeeze bench serve --shared-launches)
+# Whether a batch's lookups and attentions at a global layer share their kernels' launches (BatchStep.shared): off,
+# slower than streams where measured (engine/bench/README.md, "Several users on one GPU": 8 x 32K on an H100 at commit
+# 7a63025, whose batched kernels' loads were not vectorised: 21.0 against 10.5 ms a step); `squeeze bench serve
+# --steps N` times both
 SHARED_LAUNCHES = False
 
 
