@@ -37,13 +37,14 @@ def check_width(batch: dict, pointers: tuple[str, ...], params: tuple[str, ...])
 
 
 def batch_tables(calls: list, pointers, params, names: tuple[tuple[str, ...], tuple[str, ...]],
-                 device: torch.device, keep: list | None, hinted=lambda call: ()) -> dict:
+                 device: torch.device, keep: list | None, hinted=lambda call: (), int32: bool = True) -> dict:
     """The options of a BATCHED launch of `calls`: tables of their tensors' addresses (pointers(call): the tensors,
-    in the order of names[0]) and of their values (params(call): ints, in the order of names[1], each read by the
-    kernel as an int32, as a lone launch passes it), a row per call (keep gets their host copies: `table`), and
-    ALIGNED: whether every address and the strides hinted(call) the kernel takes as multiples of 16 are (`aligned`)."""
+    in the order of names[0]) and of their values (params(call): ints, in the order of names[1]; with int32 each
+    read by the kernel as an int32, as a lone launch passes it, and refused outside that range; else as an int64),
+    a row per call (keep gets their host copies: `table`), and ALIGNED: whether every address and the strides
+    hinted(call) the kernel takes as multiples of 16 are (`aligned`)."""
     values = [params(c) for c in calls]
-    if any(not INT32[0] <= v <= INT32[1] for row in values for v in row):
+    if int32 and any(not INT32[0] <= v <= INT32[1] for row in values for v in row):
         raise ValueError(f"a batched launch's values are int32s: {values}")
     batch = dict(table_ptr=table([[t.data_ptr() for t in pointers(c)] for c in calls], device, keep),
                  params_ptr=table(values, device, keep),

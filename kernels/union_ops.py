@@ -24,7 +24,7 @@ from kernels.launch import dependent_launch
 from kernels.reference import union as reference
 from kernels.reference.union import UnionCall, check_batch
 from kernels.selection import FollowRows, Selection, StepTally
-from kernels.tables import aligned, check_width, table
+from kernels.tables import batch_tables
 
 NEW_ITEMS_EXPECTED = 1  # items a row's new tokens take in a typical step (a question and an answer: < a chunk)
 # Registers per thread of the split launch: the selection's loop alone needs 152 (D 128, 4 warps: Triton 3.6 for
@@ -105,6 +105,28 @@ class _Call:
     @property
     def stride_best(self) -> int:
         return self.tally_args[4].stride(0) if self.scores is not None else 0
+
+    def split_pointers(self) -> tuple[torch.Tensor, ...]:
+        """Row of SPLIT_POINTERS."""
+        return (self.q, self.k, self.v, self.indptr, self.indices, self.k_new, self.v_new, self.q_pos,
+                *self.follow_args, self.part_out, self.part_lse)
+
+    def split_params(self) -> list[int]:
+        """Row of SPLIT_PARAMS (the K/V head strides first: those a BATCHED launch takes as aligned)."""
+        return [self.k.stride(0), self.v.stride(0), self.k_new.stride(0), self.v_new.stride(0), self.stride_order,
+                self.cfg.chunk, self.k_start, self.k_new.shape[1], self.first, self.indexed, self.m_rows, self.spread,
+                self.dense_len]
+
+    def merge_pointers(self) -> tuple[torch.Tensor, ...]:
+        """Row of MERGE_POINTERS."""
+        return (self.part_out, self.part_lse, self.indptr, self.q_pos, self.out, self.lse, self.follow_args[2],
+                *self.tally_args)
+
+    def merge_params(self) -> list[int]:
+        """Row of MERGE_PARAMS."""
+        return [self.cfg.chunk, self.k_start, self.k_new.shape[1], self.m_rows, self.n_elements, self.n_units,
+                self.stride_scores, self.stride_best, self.spread, self.dense_len, self.out.stride(0),
+                self.out.stride(1)]
 
     def kind(self) -> tuple:
         """What calls launched together must share: shapes, dtypes, tiles, the constexprs and the strides that are
@@ -256,18 +278,8 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
                       BLOCK_K=max(16, triton.next_power_of_2(max(m_rows, 1))), EXACT_FP32=c.q.dtype == torch.float32,
                       DENSE=c.dense, FOLLOW=c.follows, HAS_ORDER=c.has_order, PROBES=follow_ops.PROBES,
                       ROUNDS=max(follow_ops.search_rounds(x.num_keys) for x in calls), FIT=FIT_ITEMS)
-    batch = {}
-    if batched:
-        pointers = [(x.q, x.k, x.v, x.indptr, x.indices, x.k_new, x.v_new, x.q_pos, *x.follow_args, x.part_out,
-                     x.part_lse) for x in calls]
-        strides = [(x.k.stride(0), x.v.stride(0), x.k_new.stride(0), x.v_new.stride(0)) for x in calls]
-        batch = dict(table_ptr=table([[t.data_ptr() for t in row] for row in pointers], c.q.device, keep),
-                     params_ptr=table([[*head_strides, x.stride_order, x.cfg.chunk, x.k_start, x.k_new.shape[1],
-                                         x.first, x.indexed, x.m_rows, x.spread, x.dense_len]
-                                        for x, head_strides in zip(calls, strides)], c.q.device, keep),
-                     BATCHED=True, TABLE_W=len(SPLIT_POINTERS), PARAMS_W=len(SPLIT_PARAMS),
-                     ALIGNED=all(aligned(t, v) for t, v in zip(pointers, strides)))
-        check_width(batch, SPLIT_POINTERS, SPLIT_PARAMS)
+    batch = batch_tables(calls, _Call.split_pointers, _Call.split_params, (SPLIT_POINTERS, SPLIT_PARAMS), c.q.device,
+                         keep, hinted=lambda x: x.split_params()[:4], int32=False) if batched else {}
     union_attn_fwd_kernel[(triton.cdiv(c.num_m, c.cfg.block_m), workers, len(calls))](
         c.q, c.k, c.v, c.indptr, c.indices, c.k_new, c.v_new, c.q_pos, *c.follow_args, c.part_out, c.part_lse,
         *c.q.stride(), *c.k.stride(), *c.v.stride(), *c.k_new.stride(), *c.v_new.stride(), c.q_pos.stride(0),
@@ -277,16 +289,8 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
         **dependent_launch(c.q.device), **batch,
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
-    if batched:
-        pointers = [(x.part_out, x.part_lse, x.indptr, x.q_pos, x.out, x.lse, x.follow_args[2], *x.tally_args)
-                    for x in calls]
-        batch = dict(table_ptr=table([[t.data_ptr() for t in row] for row in pointers], c.q.device, keep),
-                     params_ptr=table([[x.cfg.chunk, x.k_start, x.k_new.shape[1], x.m_rows, x.n_elements, x.n_units,
-                                         x.stride_scores, x.stride_best, x.spread, x.dense_len, x.out.stride(0),
-                                         x.out.stride(1)] for x in calls], c.q.device, keep),
-                     BATCHED=True, TABLE_W=len(MERGE_POINTERS), PARAMS_W=len(MERGE_PARAMS),
-                     ALIGNED=all(aligned(t, x.out.stride()[:2]) for t, x in zip(pointers, calls)))
-        check_width(batch, MERGE_POINTERS, MERGE_PARAMS)
+    batch = batch_tables(calls, _Call.merge_pointers, _Call.merge_params, (MERGE_POINTERS, MERGE_PARAMS), c.q.device,
+                         keep, hinted=lambda x: x.out.stride()[:2], int32=False) if batched else {}
     union_merge_kernel[(triton.cdiv(c.num_m, c.merge_block_m), c.rows * len(calls), d // block_d)](
         c.part_out, c.part_lse, c.indptr, c.q_pos, c.out, c.lse, c.follow_args[2], *c.tally_args,
         c.rows, hq // c.rows, lq, c.cfg.chunk, c.k_start, c.k_new.shape[1], c.q_pos.stride(0), c.out.stride(0),
