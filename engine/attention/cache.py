@@ -83,9 +83,13 @@ class FixedContextLayer(DynamicLayer):
         self.reserve(key_states[0], self.host_new + n)
         backend_for(self.new_keys.device).kernel("append").append_tokens(  # one launch on a GPU
             key_states[0], value_states[0], self.new_keys, self.new_values, self.new_len)
+        self.appended(n)
+        return key_states, value_states
+
+    def appended(self, n: int) -> None:
+        """n new tokens were written at the device count (eager calls move the host's count too)."""
         if not capturing():
             self.host_new += n
-        return key_states, value_states
 
     def new_kv(self, static: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """The new tokens' K/V to attend to: [Hkv, n, D] each. static (a captured step): every slot, the unwritten
@@ -219,13 +223,16 @@ class BatchCache(FixedContextCache):
     """The cache of one call over several sequences (engine.attention.function.BatchStep), each with its own
     FixedContextCache: row b of a layer's new K/V goes to caches[b]. What transformers asks of a cache besides
     (the sequence length, the mask sizes) is the first sequence's; the engine's attention masks each sequence by
-    its own positions."""
+    its own positions. A layer's new K/V go to every sequence's buffers in one launch on a GPU
+    (kernels.append_ops.append_tokens_batch); keep: where that launch leaves its tables' host copies, to live as long
+    as a CUDA graph that captured their upload (engine.model.batch_graph), or None (an eager step's)."""
 
-    def __init__(self, caches: list[FixedContextCache]):
+    def __init__(self, caches: list[FixedContextCache], keep: list | None = None):
         if not caches or len({len(c.layers) for c in caches}) != 1:
             raise ValueError("a batch needs one or more caches of as many layers each")
         super().__init__(caches[0].layers)
         self.caches = caches
+        self.keep = keep
 
     @torch.compiler.disable
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args,
@@ -233,6 +240,13 @@ class BatchCache(FixedContextCache):
         """key_states / value_states: [B, Hkv, n, D], row b for caches[b]. Returns them unchanged."""
         if key_states.shape[0] != len(self.caches):
             raise ValueError(f"{key_states.shape[0]} rows of new K/V for {len(self.caches)} sequences")
-        for b, cache in enumerate(self.caches):
-            cache.layers[layer_idx].update(key_states[b : b + 1], value_states[b : b + 1])
+        layers = [cache.layers[layer_idx] for cache in self.caches]
+        n = key_states.shape[-2]
+        for b, layer in enumerate(layers):
+            layer.reserve(key_states[b], layer.host_new + n)
+        backend_for(key_states.device).kernel("append").append_tokens_batch(
+            key_states, value_states, [layer.new_keys for layer in layers], [layer.new_values for layer in layers],
+            [layer.new_len for layer in layers], self.keep)
+        for layer in layers:
+            layer.appended(n)
         return key_states, value_states

@@ -57,11 +57,12 @@ class BatchGraph:
         for b, step in enumerate(self._steps):
             if step.follow is not None:
                 step.follow.begin(self.ids[b : b + 1])
-        out = self.lm.model(input_ids=self.ids[:, None], position_ids=self.positions[:, None],
-                            past_key_values=BatchCache([step.cache for step in self._steps]), use_cache=True,
-                            logits_to_keep=1, squeeze_step=BatchStep(self._steps, self._side, self._shared, self._keep))
+        cache = BatchCache([step.cache for step in self._steps], self._keep)
+        out = self.lm.model(input_ids=self.ids[:, None], position_ids=self.positions[:, None], past_key_values=cache,
+                            use_cache=True, logits_to_keep=1,
+                            squeeze_step=BatchStep(self._steps, self._side, self._shared, self._keep))
         self.logits = out.logits[:, -1]  # [B, V]
-        self.ids.copy_(torch.cat([greedy(self.logits[b : b + 1]) for b in range(len(self._steps))]))
+        self.ids.copy_(greedy(self.logits))
         self.positions.add_(1)
 
     def warm_and_capture(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:

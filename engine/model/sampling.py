@@ -17,18 +17,20 @@ GREEDY_PARTS = 256  # greedy(): the vocabulary's maximum taken over this many sl
 
 
 def greedy(logits: torch.Tensor) -> torch.Tensor:
-    """logits [1, V] (or [V]) -> [1] int64: the index of the first maximum, as logits.argmax() gives it, in two
-    reductions. torch's argmax over one row of a 128K vocabulary is one thread block's work (35 us of an H200's
-    decode step of an 8B model); the maxima of GREEDY_PARTS slices, then their argmax, fill the GPU (no host sync)."""
-    if logits.dim() > 2 or (logits.dim() == 2 and logits.shape[0] != 1):
-        raise ValueError(f"greedy picks one token: logits must be [1, V] or [V], got {tuple(logits.shape)}")
-    row = logits.reshape(-1)
-    width = -(-row.numel() // GREEDY_PARTS)
-    parts = -(-row.numel() // width)
-    padded = F.pad(row, (0, parts * width - row.numel()), value=float("-inf")) if parts * width > row.numel() else row
-    values, where = padded.view(parts, width).max(dim=1)  # [parts]: each slice's first maximum
-    best = values.argmax().view(1)  # the first slice holding the maximum
-    return best * width + where.gather(0, best)
+    """logits [B, V] (or [V]) -> [B] int64 ([1] for [V]): each row's index of its first maximum, as
+    logits.argmax(dim=-1) gives it, in two reductions for every row at once (a batched step's B rows included).
+    torch's argmax over one row of a 128K vocabulary is one thread block's work (35 us of an H200's decode step of an
+    8B model); the maxima of GREEDY_PARTS slices, then their argmax, fill the GPU (no host sync)."""
+    if logits.dim() not in (1, 2):
+        raise ValueError(f"greedy picks a token a row: logits must be [B, V] or [V], got {tuple(logits.shape)}")
+    rows = logits.reshape(-1, logits.shape[-1])  # [B, V]
+    vocab = rows.shape[1]
+    width = -(-vocab // GREEDY_PARTS)
+    parts = -(-vocab // width)
+    padded = F.pad(rows, (0, parts * width - vocab), value=float("-inf")) if parts * width > vocab else rows
+    values, where = padded.reshape(rows.shape[0], parts, width).max(dim=2)  # [B, parts]: each slice's first maximum
+    best = values.argmax(dim=1, keepdim=True)  # [B, 1]: the first slice holding the row's maximum
+    return (best * width + where.gather(1, best)).view(-1)
 
 
 class Sampler:

@@ -179,8 +179,12 @@ def test_greedy_picks_the_first_maximum_as_argmax_does(device, vocab):
         tied[0, vocab // 3:] = 2.0  # every slice from a third on holds the maximum: the first one is picked
         assert int(greedy(tied)) == vocab // 3 == int(tied.argmax())
     assert greedy(logits).dtype == torch.int64 and greedy(logits).shape == (1,)
-    with pytest.raises(ValueError, match="one token"):
-        greedy(torch.zeros(2, vocab, device=device))
+    assert greedy(logits[0]).shape == (1,)
+    rows = torch.randn(5, vocab, generator=gen).to(device)  # a batched step's rows, each its own first maximum
+    rows[3] = 0.0
+    assert torch.equal(greedy(rows), rows.argmax(dim=-1))
+    with pytest.raises(ValueError, match="a token a row"):
+        greedy(torch.zeros(2, 1, vocab, device=device))
 
 
 def test_sampler_applies_penalty_temperature_and_top_p():

@@ -1,5 +1,6 @@
 """The small kernels of a decode step against their references: kernels.append_ops.append_tokens (a call's new K/V
-written at a device-side count) and kernels.tally_ops.tally_step (a lookup's statistics added into a turn's sums).
+written at a device-side count; append_tokens_batch, a batched step's in one launch) and kernels.tally_ops.tally_step
+(a lookup's statistics added into a turn's sums).
 
 Both move data without arithmetic beyond integer counts, float sums of a few hundred integers and maxima, so they
 must agree with the references exactly. Without CUDA the kernels run in the Triton interpreter (tests/conftest.py).
@@ -53,6 +54,36 @@ def test_append_tokens_twice_continues_at_the_count():
     assert count.item() == 6
     torch.testing.assert_close(kb[:, 3:6], v, atol=0, rtol=0)
     torch.testing.assert_close(vb[:, :3], v, atol=0, rtol=0)
+
+
+
+@pytest.mark.parametrize("n,d", [(1, 128), (3, 16), (1, 256)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_batch_of_appends_in_one_launch_writes_each_sequence_as_alone(n, d, dtype):
+    """append_tokens_batch: row b of the step's [B, Hkv, n, D] states into sequence b's buffers of a capacity of its
+    own, at its own count (one launch reading the buffers' addresses and strides from tables), equal to an
+    append_tokens per sequence; a sequence too long for one program sends the whole batch to the reference."""
+    g = torch.Generator().manual_seed(n * d)
+    hkv, starts, caps = 2, [0, 5, 2], [8, 64, 16]
+    k = torch.randn(3, n, hkv, d, generator=g).to(DEVICE).transpose(1, 2)  # [B, Hkv, n, D], strided as the model's
+    v = torch.randn(3, n, hkv, d, generator=g).to(DEVICE).transpose(1, 2)
+    ours = [buffers(hkv, cap, d, dtype, b) for b, cap in enumerate(caps)]
+    alone = [tuple(t.clone() for t in pair) for pair in ours]
+    counts = [torch.tensor([s], device=DEVICE) for s in starts]
+    counts_alone = [c.clone() for c in counts]
+    append_ops.append_tokens_batch(k, v, [p[0] for p in ours], [p[1] for p in ours], counts, keep=[])
+    for b in range(3):
+        append_ops.append_tokens(k[b], v[b], *alone[b], counts_alone[b])
+        assert counts[b].item() == counts_alone[b].item() == starts[b] + n
+        torch.testing.assert_close(ours[b][0], alone[b][0], atol=0, rtol=0)
+        torch.testing.assert_close(ours[b][1], alone[b][1], atol=0, rtol=0)
+        torch.testing.assert_close(ours[b][1][:, starts[b] : starts[b] + n], v[b].to(dtype), atol=0, rtol=0)
+    big = torch.randn(2, hkv, append_ops.MAX_ROWS, d, device=DEVICE)
+    bufs = [buffers(hkv, append_ops.MAX_ROWS, d, torch.float32, 9 + b) for b in range(2)]
+    counts = [torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2)]
+    append_ops.append_tokens_batch(big, big, [p[0] for p in bufs], [p[1] for p in bufs], counts)
+    assert [c.item() for c in counts] == [append_ops.MAX_ROWS] * 2
+    torch.testing.assert_close(bufs[1][0], big[1], atol=0, rtol=0)
 
 
 def tally_case(rows: int, units: int, follow: int, seed: int):
