@@ -45,6 +45,7 @@ from engine.context.batching import TurnBatch
 from engine.context.turn import Answer
 from engine.model import batch as batching
 from engine.model.compiled import compile_layers, wants_compile, warm_up
+from engine.model.generate import generate_tokens
 from engine.model.load import LoadedModel
 from engine.serve.scheduler import Waiting, default_batch
 from engine.serve.service import Engine
@@ -281,7 +282,8 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
     context, already open: engine.context.batching.TurnBatch, captured steps on a GPU), with a batch's sequences
     attending at once on streams of their own ("concurrent_ms"), so and with their union kernels in shared launches
     ("shared_ms"), and one after another ("one_after_another_ms"; engine.model.batch.CONCURRENT, SHARED_LAUNCHES),
-    `steps` steps each after two (the capture's); a step counts only while every turn is under way. profile: also
+    `steps` steps each after two (the capture's); a step counts only while every turn is under way; and one turn
+through its session's own path ("session_ms" of one turn: session_step_ms). profile: also
     run PROFILED_STEPS more steps of the full batch in each way under torch.profiler, appending its kernels' table to
     that file, and report where the GPU was busy and idle in them (key "profiled": way -> ms a step)."""
     out = {}
@@ -308,7 +310,24 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
             for turn in list(batch.turns):
                 batch.leave(turn)
     batching.CONCURRENT, batching.SHARED_LAUNCHES = settings
+    out["1"]["session_ms"] = session_step_ms(engine, contexts[0], question, method, steps)
     return out
+
+
+def session_step_ms(engine: Engine, context: str, question: str, method: str, steps: int) -> float | None:
+    """The median ms between two tokens of one turn answered through its session's own path (what a scheduler of
+    max_batch 1 runs: engine.model.generate.generate_tokens, its steps replayed from CUDA graphs on a GPU), `steps`
+    after two; None where its answer ended before."""
+    turn = engine.session(context).turn(question, method, SPARSITY, steps + 3)
+    stamps = []
+    with torch.inference_mode():
+        tokens = generate_tokens(engine.lm, turn.step, turn.prompt, turn.max_new_tokens, turn.sampler)
+        for _ in tokens:
+            stamps.append(time.perf_counter())
+        tokens.close()
+    turn.step.cache.reset_dynamic()
+    gaps = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])][2:]
+    return round(percentile(gaps, 50), 3) if gaps else None
 
 
 def profiled_steps(batch: TurnBatch, tag: str, path: str) -> dict:

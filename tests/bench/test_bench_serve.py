@@ -42,8 +42,8 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     (the weights once: more than alone, less than that many steps alone); each ingest timed by stage, the
     scheduler's steps by batch size and its turns' starts, and with --profile the scheduler thread's profile of each
     method's users at once, through the batched forward; with --steps the median step of one turn and of the batch
-    in each way a batch attends, and with --kernel-profile the profiler's table of the full batch's steps in each
-    way."""
+    in each way a batch attends (and of one turn through its session's own path), and with --kernel-profile the
+    profiler's table of the full batch's steps in each way."""
     out, profile, kernels = tmp_path / "serve.json", tmp_path / "serve-profile.txt", tmp_path / "kernels.txt"
     assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
                  "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile),
@@ -69,6 +69,7 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
         ways = {"concurrent_ms", "shared_ms", "one_after_another_ms"}
         profiled = steps.pop("profiled")  # --kernel-profile: the full batch's steps in each way, profiled
         assert set(profiled) == ways and all("gpu_busy_ms_per_step" in p for p in profiled.values()), profiled
+        assert steps["1"].pop("session_ms") > 0  # one turn through its session's own path, beside the batch's
         assert set(steps) == {"1", "2"} and all(set(s) == ways and min(s.values()) > 0 for s in steps.values()), steps
     assert report["methods"]["full"]["bound_ms"]["batch"] > report["methods"]["squeeze"]["bound_ms"]["batch"]
     headings = [line for line in kernels.read_text().splitlines() if line.startswith("== ")]
