@@ -129,15 +129,16 @@ def step_ms(users: list[dict]) -> float:
 
 def steps_by_batch(timeline: list[tuple[str, int, float]]) -> dict:
     """The scheduler's work while users were served together (Scheduler.timeline): each batch size's steps (count,
-    median ms), and the turns' starts (count, total seconds: the preparation, the prefill and the first token of each
-    turn admitted, while the turns under way wait)."""
+    median and largest ms: the first step after a turn joined or left captures the batch's step anew on a GPU), and
+    the turns' starts (count, total seconds: the preparation, the prefill and the first token of each turn admitted,
+    while the turns under way wait)."""
     steps: dict[int, list[float]] = {}
     for kind, turns, seconds in timeline:
         if kind == "step":
             steps.setdefault(turns, []).append(seconds * 1e3)
     starts = [seconds for kind, _, seconds in timeline if kind == "start"]
-    return {"steps": {str(n): {"count": len(v), "median_ms": round(percentile(v, 50), 3)} for n, v in
-                      sorted(steps.items())},
+    return {"steps": {str(n): {"count": len(v), "median_ms": round(percentile(v, 50), 3), "max_ms": round(max(v), 3)}
+                      for n, v in sorted(steps.items())},
             "starts": {"count": len(starts), "total_s": round(sum(starts), 3)}}
 
 
