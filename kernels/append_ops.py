@@ -19,6 +19,7 @@ MAX_ROWS = 1024  # (head, token) rows one program copies; more go to the referen
 BLOCK_ROWS = 16
 APPEND_POINTERS = ("k_buf", "v_buf", "count")  # a BATCHED launch's table row, in the kernel's order
 APPEND_PARAMS = ("stride_kbh", "stride_kbn", "stride_vbh", "stride_vbn")
+APPEND_TILES = ("k_buf", "v_buf")  # the entries taken as 16-byte aligned under ALIGNED (kernels/tables.py)
 
 
 def _check(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, count: torch.Tensor) -> bool:
@@ -61,7 +62,7 @@ def append_tokens_batch(k: torch.Tensor, v: torch.Tensor, k_bufs: list[torch.Ten
         return
     strides = lambda c: [c[0].stride(0), c[0].stride(1), c[1].stride(0), c[1].stride(1)]  # noqa: E731
     tables = batch_tables(list(zip(k_bufs, v_bufs, counts)), lambda c: c, strides, (APPEND_POINTERS, APPEND_PARAMS),
-                          k.device, keep, hinted=strides)
+                          k.device, keep, hinted=strides, tiles=APPEND_TILES)
     append_tokens_kernel[(batch,)](
         k, v, k_bufs[0], v_bufs[0], counts[0], n, hkv * n, k.stride(1), k.stride(2), v.stride(1), v.stride(2),
         k_bufs[0].stride(0), k_bufs[0].stride(1), v_bufs[0].stride(0), v_bufs[0].stride(1), k.stride(0), v.stride(0),

@@ -381,6 +381,10 @@ SCORE_PARAMS = DENOMINATOR_PARAMS + ("NPROG", "NB", "stride_kr", "stride_or", "t
                                      "key_base", "key_least", "per_listed")
 CUT_POINTERS = ("score", "counts", "cut", "keep", "starts", "block_sums")
 CUT_PARAMS = ("C", "NB", "stride_nh", "stride_kr", "stride_or")
+# The entries whose tiles the kernels load or store, taken as 16-byte aligned under ALIGNED (kernels/tables.py)
+DENOMINATOR_TILES = ("q", "centroids", "part_max", "part_sum", "s_cache")
+SCORE_TILES = DENOMINATOR_TILES + ("keep", "score")
+CUT_TILES = ("score", "keep")
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third axis: a batched denominator pass holds B x its splits there
 
 
@@ -462,7 +466,7 @@ def _run_passes(calls: list[_Passes], hold: list | None = None) -> None:
     )
     batch = batch_tables(calls, _Passes.denominator_pointers, _Passes.denominator_params,
                          (DENOMINATOR_POINTERS, DENOMINATOR_PARAMS), q.device, hold,
-                         hinted=lambda x: x.strides[:4]) if batched else {}
+                         hinted=lambda x: x.strides[:4], tiles=DENOMINATOR_TILES) if batched else {}
     centroid_denominator_kernel[(p.units, p.m_blocks, nsplit * len(calls))](
         *p.inputs, p.part_max, p.part_sum, p.s_cache, p._valid_arg, p.keep, p.score, p._hist,
         p.scale2, lq, p.c, p.capacity, g, gh, hpr, nsplit, *p.strides, p.keep.stride(0), p.score.stride(0),
@@ -490,7 +494,7 @@ def _run_passes(calls: list[_Passes], hold: list | None = None) -> None:
     out_elements, read_base, read_per = p.elements if p.elements is not None else (p.score, 0.0, 0.0)  # dummy
     batch = batch_tables(calls, _Passes.score_pointers, _Passes.score_params, (SCORE_POINTERS, SCORE_PARAMS),
                          q.device, hold,
-                         hinted=lambda x: x.strides[:4]) if batched else {}
+                         hinted=lambda x: x.strides[:4], tiles=SCORE_TILES) if batched else {}
     centroid_score_kernel[(p.units, max(x.score_blocks for x in calls), len(calls))](
         *p.inputs, p.part_max, p.part_sum, p.s_cache, p.keep, p.score, starts, block_sums, p._valid_arg,
         out_elements, *p.cut_ptrs, p.scale2, p.threshold, lq, p.c, p.capacity, g, gh, hpr, p.nsplit,
@@ -675,7 +679,7 @@ def _cut(calls: list[_Passes], block_c: int, among: bool = False, hold: list | N
     rows, counts = p.rows, p.counts
     starts, block_sums = p._starts_args
     batch = batch_tables(calls, _Passes.cut_pointers, lambda x: x.cut_params(block_c), (CUT_POINTERS, CUT_PARAMS),
-                         p.q.device, hold) if len(calls) > 1 else {}
+                         p.q.device, hold, tiles=CUT_TILES) if len(calls) > 1 else {}
     nb = [max(1, triton.cdiv(x.c, block_c)) for x in calls]
     centroid_cut_kernel[(rows, max(nb), len(calls))](
         p.score, counts, p.cut.out, p.keep, starts, block_sums, p.c, nb[0], rows // counts.shape[0],

@@ -125,6 +125,7 @@ class Expansion:
 # Row b of a batched expansion's tables (kernels/jit/compact.py reads them by these positions)
 EXPAND_POINTERS = ("keep", "starts", "block_sums", "indptr", "out", "fixed", "fixed_on")
 EXPAND_PARAMS = ("G", "NB", "tail", "W")
+EXPAND_TILES = ("keep", "out")  # the entries taken as 16-byte aligned under ALIGNED (kernels/tables.py)
 
 
 def plan_expansion(keep: torch.Tensor, starts: torch.Tensor, block_sums: torch.Tensor, block_g: int, total: int,
@@ -160,7 +161,8 @@ def launch_expansions(plans: list[Expansion], keep: list | None = None) -> None:
     batch = {}
     if len(plans) > 1:
         batch = batch_tables(plans, lambda p: (p.keep, p.starts, p.block_sums, p.indptr, p.out, *p.fixed_args[:2]),
-                             Expansion.params, (EXPAND_POINTERS, EXPAND_PARAMS), e.keep.device, keep)
+                             Expansion.params, (EXPAND_POINTERS, EXPAND_PARAMS), e.keep.device, keep,
+                             tiles=EXPAND_TILES)
     expand_groups_kernel[(rows, max(p.nb for p in plans), len(plans))](
         e.keep, e.starts, e.block_sums, e.indptr, e.out, e.keep.shape[1], e.nb, rows // e.starts.shape[0], e.tail,
         *e.fixed_args, BLOCK_G=e.block_g, BLOCK_K=e.block_k, SUB=e.sub,

@@ -37,19 +37,23 @@ def check_width(batch: dict, pointers: tuple[str, ...], params: tuple[str, ...])
 
 
 def batch_tables(calls: list, pointers, params, names: tuple[tuple[str, ...], tuple[str, ...]],
-                 device: torch.device, keep: list | None, hinted=lambda call: (), int32: bool = True) -> dict:
+                 device: torch.device, keep: list | None, hinted=lambda call: (), int32: bool = True,
+                 tiles: tuple[str, ...] = ()) -> dict:
     """The options of a BATCHED launch of `calls`: tables of their tensors' addresses (pointers(call): the tensors,
     in the order of names[0]) and of their values (params(call): ints, in the order of names[1]; with int32 each
     read by the kernel as an int32, as a lone launch passes it, and refused outside that range; else as an int64),
-    a row per call (keep gets their host copies: `table`), and ALIGNED: whether every address and the strides
-    hinted(call) the kernel takes as multiples of 16 are (`aligned`)."""
+    a row per call (keep gets their host copies: `table`), and ALIGNED: whether the addresses of the entries named
+    in `tiles` (those whose tiles the kernel loads or stores, taken as multiples of 16 bytes under ALIGNED; the
+    others, such as a sequence's positions sliced out of a batch's, are not) and the strides hinted(call) the kernel
+    takes as multiples of 16 are (`aligned`)."""
     values = [params(c) for c in calls]
     if int32 and any(not INT32[0] <= v <= INT32[1] for row in values for v in row):
         raise ValueError(f"a batched launch's values are int32s: {values}")
+    at = [names[0].index(name) for name in tiles]
     batch = dict(table_ptr=table([[t.data_ptr() for t in pointers(c)] for c in calls], device, keep),
                  params_ptr=table(values, device, keep),
                  BATCHED=True, TABLE_W=len(names[0]), PARAMS_W=len(names[1]),
-                 ALIGNED=all(aligned(pointers(c), hinted(c)) for c in calls))
+                 ALIGNED=all(aligned([pointers(c)[i] for i in at], hinted(c)) for c in calls))
     check_width(batch, *names)
     return batch
 

@@ -146,6 +146,8 @@ SPLIT_PARAMS = ("stride_kh", "stride_vh", "stride_nkh", "stride_nvh", "stride_or
                 "first", "indexed", "m_rows", "spread", "dense_len")
 MERGE_POINTERS = ("part_out", "part_lse", "indptr", "q_pos", "out", "lse", "fresh", "kept", "read", "elements",
                   "scores", "best")
+SPLIT_TILES = ("q", "k", "v", "k_new", "v_new", "part_out", "part_lse")  # the entries taken as aligned (ALIGNED)
+MERGE_TILES = ("part_out", "part_lse", "out", "lse")
 MERGE_PARAMS = ("chunk", "k_start", "n_new", "m_rows", "n_elements", "n_units", "stride_scores", "stride_best",
                 "spread", "dense_len", "stride_oh", "stride_ol")
 
@@ -279,7 +281,7 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
                       DENSE=c.dense, FOLLOW=c.follows, HAS_ORDER=c.has_order, PROBES=follow_ops.PROBES,
                       ROUNDS=max(follow_ops.search_rounds(x.num_keys) for x in calls), FIT=FIT_ITEMS)
     batch = batch_tables(calls, _Call.split_pointers, _Call.split_params, (SPLIT_POINTERS, SPLIT_PARAMS), c.q.device,
-                         keep, hinted=lambda x: x.split_params()[:4], int32=False) if batched else {}
+                         keep, hinted=lambda x: x.split_params()[:4], int32=False, tiles=SPLIT_TILES) if batched else {}
     union_attn_fwd_kernel[(triton.cdiv(c.num_m, c.cfg.block_m), workers, len(calls))](
         c.q, c.k, c.v, c.indptr, c.indices, c.k_new, c.v_new, c.q_pos, *c.follow_args, c.part_out, c.part_lse,
         *c.q.stride(), *c.k.stride(), *c.v.stride(), *c.k_new.stride(), *c.v_new.stride(), c.q_pos.stride(0),
@@ -290,7 +292,7 @@ def _launch(calls: list[_Call], keep: list | None = None) -> None:
     )
     block_d = min(d, sparse_ops.MERGE_BLOCK_D)
     batch = batch_tables(calls, _Call.merge_pointers, _Call.merge_params, (MERGE_POINTERS, MERGE_PARAMS), c.q.device,
-                         keep, hinted=lambda x: x.out.stride()[:2], int32=False) if batched else {}
+                         keep, hinted=lambda x: x.out.stride()[:2], int32=False, tiles=MERGE_TILES) if batched else {}
     union_merge_kernel[(triton.cdiv(c.num_m, c.merge_block_m), c.rows * len(calls), d // block_d)](
         c.part_out, c.part_lse, c.indptr, c.q_pos, c.out, c.lse, c.follow_args[2], *c.tally_args,
         c.rows, hq // c.rows, lq, c.cfg.chunk, c.k_start, c.k_new.shape[1], c.q_pos.stride(0), c.out.stride(0),

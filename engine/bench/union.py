@@ -1,7 +1,7 @@
 """A decode step's attention at one layer: the union kernel against the kernels it replaces.
 
     python -m engine.bench.union [--shape llama3-8b] [--context 131072] [--budget 0.1] [--follow 72] [--run 64]
-                                 [--sweep] [--out FILE]
+                                 [--sweep] [--batch B] [--out FILE]
 
 One global layer of the shape (random bf16 K/V, Hq/Hkv heads), one query token: a selection of `budget` of the
 keys per KV head in contiguous runs (a clustered layout's ranges), `follow` follow rows through a layout order, and
@@ -11,7 +11,9 @@ a new-token buffer with `--new` visible slots. Times, replayed from CUDA graphs,
 selection and for every key (full attention); checks that both give the same output. Prints one JSON document (us
 per call), with the registers and spills of the kernels where Triton reports them. `--sweep` also times the union
 kernel over the selection at every split-KV tiling of SWEEP (kernels.sparse_ops.DecodeTiles: keys per inner step,
-warps, pipeline stages, workers per SM), fastest first, each checked against the default's output.
+warps, pipeline stages, workers per SM), fastest first, each checked against the default's output. `--batch B` also
+times B sequences over contexts of their own (a batched decode step's attention at one layer): one shared launch of
+each union kernel against a launch each (`batched`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,44 @@ def registers(kernel) -> list[dict]:
     return found
 
 
+def batched(batch: int, shape: dict, n: int, budget: float, run: int, new: int, gen: torch.Generator,
+            device: torch.device) -> dict:
+    """`batch` sequences, each over K/V of n keys of its own with its own selection and new-token buffers, their
+    query positions sliced out of one [batch] tensor as a captured batched step's are (engine.model.batch_graph):
+    us of union_attention_batch (one split and one merge launch for all) and of a union_attention each, one after
+    another, for the selections and for every key; both checked against each other."""
+    hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
+    positions = torch.full((batch,), n + new - 1, device=device)
+    q = torch.randn(batch, hq, 1, d, device=device, dtype=torch.bfloat16)
+    out = torch.empty(batch, 1, hq, d, device=device, dtype=torch.bfloat16)
+    seqs = [dict(k=torch.randn(hkv, n, d, device=device, dtype=torch.bfloat16),
+                 v=torch.randn(hkv, n, d, device=device, dtype=torch.bfloat16),
+                 k_new=torch.randn(hkv, 256, d, device=device, dtype=torch.bfloat16),
+                 v_new=torch.randn(hkv, 256, d, device=device, dtype=torch.bfloat16),
+                 selection=clustered_selection(hkv, n, budget, run, gen, device)) for _ in range(batch)]
+    keep: list = []  # the tables' host copies, alive as long as the graphs that captured their upload
+    found = {}
+    for case, sparse in (("selection", True), ("every key", False)):
+        calls = [union_ops.UnionCall(q[b], s["k"], s["v"], s["selection"] if sparse else None, d ** -0.5, s["k_new"],
+                                     s["v_new"], positions[b : b + 1], n, None, out[b].transpose(0, 1))
+                 for b, s in enumerate(seqs)]
+
+        def shared(calls=calls):
+            union_ops.union_attention_batch(calls, keep)
+            return out
+
+        def each(calls=calls):
+            for call in calls:
+                union_ops.union_attention(*call.args())
+            return out
+
+        a = shared().float().clone()
+        error = float((each().float() - a).abs().max())
+        found[case] = {"shared_us": round(bench_graph(shared) * 1e3, 2), "each_us": round(bench_graph(each) * 1e3, 2),
+                       "max_abs_diff": error}
+    return {"sequences": batch, **found}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.bench.union", description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="llama3-8b")
@@ -88,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="kernels.union_ops.MAX_REGISTERS values to time (0: no cap)")
     parser.add_argument("--run", type=int, default=64, help="keys per run of the selection (a cluster, a page)")
     parser.add_argument("--sweep", action="store_true", help="also time the split launch's tilings (SWEEP)")
+    parser.add_argument("--batch", type=int, default=0,
+                        help="also time this many sequences over contexts of their own: one shared launch of each "
+                             "union kernel (union_attention_batch) against a launch each, one after another")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -137,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
 
         result["default_tiles"] = asdict(sparse_ops.DecodeTiles())
         result["sweep"] = sweep(tiled, tiled(sparse_ops.DecodeTiles()).float().clone())
+    if args.batch:
+        union_ops.MAX_REGISTERS = caps[0]
+        result["batch"] = batched(args.batch, shape, n, args.budget, args.run, args.new, gen, device)
     result["registers"] = {"union_attn_fwd_kernel": registers(union_attn_fwd_kernel),
                            "sparse_attn_fwd_kernel": registers(sparse_attn_fwd_kernel)}
     emit(result, args.out)

@@ -39,7 +39,7 @@ def append_tokens_kernel(
         at = table_ptr + b * TABLE_W
         kb_ptr = table_pointer(at, 0, kb_ptr, ALIGNED)
         vb_ptr = table_pointer(at, 1, vb_ptr, ALIGNED)
-        count_ptr = table_pointer(at, 2, count_ptr, ALIGNED)
+        count_ptr = table_pointer(at, 2, count_ptr)
         values = params_ptr + b * PARAMS_W
         stride_kbh = table_stride(values, 0, ALIGNED)
         stride_kbn = table_stride(values, 1, ALIGNED)

@@ -68,10 +68,10 @@ def _sequence(table_ptr, params_ptr, seq, q_ptr, cent_ptr, counts_ptr, step_ptr,
     at = table_ptr + seq * TABLE_W
     row = params_ptr + seq * PARAMS_W
     return (table_pointer(at, 0, q_ptr, ALIGNED), table_pointer(at, 1, cent_ptr, ALIGNED),
-            table_pointer(at, 2, counts_ptr, ALIGNED), table_pointer(at, 3, step_ptr, ALIGNED),
+            table_pointer(at, 2, counts_ptr), table_pointer(at, 3, step_ptr),
             table_pointer(at, 4, part_max_ptr, ALIGNED), table_pointer(at, 5, part_sum_ptr, ALIGNED),
             table_pointer(at, 6, s_ptr, ALIGNED),
-            table_pointer(at, 7, valid_ptr, ALIGNED), table_pointer(at, 8, hist_ptr, ALIGNED), _int(row, 0),
+            table_pointer(at, 7, valid_ptr), table_pointer(at, 8, hist_ptr), _int(row, 0),
             _int(row, 1), _stride(row, 2, ALIGNED), _stride(row, 3, ALIGNED), _stride(row, 4, ALIGNED),
             _stride(row, 5, ALIGNED), _int(row, 6), _int(row, 7), _float(row, 8))
 
@@ -504,9 +504,9 @@ def centroid_score_kernel(
         at = table_ptr + tl.program_id(2) * TABLE_W
         keep_ptr = table_pointer(at, 9, keep_ptr, ALIGNED)
         score_ptr = table_pointer(at, 10, score_ptr, ALIGNED)
-        starts_ptr = table_pointer(at, 11, starts_ptr, ALIGNED)
-        block_sums_ptr = table_pointer(at, 12, block_sums_ptr, ALIGNED)
-        on_ptr = table_pointer(at, 13, on_ptr, ALIGNED)
+        starts_ptr = table_pointer(at, 11, starts_ptr)
+        block_sums_ptr = table_pointer(at, 12, block_sums_ptr)
+        on_ptr = table_pointer(at, 13, on_ptr)
         at = params_ptr + tl.program_id(2) * PARAMS_W
         NPROG = _int(at, 9)
         NB = _int(at, 10)
@@ -566,8 +566,8 @@ def centroid_score_kernel(
     if HAS_HIST:
         if BATCHED:  # the cut's own values, read once the scores are in (not held through the loop)
             at = table_ptr + tl.program_id(2) * TABLE_W
-            cut_ptr = table_pointer(at, 14, cut_ptr, ALIGNED)
-            listed_ptr = table_pointer(at, 15, listed_ptr, ALIGNED)
+            cut_ptr = table_pointer(at, 14, cut_ptr)
+            listed_ptr = table_pointer(at, 15, listed_ptr)
             at = params_ptr + tl.program_id(2) * PARAMS_W
             M = _int(at, 14)
             lo = _int(at, 15)
@@ -738,11 +738,11 @@ def centroid_cut_kernel(
     if BATCHED:
         at = table_ptr + tl.program_id(2) * TABLE_W
         score_ptr = table_pointer(at, 0, score_ptr, ALIGNED)
-        counts_ptr = table_pointer(at, 1, counts_ptr, ALIGNED)
-        cut_ptr = table_pointer(at, 2, cut_ptr, ALIGNED)
+        counts_ptr = table_pointer(at, 1, counts_ptr)
+        cut_ptr = table_pointer(at, 2, cut_ptr)
         keep_ptr = table_pointer(at, 3, keep_ptr, ALIGNED)
-        starts_ptr = table_pointer(at, 4, starts_ptr, ALIGNED)
-        block_sums_ptr = table_pointer(at, 5, block_sums_ptr, ALIGNED)
+        starts_ptr = table_pointer(at, 4, starts_ptr)
+        block_sums_ptr = table_pointer(at, 5, block_sums_ptr)
         at = params_ptr + tl.program_id(2) * PARAMS_W
         C = _int(at, 0)
         NB = _int(at, 1)

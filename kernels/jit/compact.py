@@ -87,12 +87,12 @@ def expand_groups_kernel(
     if BATCHED:
         at = table_ptr + tl.program_id(2) * TABLE_W
         keep_ptr = table_pointer(at, 0, keep_ptr, ALIGNED)
-        starts_ptr = table_pointer(at, 1, starts_ptr, ALIGNED)
-        block_sums_ptr = table_pointer(at, 2, block_sums_ptr, ALIGNED)
-        indptr_ptr = table_pointer(at, 3, indptr_ptr, ALIGNED)
+        starts_ptr = table_pointer(at, 1, starts_ptr)
+        block_sums_ptr = table_pointer(at, 2, block_sums_ptr)
+        indptr_ptr = table_pointer(at, 3, indptr_ptr)
         out_ptr = table_pointer(at, 4, out_ptr, ALIGNED)
-        fixed_ptr = table_pointer(at, 5, fixed_ptr, ALIGNED)
-        fixed_on_ptr = table_pointer(at, 6, fixed_on_ptr, ALIGNED)
+        fixed_ptr = table_pointer(at, 5, fixed_ptr)
+        fixed_on_ptr = table_pointer(at, 6, fixed_on_ptr)
         at = params_ptr + tl.program_id(2) * PARAMS_W
         G = tl.load(at).to(tl.int32)  # (int32, as a lone launch passes them)
         NB = tl.load(at + 1).to(tl.int32)
