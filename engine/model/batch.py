@@ -21,9 +21,9 @@ from engine.model.load import LoadedModel
 # another: a benchmark's switch (squeeze bench serve --no-concurrent)
 CONCURRENT = True
 # Whether a batch's lookups and attentions at a global layer share their kernels' launches (BatchStep.shared): off,
-# slower than streams where measured (engine/bench/README.md, "Several users on one GPU": 8 x 32K on an H100 at commit
-# 7a63025, whose batched kernels' loads were not vectorised: 21.0 against 10.5 ms a step); `squeeze bench serve
-# --steps N` times both
+# slower than streams where measured (engine/bench/README.md, "Several users on one GPU": 4 x 32K on an H200 at commit
+# 9997d08, 8.49 against 7.23 ms a step, though the shared union launch alone beats a launch per sequence); `squeeze
+# bench serve --steps N` times both
 SHARED_LAUNCHES = False
 
 
