@@ -54,6 +54,9 @@ def append_tokens_batch(k: torch.Tensor, v: torch.Tensor, k_bufs: list[torch.Ten
     if v.shape != k.shape or not len(k_bufs) == len(v_bufs) == len(counts) == batch:
         raise ValueError(f"k, v [B, Hkv, n, D] {tuple(k.shape)} {tuple(v.shape)} and {len(k_bufs)}, {len(v_bufs)}, "
                          f"{len(counts)} buffers and counts disagree")
+    if batch == 1:  # a lone launch: no tables to upload
+        append_tokens(k[0], v[0], k_bufs[0], v_bufs[0], counts[0])
+        return
     fits = [_check(k[b], v[b], k_bufs[b], v_bufs[b], counts[b]) for b in range(batch)]
     if not all(fits) or len({(t.dtype, t.device) for t in (*k_bufs, *v_bufs)}) != 1:
         reference.append_tokens_batch(k, v, k_bufs, v_bufs, counts, keep)

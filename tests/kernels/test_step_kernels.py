@@ -78,6 +78,11 @@ def test_a_batch_of_appends_in_one_launch_writes_each_sequence_as_alone(n, d, dt
         torch.testing.assert_close(ours[b][0], alone[b][0], atol=0, rtol=0)
         torch.testing.assert_close(ours[b][1], alone[b][1], atol=0, rtol=0)
         torch.testing.assert_close(ours[b][1][:, starts[b] : starts[b] + n], v[b].to(dtype), atol=0, rtol=0)
+    one = buffers(hkv, 8, d, dtype, 7)
+    count = torch.tensor([1], device=DEVICE)
+    append_ops.append_tokens_batch(k[:1], v[:1], [one[0]], [one[1]], [count])  # a batch of one: a lone launch
+    assert count.item() == 1 + n
+    torch.testing.assert_close(one[0][:, 1 : 1 + n], k[0].to(dtype), atol=0, rtol=0)
     big = torch.randn(2, hkv, append_ops.MAX_ROWS, d, device=DEVICE)
     bufs = [buffers(hkv, append_ops.MAX_ROWS, d, torch.float32, 9 + b) for b in range(2)]
     counts = [torch.zeros(1, dtype=torch.int64, device=DEVICE) for _ in range(2)]
