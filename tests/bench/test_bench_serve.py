@@ -58,7 +58,7 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     for name, entry in report["methods"].items():
         assert entry["same_answers"] == 2, name
         assert all(u["tokens"] == 4 for u in entry["per_user"])  # a shape's turns never end early
-        assert entry["step_ms"]["together"] > 0 and entry["step_ms"]["alone"] > 0
+        assert entry["step_ms"]["together"] > 0 and entry["step_ms"]["alone"] > 0 and entry["first_round_s"] > 0
         scheduler = entry["scheduler"]  # the users' turns admitted one by one, then stepped together
         assert scheduler["starts"]["count"] == 2 and scheduler["starts"]["total_s"] > 0
         assert "2" in scheduler["steps"] and all(s["count"] > 0 and s["median_ms"] > 0
