@@ -283,20 +283,22 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
     """The median ms of a decode step of one turn and of len(contexts) turns answered together (one over each
     context, already open: engine.context.batching.TurnBatch, captured steps on a GPU), with a batch's sequences
     attending at once on streams of their own ("concurrent_ms"), so and with their union kernels in shared launches
-    ("shared_ms"), and one after another ("one_after_another_ms"; engine.model.batch.CONCURRENT, SHARED_LAUNCHES),
+    ("shared_ms"), one after another ("one_after_another_ms"; engine.model.batch.CONCURRENT, SHARED_LAUNCHES), and on
+    streams with each step launched before the previous one's tokens are read back ("ahead_ms"; TurnBatch.ahead),
     `steps` steps each after two (the capture's); a step counts only while every turn is under way; and one turn
-through its session's own path ("session_ms" of one turn: session_step_ms). profile: also
-    run PROFILED_STEPS more steps of the full batch in each way under torch.profiler, appending its kernels' table to
-    that file, and report where the GPU was busy and idle in them (key "profiled": way -> ms a step)."""
+    through its session's own path ("session_ms" of one turn: session_step_ms). profile: also run PROFILED_STEPS
+    more steps of the full batch in each way under torch.profiler, appending its kernels' table to that file, and
+    report where the GPU was busy and idle in them (key "profiled": way -> ms a step)."""
     out = {}
-    modes = {"concurrent_ms": (True, False), "shared_ms": (True, True), "one_after_another_ms": (False, False)}
+    modes = {"concurrent_ms": (True, False, False), "shared_ms": (True, True, False),
+             "one_after_another_ms": (False, False, False), "ahead_ms": (True, False, True)}
     settings = batching.CONCURRENT, batching.SHARED_LAUNCHES
-    for name, (concurrent, shared) in modes.items():
+    for name, (concurrent, shared, ahead) in modes.items():
         batching.CONCURRENT, batching.SHARED_LAUNCHES = concurrent, shared
         for size in sorted({1, len(contexts)}):
             turns = [engine.session(c).turn(question, method, SPARSITY, steps + 8 + PROFILED_STEPS)
                      for c in contexts[:size]]
-            batch = TurnBatch(engine.lm)
+            batch = TurnBatch(engine.lm, ahead=ahead)
             for turn in turns:
                 batch.join(turn)
             times = []

@@ -8,7 +8,9 @@ choice a turn's tokens are those it gets alone (tests/engine/test_batching.py). 
 its steps from CUDA graphs (one GPU), the batch's step is captured too (engine.model.batch_graph.BatchGraph), anew
 each time a turn joins or leaves, and replayed while the same turns stay; elsewhere (the CPU) every call runs
 eagerly. A joining question's prefill runs as a lone turn's does (replayed at a padded length where its session has
-graphs and it fits one call).
+graphs and it fits one call). With `TurnBatch.ahead` each step is launched before the previous one's tokens are read
+back, as a lone turn's replayed steps are (engine.model.generate): a turn that leaves (its end-of-sequence token, its
+reader gone) has then run one step more than it answers, which its statistics count.
 """
 
 from __future__ import annotations
@@ -22,12 +24,42 @@ from engine.model.generate import QuestionPrefill
 from engine.model.load import LoadedModel
 from engine.model.sampling import choose
 
+# Whether a GPU's batch launches each step before reading the previous one's tokens back (TurnBatch.ahead): off until
+# measured; a lone turn's own path does it (engine.model.generate), and a batch of one that does not was 4% slower a
+# step there (engine/bench/README.md, "Several users on one GPU": session_ms)
+AHEAD = False
+
+
+class _Launched:
+    """A step launched for `turns` (in the batch's order then): chosen [B] int64 each turn's token on the device,
+    copied into pinned host memory behind the step without waiting (on a GPU); positions: each turn's input
+    position; graph: the batch graph it replayed (None: run eagerly)."""
+
+    def __init__(self, turns: list[Turn], chosen: torch.Tensor, positions: list[int], graph: BatchGraph | None):
+        self.turns, self.chosen, self.positions, self.graph = turns, chosen, positions, graph
+        self._host, self._event = chosen, None
+        if chosen.device.type == "cuda":
+            self._host = torch.empty(chosen.shape, dtype=chosen.dtype, pin_memory=True)
+            self._host.copy_(chosen, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def values(self) -> list[int]:
+        """The turns' tokens, once the step has run (waits for it alone, not for a step launched after it)."""
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.tolist()
+
 
 class TurnBatch:
-    """The turns being answered together over one model."""
+    """The turns being answered together over one model. ahead: launch each step before the previous one's tokens
+    are read back, so that the GPU does not wait for the host between steps (None: AHEAD on a GPU; on the CPU a
+    step computed ahead only delays the tokens of the one before)."""
 
-    def __init__(self, lm: LoadedModel):
+    def __init__(self, lm: LoadedModel, ahead: bool | None = None):
         self.lm = lm
+        self.ahead = ahead if ahead is not None else AHEAD and lm.device.type == "cuda"
+        self._ahead: _Launched | None = None  # the step launched ahead, not read back yet
         self.turns: list[Turn] = []  # the turns taking a token a step, in the order they joined
         self.joining: list[tuple[Turn, QuestionPrefill]] = []  # turns whose long question is still being prefilled
         self._next: dict[int, tuple[torch.Tensor, int]] = {}  # id(turn) -> (its next input token [1], position)
@@ -59,50 +91,73 @@ class TurnBatch:
     def step(self) -> list[tuple[Turn, Delta | None]]:
         """One forward call over every turn's last token: each turn with the piece its next token shows. Turns
         whose answer ended leave the batch (turn.done). Before it, the next call of the first joining turn's
-        prefill; the step it ends at gives that turn its first token (and piece) too."""
+        prefill; the step it ends at gives that turn its first token (and piece) too. With `ahead`, the next step
+        is launched before this one's tokens are read back (where every turn can take one more token and none
+        joins or leaves in between): this call's step may be the one the previous call launched."""
         out = []
         if self.joining:
             turn, prefill = self.joining[0]
             if prefill.advance():
                 self.joining.pop(0)
                 out.append((turn, self._first(turn, prefill)))
-        if not self.turns:
-            return out
-        inputs = [self._next[id(t)] for t in self.turns]
-        with torch.inference_mode():
-            if self._replayable():
-                tokens = self._replayed(inputs)
-            else:
-                logits = forward_batch(self.lm, [t.step for t in self.turns], torch.cat([tok for tok, _ in inputs]),
-                                       [pos for _, pos in inputs])
-                tokens = [choose(logits[b : b + 1], t.sampler) for b, t in enumerate(self.turns)]
-            values = torch.cat(tokens).tolist()  # (one read back for the batch)
-        for turn, token, value, (_, position) in zip(list(self.turns), tokens, values, inputs):
-            out.append((turn, turn.feed(value)))
+        current, self._ahead = self._ahead, None
+        if current is None:
+            if not self.turns:
+                return out
+            with torch.inference_mode():
+                current = self._launch()
+        if self.ahead and self._graph is current.graph and _same(current.turns, self.turns) and all(
+                len(t.generated) + 1 < t.max_new_tokens for t in current.turns):
+            with torch.inference_mode():
+                self._ahead = self._launch_after(current)
+        values = current.values()  # (one read back for the batch: its step alone)
+        for b, turn in enumerate(current.turns):
+            if not any(t is turn for t in self.turns):  # it left while its step ran
+                continue
+            out.append((turn, turn.feed(values[b])))
             if turn.done:
                 self.leave(turn)
             else:
-                self._next[id(turn)] = (token, position + 1)
+                self._next[id(turn)] = (current.chosen[b : b + 1], current.positions[b] + 1)
         return out
 
     def _replayable(self) -> bool:
         """Whether the step is captured: every turn's session replays its own steps (one GPU, the Triton kernels)."""
         return all(t.step.graphs is not None for t in self.turns)
 
-    def _replayed(self, inputs: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-        """The step from the batch's graph (captured first where the turns changed: its warm step is this one).
-        Returns each turn's token [1] int64 on the device: greedy, or its sampler's (fed to the next step)."""
+    def _launch(self) -> _Launched:
+        """The step of every turn from its last token: replayed from the batch's graph (captured first where the
+        turns changed: its warm step is this one), or run eagerly (the CPU)."""
+        inputs = [self._next[id(t)] for t in self.turns]
+        tokens, positions = torch.cat([tok for tok, _ in inputs]), [pos for _, pos in inputs]
+        if not self._replayable():
+            logits = forward_batch(self.lm, [t.step for t in self.turns], tokens, positions)
+            chosen = torch.cat([choose(logits[b : b + 1], t.sampler) for b, t in enumerate(self.turns)])
+            return _Launched(list(self.turns), chosen, positions, None)
         if self._graph is None:
             self._graph = BatchGraph(self.lm, [t.step for t in self.turns])
-            logits = self._graph.warm_and_capture(torch.cat([tok for tok, _ in inputs]), [pos for _, pos in inputs])
+            logits = self._graph.warm_and_capture(tokens, positions)
         else:
             logits = self._graph.replay()
+        return self._picked(logits, positions)
+
+    def _launch_after(self, current: _Launched) -> _Launched:
+        """The step after `current` (launched from the same graph, not read back yet): its inputs are the tokens
+        `current` chose, already in the graph's buffers, or, eagerly, taken from them."""
+        positions = [p + 1 for p in current.positions]
+        if current.graph is None:
+            logits = forward_batch(self.lm, [t.step for t in current.turns], current.chosen, positions)
+            chosen = torch.cat([choose(logits[b : b + 1], t.sampler) for b, t in enumerate(current.turns)])
+            return _Launched(list(current.turns), chosen, positions, None)
+        return self._picked(self._graph.replay(), positions)
+
+    def _picked(self, logits: torch.Tensor, positions: list[int]) -> _Launched:
+        """A replayed step's tokens: greedy (the graph's own), or each sampled turn's pick fed to the next step."""
         graph = self._graph
         for b, turn in enumerate(self.turns):
             if turn.sampler is not None:  # (a greedy turn's token is the next step's input already)
                 graph.feed(b, turn.sampler.pick(logits[b : b + 1]))
-        chosen = graph.ids.clone()  # [B]: what the step chose, kept past the next replay
-        return [chosen[b : b + 1] for b in range(len(self.turns))]
+        return _Launched(list(self.turns), graph.ids.clone(), positions, graph)  # [B]: kept past the next replay
 
     def _drop_graph(self) -> None:
         """The turns change: the captured step's statistics go to its turns' recorders, and the next step is
@@ -118,4 +173,11 @@ class TurnBatch:
             self._drop_graph()
             self.turns.remove(turn)
             del self._next[id(turn)]
+            if not self.turns:  # a step launched ahead has no one left to answer
+                self._ahead = None
         self.joining = [(t, p) for t, p in self.joining if t is not turn]
+
+
+def _same(a: list[Turn], b: list[Turn]) -> bool:
+    """Whether two lists hold the same turns in the same order."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))

@@ -59,7 +59,11 @@ def _run(batch: TurnBatch, joining: list, cancel_after: dict[int, int]) -> dict[
     return out
 
 
-def test_turns_answered_together_answer_as_alone(tiny_model_path):
+@pytest.mark.parametrize("ahead", [False, True])
+def test_turns_answered_together_answer_as_alone(tiny_model_path, ahead):
+    """Turns joining and leaving a batch answer as alone; with `ahead` each step is computed before the previous
+    one's tokens are read (the GPU's way, here eagerly): a step already run for a turn that leaves is dropped, and a
+    turn that joins meanwhile starts at the step after it."""
     from engine.model.load import load_model
 
     lm = load_model(str(tiny_model_path), device="cpu")
@@ -71,7 +75,7 @@ def test_turns_answered_together_answer_as_alone(tiny_model_path):
     seen: set = set()
     # the first two join at once, the third after two steps, the fourth after three; the second leaves after 4
     joining = [(at, key, _turn(sessions, seen, *SEQUENCES[key])) for at, key in ((0, 0), (0, 1), (2, 2), (3, 3))]
-    got = _run(TurnBatch(lm), joining, cancel_after={1: 4})
+    got = _run(TurnBatch(lm, ahead=ahead), joining, cancel_after={1: 4})
     assert set(got) == set(alone)
     for key, (text, tokens, answer_text, _) in got.items():
         want_tokens, want_text = alone[key]
