@@ -3,13 +3,14 @@ with every method, and the run reports what each user waited for and what the mo
 
     squeeze bench serve [--model M | --shape llama3-8b --context 32768] [--device cpu|cuda|auto] [--users 4]
                         [--documents N] [--tokens 48] [--methods squeeze,full] [--batch B] [--steps N]
-                        [--no-concurrent] [--shared-launches] [--out FILE]
+                        [--stagger] [--no-concurrent] [--shared-launches] [--out FILE]
 
 Documents: `assets/apache-2.0.txt` cut into --documents parts (default: one per user, each headed by its own
 number, so that no two users share a context), each cut to the model's context; with --shape (a random-weight
 model of engine.bench.e2e's shapes, read through the engine's byte tokenizer: its time is what it measures, its
 answers mean nothing) each document is --context bytes (one token each) of that text, from an offset of its own;
-questions: `assets/apache-2.0_questions.json`, user i the (i mod 6)-th. For each method, the users' contexts open
+questions: `assets/apache-2.0_questions.json`, user i the (i mod 6)-th; answers of --tokens at most each, or with
+--stagger of fewer the later the user (so that turns leave a batch one by one). For each method, the users' contexts open
 (up to the batch of them, as on a server that has answered on them before: opening one is its read from disk) and
 a first round of two tokens a user at once compiles the batch's kernels (its wall time: `first_round_s`), then the
 turns are asked at once from one thread each (engine.serve.service.Engine.stream: its scheduler answers up to its
@@ -184,16 +185,30 @@ def listen(events, t0: float) -> dict:
             "waited": waited, "tokens": len(answer.tokens), "text": answer.text}
 
 
-def ask_at_once(engine: Engine, asks: list[tuple[str, str]], method: str, tokens: int) -> tuple[list[dict], float]:
-    """Every (context, question) of `asks` asked at the same moment, one thread each. Returns per user `listen`'s
-    figures (times from the common start) and the wall time of the whole."""
+def per_user(tokens: int | list[int], users: int) -> list[int]:
+    """Each user's answer tokens at most: `tokens` for all, or a list of one each."""
+    return [tokens] * users if isinstance(tokens, int) else list(tokens)
+
+
+def staggered(tokens: int, users: int) -> list[int]:
+    """Answer lengths that end at different steps: user i's at most tokens - i * tokens // (2 * users) (at least
+    2), so that turns answered together leave one by one."""
+    return [max(2, tokens - i * tokens // (2 * users)) for i in range(users)]
+
+
+def ask_at_once(engine: Engine, asks: list[tuple[str, str]], method: str,
+                tokens: int | list[int]) -> tuple[list[dict], float]:
+    """Every (context, question) of `asks` asked at the same moment, one thread each, its answer at most `tokens`
+    tokens (a number each: per_user). Returns per user `listen`'s figures (times from the common start) and the
+    wall time of the whole."""
     results: list[dict] = [{} for _ in asks]
     start = threading.Event()
+    most = per_user(tokens, len(asks))
 
     def user(i: int) -> None:
         context_id, question = asks[i]
         start.wait()
-        results[i] = listen(engine.stream(context_id, question, method, SPARSITY, tokens), time.perf_counter())
+        results[i] = listen(engine.stream(context_id, question, method, SPARSITY, most[i]), time.perf_counter())
 
     threads = [threading.Thread(target=user, args=(i,)) for i in range(len(asks))]
     for t in threads:
@@ -205,12 +220,13 @@ def ask_at_once(engine: Engine, asks: list[tuple[str, str]], method: str, tokens
     return results, time.perf_counter() - t0
 
 
-def one_at_a_time(engine: Engine, asks: list[tuple[str, str]], method: str, tokens: int) -> tuple[list[dict], float]:
+def one_at_a_time(engine: Engine, asks: list[tuple[str, str]], method: str,
+                  tokens: int | list[int]) -> tuple[list[dict], float]:
     """The same asks, each alone after the previous one: per user `listen`'s figures (times from the run's start:
     a user's wait for the ones before it included) and the wall time."""
     t0 = time.perf_counter()
-    results = [listen(engine.stream(context_id, question, method, SPARSITY, tokens), t0)
-               for context_id, question in asks]
+    results = [listen(engine.stream(context_id, question, method, SPARSITY, most), t0)
+               for (context_id, question), most in zip(asks, per_user(tokens, len(asks)))]
     return results, time.perf_counter() - t0
 
 
@@ -374,9 +390,11 @@ def run(args: argparse.Namespace) -> dict:
         lm = engine.lm
         asks = [(contexts[i % len(contexts)], asked[i % len(asked)]) for i in range(args.users)]
         batch = engine.scheduler.max_batch
+        lengths = staggered(args.tokens, args.users) if args.stagger else [args.tokens] * args.users
         out = {"bench": "serve", "device": device_name(lm.device), "model": lm.model_id, "shape": args.shape,
                "users": args.users, "documents": len(contexts), "context_tokens": [c.tokens for c in ingested],
                "ingest_s": stages, "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
+               "tokens_per_user": lengths,
                "concurrent": batching.CONCURRENT, "shared_launches": batching.SHARED_LAUNCHES,
                "bandwidth_gbs": round(copy_bandwidth(lm.device), 1),
                "methods": {}}
@@ -393,11 +411,11 @@ def run(args: argparse.Namespace) -> dict:
                 torch.cuda.reset_peak_memory_stats(lm.device)
             profiler = engine.scheduler.profiler = cProfile.Profile() if args.profile else None
             timeline = engine.scheduler.timeline = []
-            together, wall = ask_at_once(engine, asks, method, args.tokens)
+            together, wall = ask_at_once(engine, asks, method, lengths)
             engine.scheduler.profiler = engine.scheduler.timeline = None
             if profiler is not None:
                 write_profile(profiler, method, args.profile)
-            alone, alone_wall = one_at_a_time(engine, asks, method, args.tokens)
+            alone, alone_wall = one_at_a_time(engine, asks, method, lengths)
             entry = comparison(together, wall, alone, alone_wall)
             entry["step_ms"] = {"together": step_ms(together), "alone": step_ms(alone)}
             entry["scheduler"] = steps_by_batch(timeline)
@@ -423,6 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=32768, help="with --shape: each document's tokens")
     parser.add_argument("--profile", default=None,
                         help="write the scheduler thread's Python profile of each method's users at once to this file")
+    parser.add_argument("--stagger", action="store_true",
+                        help="user i's answer at most tokens - i * tokens // (2 * users) tokens: answers end at "
+                             "different steps, so that turns leave the batch one by one")
     parser.add_argument("--steps", type=int, default=0,
                         help="also time this many decode steps of one turn and of a batch of turns over the open "
                              "contexts, sequences attending at once and one after another (batch_steps)")

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.bench.serve import main, percentile
+from engine.bench.serve import main, percentile, staggered
 from tests.support.tiny_models import make_tiny_model
 
 
@@ -43,11 +43,12 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     scheduler's steps by batch size and its turns' starts, and with --profile the scheduler thread's profile of each
     method's users at once, through the batched forward; with --steps the median step of one turn and of the batch
     in each way a batch attends (and of one turn through its session's own path), and with --kernel-profile the
-    profiler's table of the full batch's steps in each way."""
+    profiler's table of the full batch's steps in each way; with --stagger the users' answers end at different
+    steps."""
     out, profile, kernels = tmp_path / "serve.json", tmp_path / "serve-profile.txt", tmp_path / "kernels.txt"
     assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
                  "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile),
-                 "--steps", "3", "--kernel-profile", str(kernels)]) == 0
+                 "--steps", "3", "--kernel-profile", str(kernels), "--stagger"]) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "random-tiny" and report["shape"] == "tiny"
     assert [set(stages) >= {"prefill", "saving"} for stages in report["ingest_s"]] == [True, True]
@@ -57,7 +58,8 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     assert report["context_tokens"] == [301, 301] and report["bandwidth_gbs"] > 0
     for name, entry in report["methods"].items():
         assert entry["same_answers"] == 2, name
-        assert all(u["tokens"] == 4 for u in entry["per_user"])  # a shape's turns never end early
+        # a shape's turns never end early: each answer as long as --stagger let it be (the second user's shorter)
+        assert [u["tokens"] for u in entry["per_user"]] == report["tokens_per_user"] == [4, 3]
         assert entry["step_ms"]["together"] > 0 and entry["step_ms"]["alone"] > 0 and entry["first_round_s"] > 0
         scheduler = entry["scheduler"]  # the users' turns admitted one by one, then stepped together
         assert scheduler["starts"]["count"] == 2 and scheduler["starts"]["total_s"] > 0
@@ -82,3 +84,8 @@ def test_a_shape_and_a_model_are_refused_together(capsys):
         main(["--shape", "tiny", "--model", "x", "--device", "cpu"])
     assert stop.value.code == 2
     assert "exclude each other" in capsys.readouterr().err
+
+
+def test_staggered_answers_end_one_after_another():
+    assert staggered(48, 8) == [48, 45, 42, 39, 36, 33, 30, 27]
+    assert staggered(4, 3) == [4, 4, 3] and min(staggered(2, 5)) == 2
