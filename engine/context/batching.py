@@ -131,9 +131,7 @@ class TurnBatch:
         inputs = [self._next[id(t)] for t in self.turns]
         tokens, positions = torch.cat([tok for tok, _ in inputs]), [pos for _, pos in inputs]
         if not self._replayable():
-            logits = forward_batch(self.lm, [t.step for t in self.turns], tokens, positions)
-            chosen = torch.cat([choose(logits[b : b + 1], t.sampler) for b, t in enumerate(self.turns)])
-            return _Launched(list(self.turns), chosen, positions, None)
+            return self._eager(tokens, positions)
         if self._graph is None:
             self._graph = BatchGraph(self.lm, [t.step for t in self.turns])
             logits = self._graph.warm_and_capture(tokens, positions)
@@ -146,10 +144,14 @@ class TurnBatch:
         `current` chose, already in the graph's buffers, or, eagerly, taken from them."""
         positions = [p + 1 for p in current.positions]
         if current.graph is None:
-            logits = forward_batch(self.lm, [t.step for t in current.turns], current.chosen, positions)
-            chosen = torch.cat([choose(logits[b : b + 1], t.sampler) for b, t in enumerate(current.turns)])
-            return _Launched(list(current.turns), chosen, positions, None)
+            return self._eager(current.chosen, positions)
         return self._picked(self._graph.replay(), positions)
+
+    def _eager(self, tokens: torch.Tensor, positions: list[int]) -> _Launched:
+        """The step of every turn from tokens [B] at `positions`, run eagerly: greedy or each turn's sampler."""
+        logits = forward_batch(self.lm, [t.step for t in self.turns], tokens, positions)
+        chosen = torch.cat([choose(logits[b : b + 1], t.sampler) for b, t in enumerate(self.turns)])
+        return _Launched(list(self.turns), chosen, positions, None)
 
     def _picked(self, logits: torch.Tensor, positions: list[int]) -> _Launched:
         """A replayed step's tokens: greedy (the graph's own), or each sampled turn's pick fed to the next step."""
