@@ -50,10 +50,11 @@ def batch_tables(calls: list, pointers, params, names: tuple[tuple[str, ...], tu
     if int32 and any(not INT32[0] <= v <= INT32[1] for row in values for v in row):
         raise ValueError(f"a batched launch's values are int32s: {values}")
     at = [names[0].index(name) for name in tiles]
-    batch = dict(table_ptr=table([[t.data_ptr() for t in pointers(c)] for c in calls], device, keep),
+    rows = [pointers(c) for c in calls]
+    batch = dict(table_ptr=table([[t.data_ptr() for t in row] for row in rows], device, keep),
                  params_ptr=table(values, device, keep),
                  BATCHED=True, TABLE_W=len(names[0]), PARAMS_W=len(names[1]),
-                 ALIGNED=all(aligned([pointers(c)[i] for i in at], hinted(c)) for c in calls))
+                 ALIGNED=all(aligned([row[i] for i in at], hinted(c)) for row, c in zip(rows, calls)))
     check_width(batch, *names)
     return batch
 

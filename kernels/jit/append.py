@@ -23,7 +23,7 @@ def append_tokens_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 3,
     PARAMS_W: tl.constexpr = 4,
-    ALIGNED: tl.constexpr = False,  # BATCHED: every buffer address and stride 16-aligned (tables.aligned)
+    ALIGNED: tl.constexpr = False,  # BATCHED: the buffers' addresses (APPEND_TILES) and strides 16-aligned
 ):
     """One program: rows = Hkv * n (row r = head r // n, token r % n) of k / v [Hkv, n, HEAD_DIM] (unit stride in D)
     stored at slot count + token of kb / vb [Hkv, capacity, HEAD_DIM], BLOCK_R rows at a time; then count += n (the

@@ -350,7 +350,7 @@ def centroid_denominator_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
-    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses (and q's and the centroids' strides) 16-aligned
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tiles' addresses (*_TILES), q's and the centroids' strides 16-aligned
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
     centroid blocks split, split + NSPLIT, ... (flash style, base 2: s2 = scale2 * q . C with scale2 = scale *
@@ -479,7 +479,7 @@ def centroid_score_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
-    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses (and q's and the centroids' strides) 16-aligned
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tiles' addresses (*_TILES), q's and the centroids' strides 16-aligned
 ):
     """Pass 2: for the unit's centroid blocks pid, pid + NPROG, ...: every row of the unit loops over its query rows,
     sums S = exp(s - log D) over them (mean over heads and tokens) and over its heads' last tokens, and writes
@@ -724,7 +724,7 @@ def centroid_cut_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
-    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses 16-aligned (kernels.tables.aligned)
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tiles' addresses (CUT_TILES) 16-aligned (kernels.tables.aligned)
 ):
     """A lookup cut at a number of keys, grid (row, centroid block of BLOCK_C): every program decides its block
     at the threshold the score pass wrote, as the score pass does with a threshold (keep = score > threshold and

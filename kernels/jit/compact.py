@@ -75,7 +75,7 @@ def expand_groups_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
-    ALIGNED: tl.constexpr = False,  # BATCHED: the tables' addresses 16-aligned (kernels.tables.aligned)
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tiles' addresses (EXPAND_TILES) 16-aligned (kernels.tables.aligned)
 ):
     """Grid (row, block of BLOCK_G groups); BATCHED: (row, block, B), the expansions of several lookups (each
     sequence's keep, starts, block sums, outputs, fixed lists, G, NB, tail and W from row b of the tables; its

@@ -101,7 +101,7 @@ def union_attn_fwd_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 13,  # len(SPLIT_POINTERS)
     PARAMS_W: tl.constexpr = 13,  # len(SPLIT_PARAMS)
-    ALIGNED: tl.constexpr = False,  # BATCHED: every table address and K/V head stride 16-aligned (tables.aligned)
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tiles' addresses (SPLIT_TILES) and K/V head strides 16-aligned
 ):
     """Grid (cdiv(M, BLOCK_M), workers), M = group * lq query rows per row; BATCHED: grid (cdiv(M, BLOCK_M), workers,
     B), sequence b's tensors and the values that differ between sequences read from row b of table and params
@@ -229,7 +229,7 @@ def union_merge_kernel(
     BATCHED: tl.constexpr = False,
     TABLE_W: tl.constexpr = 12,  # len(MERGE_POINTERS)
     PARAMS_W: tl.constexpr = 12,  # len(MERGE_PARAMS)
-    ALIGNED: tl.constexpr = False,  # BATCHED: every table address and out stride 16-aligned (tables.aligned)
+    ALIGNED: tl.constexpr = False,  # BATCHED: the tiles' addresses (MERGE_TILES) and out strides 16-aligned
 ):
     """Each row's items merged by log-sum-exp (the same plan as union_attn_fwd_kernel, derived on the device): its
     selection's BLOCK_I at a time, its few short items BLOCK_S at a time. Grid (cdiv(M, BLOCK_M), rows,
