@@ -5,24 +5,24 @@ with every method, and the run reports what each user waited for and what the mo
                         [--documents N] [--tokens 48] [--methods squeeze,full] [--batch B] [--steps N]
                         [--stagger] [--no-concurrent] [--shared-launches] [--out FILE]
 
-Documents: `assets/apache-2.0.txt` cut into --documents parts (default: one per user, each headed by its own
-number, so that no two users share a context), each cut to the model's context; with --shape (a random-weight
-model of engine.bench.e2e's shapes, read through the engine's byte tokenizer: its time is what it measures, its
-answers mean nothing) each document is --context bytes (one token each) of that text, from an offset of its own;
-questions: `assets/apache-2.0_questions.json`, user i the (i mod 6)-th; answers of --tokens at most each, or with
---stagger of fewer the later the user (so that turns leave a batch one by one). For each method, the users' contexts open
-(up to the batch of them, as on a server that has answered on them before: opening one is its read from disk) and
-a first round of two tokens a user at once compiles the batch's kernels (its wall time: `first_round_s`), then the
-turns are asked at once from one thread each (engine.serve.service.Engine.stream: its scheduler answers up to its
-batch together and queues the rest), and once more one after another (each alone, the reference: every answer must
-be the same text). Per user: the time to its first piece of answer (queue wait included) and to its end, its
-tokens; in all: time to first token p50 / p95, tokens per second of the whole run against one user at a time, the
-answers' agreement with their lone answers, the time per answer token after the first (p50 over the users:
-together, at the batch, and alone) beside the byte bound of a decode step at that batch and alone (the weights once,
-each turn's share of its document's K/V), the scheduler's steps by batch size, the peak GPU memory where there is
-one; with --steps N, the median decode step of one turn and of a full batch over the open contexts, their
-sequences attending at once (their union kernels in launches of their own or shared) and one after another
-(batch_steps). Ends with one JSON document on stdout.
+Documents: `assets/apache-2.0.txt` cut into --documents parts (default: one per user, each headed by its own number,
+so that no two users share a context), each cut to the model's context; with --shape (a random-weight model of
+engine.bench.e2e's shapes, read through the engine's byte tokenizer: its time is what it measures, its answers mean
+nothing) each document is --context bytes (one token each) of that text, from an offset of its own; questions:
+`assets/apache-2.0_questions.json`, user i the (i mod 6)-th; answers of --tokens at most each, or with --stagger of
+fewer the later the user (so that turns leave a batch one by one). For each method, the users' contexts open (up to
+the batch of them, as on a server that has answered on them before: opening one is its read from disk) and a first
+round of two tokens a user at once compiles the batch's kernels (its wall time: `first_round_s`), then the turns are
+asked at once from one thread each (engine.serve.service.Engine.stream: its scheduler answers up to its batch
+together and queues the rest), and once more one after another (each alone, the reference: every answer must be the
+same text). Per user: the time to its first piece of answer (queue wait included) and to its end, its tokens; in
+all: time to first token p50 / p95, tokens per second of the whole run against one user at a time, the answers'
+agreement with their lone answers, the time per answer token after the first (p50 over the users: together, at the
+batch, and alone) beside the byte bound of a decode step at that batch and alone (the weights once, each turn's
+share of its document's K/V), the scheduler's steps by batch size, the peak GPU memory where there is one; with
+--steps N, the median decode step of one turn and of a full batch over the open contexts, their sequences attending
+at once (their union kernels in launches of their own or shared) and one after another (batch_steps). Ends with one
+JSON document on stdout.
 """
 
 from __future__ import annotations
@@ -185,11 +185,6 @@ def listen(events, t0: float) -> dict:
             "waited": waited, "tokens": len(answer.tokens), "text": answer.text}
 
 
-def per_user(tokens: int | list[int], users: int) -> list[int]:
-    """Each user's answer tokens at most: `tokens` for all, or a list of one each."""
-    return [tokens] * users if isinstance(tokens, int) else list(tokens)
-
-
 def staggered(tokens: int, users: int) -> list[int]:
     """Answer lengths that end at different steps: user i's at most tokens - i * tokens // (2 * users) (at least
     2), so that turns answered together leave one by one."""
@@ -197,13 +192,12 @@ def staggered(tokens: int, users: int) -> list[int]:
 
 
 def ask_at_once(engine: Engine, asks: list[tuple[str, str]], method: str,
-                tokens: int | list[int]) -> tuple[list[dict], float]:
-    """Every (context, question) of `asks` asked at the same moment, one thread each, its answer at most `tokens`
-    tokens (a number each: per_user). Returns per user `listen`'s figures (times from the common start) and the
-    wall time of the whole."""
+                most: list[int]) -> tuple[list[dict], float]:
+    """Every (context, question) of `asks` asked at the same moment, one thread each, user i's answer at most
+    most[i] tokens. Returns per user `listen`'s figures (times from the common start) and the wall time of the
+    whole."""
     results: list[dict] = [{} for _ in asks]
     start = threading.Event()
-    most = per_user(tokens, len(asks))
 
     def user(i: int) -> None:
         context_id, question = asks[i]
@@ -221,12 +215,12 @@ def ask_at_once(engine: Engine, asks: list[tuple[str, str]], method: str,
 
 
 def one_at_a_time(engine: Engine, asks: list[tuple[str, str]], method: str,
-                  tokens: int | list[int]) -> tuple[list[dict], float]:
+                  most: list[int]) -> tuple[list[dict], float]:
     """The same asks, each alone after the previous one: per user `listen`'s figures (times from the run's start:
     a user's wait for the ones before it included) and the wall time."""
     t0 = time.perf_counter()
-    results = [listen(engine.stream(context_id, question, method, SPARSITY, most), t0)
-               for (context_id, question), most in zip(asks, per_user(tokens, len(asks)))]
+    results = [listen(engine.stream(context_id, question, method, SPARSITY, tokens), t0)
+               for (context_id, question), tokens in zip(asks, most)]
     return results, time.perf_counter() - t0
 
 
@@ -405,8 +399,9 @@ def run(args: argparse.Namespace) -> dict:
             for context_id in list(dict.fromkeys(c for c, _ in asks))[:batch]:  # open, as on a server that has
                 engine.ensure_methods(context_id, [method])  # answered on them: every method's run alike
                 engine.session(context_id)
-            _, first_wall = ask_at_once(engine, asks, method, 2)  # what a server's first users at once pay: the
-            # batch's kernels compiled (once a process), so that the timed run is the steady one
+            # what a server's first users at once pay: the batch's kernels compiled (once a process), so that the
+            # timed run is the steady one
+            _, first_wall = ask_at_once(engine, asks, method, [2] * len(asks))
             if lm.device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(lm.device)
             profiler = engine.scheduler.profiler = cProfile.Profile() if args.profile else None

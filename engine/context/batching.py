@@ -106,13 +106,13 @@ class TurnBatch:
                 return out
             with torch.inference_mode():
                 current = self._launch()
-        if self.ahead and self._graph is current.graph and _same(current.turns, self.turns) and all(
+        if self.ahead and self._graph is current.graph and current.turns == self.turns and all(
                 len(t.generated) + 1 < t.max_new_tokens for t in current.turns):
             with torch.inference_mode():
                 self._ahead = self._launch_after(current)
         values = current.values()  # (one read back for the batch: its step alone)
         for b, turn in enumerate(current.turns):
-            if not any(t is turn for t in self.turns):  # it left while its step ran
+            if turn not in self.turns:  # it left while its step ran
                 continue
             out.append((turn, turn.feed(values[b])))
             if turn.done:
@@ -178,8 +178,3 @@ class TurnBatch:
             if not self.turns:  # a step launched ahead has no one left to answer
                 self._ahead = None
         self.joining = [(t, p) for t, p in self.joining if t is not turn]
-
-
-def _same(a: list[Turn], b: list[Turn]) -> bool:
-    """Whether two lists hold the same turns in the same order."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
