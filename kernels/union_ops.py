@@ -165,11 +165,16 @@ def union_attention(
     follow: FollowRows | None = None,
     out: torch.Tensor | None = None,
     tally: StepTally | None = None,
+    share: int = 1,
     tiles: sparse_ops.DecodeTiles = sparse_ops.DecodeTiles(),
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """kernels.reference.union.union_attention's signature and semantics; tiles: the split launch's
-    (sparse_ops.DecodeTiles: the defaults unless a benchmark sweeps them)."""
-    call = _prepare(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out, tally, tiles, 1)
+    """kernels.reference.union.union_attention's signature and semantics: share, the launches that run at once on
+    streams of their own (a batched step's sequences), each planned for 1 / share of the GPU's workers (items share
+    times longer: together they fill the GPU once, where each planned for all of it queues behind the others);
+    tiles: the split launch's (sparse_ops.DecodeTiles: the defaults unless a benchmark sweeps them)."""
+    if share < 1:
+        raise ValueError(f"share must be at least 1, got {share}")
+    call = _prepare(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out, tally, tiles, share)
     if call is None:
         return reference.union_in_turn(TRITON, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out,
                                        tally)

@@ -67,8 +67,8 @@ class StepContext:
         set by the caller before each call (a captured step reads them from this same buffer at every replay)
     static: the call is being captured in a CUDA graph: attend over every new-token slot, masked by position
     graphs: where greedy generation finds (or captures) its decode step; None runs every step eagerly
-    follow: the context's follow rows (engine.attention.follow), added to every sparse selection; None: none. The caller of
-    a forward call runs `follow.begin(ids)` before it (engine.model.generate, engine.model.graph)
+    follow: the context's follow rows (engine.attention.follow), added to every sparse selection; None: none. The
+    caller of a forward call runs `follow.begin(ids)` before it (engine.model.generate, engine.model.graph)
     valid: [1] int64 on the model's device, how many of the call's tokens are real (the first ones: a question
         padded to a captured length, engine.model.graph.PrefillGraph); each pooled lookup counts those only; None:
         every token
@@ -105,6 +105,9 @@ class BatchStep:
     current stream and sequence b on streams[b - 1], all at once, forked from the current stream and joined back
     into it at each layer (a CUDA graph captures them as parallel branches). A layer's lookups and attention of one
     decode token are short, latency-bound launches that leave most of a GPU idle; several sequences' fill it.
+    split_gpu: with streams, each sequence's union kernels are planned for its 1 / B share of the GPU's workers (items
+    B times longer), so that the B launches at a layer fill the GPU once together, rather than each planned for all
+    of it and queued behind the others.
     shared: at a global layer, the sequences' attentions over what their lookups selected go to the union kernels
     together, after every lookup (the backend's union_attention_batch: on a GPU one split and one merge launch for
     those of one kind, each sequence's tensors read from a table); else each right after its own lookup. The lookups
@@ -115,6 +118,7 @@ class BatchStep:
 
     steps: list[StepContext]
     streams: list = field(default_factory=list)  # [B - 1] torch.cuda.Stream on the sequences' device, or none
+    split_gpu: bool = True
     shared: bool = False
     keep: list | None = None
 
@@ -154,7 +158,7 @@ def _fixed_part(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, 
 
 def _looked_up(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext,
                k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor,
-               later: dict[str, LaterLookups] | None = None) -> _Pending | None:
+               later: dict[str, LaterLookups] | None = None, share: int = 1) -> _Pending | None:
     """A global layer's attention with a method: one lookup for the call's tokens (or, with
     StepContext.token_lookups, one per token of a prefill), then the union kernel, written into out [Hq, Lq, D];
     given `later` (a batched step's: a backend's name -> its LaterLookups), a single lookup's union kernels are left
@@ -164,7 +168,7 @@ def _looked_up(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, s
     if index is None and method.sparse:
         raise RuntimeError(f"layer {layer.layer_idx} has no {method.name} index: build the method for this context")
     if not (step.token_lookups and method.sparse and lq > 1):
-        return _union(layer, index, q, q_pos, scale, step, k_new, v_new, out, later)
+        return _union(layer, index, q, q_pos, scale, step, k_new, v_new, out, later, share)
     if step.recorder is not None:
         step.recorder.lookups_per_step(lq)
     for t in range(lq):
@@ -173,11 +177,11 @@ def _looked_up(layer: FixedContextLayer, q: torch.Tensor, q_pos: torch.Tensor, s
 
 def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor, scale: float, step: StepContext,
            k_new: torch.Tensor, v_new: torch.Tensor, out: torch.Tensor,
-           later: dict[str, LaterLookups] | None = None) -> _Pending | None:
+           later: dict[str, LaterLookups] | None = None, share: int = 1) -> _Pending | None:
     """One lookup for q's Lq tokens, then their attention over the union of the keys it selected, the follow rows
     and the new tokens their positions see (kernels/union_ops.py), written into out [Hq, Lq, D]; given `later` the
     attention is returned, to run with the batch's (_union_together), and a Method.batched_lookup's lookup is
-    planned there as well (engine.attention.later)."""
+    planned there as well (engine.attention.later); share: union_attention's (the sequences attending at once)."""
     method, recorder = step.method, step.recorder
     timed = recorder.timed if recorder is not None else (lambda kind: nullcontext())
     follow, rows = step.follow, None
@@ -194,7 +198,7 @@ def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor
         return pending
     tally = recorder.tally(layer.layer_idx, lookup) if recorder is not None else None
     with timed("attention"):
-        _, _, fresh = step.backend.kernel("union").union_attention(*pending.call(tally).args())
+        _, _, fresh = step.backend.kernel("union").union_attention(*pending.call(tally).args(), share=share)
     if recorder is not None:
         recorder.record(layer.layer_idx, lookup, step.backend, fresh, tallied=tally)
     return None
@@ -256,13 +260,14 @@ def squeeze_attention(
     if len(streams) < batch - 1 or (streams and streams[0].device != query.device):  # (a layer on another GPU than
         streams = []  # the streams': device_map="auto")
     later = {} if together and squeeze_step.shared else None  # a backend's name -> its planned lookups
+    share = len(streams) + 1 if streams and squeeze_step.split_gpu else 1  # sequences attending at once
     main = torch.cuda.current_stream(query.device) if streams else None
     for stream in streams:
         stream.wait_stream(main)  # the new tokens' K/V are in, the queries written
     pending = []
     for b, step in enumerate(steps):
         with torch.cuda.stream(streams[b - 1]) if streams and b else nullcontext():
-            pending.append(_attend(module, query[b], scale, step, out[b], later))
+            pending.append(_attend(module, query[b], scale, step, out[b], later, share))
     for stream in streams:
         main.wait_stream(stream)
     pending = [p for p in pending if p is not None]
@@ -272,9 +277,11 @@ def squeeze_attention(
 
 
 def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepContext, out: torch.Tensor,
-            later: dict[str, LaterLookups] | None = None) -> _Pending | None:
+            later: dict[str, LaterLookups] | None = None, share: int = 1) -> _Pending | None:
     """One sequence's attention at `module`'s layer, q [Hq, Lq, D], written into out [Lq, Hq, D] (q's dtype); given
-    `later` (BatchStep.shared) a global layer's union kernels are returned to run with the batch's (_looked_up)."""
+    `later` (BatchStep.shared) a global layer's union kernels are returned to run with the batch's (_looked_up);
+    share: the sequences attending at once on streams, whose union kernels each plan for their share of the GPU
+    (BatchStep.split_gpu)."""
     if step.positions is None:
         raise RuntimeError("StepContext.positions must hold the call's query positions")
     layer: FixedContextLayer = step.cache.layers[module.layer_idx]
@@ -285,7 +292,7 @@ def _attend(module: torch.nn.Module, q: torch.Tensor, scale: float, step: StepCo
             step.capture.take(module.layer_idx, q, q_pos)
         has_fixed = layer.fixed_keys is not None and layer.fixed_keys.shape[1] > 0
         if has_fixed and layer.sliding_window is None and step.method is not None:
-            return _looked_up(layer, q, q_pos, scale, step, k_new, v_new, out.transpose(0, 1), later)
+            return _looked_up(layer, q, q_pos, scale, step, k_new, v_new, out.transpose(0, 1), later, share)
         else:
             fixed = _fixed_part(layer, q, q_pos, scale, step) if has_fixed else None
             # the new tokens' part, merged with the fixed part's straight into the layout the model reads next

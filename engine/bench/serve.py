@@ -292,19 +292,21 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
                 profile: str | None = None) -> dict:
     """The median ms of a decode step of one turn and of len(contexts) turns answered together (one over each
     context, already open: engine.context.batching.TurnBatch, captured steps on a GPU), with a batch's sequences
-    attending at once on streams of their own ("concurrent_ms"), so and with their union kernels in shared launches
-    ("shared_ms"), one after another ("one_after_another_ms"; engine.model.batch.CONCURRENT, SHARED_LAUNCHES), and on
-    streams with each step launched before the previous one's tokens are read back ("ahead_ms"; TurnBatch.ahead),
-    `steps` steps each after two (the capture's); a step counts only while every turn is under way; and one turn
-    through its session's own path ("session_ms" of one turn: session_step_ms). profile: also run PROFILED_STEPS
-    more steps of the full batch in each way under torch.profiler, appending its kernels' table to that file, and
-    report where the GPU was busy and idle in them (key "profiled": way -> ms a step)."""
+    attending at once on streams of their own ("concurrent_ms"; "whole_gpu_ms" with each one's union kernels planned
+    for the whole GPU rather than its share: engine.model.batch.SPLIT_GPU), so and with their union kernels in shared
+    launches ("shared_ms"), one after another ("one_after_another_ms"; engine.model.batch.CONCURRENT,
+    SHARED_LAUNCHES), and on streams with each step launched before the previous one's tokens are read back
+    ("ahead_ms"; TurnBatch.ahead), `steps` steps each after two (the capture's); a step counts only while every turn
+    is under way; and one turn through its session's own path ("session_ms" of one turn: session_step_ms). profile:
+    also run PROFILED_STEPS more steps of the full batch in each way under torch.profiler, appending its kernels'
+    table to that file, and report where the GPU was busy and idle in them (key "profiled": way -> ms a step)."""
     out = {}
-    modes = {"concurrent_ms": (True, False, False), "shared_ms": (True, True, False),
-             "one_after_another_ms": (False, False, False), "ahead_ms": (True, False, True)}
-    settings = batching.CONCURRENT, batching.SHARED_LAUNCHES
-    for name, (concurrent, shared, ahead) in modes.items():
-        batching.CONCURRENT, batching.SHARED_LAUNCHES = concurrent, shared
+    modes = {"concurrent_ms": (True, True, False, False), "whole_gpu_ms": (True, False, False, False),
+             "shared_ms": (True, True, True, False), "one_after_another_ms": (False, True, False, False),
+             "ahead_ms": (True, True, False, True)}
+    settings = batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES
+    for name, (concurrent, split, shared, ahead) in modes.items():
+        batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES = concurrent, split, shared
         for size in sorted({1, len(contexts)}):
             turns = [engine.session(c).turn(question, method, SPARSITY, steps + 8 + PROFILED_STEPS)
                      for c in contexts[:size]]
@@ -323,7 +325,7 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
                                                                       profile)
             for turn in list(batch.turns):
                 batch.leave(turn)
-    batching.CONCURRENT, batching.SHARED_LAUNCHES = settings
+    batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES = settings
     out["1"]["session_ms"] = session_step_ms(engine, contexts[0], question, method, steps)
     return out
 
@@ -389,7 +391,8 @@ def run(args: argparse.Namespace) -> dict:
                "users": args.users, "documents": len(contexts), "context_tokens": [c.tokens for c in ingested],
                "ingest_s": stages, "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
                "tokens_per_user": lengths,
-               "concurrent": batching.CONCURRENT, "shared_launches": batching.SHARED_LAUNCHES,
+               "concurrent": batching.CONCURRENT, "split_gpu": batching.SPLIT_GPU,
+               "shared_launches": batching.SHARED_LAUNCHES,
                "bandwidth_gbs": round(copy_bandwidth(lm.device), 1),
                "methods": {}}
         context = max(out["context_tokens"])

@@ -20,6 +20,9 @@ from engine.model.load import LoadedModel
 # Whether a batch's sequences attend at once on CUDA streams of their own (BatchStep.streams) rather than one after
 # another: a benchmark's switch (squeeze bench serve --no-concurrent)
 CONCURRENT = True
+# Whether a batch's sequences attending at once each plan their union kernels for their share of the GPU's workers
+# (BatchStep.split_gpu) rather than for all of them: a benchmark's switch (squeeze bench serve --steps N times both)
+SPLIT_GPU = True
 # Whether a batch's lookups and attentions at a global layer share their kernels' launches (BatchStep.shared): off,
 # slower than streams where measured (engine/bench/README.md, "Several users on one GPU": 4 x 32K on an H200 at commit
 # 9997d08, 8.49 against 7.23 ms a step, though the shared union launch alone beats a launch per sequence); `squeeze
@@ -36,10 +39,12 @@ def side_streams(device: torch.device, batch: int) -> list:
 
 
 def forward_batch(lm: LoadedModel, steps: list[StepContext], tokens: torch.Tensor, positions: list[int],
-                  streams: list | None = None, shared: bool | None = None) -> torch.Tensor:
+                  streams: list | None = None, shared: bool | None = None,
+                  split_gpu: bool | None = None) -> torch.Tensor:
     """One call over tokens [B] int64, token b at positions[b] of sequence steps[b] (its K/V joins that sequence's
     new tokens). streams: the side streams the sequences attend on (side_streams' by default); shared: whether
-    their union kernels share launches (SHARED_LAUNCHES by default). Returns the logits [B, V] on the device."""
+    their union kernels share launches (SHARED_LAUNCHES by default); split_gpu: whether sequences on streams plan
+    their union kernels for their share of the GPU (SPLIT_GPU by default). Returns the logits [B, V] on the device."""
     if tokens.shape != (len(steps),) or len(positions) != len(steps) or not steps:
         raise ValueError(f"one token and one position per sequence: {len(steps)} sequences, tokens "
                          f"{tuple(tokens.shape)}, {len(positions)} positions")
@@ -54,5 +59,6 @@ def forward_batch(lm: LoadedModel, steps: list[StepContext], tokens: torch.Tenso
     out = lm.model(input_ids=tokens[:, None], position_ids=position_ids,
                    past_key_values=BatchCache([step.cache for step in steps]), use_cache=True, logits_to_keep=1,
                    squeeze_step=BatchStep(steps, side_streams(lm.device, len(steps)) if streams is None else streams,
+                                          SPLIT_GPU if split_gpu is None else split_gpu,
                                           SHARED_LAUNCHES if shared is None else shared))
     return out.logits[:, -1]

@@ -47,6 +47,7 @@ class BatchGraph:
         self.steps_run = 0
         self._stream = torch.cuda.Stream(device=lm.device)
         self._side = side_streams(lm.device, batch)  # where sequences 1 .. B - 1 attend
+        self._split_gpu = batching.SPLIT_GPU
         self._shared = batching.SHARED_LAUNCHES
         self._keep: list = []  # the host tables the captured step's shared launches upload (BatchStep.keep)
 
@@ -60,7 +61,8 @@ class BatchGraph:
         cache = BatchCache([step.cache for step in self._steps], self._keep)
         out = self.lm.model(input_ids=self.ids[:, None], position_ids=self.positions[:, None], past_key_values=cache,
                             use_cache=True, logits_to_keep=1,
-                            squeeze_step=BatchStep(self._steps, self._side, self._shared, self._keep))
+                            squeeze_step=BatchStep(self._steps, self._side, self._split_gpu, self._shared,
+                                                                 self._keep))
         self.logits = out.logits[:, -1]  # [B, V]
         self.ids.copy_(greedy(self.logits))
         self.positions.add_(1)

@@ -51,6 +51,7 @@ def union_attention(
     follow: FollowRows | None = None,
     out: torch.Tensor | None = None,
     tally: StepTally | None = None,
+    share: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """q: [Hq, Lq, D]; k, v: [Hkv, N, D] the fixed context; selection: its keys each row reads (rows Hq or Hkv), or
     None for every key; k_new, v_new: [Hkv, n, D] the new tokens, slot j at position k_start + j, seen by query i
@@ -60,6 +61,7 @@ def union_attention(
     [Hq, Lq] float32 (natural log) and fresh [R, M] bool (the follow rows each selection row read beyond its own
     keys), or None without follow rows.
     tally: the step's statistics to add (kernels.selection.StepTally; a selection's rows only), or None.
+    share: how many such calls run at once on a GPU (its kernels plan for their share of the workers); no effect here.
     """
     return union_in_turn(REFERENCE, q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, out, tally)
 

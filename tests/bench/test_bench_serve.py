@@ -68,7 +68,7 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
         bound = entry["bound_ms"]
         assert bound["alone"] < bound["batch"] < 2 * bound["alone"]
         steps = entry["batch_steps"]
-        ways = {"concurrent_ms", "shared_ms", "one_after_another_ms", "ahead_ms"}
+        ways = {"concurrent_ms", "whole_gpu_ms", "shared_ms", "one_after_another_ms", "ahead_ms"}
         profiled = steps.pop("profiled")  # --kernel-profile: the full batch's steps in each way, profiled
         assert set(profiled) == ways and all("gpu_busy_ms_per_step" in p for p in profiled.values()), profiled
         assert steps["1"].pop("session_ms") > 0  # one turn through its session's own path, beside the batch's
@@ -76,7 +76,7 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     assert report["methods"]["full"]["bound_ms"]["batch"] > report["methods"]["squeeze"]["bound_ms"]["batch"]
     headings = [line for line in kernels.read_text().splitlines() if line.startswith("== ")]
     assert headings == [f"== {m}, 2 turns, {w}: 4 steps" for m in ("squeeze", "full")
-                        for w in ("concurrent_ms", "shared_ms", "one_after_another_ms", "ahead_ms")]
+                        for w in ("concurrent_ms", "whole_gpu_ms", "shared_ms", "one_after_another_ms", "ahead_ms")]
 
 
 def test_a_shape_and_a_model_are_refused_together(capsys):

@@ -145,6 +145,21 @@ def test_other_tiles_attend_the_same(tiles):
         DecodeTiles(block_n=48)
 
 
+@pytest.mark.parametrize("share", [2, 4])
+def test_a_call_planned_for_its_share_of_the_gpu_attends_the_same(share):
+    """A batch's sequences attending at once on streams plan each union call for 1 / share of the workers (fewer
+    workers over longer items): the same output, lse and fresh follow rows as the reference; share < 1 refused."""
+    from kernels.sparse_ops import DecodeTiles
+
+    _decode_matches_reference(4, 700, 300, 150, share=share)
+    q, k, v, sel, _, k_new, v_new, q_pos, k_start, follow = case(4, 8, 2, 2, 1, 700, 300, 150, 8, True)
+    whole, shared = (union_ops._prepare(q, k, v, sel, SCALE, k_new, v_new, q_pos, k_start, follow, None, None,
+                                        DecodeTiles(), n) for n in (1, share))
+    assert shared.workers < whole.workers and shared.cfg.chunk >= whole.cfg.chunk
+    with pytest.raises(ValueError):
+        union_ops.union_attention(q, k, v, sel, SCALE, k_new, v_new, q_pos, k_start, follow, share=0)
+
+
 @pytest.mark.parametrize("fit", [True, False])
 def test_a_heavier_selection_than_planned_attends_the_same_in_longer_items(monkeypatch, fit):
     """A selection of 30% of 3,000 keys where the plan expects a tenth (more items than the interpreter's workers): cut
