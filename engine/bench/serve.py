@@ -43,6 +43,7 @@ import torch
 from engine.bench.e2e.bound import byte_bound, copy_bandwidth
 from engine.bench.e2e.models import SHAPES, device_name, open_model
 from engine.bench.e2e.runner import idle_time, kernel_spans
+from engine.context import batching as turn_batching
 from engine.context.batching import TurnBatch
 from engine.context.turn import Answer
 from engine.model import batch as batching
@@ -391,7 +392,7 @@ def run(args: argparse.Namespace) -> dict:
                "users": args.users, "documents": len(contexts), "context_tokens": [c.tokens for c in ingested],
                "ingest_s": stages, "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
                "tokens_per_user": lengths,
-               "concurrent": batching.CONCURRENT, "split_gpu": batching.SPLIT_GPU,
+               "ahead": turn_batching.AHEAD, "concurrent": batching.CONCURRENT, "split_gpu": batching.SPLIT_GPU,
                "shared_launches": batching.SHARED_LAUNCHES,
                "bandwidth_gbs": round(copy_bandwidth(lm.device), 1),
                "methods": {}}
@@ -454,7 +455,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-launches", action=argparse.BooleanOptionalAction, default=batching.SHARED_LAUNCHES,
                         help="a batch's attentions at a global layer share the union kernels' launches "
                              "(engine.model.batch.SHARED_LAUNCHES)")
+    parser.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=turn_batching.AHEAD,
+                        help="a GPU's batch launches each step before reading the previous one's tokens back "
+                             "(engine.context.batching.AHEAD)")
     args = parse(parser, argv)
+    turn_batching.AHEAD = args.ahead
     batching.CONCURRENT = args.concurrent
     batching.SHARED_LAUNCHES = args.shared_launches
     if args.shape and args.model:

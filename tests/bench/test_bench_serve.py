@@ -9,6 +9,8 @@ import json
 import pytest
 
 from engine.bench.serve import main, percentile, staggered
+from engine.context import batching as turn_batching
+from engine.model import batch as batching
 from tests.support.tiny_models import make_tiny_model
 
 
@@ -36,7 +38,7 @@ def test_three_users_at_once_get_their_lone_answers(tmp_path, capsys):
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, capsys):
+def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, capsys, monkeypatch):
     """--shape: the shape's random weights through the byte tokenizer, each document --context tokens (its <bos>
     too), every answer its lone answer, and beside the time per answer token the byte bound of a step at the batch
     (the weights once: more than alone, less than that many steps alone); each ingest timed by stage, the
@@ -45,12 +47,15 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     in each way a batch attends (and of one turn through its session's own path), and with --kernel-profile the
     profiler's table of the full batch's steps in each way; with --stagger the users' answers end at different
     steps."""
+    for module, name in ((turn_batching, "AHEAD"), (batching, "CONCURRENT"), (batching, "SHARED_LAUNCHES")):
+        monkeypatch.setattr(module, name, getattr(module, name))  # the switches main sets, as they were after
     out, profile, kernels = tmp_path / "serve.json", tmp_path / "serve-profile.txt", tmp_path / "kernels.txt"
     assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
                  "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile),
-                 "--steps", "3", "--kernel-profile", str(kernels), "--stagger"]) == 0
+                 "--steps", "3", "--kernel-profile", str(kernels), "--stagger", "--ahead"]) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "random-tiny" and report["shape"] == "tiny"
+    assert report["ahead"] and report["split_gpu"]  # (the batch's launches ahead: a GPU's only)
     assert [set(stages) >= {"prefill", "saving"} for stages in report["ingest_s"]] == [True, True]
     sections = profile.read_text().split("=== ")[1:]
     assert [s.split(":")[0] for s in sections] == ["squeeze", "full"]
