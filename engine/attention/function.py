@@ -118,7 +118,7 @@ class BatchStep:
 
     steps: list[StepContext]
     streams: list = field(default_factory=list)  # [B - 1] torch.cuda.Stream on the sequences' device, or none
-    split_gpu: bool = True
+    split_gpu: bool = False
     shared: bool = False
     keep: list | None = None
 

@@ -293,18 +293,18 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
                 profile: str | None = None) -> dict:
     """The median ms of a decode step of one turn and of len(contexts) turns answered together (one over each
     context, already open: engine.context.batching.TurnBatch, captured steps on a GPU), with a batch's sequences
-    attending at once on streams of their own ("concurrent_ms"; "whole_gpu_ms" with each one's union kernels planned
-    for the whole GPU rather than its share: engine.model.batch.SPLIT_GPU), so and with their union kernels in shared
-    launches ("shared_ms"), one after another ("one_after_another_ms"; engine.model.batch.CONCURRENT,
+    attending at once on streams of their own ("concurrent_ms"; "split_ms" with each one's union kernels planned for
+    its share of the GPU rather than the whole: engine.model.batch.SPLIT_GPU), so and with their union kernels in
+    shared launches ("shared_ms"), one after another ("one_after_another_ms"; engine.model.batch.CONCURRENT,
     SHARED_LAUNCHES), and on streams with each step launched before the previous one's tokens are read back
     ("ahead_ms"; TurnBatch.ahead), `steps` steps each after two (the capture's); a step counts only while every turn
     is under way; and one turn through its session's own path ("session_ms" of one turn: session_step_ms). profile:
     also run PROFILED_STEPS more steps of the full batch in each way under torch.profiler, appending its kernels'
     table to that file, and report where the GPU was busy and idle in them (key "profiled": way -> ms a step)."""
     out = {}
-    modes = {"concurrent_ms": (True, True, False, False), "whole_gpu_ms": (True, False, False, False),
-             "shared_ms": (True, True, True, False), "one_after_another_ms": (False, True, False, False),
-             "ahead_ms": (True, True, False, True)}
+    modes = {"concurrent_ms": (True, False, False, False), "split_ms": (True, True, False, False),
+             "shared_ms": (True, False, True, False), "one_after_another_ms": (False, False, False, False),
+             "ahead_ms": (True, False, False, True)}
     settings = batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES
     for name, (concurrent, split, shared, ahead) in modes.items():
         batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES = concurrent, split, shared
@@ -452,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrent", action=argparse.BooleanOptionalAction, default=True,
                         help="a batch's sequences attend at once, each on a CUDA stream of its own "
                              "(engine.model.batch.CONCURRENT; the product's default)")
+    parser.add_argument("--split-gpu", action=argparse.BooleanOptionalAction, default=batching.SPLIT_GPU,
+                        help="a batch's sequences attending at once each plan their union kernels for their share "
+                             "of the GPU's workers (engine.model.batch.SPLIT_GPU)")
     parser.add_argument("--shared-launches", action=argparse.BooleanOptionalAction, default=batching.SHARED_LAUNCHES,
                         help="a batch's attentions at a global layer share the union kernels' launches "
                              "(engine.model.batch.SHARED_LAUNCHES)")
@@ -461,6 +464,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(parser, argv)
     turn_batching.AHEAD = args.ahead
     batching.CONCURRENT = args.concurrent
+    batching.SPLIT_GPU = args.split_gpu
     batching.SHARED_LAUNCHES = args.shared_launches
     if args.shape and args.model:
         parser.error("--shape and --model exclude each other")

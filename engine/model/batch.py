@@ -21,8 +21,9 @@ from engine.model.load import LoadedModel
 # another: a benchmark's switch (squeeze bench serve --no-concurrent)
 CONCURRENT = True
 # Whether a batch's sequences attending at once each plan their union kernels for their share of the GPU's workers
-# (BatchStep.split_gpu) rather than for all of them: a benchmark's switch (squeeze bench serve --steps N times both)
-SPLIT_GPU = True
+# (BatchStep.split_gpu) rather than for all of them: off until measured (`squeeze bench serve --steps N` times both:
+# "concurrent_ms" and "split_ms")
+SPLIT_GPU = False
 # Whether a batch's lookups and attentions at a global layer share their kernels' launches (BatchStep.shared): off,
 # slower than streams where measured (engine/bench/README.md, "Several users on one GPU": 4 x 32K on an H200 at commit
 # 9997d08, 8.49 against 7.23 ms a step, though the shared union launch alone beats a launch per sequence); `squeeze

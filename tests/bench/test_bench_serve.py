@@ -47,15 +47,16 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     in each way a batch attends (and of one turn through its session's own path), and with --kernel-profile the
     profiler's table of the full batch's steps in each way; with --stagger the users' answers end at different
     steps."""
-    for module, name in ((turn_batching, "AHEAD"), (batching, "CONCURRENT"), (batching, "SHARED_LAUNCHES")):
+    for module, name in ((turn_batching, "AHEAD"), (batching, "CONCURRENT"), (batching, "SPLIT_GPU"),
+                         (batching, "SHARED_LAUNCHES")):
         monkeypatch.setattr(module, name, getattr(module, name))  # the switches main sets, as they were after
     out, profile, kernels = tmp_path / "serve.json", tmp_path / "serve-profile.txt", tmp_path / "kernels.txt"
     assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
                  "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile),
-                 "--steps", "3", "--kernel-profile", str(kernels), "--stagger", "--ahead"]) == 0
+                 "--steps", "3", "--kernel-profile", str(kernels), "--stagger", "--ahead", "--split-gpu"]) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "random-tiny" and report["shape"] == "tiny"
-    assert report["ahead"] and report["split_gpu"]  # (the batch's launches ahead: a GPU's only)
+    assert report["ahead"] and report["split_gpu"]  # (a GPU's ways: nothing changes on the CPU)
     assert [set(stages) >= {"prefill", "saving"} for stages in report["ingest_s"]] == [True, True]
     sections = profile.read_text().split("=== ")[1:]
     assert [s.split(":")[0] for s in sections] == ["squeeze", "full"]
@@ -73,7 +74,7 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
         bound = entry["bound_ms"]
         assert bound["alone"] < bound["batch"] < 2 * bound["alone"]
         steps = entry["batch_steps"]
-        ways = {"concurrent_ms", "whole_gpu_ms", "shared_ms", "one_after_another_ms", "ahead_ms"}
+        ways = {"concurrent_ms", "split_ms", "shared_ms", "one_after_another_ms", "ahead_ms"}
         profiled = steps.pop("profiled")  # --kernel-profile: the full batch's steps in each way, profiled
         assert set(profiled) == ways and all("gpu_busy_ms_per_step" in p for p in profiled.values()), profiled
         assert steps["1"].pop("session_ms") > 0  # one turn through its session's own path, beside the batch's
@@ -81,7 +82,7 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     assert report["methods"]["full"]["bound_ms"]["batch"] > report["methods"]["squeeze"]["bound_ms"]["batch"]
     headings = [line for line in kernels.read_text().splitlines() if line.startswith("== ")]
     assert headings == [f"== {m}, 2 turns, {w}: 4 steps" for m in ("squeeze", "full")
-                        for w in ("concurrent_ms", "whole_gpu_ms", "shared_ms", "one_after_another_ms", "ahead_ms")]
+                        for w in ("concurrent_ms", "split_ms", "shared_ms", "one_after_another_ms", "ahead_ms")]
 
 
 def test_a_shape_and_a_model_are_refused_together(capsys):

@@ -92,16 +92,16 @@ def test_a_replayed_batch_step_is_the_eager_batch_step(sessions, shared, monkeyp
 
 
 # forward_batch's options in each way a batch's sequences attend (test_sequences_attending_at_once_...)
-ATTENDING = {"streams, whole GPU each": dict(split_gpu=False), "one after another": dict(streams=[]),
-             "streams": {}, "shared": dict(shared=True)}
+ATTENDING = {"streams": dict(split_gpu=False), "one after another": dict(streams=[]),
+             "streams, each its share of the GPU": dict(split_gpu=True), "shared": dict(shared=True)}
 
 
 def test_sequences_attending_at_once_on_streams_match_one_after_another(sessions):
-    """The eager batched step with each sequence on a stream of its own, its union kernels planned for the whole
-    GPU, against the same step with the sequences attending one after another on the current stream: the same
-    kernels on the same inputs, so the logits are bitwise equal, step after step (nothing read before it was
-    written). Fed the same tokens, within bf16 tolerance (the kernels' split of the keys differs): on streams with
-    each sequence's union planned for its share of the GPU (the default), and with their attentions in shared
+    """The eager batched step with each sequence on a stream of its own (the default on a GPU) against the same
+    step with the sequences attending one after another on the current stream: the same kernels on the same
+    inputs, so the logits are bitwise equal, step after step (nothing read before it was written). Fed the same
+    tokens, within bf16 tolerance (the kernels' split of the keys differs): on streams with each sequence's union
+    kernels planned for its share of the GPU (engine.model.batch.SPLIT_GPU), and with their attentions in shared
     launches."""
     lm = sessions[0].lm
     with torch.inference_mode():
@@ -110,10 +110,10 @@ def test_sequences_attending_at_once_on_streams_match_one_after_another(sessions
             steps, tokens, positions = _steps(sessions, graphs=False)
             seen = []
             for i in range(STEPS):
-                if mode in ("streams", "shared"):
+                if mode in ("streams, each its share of the GPU", "shared"):
                     tokens = fed[i]
                 logits = forward_batch(lm, steps, tokens, [p + i for p in positions], **options)
-                if mode == "streams, whole GPU each":
+                if mode == "streams":
                     fed.append(tokens)
                 tokens = logits.argmax(dim=-1)
                 seen.append(logits.float().clone())
@@ -121,9 +121,9 @@ def test_sequences_attending_at_once_on_streams_match_one_after_another(sessions
             for step in steps:
                 step.cache.reset_dynamic()
     assert len(side_streams(lm.device, len(SEQUENCES))) == len(SEQUENCES) - 1
-    assert torch.equal(got["streams, whole GPU each"], got["one after another"])
-    torch.testing.assert_close(got["streams"], got["streams, whole GPU each"], **LOGIT_TOL)
-    torch.testing.assert_close(got["shared"], got["streams, whole GPU each"], **LOGIT_TOL)
+    assert torch.equal(got["streams"], got["one after another"])
+    torch.testing.assert_close(got["streams, each its share of the GPU"], got["streams"], **LOGIT_TOL)
+    torch.testing.assert_close(got["shared"], got["streams"], **LOGIT_TOL)
 
 
 @pytest.mark.parametrize("ahead", [False, True])
