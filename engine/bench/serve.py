@@ -248,7 +248,8 @@ def add_options(parser: argparse.ArgumentParser, tokens: int, least_tokens: int 
     parser.add_argument("--tokens", type=int, default=tokens, help=f"answer tokens at most (at least {least_tokens})")
     parser.add_argument("--methods", default="squeeze,full")
     parser.add_argument("--batch", type=int, default=None, help="turns answered together (default: the engine's)")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--out", default=None, help="also write the JSON here, as the run goes (\"complete\" false "
+                                                    "until it ends)")
 
 
 def parse(parser: argparse.ArgumentParser, argv: list[str] | None, least_tokens: int = 1) -> argparse.Namespace:
@@ -271,9 +272,16 @@ def write_profile(profiler: cProfile.Profile, method: str, path: str) -> None:
         stats.sort_stats("tottime").print_stats(30)
 
 
+def checkpoint(result: dict, out: str | None) -> None:
+    """The report so far written to `out`, marked incomplete: a run stopped midway (a time limit) leaves what it
+    measured."""
+    if out:
+        Path(out).write_text(json.dumps({**result, "complete": False}, indent=1) + "\n")
+
+
 def emit(result: dict, out: str | None) -> None:
-    """Print the report (and write it to `out`)."""
-    text = json.dumps(result, indent=1)
+    """Print the whole report (and write it to `out`)."""
+    text = json.dumps({**result, "complete": True}, indent=1)
     if out:
         Path(out).write_text(text + "\n")
     print(text)
@@ -290,7 +298,7 @@ PROFILED_STEPS = 4  # steps of a full batch under torch.profiler in each way it 
 
 
 def batch_steps(engine: Engine, contexts: list[str], question: str, method: str, steps: int,
-                profile: str | None = None) -> dict:
+                profile: str | None = None, out: dict | None = None, saved=lambda: None) -> dict:
     """The median ms of a decode step of one turn and of len(contexts) turns answered together (one over each
     context, already open: engine.context.batching.TurnBatch, captured steps on a GPU), with a batch's sequences
     attending at once on streams of their own ("concurrent_ms"; "split_ms" with each one's union kernels planned for
@@ -300,8 +308,9 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
     ("ahead_ms"; TurnBatch.ahead), `steps` steps each after two (the capture's); a step counts only while every turn
     is under way; and one turn through its session's own path ("session_ms" of one turn: session_step_ms). profile:
     also run PROFILED_STEPS more steps of the full batch in each way under torch.profiler, appending its kernels'
-    table to that file, and report where the GPU was busy and idle in them (key "profiled": way -> ms a step)."""
-    out = {}
+    table to that file, and report where the GPU was busy and idle in them (key "profiled": way -> ms a step).
+    out: the dict the figures go into (returned), saved() called after each of them."""
+    out = {} if out is None else out
     modes = {"concurrent_ms": (True, False, False, False), "split_ms": (True, True, False, False),
              "shared_ms": (True, False, True, False), "one_after_another_ms": (False, False, False, False),
              "ahead_ms": (True, False, False, True)}
@@ -321,6 +330,7 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
                 if len(batch.turns) == size:
                     times.append((time.perf_counter() - start) * 1e3)
             out.setdefault(str(size), {})[name] = round(percentile(times[2:], 50), 3) if len(times) > 2 else None
+            saved()
             if profile is not None and size == len(contexts) and len(batch.turns) == size:
                 out.setdefault("profiled", {})[name] = profiled_steps(batch, f"{method}, {size} turns, {name}",
                                                                       profile)
@@ -424,10 +434,11 @@ def run(args: argparse.Namespace) -> dict:
                                             out["bandwidth_gbs"])
             if lm.device.type == "cuda":
                 entry["peak_gib"] = round(torch.cuda.max_memory_allocated(lm.device) / 2**30, 3)
-            if args.steps:
-                entry["batch_steps"] = batch_steps(engine, contexts[: min(batch, len(contexts))], asked[0], method,
-                                                   args.steps, args.kernel_profile)
             out["methods"][method] = entry
+            checkpoint(out, args.out)
+            if args.steps:
+                batch_steps(engine, contexts[: min(batch, len(contexts))], asked[0], method, args.steps,
+                            args.kernel_profile, entry.setdefault("batch_steps", {}), lambda: checkpoint(out, args.out))
         engine.store.close()
     return out
 

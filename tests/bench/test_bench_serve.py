@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.bench.serve import main, percentile, staggered
+from engine.bench.serve import checkpoint, main, percentile, staggered
 from engine.context import batching as turn_batching
 from engine.model import batch as batching
 from tests.support.tiny_models import make_tiny_model
@@ -55,7 +55,7 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
                  "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile),
                  "--steps", "3", "--kernel-profile", str(kernels), "--stagger", "--ahead", "--split-gpu"]) == 0
     report = json.loads(out.read_text())
-    assert report["model"] == "random-tiny" and report["shape"] == "tiny"
+    assert report["model"] == "random-tiny" and report["shape"] == "tiny" and report["complete"]
     assert report["ahead"] and report["split_gpu"]  # (a GPU's ways: nothing changes on the CPU)
     assert [set(stages) >= {"prefill", "saving"} for stages in report["ingest_s"]] == [True, True]
     sections = profile.read_text().split("=== ")[1:]
@@ -95,3 +95,13 @@ def test_a_shape_and_a_model_are_refused_together(capsys):
 def test_staggered_answers_end_one_after_another():
     assert staggered(48, 8) == [48, 45, 42, 39, 36, 33, 30, 27]
     assert staggered(4, 3) == [4, 4, 3] and min(staggered(2, 5)) == 2
+
+
+def test_a_run_stopped_midway_leaves_what_it_measured_marked_incomplete(tmp_path):
+    """What a run measured so far goes to --out as it goes (a GPU call's time limit may stop it), marked incomplete
+    until the whole report replaces it."""
+    out = tmp_path / "serve.json"
+    checkpoint({"methods": {"squeeze": {"batch_steps": {"1": {"concurrent_ms": 6.9}}}}}, str(out))
+    report = json.loads(out.read_text())
+    assert report["complete"] is False and report["methods"]["squeeze"]["batch_steps"]["1"]["concurrent_ms"] == 6.9
+    checkpoint({}, None)  # no --out: nothing written, nothing raised
