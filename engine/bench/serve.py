@@ -311,9 +311,11 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
     table to that file, and report where the GPU was busy and idle in them (key "profiled": way -> ms a step).
     out: the dict the figures go into (returned), saved() called after each of them."""
     out = {} if out is None else out
+    out.setdefault("1", {})["session_ms"] = session_step_ms(engine, contexts[0], question, method, steps)
+    saved()
     modes = {"concurrent_ms": (True, False, False, False), "split_ms": (True, True, False, False),
-             "shared_ms": (True, False, True, False), "one_after_another_ms": (False, False, False, False),
-             "ahead_ms": (True, False, False, True)}
+             "ahead_ms": (True, False, False, True), "shared_ms": (True, False, True, False),
+             "one_after_another_ms": (False, False, False, False)}
     settings = batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES
     for name, (concurrent, split, shared, ahead) in modes.items():
         batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES = concurrent, split, shared
@@ -337,7 +339,6 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
             for turn in list(batch.turns):
                 batch.leave(turn)
     batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES = settings
-    out["1"]["session_ms"] = session_step_ms(engine, contexts[0], question, method, steps)
     return out
 
 

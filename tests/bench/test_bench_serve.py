@@ -82,7 +82,7 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     assert report["methods"]["full"]["bound_ms"]["batch"] > report["methods"]["squeeze"]["bound_ms"]["batch"]
     headings = [line for line in kernels.read_text().splitlines() if line.startswith("== ")]
     assert headings == [f"== {m}, 2 turns, {w}: 4 steps" for m in ("squeeze", "full")
-                        for w in ("concurrent_ms", "split_ms", "shared_ms", "one_after_another_ms", "ahead_ms")]
+                        for w in ("concurrent_ms", "split_ms", "ahead_ms", "shared_ms", "one_after_another_ms")]
 
 
 def test_a_shape_and_a_model_are_refused_together(capsys):
