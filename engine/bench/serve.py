@@ -317,29 +317,37 @@ def batch_steps(engine: Engine, contexts: list[str], question: str, method: str,
              "ahead_ms": (True, False, False, True), "shared_ms": (True, False, True, False),
              "one_after_another_ms": (False, False, False, False)}
     settings = batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES
-    for name, (concurrent, split, shared, ahead) in modes.items():
-        batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES = concurrent, split, shared
-        for size in sorted({1, len(contexts)}):
-            turns = [engine.session(c).turn(question, method, SPARSITY, steps + 8 + PROFILED_STEPS)
-                     for c in contexts[:size]]
-            batch = TurnBatch(engine.lm, ahead=ahead)
-            for turn in turns:
-                batch.join(turn)
-            times = []
-            for _ in range(steps + 2):
-                start = time.perf_counter()
-                batch.step()  # (reads its tokens back: a step's whole time)
-                if len(batch.turns) == size:
-                    times.append((time.perf_counter() - start) * 1e3)
-            out.setdefault(str(size), {})[name] = round(percentile(times[2:], 50), 3) if len(times) > 2 else None
-            saved()
-            if profile is not None and size == len(contexts) and len(batch.turns) == size:
-                out.setdefault("profiled", {})[name] = profiled_steps(batch, f"{method}, {size} turns, {name}",
-                                                                      profile)
-            for turn in list(batch.turns):
-                batch.leave(turn)
-    batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES = settings
+    try:
+        for name, (concurrent, split, shared, ahead) in modes.items():
+            batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES = concurrent, split, shared
+            _time_way(engine, contexts, question, method, steps, profile, out, saved, name, ahead)
+    finally:
+        batching.CONCURRENT, batching.SPLIT_GPU, batching.SHARED_LAUNCHES = settings
     return out
+
+
+def _time_way(engine: Engine, contexts: list[str], question: str, method: str, steps: int, profile: str | None,
+              out: dict, saved, name: str, ahead: bool) -> None:
+    """batch_steps' figures of one way a batch attends (`name`; the switches set by the caller), at one turn and at
+    len(contexts) turns, into out[size][name]."""
+    for size in sorted({1, len(contexts)}):
+        turns = [engine.session(c).turn(question, method, SPARSITY, steps + 8 + PROFILED_STEPS)
+                 for c in contexts[:size]]
+        batch = TurnBatch(engine.lm, ahead=ahead)
+        for turn in turns:
+            batch.join(turn)
+        times = []
+        for _ in range(steps + 2):
+            start = time.perf_counter()
+            batch.step()  # (reads its tokens back: a step's whole time)
+            if len(batch.turns) == size:
+                times.append((time.perf_counter() - start) * 1e3)
+        out.setdefault(str(size), {})[name] = round(percentile(times[2:], 50), 3) if len(times) > 2 else None
+        saved()
+        if profile is not None and size == len(contexts) and len(batch.turns) == size:
+            out.setdefault("profiled", {})[name] = profiled_steps(batch, f"{method}, {size} turns, {name}", profile)
+        for turn in list(batch.turns):
+            batch.leave(turn)
 
 
 def session_step_ms(engine: Engine, context: str, question: str, method: str, steps: int) -> float | None:

@@ -60,6 +60,6 @@ def forward_batch(lm: LoadedModel, steps: list[StepContext], tokens: torch.Tenso
     out = lm.model(input_ids=tokens[:, None], position_ids=position_ids,
                    past_key_values=BatchCache([step.cache for step in steps]), use_cache=True, logits_to_keep=1,
                    squeeze_step=BatchStep(steps, side_streams(lm.device, len(steps)) if streams is None else streams,
-                                          SPLIT_GPU if split_gpu is None else split_gpu,
-                                          SHARED_LAUNCHES if shared is None else shared))
+                                          split_gpu=SPLIT_GPU if split_gpu is None else split_gpu,
+                                          shared=SHARED_LAUNCHES if shared is None else shared))
     return out.logits[:, -1]

@@ -61,8 +61,8 @@ class BatchGraph:
         cache = BatchCache([step.cache for step in self._steps], self._keep)
         out = self.lm.model(input_ids=self.ids[:, None], position_ids=self.positions[:, None], past_key_values=cache,
                             use_cache=True, logits_to_keep=1,
-                            squeeze_step=BatchStep(self._steps, self._side, self._split_gpu, self._shared,
-                                                                 self._keep))
+                            squeeze_step=BatchStep(self._steps, self._side, split_gpu=self._split_gpu,
+                                                                 shared=self._shared, keep=self._keep))
         self.logits = out.logits[:, -1]  # [B, V]
         self.ids.copy_(greedy(self.logits))
         self.positions.add_(1)
