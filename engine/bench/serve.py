@@ -3,7 +3,7 @@ with every method, and the run reports what each user waited for and what the mo
 
     squeeze bench serve [--model M | --shape llama3-8b --context 32768] [--device cpu|cuda|auto] [--users 4]
                         [--documents N] [--tokens 48] [--methods squeeze,full] [--batch B] [--steps N]
-                        [--stagger] [--no-concurrent] [--shared-launches] [--out FILE]
+                        [--stagger] [--ahead] [--no-concurrent] [--split-gpu] [--shared-launches] [--out FILE]
 
 Documents: `assets/apache-2.0.txt` cut into --documents parts (default: one per user, each headed by its own number,
 so that no two users share a context), each cut to the model's context; with --shape (a random-weight model of
@@ -21,8 +21,9 @@ agreement with their lone answers, the time per answer token after the first (p5
 batch, and alone) beside the byte bound of a decode step at that batch and alone (the weights once, each turn's
 share of its document's K/V), the scheduler's steps by batch size, the peak GPU memory where there is one; with
 --steps N, the median decode step of one turn and of a full batch over the open contexts, their sequences attending
-at once (their union kernels in launches of their own or shared) and one after another (batch_steps). Ends with one
-JSON document on stdout.
+at once (their union kernels in launches of their own, planned for the whole GPU or for their share of it, or
+shared; each step launched ahead or not) and one after another (batch_steps). The report goes to --out as the run
+goes; it ends with one JSON document on stdout.
 """
 
 from __future__ import annotations
