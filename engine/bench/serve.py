@@ -3,7 +3,7 @@ with every method, and the run reports what each user waited for and what the mo
 
     squeeze bench serve [--model M | --shape llama3-8b --context 32768] [--device cpu|cuda|auto] [--users 4]
                         [--documents N] [--tokens 48] [--methods squeeze,full] [--batch B] [--steps N]
-                        [--stagger] [--ahead] [--no-concurrent] [--split-gpu] [--shared-launches] [--out FILE]
+                        [--stagger] [--no-ahead] [--no-concurrent] [--split-gpu] [--shared-launches] [--out FILE]
 
 Documents: `assets/apache-2.0.txt` cut into --documents parts (default: one per user, each headed by its own number,
 so that no two users share a context), each cut to the model's context; with --shape (a random-weight model of

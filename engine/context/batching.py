@@ -24,10 +24,11 @@ from engine.model.generate import QuestionPrefill
 from engine.model.load import LoadedModel
 from engine.model.sampling import choose
 
-# Whether a GPU's batch launches each step before reading the previous one's tokens back (TurnBatch.ahead): off until
-# measured; a lone turn's own path does it (engine.model.generate), and a batch of one that does not was 4% slower a
-# step there (engine/bench/README.md, "Several users on one GPU": session_ms)
-AHEAD = False
+# Whether a GPU's batch launches each step before reading the previous one's tokens back (TurnBatch.ahead), as a lone
+# turn's own path does (engine.model.generate): on an H100, 8 x 32K (engine/bench/README.md, "Several users on one
+# GPU": h100-serve-8x32k-split.json), one turn 6.84 ms a step against 6.91 without (6.85 on its session's own path),
+# eight 10.29 against 10.43
+AHEAD = True
 
 
 class _Launched:

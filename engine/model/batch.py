@@ -21,8 +21,9 @@ from engine.model.load import LoadedModel
 # another: a benchmark's switch (squeeze bench serve --no-concurrent)
 CONCURRENT = True
 # Whether a batch's sequences attending at once each plan their union kernels for their share of the GPU's workers
-# (BatchStep.split_gpu) rather than for all of them: off until measured (`squeeze bench serve --steps N` times both:
-# "concurrent_ms" and "split_ms")
+# (BatchStep.split_gpu) rather than for all of them: off, slower where measured (engine/bench/README.md, "Several
+# users on one GPU": 8 x 32K on an H100, 10.67 against 10.43 ms a step with squeeze, 21.92 against 18.64 with full
+# attention); `squeeze bench serve --steps N` times both ("concurrent_ms" and "split_ms")
 SPLIT_GPU = False
 # Whether a batch's lookups and attentions at a global layer share their kernels' launches (BatchStep.shared): off,
 # slower than streams where measured (engine/bench/README.md, "Several users on one GPU": 4 x 32K on an H200 at commit
