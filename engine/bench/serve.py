@@ -3,7 +3,8 @@ with every method, and the run reports what each user waited for and what the mo
 
     squeeze bench serve [--model M | --shape llama3-8b --context 32768] [--device cpu|cuda|auto] [--users 4]
                         [--documents N] [--tokens 48] [--methods squeeze,full] [--batch B] [--steps N]
-                        [--stagger] [--no-ahead] [--no-concurrent] [--split-gpu] [--shared-launches] [--out FILE]
+                        [--stagger] [--capture-after K] [--no-ahead] [--no-concurrent] [--split-gpu]
+                        [--shared-launches] [--out FILE]
 
 Documents: `assets/apache-2.0.txt` cut into --documents parts (default: one per user, each headed by its own number,
 so that no two users share a context), each cut to the model's context; with --shape (a random-weight model of
@@ -41,6 +42,7 @@ from pathlib import Path
 
 import torch
 
+from engine.bench.compiles import RunEvents
 from engine.bench.e2e.bound import byte_bound, copy_bandwidth
 from engine.bench.e2e.models import SHAPES, device_name, open_model
 from engine.bench.e2e.runner import idle_time, kernel_spans
@@ -131,19 +133,28 @@ def step_ms(users: list[dict]) -> float:
                              if u["tokens"] > 1], 50), 3)
 
 
-def steps_by_batch(timeline: list[tuple[str, int, float]]) -> dict:
+def steps_by_batch(timeline: list[tuple[str, int, float, float]], events: RunEvents | None = None,
+                   slowest: int = 3) -> dict:
     """The scheduler's work while users were served together (Scheduler.timeline): each batch size's steps (count,
     median and largest ms: the first step after a turn joined or left captures the batch's step anew on a GPU), and
     the turns' starts (count, total seconds: the preparation, the prefill and the first token of each turn admitted,
-    while the turns under way wait)."""
+    while the turns under way wait); with `events` (engine.bench.compiles.RunEvents over the same work) what was
+    compiled and allocated, and the `slowest` steps each with the Triton kernels compiled during it."""
     steps: dict[int, list[float]] = {}
-    for kind, turns, seconds in timeline:
+    for kind, turns, _, seconds in timeline:
         if kind == "step":
             steps.setdefault(turns, []).append(seconds * 1e3)
-    starts = [seconds for kind, _, seconds in timeline if kind == "start"]
-    return {"steps": {str(n): {"count": len(v), "median_ms": round(percentile(v, 50), 3), "max_ms": round(max(v), 3)}
-                      for n, v in sorted(steps.items())},
-            "starts": {"count": len(starts), "total_s": round(sum(starts), 3)}}
+    starts = [seconds for kind, _, _, seconds in timeline if kind == "start"]
+    out = {"steps": {str(n): {"count": len(v), "median_ms": round(percentile(v, 50), 3), "max_ms": round(max(v), 3)}
+                     for n, v in sorted(steps.items())},
+           "starts": {"count": len(starts), "total_s": round(sum(starts), 3)}}
+    if events is not None:
+        out["events"] = events.summary()
+        worst = sorted((w for w in timeline if w[0] == "step"), key=lambda w: -w[3])[:slowest]
+        out["slowest_steps"] = [{"turns": turns, "ms": round(seconds * 1e3, 3),
+                                 "triton_compiles": events.compiled_between(start, start + seconds)}
+                                for _, turns, start, seconds in worst]
+    return out
 
 
 def step_bounds(lm: LoadedModel, context: int, batch: int, kv_budget: float, new_tokens: float,
@@ -412,7 +423,8 @@ def run(args: argparse.Namespace) -> dict:
                "users": args.users, "documents": len(contexts), "context_tokens": [c.tokens for c in ingested],
                "ingest_s": stages, "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
                "tokens_per_user": lengths,
-               "ahead": turn_batching.AHEAD, "concurrent": batching.CONCURRENT, "split_gpu": batching.SPLIT_GPU,
+               "ahead": turn_batching.AHEAD, "capture_after": turn_batching.CAPTURE_AFTER,
+               "concurrent": batching.CONCURRENT, "split_gpu": batching.SPLIT_GPU,
                "shared_launches": batching.SHARED_LAUNCHES,
                "bandwidth_gbs": round(copy_bandwidth(lm.device), 1),
                "methods": {}}
@@ -430,14 +442,15 @@ def run(args: argparse.Namespace) -> dict:
                 torch.cuda.reset_peak_memory_stats(lm.device)
             profiler = engine.scheduler.profiler = cProfile.Profile() if args.profile else None
             timeline = engine.scheduler.timeline = []
-            together, wall = ask_at_once(engine, asks, method, lengths)
+            with RunEvents(lm.device) as events:
+                together, wall = ask_at_once(engine, asks, method, lengths)
             engine.scheduler.profiler = engine.scheduler.timeline = None
             if profiler is not None:
                 write_profile(profiler, method, args.profile)
             alone, alone_wall = one_at_a_time(engine, asks, method, lengths)
             entry = comparison(together, wall, alone, alone_wall)
             entry["step_ms"] = {"together": step_ms(together), "alone": step_ms(alone)}
-            entry["scheduler"] = steps_by_batch(timeline)
+            entry["scheduler"] = steps_by_batch(timeline, events)
             entry["first_round_s"] = round(first_wall, 3)
             budget = 1.0 if method == "full" else round(1.0 - SPARSITY, 6)
             entry["bound_ms"] = step_bounds(lm, context, min(batch, args.users), budget, args.tokens / 2,
@@ -479,14 +492,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shared-launches", action=argparse.BooleanOptionalAction, default=batching.SHARED_LAUNCHES,
                         help="a batch's attentions at a global layer share the union kernels' launches "
                              "(engine.model.batch.SHARED_LAUNCHES)")
+    parser.add_argument("--capture-after", type=int, default=turn_batching.CAPTURE_AFTER,
+                        help="a GPU's batch runs this many steps eagerly after its turns change before it captures "
+                             "their step (engine.context.batching.CAPTURE_AFTER)")
     parser.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=turn_batching.AHEAD,
                         help="a GPU's batch launches each step before reading the previous one's tokens back "
                              "(engine.context.batching.AHEAD)")
     args = parse(parser, argv)
     turn_batching.AHEAD = args.ahead
+    turn_batching.CAPTURE_AFTER = args.capture_after
     batching.CONCURRENT = args.concurrent
     batching.SPLIT_GPU = args.split_gpu
     batching.SHARED_LAUNCHES = args.shared_launches
+    if args.capture_after < 0:
+        parser.error("--capture-after must be at least 0")
     if args.shape and args.model:
         parser.error("--shape and --model exclude each other")
     if args.shape and args.context < 64:

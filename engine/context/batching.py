@@ -29,6 +29,10 @@ from engine.model.sampling import choose
 # GPU": h100-serve-8x32k-split.json), one turn 6.84 ms a step against 6.91 without (6.85 on its session's own path),
 # eight 10.29 against 10.43
 AHEAD = True
+# Steps a GPU's batch runs eagerly after its turns change before it captures their step (TurnBatch.capture_after):
+# a capture costs about as much as an eager step and its recording; turns that stay only a few steps are cheaper
+# uncaptured. 0: captured at the first step, as a lone turn's session does
+CAPTURE_AFTER = 0
 
 
 class _Launched:
@@ -55,11 +59,17 @@ class _Launched:
 class TurnBatch:
     """The turns being answered together over one model. ahead: launch each step before the previous one's tokens
     are read back, so that the GPU does not wait for the host between steps (None: AHEAD on a GPU; on the CPU a
-    step computed ahead only delays the tokens of the one before)."""
+    step computed ahead only delays the tokens of the one before). capture_after: on a GPU, the steps run eagerly
+    each time the turns change before their step is captured (None: CAPTURE_AFTER)."""
 
-    def __init__(self, lm: LoadedModel, ahead: bool | None = None):
+    def __init__(self, lm: LoadedModel, ahead: bool | None = None, capture_after: int | None = None):
         self.lm = lm
         self.ahead = ahead if ahead is not None else AHEAD and lm.device.type == "cuda"
+        self.capture_after = CAPTURE_AFTER if capture_after is None else capture_after
+        if self.capture_after < 0:
+            raise ValueError(f"capture_after must be >= 0, got {self.capture_after}")
+        self._uncaptured = 0  # eager steps the turns as they are now have run on a replayable batch
+        self.captures = 0  # the batch's steps captured so far
         self._ahead: _Launched | None = None  # the step launched ahead, not read back yet
         self.turns: list[Turn] = []  # the turns taking a token a step, in the order they joined
         self.joining: list[tuple[Turn, QuestionPrefill]] = []  # turns whose long question is still being prefilled
@@ -130,23 +140,27 @@ class TurnBatch:
         """The step of every turn from its last token: replayed from the batch's graph (captured first where the
         turns changed: its warm step is this one), or run eagerly (the CPU)."""
         inputs = [self._next[id(t)] for t in self.turns]
-        tokens, positions = torch.cat([tok for tok, _ in inputs]), [pos for _, pos in inputs]
+        return self._run(torch.cat([tok for tok, _ in inputs]), [pos for _, pos in inputs])
+
+    def _run(self, tokens: torch.Tensor, positions: list[int]) -> _Launched:
+        """The step of every turn from tokens [B] at `positions`: replayed from the batch's graph (whose buffers hold
+        the inputs already), captured first (its warm step is this one) once the turns as they are now have run
+        capture_after steps eagerly, or run eagerly."""
+        if self._graph is not None:
+            return self._picked(self._graph.replay(), positions)
         if not self._replayable():
             return self._eager(tokens, positions)
-        if self._graph is None:
-            self._graph = BatchGraph(self.lm, [t.step for t in self.turns])
-            logits = self._graph.warm_and_capture(tokens, positions)
-        else:
-            logits = self._graph.replay()
-        return self._picked(logits, positions)
+        if self._uncaptured < self.capture_after:
+            self._uncaptured += 1
+            return self._eager(tokens, positions)
+        self._graph = BatchGraph(self.lm, [t.step for t in self.turns])
+        self.captures += 1
+        return self._picked(self._graph.warm_and_capture(tokens, positions), positions)
 
     def _launch_after(self, current: _Launched) -> _Launched:
         """The step after `current` (launched from the same graph, not read back yet): its inputs are the tokens
         `current` chose, already in the graph's buffers, or, eagerly, taken from them."""
-        positions = [p + 1 for p in current.positions]
-        if current.graph is None:
-            return self._eager(current.chosen, positions)
-        return self._picked(self._graph.replay(), positions)
+        return self._run(current.chosen, [p + 1 for p in current.positions])
 
     def _eager(self, tokens: torch.Tensor, positions: list[int]) -> _Launched:
         """The step of every turn from tokens [B] at `positions`, run eagerly: greedy or each turn's sampler."""
@@ -169,6 +183,7 @@ class TurnBatch:
             with torch.inference_mode():
                 self._graph.flush()
             self._graph = None
+        self._uncaptured = 0
 
     def leave(self, turn: Turn) -> None:
         """Take a turn out of the batch (its answer ended, or it was cancelled); the others are not touched."""

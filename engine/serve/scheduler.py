@@ -93,8 +93,9 @@ class Scheduler:
         self._warming: threading.Thread | None = None  # the thread warming a waiting turn (one at a time)
         self._starting: Request | None = None  # the turn being admitted (its preparation runs on the thread)
         self.profiler: cProfile.Profile | None = None  # set: the thread's work runs under it (bench serve --profile)
-        self.timeline: list[tuple[str, int, float]] | None = None  # set: the thread's work appended to it as (kind,
-        # turns under way before it, seconds): "start" (a turn admitted, its first token taken), "step" (bench serve)
+        self.timeline: list[tuple[str, int, float, float]] | None = None  # set: the thread's work appended to it as
+        # (kind, turns under way before it, its start on time.perf_counter's clock, seconds): "start" (a turn admitted,
+        # its first token taken), "step" (bench serve)
 
     def stream(self, request: Request) -> Iterator[Delta | Answer | Waiting]:
         """Queue the request and yield its events: Waiting(ahead) while it waits (each time its place changes, and
@@ -217,7 +218,7 @@ class Scheduler:
             if profiler is not None:
                 profiler.disable()
             if timeline is not None:
-                timeline.append(("step" if work == self._step else "start", turns, time.perf_counter() - t0))
+                timeline.append(("step" if work == self._step else "start", turns, t0, time.perf_counter() - t0))
 
     def _admit(self) -> Request | None:
         """The first waiting request, taken from the queue, if it may start now (under the lock)."""

@@ -47,16 +47,18 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     in each way a batch attends (and of one turn through its session's own path), and with --kernel-profile the
     profiler's table of the full batch's steps in each way; with --stagger the users' answers end at different
     steps."""
-    for module, name in ((turn_batching, "AHEAD"), (batching, "CONCURRENT"), (batching, "SPLIT_GPU"),
-                         (batching, "SHARED_LAUNCHES")):
+    for module, name in ((turn_batching, "AHEAD"), (turn_batching, "CAPTURE_AFTER"), (batching, "CONCURRENT"),
+                         (batching, "SPLIT_GPU"), (batching, "SHARED_LAUNCHES")):
         monkeypatch.setattr(module, name, getattr(module, name))  # the switches main sets, as they were after
     out, profile, kernels = tmp_path / "serve.json", tmp_path / "serve-profile.txt", tmp_path / "kernels.txt"
     assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
                  "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile),
-                 "--steps", "3", "--kernel-profile", str(kernels), "--stagger", "--ahead", "--split-gpu"]) == 0
+                 "--steps", "3", "--kernel-profile", str(kernels), "--stagger", "--ahead", "--split-gpu",
+                 "--capture-after", "2"]) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "random-tiny" and report["shape"] == "tiny" and report["complete"]
-    assert report["ahead"] and report["split_gpu"]  # (a GPU's ways: nothing changes on the CPU)
+    assert report["ahead"] and report["split_gpu"] and report["capture_after"] == 2  # (a GPU's ways: nothing
+    # changes on the CPU)
     assert [set(stages) >= {"prefill", "saving"} for stages in report["ingest_s"]] == [True, True]
     sections = profile.read_text().split("=== ")[1:]
     assert [s.split(":")[0] for s in sections] == ["squeeze", "full"]
@@ -71,6 +73,11 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
         assert scheduler["starts"]["count"] == 2 and scheduler["starts"]["total_s"] > 0
         assert "2" in scheduler["steps"] and all(s["count"] > 0 and s["median_ms"] > 0
                                                  for s in scheduler["steps"].values())
+        slowest = scheduler["slowest_steps"]  # the slowest steps first, each with the kernels compiled in it
+        assert slowest and [s["ms"] for s in slowest] == sorted((s["ms"] for s in slowest), reverse=True)
+        assert slowest[0]["ms"] == max(s["max_ms"] for s in scheduler["steps"].values())
+        assert all(isinstance(s["triton_compiles"], list) for s in slowest)
+        assert {"triton_compiles", "dynamo_graphs"} <= set(scheduler["events"])
         bound = entry["bound_ms"]
         assert bound["alone"] < bound["batch"] < 2 * bound["alone"]
         steps = entry["batch_steps"]

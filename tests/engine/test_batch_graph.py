@@ -126,13 +126,14 @@ def test_sequences_attending_at_once_on_streams_match_one_after_another(sessions
     torch.testing.assert_close(got["shared"], got["streams"], **LOGIT_TOL)
 
 
-@pytest.mark.parametrize("ahead", [False, True])
-def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions, ahead):
+@pytest.mark.parametrize("ahead,capture_after", [(False, 0), (True, 0), (True, 2)])
+def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions, ahead, capture_after):
     """Two turns over their own documents, a third (a fork of the second's document) joining after two steps and
     the first leaving after three: the batch is captured, captured anew when the third joins (a fork steps
     eagerly: so does the batch from then on, its turns' replayed tokens counted), and gives each turn the tokens and
     the statistics of the same batch run eagerly; with `ahead` (each replay launched before the previous step's
-    tokens are read back) the same, the turn that leaves counting the step launched for it ahead."""
+    tokens are read back) the same, the turn that leaves counting the step launched for it ahead; with capture_after
+    the batch's first steps after each change run eagerly, then captured."""
     lm = sessions[0].lm
     got = {}
     for graphs in (True, False):
@@ -144,9 +145,10 @@ def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions,
             if not graphs:
                 turn.step.graphs = None
             joining.append((at, key, turn))
-        batch = TurnBatch(lm, ahead=ahead and graphs)
+        batch = TurnBatch(lm, ahead=ahead and graphs, capture_after=capture_after)
         got[graphs] = _run(batch, joining, cancel_after={0: 3})
         assert batch._graph is None and not len(batch)
+        assert (batch.captures > 0) == graphs
     assert set(got[True]) == set(got[False]) == {0, 1, 2}
     same = 0
     for key, (_, tokens, _, answer) in got[False].items():
