@@ -137,8 +137,7 @@ class TurnBatch:
         return all(t.step.graphs is not None for t in self.turns)
 
     def _launch(self) -> _Launched:
-        """The step of every turn from its last token: replayed from the batch's graph (captured first where the
-        turns changed: its warm step is this one), or run eagerly (the CPU)."""
+        """The step of every turn from its last token (`_run`)."""
         inputs = [self._next[id(t)] for t in self.turns]
         return self._run(torch.cat([tok for tok, _ in inputs]), [pos for _, pos in inputs])
 
@@ -158,8 +157,8 @@ class TurnBatch:
         return self._picked(self._graph.warm_and_capture(tokens, positions), positions)
 
     def _launch_after(self, current: _Launched) -> _Launched:
-        """The step after `current` (launched from the same graph, not read back yet): its inputs are the tokens
-        `current` chose, already in the graph's buffers, or, eagerly, taken from them."""
+        """The step after `current` (launched, not read back yet): its inputs are the tokens `current` chose, already
+        in the graph's buffers where it was replayed (`_run`)."""
         return self._run(current.chosen, [p + 1 for p in current.positions])
 
     def _eager(self, tokens: torch.Tensor, positions: list[int]) -> _Launched:
