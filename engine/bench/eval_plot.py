@@ -1,12 +1,19 @@
-"""`squeeze eval`'s figure: one panel per measure against the KV budget, a line per method (a PNG through
-matplotlib's Agg backend: no display needed).
+"""`squeeze eval`'s figures (PNGs through matplotlib's Agg backend: no display needed).
 
-Panels (those whose part ran): needles as good as full attention; attention recall of decode steps, with the oracle
-top-k dashed; top-1 agreement with full attention; KL(full || method) on a log scale.
+save_figure: one panel per measure against the KV budget, a line per method. Panels (those whose part ran): needles
+as good as full attention; attention recall of decode steps, with the oracle top-k dashed; top-1 agreement with full
+attention; KL(full || method) on a log scale.
+save_tasks_figure: the needle tasks (`--tasks`) of several eval documents side by side, a panel each (e.g. the tuning
+and the held-out essays, with and without the follow rows): a group of bars per task, a bar per method, the share of
+cells as good as full attention.
+
+    python -m engine.bench.eval_plot --tasks "LABEL=EVAL.json" [...] --out FIGURE.png
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 from engine.bench.oracle import OraclePolicy
@@ -71,3 +78,82 @@ def save_figure(doc: dict, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def task_shares(summary: list[dict], budget: float | None = None) -> dict[str, dict[str, float]]:
+    """task -> method -> the share of its cells as good as full attention, at `budget` (None: the summary's one
+    budget; a ValueError where it has several): the passkey from the needles' share, every other task from its own
+    entry (evaluate.py's summary rows)."""
+    budgets = sorted({row["budget"] for row in summary})
+    if budget is None:
+        if len(budgets) != 1:
+            raise ValueError(f"the summary has budgets {budgets}: name one")
+        budget = budgets[0]
+    out: dict[str, dict[str, float]] = {}
+    for row in sorted(summary, key=lambda r: r["method"]):
+        if row["budget"] != budget:
+            continue
+        if row.get("needles") is not None:
+            out.setdefault("passkey", {})[row["method"]] = row["needles"]
+        for task, got in (row.get("tasks") or {}).items():
+            out.setdefault(task, {})[row["method"]] = got["as_good_as_full"]
+    return out
+
+
+def save_tasks_figure(panels: list[tuple[str, dict]], path: str | Path) -> Path:
+    """Draw each (label, eval document) of `panels` as a panel of grouped bars (task_shares) into a PNG at `path`
+    (its folder is made); a method keeps its colour in every panel, the oracle top-k is drawn grey. Returns the
+    path."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    shares = [(label, task_shares(doc["summary"])) for label, doc in panels]
+    if not shares or not all(s for _, s in shares):
+        raise ValueError("every panel needs an eval document with needle results")
+    methods = sorted({m for _, s in shares for by in s.values() for m in by} - {CEILING}) + [CEILING]
+    colors = {m: f"C{i}" for i, m in enumerate(methods)}
+    colors[CEILING] = "0.6"
+    fig, axes = plt.subplots(1, len(shares), figsize=(4.6 * len(shares), 3.6), squeeze=False, sharey=True)
+    width = 0.8 / len(methods)
+    for ax, (label, by_task) in zip(axes[0], shares):
+        tasks = list(by_task)
+        for i, method in enumerate(methods):
+            xs = [t + (i - (len(methods) - 1) / 2) * width for t in range(len(tasks))]
+            ys = [by_task[task].get(method, float("nan")) for task in tasks]
+            ax.bar(xs, ys, width, color=colors[method], label="oracle top-k" if method == CEILING else method)
+        ax.set_xticks(range(len(tasks)), tasks)
+        ax.set_ylim(0, 1.05)
+        ax.set_title(label, fontsize=10)
+        ax.grid(alpha=0.3, axis="y")
+    axes[0][0].set_ylabel("cells as good as full attention")
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="lower center", ncol=len(methods), fontsize=8)
+    doc = panels[0][1]
+    fig.suptitle(f"{doc.get('model', '?')} on {doc.get('device', '?')}: needle tasks", fontsize=10)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engine.bench.eval_plot", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", nargs="+", required=True, metavar="LABEL=FILE",
+                        help="an eval document (squeeze eval --out) with needle tasks, and its panel's title")
+    parser.add_argument("--out", required=True, help="the PNG to write")
+    args = parser.parse_args(argv)
+    panels = []
+    for item in args.tasks:
+        label, sep, file = item.rpartition("=")
+        if not sep or not label:
+            parser.error(f"--tasks takes LABEL=FILE, got {item!r}")
+        panels.append((label, json.loads(Path(file).read_text(encoding="utf-8"))))
+    print(save_tasks_figure(panels, args.out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

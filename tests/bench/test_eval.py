@@ -12,7 +12,8 @@ import torch
 
 from app.cli import main as cli_main
 from engine.bench import evaluate, fidelity, needles
-from engine.bench.eval_plot import save_figure, series
+from engine.bench.eval_plot import main as plot_main
+from engine.bench.eval_plot import save_figure, save_tasks_figure, series, task_shares
 from engine.bench.needles import context_session
 from engine.bench.oracle import OraclePolicy
 from engine.bench.passkey import PASSKEY_QUESTION
@@ -154,6 +155,32 @@ def test_the_figure_is_a_png_with_a_panel_per_measure(tmp_path):
     assert width > 4 * 300  # four panels side by side
     with pytest.raises(ValueError):
         save_figure(_doc([{"method": "squeeze", "budget": 0.1}]), tmp_path / "empty.png")
+
+
+def _tasks_summary(passkey: float) -> list[dict]:
+    return [{"method": m, "budget": 0.1, "needles": passkey if m != "oracle" else 1.0,
+             "tasks": {"multikey": {"as_good_as_full": 0.8 if m == "quest" else 1.0, "found_decided": None}}}
+            for m in ("squeeze", "quest", "oracle")]
+
+
+def test_the_tasks_figure_has_a_panel_per_document_and_a_bar_per_task_and_method(tmp_path):
+    shares = task_shares(_tasks_summary(0.4))
+    assert shares == {"passkey": {"oracle": 1.0, "quest": 0.4, "squeeze": 0.4},
+                      "multikey": {"oracle": 1.0, "quest": 0.8, "squeeze": 1.0}}
+    with pytest.raises(ValueError):  # two budgets: which one is not said
+        task_shares(_tasks_summary(0.4) + [{"method": "squeeze", "budget": 0.3, "needles": 1.0}])
+    files = []
+    for name, passkey in (("with.json", 1.0), ("without.json", 0.4)):
+        files.append(tmp_path / name)
+        files[-1].write_text(json.dumps(_doc(_tasks_summary(passkey))))
+    out = tmp_path / "figs" / "tasks.png"
+    assert plot_main(["--tasks", f"with follow rows={files[0]}", f"without={files[1]}", "--out", str(out)]) == 0
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and int.from_bytes(data[16:20], "big") > 2 * 300  # two panels
+    with pytest.raises(ValueError):  # a document without needles has nothing to draw
+        save_tasks_figure([("recall only", _doc([{"method": "squeeze", "budget": 0.1}]))], tmp_path / "x.png")
+    with pytest.raises(SystemExit):
+        plot_main(["--tasks", str(files[0]), "--out", str(out)])  # no label
 
 
 @pytest.fixture(scope="module")
