@@ -27,6 +27,25 @@ PANELS = (  # (summary key, title, y label, log scale)
 )
 
 
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend (no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _write(plt, fig, path: str | Path) -> Path:
+    """The figure written to a PNG at `path` (its folder made) and closed. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def series(summary: list[dict], key: str) -> dict[str, tuple[list[float], list[float]]]:
     """method -> (budgets, values) of one summary key, in budget order, skipping cells without a value."""
     out: dict[str, tuple[list[float], list[float]]] = {}
@@ -40,11 +59,7 @@ def series(summary: list[dict], key: str) -> dict[str, tuple[list[float], list[f
 
 def save_figure(doc: dict, path: str | Path) -> Path:
     """Draw the summary of an eval document into a PNG at `path` (its folder is made). Returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     panels = [p for p in PANELS if series(doc["summary"], p[0])]
     if not panels:
         raise ValueError("the eval document has no measures to draw")
@@ -73,11 +88,7 @@ def save_figure(doc: dict, path: str | Path) -> Path:
     fig.suptitle(f"{doc.get('model', '?')} on {doc.get('device', '?')}: sparse methods against full attention",
                  fontsize=10)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _write(plt, fig, path)
 
 
 def task_shares(summary: list[dict], budget: float | None = None) -> dict[str, dict[str, float]]:
@@ -104,11 +115,7 @@ def save_tasks_figure(panels: list[tuple[str, dict]], path: str | Path) -> Path:
     """Draw each (label, eval document) of `panels` as a panel of grouped bars (task_shares) into a PNG at `path`
     (its folder is made); a method keeps its colour in every panel, the oracle top-k is drawn grey. Returns the
     path."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     shares = [(label, task_shares(doc["summary"])) for label, doc in panels]
     if not shares or not all(s for _, s in shares):
         raise ValueError("every panel needs an eval document with needle results")
@@ -132,11 +139,7 @@ def save_tasks_figure(panels: list[tuple[str, dict]], path: str | Path) -> Path:
     doc = panels[0][1]
     fig.suptitle(f"{doc.get('model', '?')} on {doc.get('device', '?')}: needle tasks", fontsize=10)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _write(plt, fig, path)
 
 
 def main(argv: list[str] | None = None) -> int:
