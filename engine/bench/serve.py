@@ -499,13 +499,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="a GPU's batch launches each step before reading the previous one's tokens back "
                              "(engine.context.batching.AHEAD)")
     args = parse(parser, argv)
+    if args.capture_after < 0:
+        parser.error("--capture-after must be at least 0")
     turn_batching.AHEAD = args.ahead
     turn_batching.CAPTURE_AFTER = args.capture_after
     batching.CONCURRENT = args.concurrent
     batching.SPLIT_GPU = args.split_gpu
     batching.SHARED_LAUNCHES = args.shared_launches
-    if args.capture_after < 0:
-        parser.error("--capture-after must be at least 0")
     if args.shape and args.model:
         parser.error("--shape and --model exclude each other")
     if args.shape and args.context < 64:
