@@ -424,6 +424,7 @@ def run(args: argparse.Namespace) -> dict:
                "ingest_s": stages, "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
                "tokens_per_user": lengths,
                "ahead": turn_batching.AHEAD, "capture_after": turn_batching.CAPTURE_AFTER,
+               "capture_unwarmed": turn_batching.CAPTURE_UNWARMED,
                "concurrent": batching.CONCURRENT, "split_gpu": batching.SPLIT_GPU,
                "shared_launches": batching.SHARED_LAUNCHES,
                "bandwidth_gbs": round(copy_bandwidth(lm.device), 1),
@@ -495,6 +496,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--capture-after", type=int, default=turn_batching.CAPTURE_AFTER,
                         help="a GPU's batch runs this many steps eagerly after its turns change before it captures "
                              "their step (engine.context.batching.CAPTURE_AFTER)")
+    parser.add_argument("--capture-unwarmed", action=argparse.BooleanOptionalAction,
+                        default=turn_batching.CAPTURE_UNWARMED,
+                        help="a GPU's batch whose turns all ran in its last captured step (one left) captures "
+                             "their step without a warm step first (engine.context.batching.CAPTURE_UNWARMED)")
     parser.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=turn_batching.AHEAD,
                         help="a GPU's batch launches each step before reading the previous one's tokens back "
                              "(engine.context.batching.AHEAD)")
@@ -503,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--capture-after must be at least 0")
     turn_batching.AHEAD = args.ahead
     turn_batching.CAPTURE_AFTER = args.capture_after
+    turn_batching.CAPTURE_UNWARMED = args.capture_unwarmed
     batching.CONCURRENT = args.concurrent
     batching.SPLIT_GPU = args.split_gpu
     batching.SHARED_LAUNCHES = args.shared_launches

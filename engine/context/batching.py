@@ -33,6 +33,10 @@ AHEAD = True
 # a capture costs about as much as an eager step and its recording; turns that stay only a few steps are cheaper
 # uncaptured. 0: captured at the first step, as a lone turn's session does
 CAPTURE_AFTER = 0
+# Whether a GPU's batch whose turns all ran in its last captured step (a turn left) captures their step without a warm
+# step first (BatchGraph.warm_and_capture: the capture, then its replay): their kernels, and those of the batch's
+# dense part at every size (engine.model.compiled.warm_up), have run already
+CAPTURE_UNWARMED = False
 
 
 class _Launched:
@@ -60,14 +64,18 @@ class TurnBatch:
     """The turns being answered together over one model. ahead: launch each step before the previous one's tokens
     are read back, so that the GPU does not wait for the host between steps (None: AHEAD on a GPU; on the CPU a
     step computed ahead only delays the tokens of the one before). capture_after: on a GPU, the steps run eagerly
-    each time the turns change before their step is captured (None: CAPTURE_AFTER)."""
+    each time the turns change before their step is captured (None: CAPTURE_AFTER). unwarmed: capture without a warm
+    step where every turn ran in the last captured step (None: CAPTURE_UNWARMED)."""
 
-    def __init__(self, lm: LoadedModel, ahead: bool | None = None, capture_after: int | None = None):
+    def __init__(self, lm: LoadedModel, ahead: bool | None = None, capture_after: int | None = None,
+                 unwarmed: bool | None = None):
         self.lm = lm
         self.ahead = ahead if ahead is not None else AHEAD and lm.device.type == "cuda"
         self.capture_after = CAPTURE_AFTER if capture_after is None else capture_after
         if self.capture_after < 0:
             raise ValueError(f"capture_after must be >= 0, got {self.capture_after}")
+        self.unwarmed = CAPTURE_UNWARMED if unwarmed is None else unwarmed
+        self._captured: list[Turn] = []  # the turns of the last captured step
         self._uncaptured = 0  # eager steps the turns as they are now have run on a replayable batch
         self.captures = 0  # the batch's steps captured so far
         self._ahead: _Launched | None = None  # the step launched ahead, not read back yet
@@ -143,8 +151,8 @@ class TurnBatch:
 
     def _run(self, tokens: torch.Tensor, positions: list[int]) -> _Launched:
         """The step of every turn from tokens [B] at `positions`: replayed from the batch's graph (whose buffers hold
-        the inputs already), captured first (its warm step is this one) once the turns as they are now have run
-        capture_after steps eagerly, or run eagerly."""
+        the inputs already), captured first (its warm step, or the capture's first replay, is this one) once the
+        turns as they are now have run capture_after steps eagerly, or run eagerly."""
         if self._graph is not None:
             return self._picked(self._graph.replay(), positions)
         if not self._replayable():
@@ -152,9 +160,11 @@ class TurnBatch:
         if self._uncaptured < self.capture_after:
             self._uncaptured += 1
             return self._eager(tokens, positions)
+        warm = not (self.unwarmed and all(any(t is c for c in self._captured) for t in self.turns))
         self._graph = BatchGraph(self.lm, [t.step for t in self.turns])
         self.captures += 1
-        return self._picked(self._graph.warm_and_capture(tokens, positions), positions)
+        self._captured = list(self.turns)
+        return self._picked(self._graph.warm_and_capture(tokens, positions, warm=warm), positions)
 
     def _launch_after(self, current: _Launched) -> _Launched:
         """The step after `current` (launched, not read back yet): its inputs are the tokens `current` chose, already

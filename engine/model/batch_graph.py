@@ -6,8 +6,9 @@ record statistics), in their order. It reads from device buffers what changes be
 and positions (`BatchGraph.ids`, `.positions`, advanced by the step itself to its greedy tokens and the next
 positions), each cache's count of new tokens, and it adds each turn's statistics into a device total of its own
 (`totals[b]`, handed to the turn's recorder by `flush`). A turn joining or leaving makes another batch: its graph is
-captured anew (one step run eagerly in the captured form, then the capture), as a lone turn's first step is
-(engine.model.graph.DecodeGraph).
+captured anew, as a lone turn's first step is (engine.model.graph.DecodeGraph): one step run eagerly in the captured
+form, then the capture; or, where every turn and the batch's size have run in a captured step already (a turn left:
+nothing new to compile or set up), the capture alone, then its first replay.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class BatchGraph:
     """One captured decode step of `steps` (B turns' StepContexts, each with its cache's new-token buffers reserved
     for the rest of its answer). ids: [B] int64 the step's input tokens; positions: [B] int64 their positions;
     logits: [B, V] the last step's (the capture's buffer). totals[b]: where turn b's statistics add up (None: it
-    records none); steps_run: the steps run since the capture began (the warm one included)."""
+    records none); steps_run: the steps run since the capture began (a warm one included)."""
 
     def __init__(self, lm: LoadedModel, steps: list[StepContext]):
         if not steps:
@@ -45,6 +46,7 @@ class BatchGraph:
                        for b, step in enumerate(steps)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.steps_run = 0
+        self._counted = 0  # steps run eagerly (a warm one): the caches' host counts hold their tokens already
         self._stream = torch.cuda.Stream(device=lm.device)
         self._side = side_streams(lm.device, batch)  # where sequences 1 .. B - 1 attend
         self._split_gpu = batching.SPLIT_GPU
@@ -67,11 +69,12 @@ class BatchGraph:
         self.ids.copy_(greedy(self.logits))
         self.positions.add_(1)
 
-    def warm_and_capture(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
-        """Run the step of tokens [B] int64 (on the device) at `positions` eagerly in the captured form (it compiles
-        the kernels for these shapes and sets up the stream's handles), then capture the next one. Returns the warm
-        step's logits [B, V]; `ids` then holds its greedy tokens and `positions` the next ones, ready for `replay`
-        (a sampled turn's choice goes into ids by `feed`)."""
+    def warm_and_capture(self, tokens: torch.Tensor, positions: list[int], warm: bool = True) -> torch.Tensor:
+        """The step of tokens [B] int64 (on the device) at `positions`, and the capture of the step. warm: run it
+        eagerly in the captured form first (it compiles the kernels for these shapes and sets up the stream's
+        handles), then capture the next one; else capture at once and replay the capture for this step (for turns
+        whose kernels all ran at this batch size). Returns this step's logits [B, V]; `ids` then holds its greedy
+        tokens and `positions` the next ones, ready for `replay` (a sampled turn's choice goes into ids by `feed`)."""
         self.ids.copy_(tokens.reshape(-1))
         self.positions.copy_(torch.tensor(positions, dtype=torch.int64))
         for step, totals in zip(self._steps, self.totals):
@@ -81,21 +84,22 @@ class BatchGraph:
         device = self.lm.device
         try:
             self._stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(self._stream):
-                self._forward()
-            torch.cuda.current_stream(device).wait_stream(self._stream)
-            self.steps_run = 1
-            warm = self.logits
+            if warm:
+                with torch.cuda.stream(self._stream):
+                    self._forward()
+                torch.cuda.current_stream(device).wait_stream(self._stream)
+                self.steps_run = self._counted = 1
+                out = self.logits
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, stream=self._stream):
-                self._forward()  # recorded, not run: the inputs stay as the warm step left them
+                self._forward()  # recorded, not run: the inputs stay as the warm step (or the caller) left them
             self.graph = graph
         finally:
             for step in self._steps:
                 if step.recorder is not None:
                     step.recorder.current = None
                     step.recorder.timing = True
-        return warm
+        return out if warm else self.replay()
 
     def replay(self) -> torch.Tensor:
         """One step of every turn; returns its logits [B, V] (the capture's buffer, valid until the next replay)."""
@@ -109,9 +113,9 @@ class BatchGraph:
 
     def flush(self) -> None:
         """Hand each turn's statistics of the steps run so far to its recorder, and the replayed steps' tokens to
-        its cache's host count (the warm step counted its own), once: the graph is dropped after."""
+        its cache's host count (a warm step counted its own), once: the graph is dropped after."""
         for step, totals in zip(self._steps, self.totals):
             if totals is not None:  # (a turn with a recorder)
                 step.recorder.add_decode(totals, self.steps_run)
-            step.cache.replayed(max(self.steps_run - 1, 0))
-        self.steps_run = 0
+            step.cache.replayed(max(self.steps_run - self._counted, 0))
+        self.steps_run = self._counted = 0

@@ -126,14 +126,16 @@ def test_sequences_attending_at_once_on_streams_match_one_after_another(sessions
     torch.testing.assert_close(got["shared"], got["streams"], **LOGIT_TOL)
 
 
-@pytest.mark.parametrize("ahead,capture_after", [(False, 0), (True, 0), (True, 1)])
-def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions, ahead, capture_after):
+@pytest.mark.parametrize("ahead,capture_after,unwarmed", [(False, 0, False), (True, 0, False), (True, 1, False),
+                                                          (True, 0, True)])
+def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions, ahead, capture_after, unwarmed):
     """Two turns over their own documents, a third (a fork of the second's document) joining after two steps and
     the first leaving after three: the batch is captured, captured anew when the third joins (a fork steps
     eagerly: so does the batch from then on, its turns' replayed tokens counted), and gives each turn the tokens and
     the statistics of the same batch run eagerly; with `ahead` (each replay launched before the previous step's
     tokens are read back) the same, the turn that leaves counting the step launched for it ahead; with capture_after
-    1 the first two turns' first step runs eagerly, the next is captured and the one after it replayed."""
+    1 the first two turns' first step runs eagerly, the next is captured and the one after it replayed; unwarmed,
+    the two turns left when the first leaves are captured without a warm step (the capture's replay is that step)."""
     lm = sessions[0].lm
     got = {}
     for graphs in (True, False):
@@ -145,7 +147,7 @@ def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions,
             if not graphs:
                 turn.step.graphs = None
             joining.append((at, key, turn))
-        batch = TurnBatch(lm, ahead=ahead and graphs, capture_after=capture_after)
+        batch = TurnBatch(lm, ahead=ahead and graphs, capture_after=capture_after, unwarmed=unwarmed)
         got[graphs] = _run(batch, joining, cancel_after={0: 3})
         assert batch._graph is None and not len(batch)
         assert (batch.captures > 0) == graphs
