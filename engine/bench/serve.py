@@ -50,6 +50,7 @@ from engine.context import batching as turn_batching
 from engine.context.batching import TurnBatch
 from engine.context.turn import Answer
 from engine.model import batch as batching
+from engine.model import capture
 from engine.model.compiled import compile_layers, wants_compile, warm_up
 from engine.model.generate import generate_tokens
 from engine.model.load import LoadedModel
@@ -424,7 +425,7 @@ def run(args: argparse.Namespace) -> dict:
                "ingest_s": stages, "batch": batch, "tokens": args.tokens, "sparsity": SPARSITY,
                "tokens_per_user": lengths,
                "ahead": turn_batching.AHEAD, "capture_after": turn_batching.CAPTURE_AFTER,
-               "capture_unwarmed": turn_batching.CAPTURE_UNWARMED,
+               "capture_unwarmed": turn_batching.CAPTURE_UNWARMED, "sync_captures": capture.SYNC_FIRST,
                "concurrent": batching.CONCURRENT, "split_gpu": batching.SPLIT_GPU,
                "shared_launches": batching.SHARED_LAUNCHES,
                "bandwidth_gbs": round(copy_bandwidth(lm.device), 1),
@@ -500,6 +501,9 @@ def main(argv: list[str] | None = None) -> int:
                         default=turn_batching.CAPTURE_UNWARMED,
                         help="a GPU's batch whose turns all ran in its last captured step (one left) captures "
                              "their step without a warm step first (engine.context.batching.CAPTURE_UNWARMED)")
+    parser.add_argument("--sync-captures", action=argparse.BooleanOptionalAction, default=capture.SYNC_FIRST,
+                        help="every CUDA graph capture first synchronises the device and empties its memory caches, "
+                             "as torch.cuda.graph does (engine.model.capture.SYNC_FIRST)")
     parser.add_argument("--ahead", action=argparse.BooleanOptionalAction, default=turn_batching.AHEAD,
                         help="a GPU's batch launches each step before reading the previous one's tokens back "
                              "(engine.context.batching.AHEAD)")
@@ -509,6 +513,7 @@ def main(argv: list[str] | None = None) -> int:
     turn_batching.AHEAD = args.ahead
     turn_batching.CAPTURE_AFTER = args.capture_after
     turn_batching.CAPTURE_UNWARMED = args.capture_unwarmed
+    capture.SYNC_FIRST = args.sync_captures
     batching.CONCURRENT = args.concurrent
     batching.SPLIT_GPU = args.split_gpu
     batching.SHARED_LAUNCHES = args.shared_launches

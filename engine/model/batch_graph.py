@@ -22,17 +22,20 @@ from engine.attention.function import BatchStep, StepContext
 from engine.attention.stats import StepTotals
 from engine.model import batch as batching
 from engine.model.batch import side_streams
+from engine.model.capture import capturing
 from engine.model.load import LoadedModel
 from engine.model.sampling import greedy
 
 
 class BatchGraph:
     """One captured decode step of `steps` (B turns' StepContexts, each with its cache's new-token buffers reserved
-    for the rest of its answer). ids: [B] int64 the step's input tokens; positions: [B] int64 their positions;
-    logits: [B, V] the last step's (the capture's buffer). totals[b]: where turn b's statistics add up (None: it
-    records none); steps_run: the steps run since the capture began (a warm one included)."""
+    for the rest of its answer). pool: the memory pool its capture allocates from, shared with the batch's earlier
+    captures, never replayed again once this one is (None: a pool of its own). ids: [B] int64 the step's input
+    tokens; positions: [B] int64 their positions; logits: [B, V] the last step's (the capture's buffer). totals[b]:
+    where turn b's statistics add up (None: it records none); steps_run: the steps run since the capture began (a
+    warm one included)."""
 
-    def __init__(self, lm: LoadedModel, steps: list[StepContext]):
+    def __init__(self, lm: LoadedModel, steps: list[StepContext], pool=None):
         if not steps:
             raise ValueError("a batch graph needs at least one turn")
         self.lm = lm
@@ -46,6 +49,7 @@ class BatchGraph:
                        for b, step in enumerate(steps)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.steps_run = 0
+        self._pool = pool
         self._counted = 0  # steps run eagerly (a warm one): the caches' host counts hold their tokens already
         self._stream = torch.cuda.Stream(device=lm.device)
         self._side = side_streams(lm.device, batch)  # where sequences 1 .. B - 1 attend
@@ -91,7 +95,7 @@ class BatchGraph:
                 self.steps_run = self._counted = 1
                 out = self.logits
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self._stream):
+            with capturing(graph, self._stream, self._pool):
                 self._forward()  # recorded, not run: the inputs stay as the warm step (or the caller) left them
             self.graph = graph
         finally:

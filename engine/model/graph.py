@@ -21,6 +21,7 @@ import torch
 
 from engine.attention.function import StepContext
 from engine.attention.stats import StepTotals
+from engine.model.capture import capturing
 from engine.model.generate import padded_forward
 from engine.model.load import LoadedModel
 from engine.model.sampling import greedy
@@ -116,7 +117,7 @@ class DecodeGraph:
         token = int(self.next_token)
         self.warm_logits = self.logits  # the warm step's own (the capture below replaces self.logits)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=self._stream):
+        with capturing(self.graph, self._stream):
             self._forward(warm)  # recorded, not run: the inputs stay as the warm step left them
         if recorder is not None:
             recorder.current = None
@@ -226,7 +227,7 @@ class PrefillGraph:
             warm_logits = self.logits
             warm_clusters = dict(self.totals.clusters) if self.totals is not None else {}
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, stream=self._stream):
+            with capturing(graph, self._stream):
                 self._forward(warm)
             for layer, entry in warm_clusters.items():
                 for buffer, value in zip(self.totals.clusters[layer], entry):

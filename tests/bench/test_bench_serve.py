@@ -11,6 +11,7 @@ import pytest
 from engine.bench.serve import checkpoint, main, percentile, staggered
 from engine.context import batching as turn_batching
 from engine.model import batch as batching
+from engine.model import capture
 from tests.support.tiny_models import make_tiny_model
 
 
@@ -48,18 +49,18 @@ def test_a_random_weight_shape_serves_documents_of_the_asked_length(tmp_path, ca
     profiler's table of the full batch's steps in each way; with --stagger the users' answers end at different
     steps."""
     for module, name in ((turn_batching, "AHEAD"), (turn_batching, "CAPTURE_AFTER"),
-                         (turn_batching, "CAPTURE_UNWARMED"), (batching, "CONCURRENT"),
+                         (turn_batching, "CAPTURE_UNWARMED"), (capture, "SYNC_FIRST"), (batching, "CONCURRENT"),
                          (batching, "SPLIT_GPU"), (batching, "SHARED_LAUNCHES")):
         monkeypatch.setattr(module, name, getattr(module, name))  # the switches main sets, as they were after
     out, profile, kernels = tmp_path / "serve.json", tmp_path / "serve-profile.txt", tmp_path / "kernels.txt"
     assert main(["--shape", "tiny", "--context", "300", "--device", "cpu", "--users", "2", "--tokens", "4",
                  "--batch", "2", "--methods", "squeeze,full", "--out", str(out), "--profile", str(profile),
                  "--steps", "3", "--kernel-profile", str(kernels), "--stagger", "--ahead", "--split-gpu",
-                 "--capture-after", "2", "--capture-unwarmed"]) == 0
+                 "--capture-after", "2", "--capture-unwarmed", "--sync-captures"]) == 0
     report = json.loads(out.read_text())
     assert report["model"] == "random-tiny" and report["shape"] == "tiny" and report["complete"]
     assert report["ahead"] and report["split_gpu"] and report["capture_after"] == 2  # (a GPU's ways: nothing
-    assert report["capture_unwarmed"]  # changes on the CPU)
+    assert report["capture_unwarmed"] and report["sync_captures"]  # changes on the CPU)
     assert [set(stages) >= {"prefill", "saving"} for stages in report["ingest_s"]] == [True, True]
     sections = profile.read_text().split("=== ")[1:]
     assert [s.split(":")[0] for s in sections] == ["squeeze", "full"]

@@ -1,0 +1,39 @@
+"""A CUDA graph's capture on a stream, without the work torch.cuda.graph does before every capture: a device-wide
+synchronisation, and the emptying of the device's and pinned host memory's caches (a cudaFree of every unused block,
+which the next eager calls allocate again, each cudaMalloc a wait of its own).
+
+A server captures often: a batch of turns answered together is captured anew each time a turn joins or leaves
+(engine.model.batch_graph), and the emptied caches are what the turns' next steps and prefills fill again. The
+caches are emptied first only where the device has little free memory: a capture's own allocations (from its
+memory pool) may not free cached blocks while it runs, so that a capture short of memory would fail. A stream may
+hold unfinished work when its capture begins: the capture records only what is queued after.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+# A capture on a device with less free memory than this first empties the caches, as torch.cuda.graph does
+MIN_FREE_BYTES = 4 << 30
+# Whether every capture synchronises the device and empties its caches first (torch.cuda.graph's way): a benchmark's
+# switch (squeeze bench serve --sync-captures)
+SYNC_FIRST = False
+
+
+@contextmanager
+def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None) -> Iterator[None]:
+    """Record what the block queues on `stream` into `graph` (not run). pool: a memory pool handle shared with other
+    graphs (torch.cuda.graph_pool_handle: graphs that are never replayed at once may share one); None: the graph's
+    own."""
+    if SYNC_FIRST or torch.cuda.mem_get_info(stream.device)[0] < MIN_FREE_BYTES:
+        torch.cuda.synchronize(stream.device)
+        torch.cuda.empty_cache()
+    with torch.cuda.stream(stream):
+        graph.capture_begin(*(() if pool is None else (pool,)))
+        try:
+            yield
+        finally:
+            graph.capture_end()
