@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from engine.context.turn import Delta, Turn
+from engine.model import capture
 from engine.model.batch import forward_batch
 from engine.model.batch_graph import BatchGraph
 from engine.model.generate import QuestionPrefill
@@ -76,7 +77,7 @@ class TurnBatch:
             raise ValueError(f"capture_after must be >= 0, got {self.capture_after}")
         self.unwarmed = CAPTURE_UNWARMED if unwarmed is None else unwarmed
         self._captured: list[Turn] = []  # the turns of the last captured step
-        self._pool = None  # the memory pool every capture of the batch allocates from (torch.cuda.MemPool)
+        self._pool = None  # the memory pool the batch's captures share (torch.cuda.MemPool; None: each its own)
         self._uncaptured = 0  # eager steps the turns as they are now have run on a replayable batch
         self.captures = 0  # the batch's steps captured so far
         self._ahead: _Launched | None = None  # the step launched ahead, not read back yet
@@ -162,9 +163,9 @@ class TurnBatch:
             self._uncaptured += 1
             return self._eager(tokens, positions)
         warm = not (self.unwarmed and all(any(t is c for c in self._captured) for t in self.turns))
-        if self._pool is None:
+        if self._pool is None and not capture.SYNC_FIRST:  # (a capture that empties the caches frees a dead one's)
             self._pool = torch.cuda.MemPool()
-        self._graph = BatchGraph(self.lm, [t.step for t in self.turns], self._pool.id)
+        self._graph = BatchGraph(self.lm, [t.step for t in self.turns], self._pool and self._pool.id)
         self.captures += 1
         self._captured = list(self.turns)
         return self._picked(self._graph.warm_and_capture(tokens, positions, warm=warm), positions)

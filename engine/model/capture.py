@@ -18,9 +18,10 @@ import torch
 
 # A capture on a device with less free memory than this first empties the caches, as torch.cuda.graph does
 MIN_FREE_BYTES = 4 << 30
-# Whether every capture synchronises the device and empties its caches first (torch.cuda.graph's way): a benchmark's
-# switch (squeeze bench serve --sync-captures)
-SYNC_FIRST = False
+# Whether every capture synchronises the device and empties its caches first (torch.cuda.graph's way, the default
+# until a GPU run of `squeeze bench serve --no-sync-captures` shows the other way's captures cheaper and its answers
+# the same: tests/engine/test_capture.py, and test_batch_graph.py's unwarmed batch, captured that way)
+SYNC_FIRST = True
 
 
 @contextmanager

@@ -16,6 +16,7 @@ import torch
 from engine.context.batching import TurnBatch
 from engine.context.session import ContextSession
 from engine.model import batch as batching
+from engine.model import capture
 from engine.model.batch import forward_batch, side_streams
 from engine.model.batch_graph import BatchGraph
 from engine.model.generate import forward_step
@@ -128,14 +129,17 @@ def test_sequences_attending_at_once_on_streams_match_one_after_another(sessions
 
 @pytest.mark.parametrize("ahead,capture_after,unwarmed", [(False, 0, False), (True, 0, False), (True, 1, False),
                                                           (True, 0, True)])
-def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions, ahead, capture_after, unwarmed):
+def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions, ahead, capture_after, unwarmed,
+                                                                       monkeypatch):
     """Two turns over their own documents, a third (a fork of the second's document) joining after two steps and
     the first leaving after three: the batch is captured, captured anew when the third joins (a fork steps
     eagerly: so does the batch from then on, its turns' replayed tokens counted), and gives each turn the tokens and
     the statistics of the same batch run eagerly; with `ahead` (each replay launched before the previous step's
     tokens are read back) the same, the turn that leaves counting the step launched for it ahead; with capture_after
     1 the first two turns' first step runs eagerly, the next is captured and the one after it replayed; unwarmed,
-    the two turns left when the first leaves are captured without a warm step (the capture's replay is that step)."""
+    the two turns left when the first leaves are captured without a warm step (the capture's replay is that step),
+    every capture without a device synchronisation or an emptied cache, into one memory pool (engine.model.capture)."""
+    monkeypatch.setattr(capture, "SYNC_FIRST", not unwarmed)
     lm = sessions[0].lm
     got = {}
     for graphs in (True, False):

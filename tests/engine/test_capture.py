@@ -21,7 +21,7 @@ def _captured(x: torch.Tensor, out: torch.Tensor, factor: float, stream: torch.c
 
 
 def test_a_capture_keeps_the_cached_blocks_and_replays_what_it_recorded(monkeypatch):
-    """With the device's free memory above MIN_FREE_BYTES the cache keeps a block freed before the capture (torch.
+    """Not SYNC_FIRST, with the device's free memory above MIN_FREE_BYTES, the cache keeps a block freed before the capture (torch.
     cuda.graph would return it to the device); the replay computes what was recorded, from the inputs as they are at
     the replay; below the threshold the cache is emptied first."""
     x = torch.arange(4096, dtype=torch.float32, device="cuda")
@@ -31,6 +31,7 @@ def test_a_capture_keeps_the_cached_blocks_and_replays_what_it_recorded(monkeypa
     freed = torch.empty(32 << 20, dtype=torch.uint8, device="cuda")
     del freed  # a cached, unused block
     reserved = torch.cuda.memory_reserved()
+    monkeypatch.setattr(capture, "SYNC_FIRST", False)
     monkeypatch.setattr(capture, "MIN_FREE_BYTES", 0)
     graph = _captured(x, out, 2.0, stream)
     assert torch.cuda.memory_reserved() >= reserved
