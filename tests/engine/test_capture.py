@@ -21,9 +21,9 @@ def _captured(x: torch.Tensor, out: torch.Tensor, factor: float, stream: torch.c
 
 
 def test_a_capture_keeps_the_cached_blocks_and_replays_what_it_recorded(monkeypatch):
-    """Not SYNC_FIRST, with the device's free memory above MIN_FREE_BYTES, the cache keeps a block freed before the capture (torch.
-    cuda.graph would return it to the device); the replay computes what was recorded, from the inputs as they are at
-    the replay; below the threshold the cache is emptied first."""
+    """Without SYNC_FIRST and with the device's free memory above MIN_FREE_BYTES the cache keeps a block freed before
+    the capture (torch.cuda.graph would return it to the device); the replay computes what was recorded, from the
+    inputs as they are at the replay; below the threshold the cache is emptied first."""
     x = torch.arange(4096, dtype=torch.float32, device="cuda")
     out = torch.zeros_like(x)
     stream = torch.cuda.Stream()
