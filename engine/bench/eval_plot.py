@@ -7,7 +7,7 @@ save_tasks_figure: the needle tasks (`--tasks`) of several eval documents side b
 and the held-out essays, with and without the follow rows): a group of bars per task, a bar per method, the share of
 cells as good as full attention.
 
-    python -m engine.bench.eval_plot --tasks "LABEL=EVAL.json" [...] --out FIGURE.png
+    python -m engine.bench.eval_plot --tasks "LABEL=EVAL.json[+EVAL.json]" [...] --out FIGURE.png
 """
 
 from __future__ import annotations
@@ -111,6 +111,12 @@ def task_shares(summary: list[dict], budget: float | None = None) -> dict[str, d
     return out
 
 
+def merged(docs: list[dict]) -> dict:
+    """One eval document from several runs of one grid (each its methods): the first's fields, every run's summary
+    rows (a method in several runs: the last run's)."""
+    return {**docs[0], "summary": [row for doc in docs for row in doc["summary"]]}
+
+
 def save_tasks_figure(panels: list[tuple[str, dict]], path: str | Path) -> Path:
     """Draw each (label, eval document) of `panels` as a panel of grouped bars (task_shares) into a PNG at `path`
     (its folder is made); a method keeps its colour in every panel, the oracle top-k is drawn grey. Returns the
@@ -144,8 +150,9 @@ def save_tasks_figure(panels: list[tuple[str, dict]], path: str | Path) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m engine.bench.eval_plot", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tasks", nargs="+", required=True, metavar="LABEL=FILE",
-                        help="an eval document (squeeze eval --out) with needle tasks, and its panel's title")
+    parser.add_argument("--tasks", nargs="+", required=True, metavar="LABEL=FILE[+FILE]",
+                        help="an eval document (squeeze eval --out) with needle tasks, and its panel's title; "
+                             "FILE+FILE: the methods of several runs of one grid in one panel")
     parser.add_argument("--out", required=True, help="the PNG to write")
     args = parser.parse_args(argv)
     panels = []
@@ -153,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         label, sep, file = item.rpartition("=")
         if not sep or not label:
             parser.error(f"--tasks takes LABEL=FILE, got {item!r}")
-        panels.append((label, json.loads(Path(file).read_text(encoding="utf-8"))))
+        panels.append((label, merged([json.loads(Path(f).read_text(encoding="utf-8")) for f in file.split("+")])))
     print(save_tasks_figure(panels, args.out))
     return 0
 

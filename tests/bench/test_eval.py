@@ -13,7 +13,7 @@ import torch
 from app.cli import main as cli_main
 from engine.bench import evaluate, fidelity, needles
 from engine.bench.eval_plot import main as plot_main
-from engine.bench.eval_plot import save_figure, save_tasks_figure, series, task_shares
+from engine.bench.eval_plot import merged, save_figure, save_tasks_figure, series, task_shares
 from engine.bench.needles import context_session
 from engine.bench.oracle import OraclePolicy
 from engine.bench.passkey import PASSKEY_QUESTION
@@ -181,6 +181,24 @@ def test_the_tasks_figure_has_a_panel_per_document_and_a_bar_per_task_and_method
         save_tasks_figure([("recall only", _doc([{"method": "squeeze", "budget": 0.1}]))], tmp_path / "x.png")
     with pytest.raises(SystemExit):
         plot_main(["--tasks", str(files[0]), "--out", str(out)])  # no label
+
+
+def test_a_tasks_panel_may_join_the_methods_of_several_runs_of_one_grid(tmp_path):
+    """FILE+FILE: the summaries of two runs (other methods, the oracle in both) in one panel."""
+    first = _doc(_tasks_summary(1.0))
+    second = _doc([{"method": "duo", "budget": 0.1, "needles": 0.2,
+                    "tasks": {"multikey": {"as_good_as_full": 0.6, "found_decided": None}}},
+                   {"method": "oracle", "budget": 0.1, "needles": 1.0,
+                    "tasks": {"multikey": {"as_good_as_full": 1.0, "found_decided": None}}}])
+    assert task_shares(merged([first, second])["summary"]) == {
+        "passkey": {"duo": 0.2, "oracle": 1.0, "quest": 1.0, "squeeze": 1.0},
+        "multikey": {"duo": 0.6, "oracle": 1.0, "quest": 0.8, "squeeze": 1.0}}
+    files = [tmp_path / "a.json", tmp_path / "b.json"]
+    for f, doc in zip(files, (first, second)):
+        f.write_text(json.dumps(doc))
+    out = tmp_path / "joined.png"
+    assert plot_main(["--tasks", f"every method={files[0]}+{files[1]}", "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.fixture(scope="module")
