@@ -6,11 +6,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.attention.budget import byte_share
 from engine.attention.method import LayerIndex, LayerKeys
 from engine.index.rope import derope, rope_frequencies
 from engine.methods.saap.partitions import (
@@ -25,9 +27,10 @@ from engine.methods.saap.partitions import (
     recent_window,
     train_partitions,
 )
-from engine.methods.saap.policy import LOOKUP_PARTS, SaapPolicy, SaapSettings, split_buckets
+from engine.methods.saap.policy import LOOKUP_PARTS, LookupParts, SaapPolicy, SaapSettings, room_keys, split_buckets
 from kernels.backend import REFERENCE, TRITON
 from kernels.reference.buckets import bucket_scores, ranking, take_best
+from kernels.selection import FollowRows
 from tests.support.tiny_models import QUICK_TRAINING, make_tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -408,6 +411,36 @@ def test_lookup_reads_the_best_buckets_and_the_dense_part():
     assert torch.equal(found.units, take_best(want / sizes.clamp(min=1), sizes, 0.3 * lc))
     with pytest.raises(ValueError, match="rank"):
         SaapSettings(rank="size")
+
+
+def test_a_cpu_step_counts_its_follow_rows_and_reads_its_budget():
+    """On the CPU a plan with room (Method.plan gives it one) takes out of the budget what the step reads besides its
+    buckets: the classifier, the dense part and tail, its follow rows (each indexed one per KV head); the buckets
+    then hold the keys left (room_keys, half a mean bucket less), and the step reads the budget within a bucket."""
+    hkv, hq, d, lc, tail, c = 2, 4, 16, 2000, 8, 32
+    g = torch.Generator().manual_seed(7)
+    method = SaapPolicy(SaapSettings(buckets=c, hidden=8, max_bucket=0))
+    prepared = {k.split(".", 1)[1]: v for k, v in method.stand_in([2], hkv, d).items()}
+    keys = torch.randn(hkv, lc + tail, d, generator=g)
+    layer = LayerIndex(method.build(LayerKeys(layer_idx=2, keys=keys[:, :lc], tail=tail), {}, prepared), lc + tail,
+                       tail)
+    q = torch.randn(hq, 1, d, generator=g)
+    pos = torch.tensor([lc + tail + 3])
+    budget = 0.3
+    plan = replace(method.plan_keys({}, budget, 0.3, 0.3), room=(budget - 0.02, budget - 0.05))
+    follow = FollowRows(positions=torch.tensor([5, 6, 7, 900, -1, lc + 2]), first=0, indexed=lc)
+    found = method.lookup(q, layer, plan, d ** -0.5, REFERENCE, pos, follow=follow)
+    parts = LookupParts.of(layer, q.device)
+    left = room_keys(layer, parts, d, budget, 4 * hkv)  # 4 indexed follow rows per KV head
+    sizes = parts.sizes
+    score = bucket_scores(q, pos, *(layer[n] for n in LOOKUP_PARTS))
+    assert torch.equal(found.units, take_best(score / sizes.clamp(min=1), sizes, left))  # per key, the default
+    held = (sizes * found.units).sum(1).float()  # [Hkv] the buckets' keys each head reads
+    assert bool((held >= left).all()) and bool((held < left + sizes.max()).all())
+    read = byte_share(float(held.sum()) + hkv * (tail + parts.dense + 4), float(parts.read.sum()), hkv, lc + tail, d)
+    assert abs(read - budget) <= float(sizes.max()) / (lc + tail)
+    without = method.lookup(q, layer, replace(plan, room=None), d ** -0.5, REFERENCE, pos, follow=follow)
+    assert torch.equal(without.units, take_best(score / sizes.clamp(min=1), sizes, 0.3 * layer.indexed))  # the plan's
 
 
 def test_split_buckets_cuts_big_buckets_into_consecutive_chunks():

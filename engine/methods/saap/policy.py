@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from engine.attention.budget import byte_share
+from engine.attention.budget import KEYS_GRID, byte_share, exact_room
 from engine.attention.curves import budget_curves
 from engine.attention.method import (
     CalibrationSet,
@@ -128,10 +128,13 @@ class SaapSettings(MethodSettings):
 
 @dataclass(frozen=True)
 class BucketPlan(StepPlan):
-    """Each step reads the best buckets until `decode` (one token) or `prefill` (a question) of the indexed keys."""
+    """Each step reads the best buckets until `decode` (one token) or `prefill` (a question) of the indexed keys.
+    room: as ThresholdPlan's (engine.attention.budget.exact_room: on the CPU a step counts its own follow rows and
+    its buckets take the keys the rest of the budget pays for)."""
 
     decode: float = 1.0
     prefill: float = 1.0
+    room: tuple[float, float] | None = None
 
     def at(self, new_tokens: int) -> float:
         return self.decode if new_tokens == 1 else self.prefill
@@ -261,6 +264,9 @@ class SaapPolicy(Method):
             raise ValueError("saap classifies de-RoPE'd queries: its lookup needs the queries' positions")
         parts = layer.memo(("saap", q.device), lambda: LookupParts.of(layer, q.device))
         budget = float("inf") if parts.whole else plan.at(q.shape[1]) * float(layer.indexed)  # inf: every bucket
+        cut = exact_room(plan, q, follow, parts.sizes.shape[0])
+        if cut is not None and not parts.whole and plan.budget < 1.0:
+            budget = room_keys(layer, parts, q.shape[2], *cut)
         # the dense part, the same keys in every KV head and the last group of the layout, is read with the tail
         score, keep, selection = backend.kernel("buckets").select_buckets(
             q, positions, *(layer[n] for n in LOOKUP_PARTS), parts.sizes, budget, parts.starts,
@@ -295,6 +301,17 @@ class SaapPolicy(Method):
 
     def unit_labels(self, layer: LayerIndex) -> torch.Tensor:
         return layer["labels"]
+
+
+def room_keys(layer: LayerIndex, parts: "LookupParts", head_dim: int, room: float, besides) -> float:
+    """The bucket keys a KV head may read at a step whose `room` (a share of the fixed K/V bytes) also pays for the
+    classifier's elements, the dense part and the dense tail, and the keys it reads besides (its follow rows,
+    `besides` over the KV heads), less half a mean bucket (the one that reaches the count is read whole: half a
+    bucket over on average); at least the fewest keys a plan keeps (KEYS_GRID's last share)."""
+    hkv, c = parts.sizes.shape
+    keys = (room * layer.num_keys - float(parts.read[0]) / (2 * head_dim) - layer.tail - parts.dense
+            - float(besides) / hkv - 0.5 * (layer.indexed - parts.dense) / c)
+    return max(keys, KEYS_GRID[-1] * float(layer.indexed))
 
 
 @dataclass(frozen=True)
