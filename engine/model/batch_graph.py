@@ -7,8 +7,8 @@ and positions (`BatchGraph.ids`, `.positions`, advanced by the step itself to it
 positions), each cache's count of new tokens, and it adds each turn's statistics into a device total of its own
 (`totals[b]`, handed to the turn's recorder by `flush`). A turn joining or leaving makes another batch: its graph is
 captured anew, as a lone turn's first step is (engine.model.graph.DecodeGraph): one step run eagerly in the captured
-form, then the capture; or, where every turn and the batch's size have run in a captured step already (a turn left:
-nothing new to compile or set up), the capture alone, then its first replay.
+form, then the capture; or, where every turn ran in the batch's last captured step (a turn left: nothing new to
+compile or set up; TurnBatch.unwarmed), the capture alone, then its first replay.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ class BatchGraph:
     def warm_and_capture(self, tokens: torch.Tensor, positions: list[int], warm: bool = True) -> torch.Tensor:
         """The step of tokens [B] int64 (on the device) at `positions`, and the capture of the step. warm: run it
         eagerly in the captured form first (it compiles the kernels for these shapes and sets up the stream's
-        handles), then capture the next one; else capture at once and replay the capture for this step (for turns
-        whose kernels all ran at this batch size). Returns this step's logits [B, V]; `ids` then holds its greedy
+        handles), then capture the next one; else capture at once and replay the capture for this step (turns that
+        all ran in a captured step before). Returns this step's logits [B, V]; `ids` then holds its greedy
         tokens and `positions` the next ones, ready for `replay` (a sampled turn's choice goes into ids by `feed`)."""
         self.ids.copy_(tokens.reshape(-1))
         self.positions.copy_(torch.tensor(positions, dtype=torch.int64))

@@ -1,12 +1,13 @@
-"""A CUDA graph's capture on a stream, without the work torch.cuda.graph does before every capture: a device-wide
-synchronisation, and the emptying of the device's and pinned host memory's caches (a cudaFree of every unused block,
-which the next eager calls allocate again, each cudaMalloc a wait of its own).
+"""A CUDA graph's capture on a stream, with or without the work torch.cuda.graph does before every capture: a
+device-wide synchronisation and the emptying of the device's memory cache (a cudaFree of every unused block, which
+the next eager calls allocate again, each cudaMalloc a wait of its own).
 
 A server captures often: a batch of turns answered together is captured anew each time a turn joins or leaves
-(engine.model.batch_graph), and the emptied caches are what the turns' next steps and prefills fill again. The
-caches are emptied first only where the device has little free memory: a capture's own allocations (from its
-memory pool) may not free cached blocks while it runs, so that a capture short of memory would fail. A stream may
-hold unfinished work when its capture begins: the capture records only what is queued after.
+(engine.model.batch_graph), and an emptied cache is what the turns' next steps and prefills fill again. Without
+SYNC_FIRST the cache is emptied first only where the device has little free memory: a capture's own allocations
+(from its memory pool) may not free cached blocks while it runs, so that a capture short of memory would fail. A
+stream may hold unfinished work when its capture begins: the capture records only what is queued after. Unlike
+torch.cuda.graph, neither way empties the pinned host memory's cache (the tokens read back each step come from it).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ SYNC_FIRST = True
 
 @contextmanager
 def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None) -> Iterator[None]:
-    """Record what the block queues on `stream` into `graph` (not run). pool: a memory pool handle shared with other
-    graphs (torch.cuda.graph_pool_handle: graphs that are never replayed at once may share one); None: the graph's
-    own."""
+    """Record what the block queues on `stream` into `graph` (not run). pool: the id of a memory pool shared with
+    other graphs (torch.cuda.MemPool.id: graphs never replayed at once may share one); None: the graph's own."""
     if SYNC_FIRST or torch.cuda.mem_get_info(stream.device)[0] < MIN_FREE_BYTES:
         torch.cuda.synchronize(stream.device)
         torch.cuda.empty_cache()
