@@ -14,7 +14,8 @@ de-RoPE'd at their positions, each query head's classifier scores (softmax over 
 default, over its logits plus the log of each bucket's keys in the document, held in the index's b2), summed over the
 KV head's query heads (section 5) and averaged over the step's tokens; buckets taken best first (by that score per
 key by default, or by the score: `SaapSettings.rank`), their keys counted, until the plan's share of the indexed keys
-is reached (the bucket that crosses it included, a chunk at most past it: kernels/jit/buckets.py, a threshold found
+is reached (on the CPU: the keys the step's room leaves once its own follow rows are counted, `room_keys`; the bucket
+that crosses it included, a chunk at most past it: kernels/jit/buckets.py, a threshold found
 without sorting); the expansion to key positions is squeeze's kernel. The classifier's weights are what a step reads
 of the index (counted in the budget).
 """
