@@ -78,6 +78,7 @@ class TurnBatch:
         self.unwarmed = CAPTURE_UNWARMED if unwarmed is None else unwarmed
         self._captured: list[Turn] = []  # the turns of the last captured step
         self._pool = None  # the memory pool the batch's captures share (torch.cuda.MemPool; None: each its own)
+        self._streams: list = []  # the CUDA streams they share (with the pool)
         self._uncaptured = 0  # eager steps the turns as they are now have run on a replayable batch
         self.captures = 0  # the batch's steps captured so far
         self._ahead: _Launched | None = None  # the step launched ahead, not read back yet
@@ -163,9 +164,14 @@ class TurnBatch:
             self._uncaptured += 1
             return self._eager(tokens, positions)
         warm = not (self.unwarmed and all(any(t is c for c in self._captured) for t in self.turns))
-        if self._pool is None and not capture.SYNC_FIRST:  # (a capture that empties the caches frees a dead one's)
-            self._pool = torch.cuda.MemPool()
-        self._graph = BatchGraph(self.lm, [t.step for t in self.turns], self._pool and self._pool.id)
+        streams = None
+        if not capture.SYNC_FIRST:  # (a capture that empties the caches frees a dead one's memory anyway)
+            if self._pool is None:
+                self._pool = torch.cuda.MemPool()
+            while len(self._streams) < len(self.turns):
+                self._streams.append(torch.cuda.Stream(device=self.lm.device))
+            streams = self._streams
+        self._graph = BatchGraph(self.lm, [t.step for t in self.turns], self._pool and self._pool.id, streams)
         self.captures += 1
         self._captured = list(self.turns)
         return self._picked(self._graph.warm_and_capture(tokens, positions, warm=warm), positions)

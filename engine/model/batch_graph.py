@@ -30,12 +30,13 @@ from engine.model.sampling import greedy
 class BatchGraph:
     """One captured decode step of `steps` (B turns' StepContexts, each with its cache's new-token buffers reserved
     for the rest of its answer). pool: the memory pool its capture allocates from, shared with the batch's earlier
-    captures, never replayed again once this one is (None: a pool of its own). ids: [B] int64 the step's input
-    tokens; positions: [B] int64 their positions; logits: [B, V] the last step's (the capture's buffer). totals[b]:
-    where turn b's statistics add up (None: it records none); steps_run: the steps run since the capture began (a
-    warm one included)."""
+    captures, never replayed again once this one is (None: a pool of its own). streams: at least B CUDA streams, the
+    capture's and those sequences 1 .. B - 1 attend on, shared with the batch's earlier captures (None: new ones).
+    ids: [B] int64 the step's input tokens; positions: [B] int64 their positions; logits: [B, V] the last step's (the
+    capture's buffer). totals[b]: where turn b's statistics add up (None: it records none); steps_run: the steps run
+    since the capture began (a warm one included)."""
 
-    def __init__(self, lm: LoadedModel, steps: list[StepContext], pool=None):
+    def __init__(self, lm: LoadedModel, steps: list[StepContext], pool=None, streams: list | None = None):
         if not steps:
             raise ValueError("a batch graph needs at least one turn")
         self.lm = lm
@@ -51,8 +52,12 @@ class BatchGraph:
         self.steps_run = 0
         self._pool = pool
         self._counted = 0  # steps run eagerly (a warm one): the caches' host counts hold their tokens already
-        self._stream = torch.cuda.Stream(device=lm.device)
-        self._side = side_streams(lm.device, batch)  # where sequences 1 .. B - 1 attend
+        if streams is None:
+            self._stream = torch.cuda.Stream(device=lm.device)
+            self._side = side_streams(lm.device, batch)  # where sequences 1 .. B - 1 attend
+        else:  # (reused: the caching allocator's blocks of a stream serve its next capture)
+            self._stream = streams[0]
+            self._side = list(streams[1:batch]) if batching.CONCURRENT else []
         self._split_gpu = batching.SPLIT_GPU
         self._shared = batching.SHARED_LAUNCHES
         self._keep: list = []  # the host tables the captured step's shared launches upload (BatchStep.keep)
