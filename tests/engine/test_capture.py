@@ -57,6 +57,7 @@ def test_graphs_of_one_pool_one_after_another_replay_their_own_steps():
     first = _captured(x, a, 2.0, stream, pool.id)
     first.replay()
     second = _captured(x, b, -1.0, stream, pool.id)
+    torch.cuda.synchronize()
     del first
     second.replay()
     torch.cuda.synchronize()
