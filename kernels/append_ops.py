@@ -13,7 +13,7 @@ import torch
 from kernels.jit.append import append_tokens_kernel
 from kernels.launch import dependent_launch
 from kernels.reference import append as reference
-from kernels.tables import batch_tables
+from kernels.tables import Keep, batch_tables
 
 MAX_ROWS = 1024  # (head, token) rows one program copies; more go to the reference
 BLOCK_ROWS = 16
@@ -49,7 +49,7 @@ def append_tokens(k: torch.Tensor, v: torch.Tensor, k_buf: torch.Tensor, v_buf: 
 
 
 def append_tokens_batch(k: torch.Tensor, v: torch.Tensor, k_bufs: list[torch.Tensor], v_bufs: list[torch.Tensor],
-                        counts: list[torch.Tensor], keep: list | None = None) -> None:
+                        counts: list[torch.Tensor], keep: Keep = None) -> None:
     batch, hkv, n, d = k.shape
     if v.shape != k.shape or not len(k_bufs) == len(v_bufs) == len(counts) == batch:
         raise ValueError(f"k, v [B, Hkv, n, D] {tuple(k.shape)} {tuple(v.shape)} and {len(k_bufs)}, {len(v_bufs)}, "

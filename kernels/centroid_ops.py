@@ -60,6 +60,7 @@ from kernels.reference.centroid import (  # noqa: F401
     select_clusters,
 )
 from kernels.selection import Fixed, KeyCount, Selection
+from kernels.tables import Keep
 
 # The cut's histogram in CUT_COPIES copies, the score pass's programs spread over them round robin: the bins around
 # the scores' mode take an atomic from every program, and one copy queues them (`python -m engine.bench.lookup`, H100,
@@ -441,7 +442,7 @@ def _plan_passes(q, centroids, counts, scale, threshold, rows, allowed, indptr, 
                    use_list, step is not None, zero)
 
 
-def _run_passes(calls: list[_Passes], hold: list | None = None) -> None:
+def _run_passes(calls: list[_Passes], hold: Keep = None) -> None:
     """Both passes of lookups of one kind (_Passes.kind): one as it is, several BATCHED, their tensors and values in
     tables (hold: as kernels.union_ops.union_attention_batch's keep)."""
     p = calls[0]
@@ -640,7 +641,7 @@ def select_later(call: SelectCall, pending: list, *, config: LookupConfig | None
     return keep, score, selection
 
 
-def select_now(pending: list, keep: list | None = None) -> None:
+def select_now(pending: list, keep: Keep = None) -> None:
     """Launch the lookups select_later planned into `pending`, and empty it: those of one kind (_Select.kind: dense
     decode lookups of the same shapes, dtypes, launch parameters and options, over any number of centroids and
     keys) through one launch of each of their kernels (the denominator pass, the score pass, the cut where keys
@@ -659,7 +660,7 @@ def select_now(pending: list, keep: list | None = None) -> None:
     pending.clear()
 
 
-def _run_selects(records: list[_Select], hold: list | None) -> None:
+def _run_selects(records: list[_Select], hold: Keep) -> None:
     """The launches of cluster_select lookups of one kind: both passes, the cut where keys are asked, the
     expansion."""
     passes = [r.passes for r in records]
@@ -671,7 +672,7 @@ def _run_selects(records: list[_Select], hold: list | None) -> None:
         launch_expansions([r.expansion for r in records], hold)
 
 
-def _cut(calls: list[_Passes], block_c: int, among: bool = False, hold: list | None = None) -> None:
+def _cut(calls: list[_Passes], block_c: int, among: bool = False, hold: Keep = None) -> None:
     """centroid_cut_kernel over each lookup's score [rows, C] at the threshold its score pass wrote (cut.out): keep
     [rows, C] written (among: only where the score pass marked it, a list's candidates), and with starts the kept
     keys per block of block_c centroids into block_sums. Lookups of one kind: several BATCHED."""

@@ -12,7 +12,7 @@ import triton
 from kernels.jit.compact import expand_groups_kernel, group_block_sums_kernel
 from kernels.launch import dependent_launch
 from kernels.selection import Fixed, Selection
-from kernels.tables import batch_tables
+from kernels.tables import Keep, batch_tables
 
 BLOCK_G = 256  # groups (clusters) per program of the standalone expansion
 # Write tiles of the expansion: a step writes SUB_G groups x BLOCK_K positions, up to the longest of its SUB_G groups.
@@ -152,7 +152,7 @@ def plan_expansion(keep: torch.Tensor, starts: torch.Tensor, block_sums: torch.T
                                 min(sub, block_g), block_k, fixed is not None)
 
 
-def launch_expansions(plans: list[Expansion], keep: list | None = None) -> None:
+def launch_expansions(plans: list[Expansion], keep: Keep = None) -> None:
     """expand_groups_kernel for expansions of one kind (Expansion.kind): one as it is, several BATCHED (their
     tensors and values in tables; keep: as kernels.union_ops.union_attention_batch's)."""
     e = plans[0]

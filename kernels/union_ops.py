@@ -24,7 +24,7 @@ from kernels.launch import dependent_launch
 from kernels.reference import union as reference
 from kernels.reference.union import UnionCall, check_batch
 from kernels.selection import FollowRows, Selection, StepTally
-from kernels.tables import batch_tables
+from kernels.tables import Keep, batch_tables
 
 NEW_ITEMS_EXPECTED = 1  # items a row's new tokens take in a typical step (a question and an answer: < a chunk)
 # Registers per thread of the split launch: the selection's loop alone needs 152 (D 128, 4 warps: Triton 3.6 for
@@ -182,7 +182,7 @@ def union_attention(
     return call.out, call.lse, call.fresh.view(torch.bool) if call.fresh is not None else None
 
 
-def union_attention_batch(calls: Sequence[UnionCall], keep: list | None = None,
+def union_attention_batch(calls: Sequence[UnionCall], keep: Keep = None,
                           tiles: sparse_ops.DecodeTiles = sparse_ops.DecodeTiles(),
                           ) -> list[torch.Tensor | None]:
     """Each call's union_attention (written into its out, its tally added) for several sequences over contexts of
@@ -272,7 +272,7 @@ def _prepare(q, k, v, selection, scale, k_new, v_new, q_pos, k_start, follow, ou
                  tally.elements.numel() if tally is not None else 0)
 
 
-def _launch(calls: list[_Call], keep: list | None = None) -> None:
+def _launch(calls: list[_Call], keep: Keep = None) -> None:
     """The split launch and the merge launch of calls of one kind (_Call.kind): one call as it is, several
     BATCHED, their tensors and values in tables."""
     c = calls[0]

@@ -12,6 +12,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from kernels.dispatch import backend_for
+from kernels.tables import Keep
 
 MIN_NEW_CAPACITY = 64  # new-token slots allocated at least (a turn that needs more grows them before it starts)
 
@@ -227,7 +228,7 @@ class BatchCache(FixedContextCache):
     (kernels.append_ops.append_tokens_batch); keep: where that launch leaves its tables' host copies, to live as long
     as a CUDA graph that captured their upload (engine.model.batch_graph), or None (an eager step's)."""
 
-    def __init__(self, caches: list[FixedContextCache], keep: list | None = None):
+    def __init__(self, caches: list[FixedContextCache], keep: Keep = None):
         if not caches or len({len(c.layers) for c in caches}) != 1:
             raise ValueError("a batch needs one or more caches of as many layers each")
         super().__init__(caches[0].layers)

@@ -22,6 +22,7 @@ from engine.attention.stats import TurnRecorder
 from kernels.backend import Backend
 from kernels.reference.union import UnionCall
 from kernels.selection import FollowRows, StepTally
+from kernels.tables import Keep
 
 ATTN_NAME = "squeeze"
 # A question's prompt of more tokens is prefilled this many a call: the longest prefill a GPU replays from a CUDA graph
@@ -120,7 +121,7 @@ class BatchStep:
     streams: list = field(default_factory=list)  # [B - 1] torch.cuda.Stream on the sequences' device, or none
     split_gpu: bool = False
     shared: bool = False
-    keep: list | None = None
+    keep: Keep = None
 
 
 @dataclass
@@ -204,7 +205,7 @@ def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor
     return None
 
 
-def _union_together(pending: list[_Pending], later: dict[str, LaterLookups], keep: list | None) -> None:
+def _union_together(pending: list[_Pending], later: dict[str, LaterLookups], keep: Keep) -> None:
     """The batch's planned lookups, then its deferred attentions at one layer through their backends'
     union_attention_batch, each sequence's statistics recorded after. (A recorder's tally may read a lookup's
     scores: it is taken once the lookups ran.)"""

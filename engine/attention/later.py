@@ -18,6 +18,7 @@ from types import ModuleType
 
 from kernels.backend import Backend
 from kernels.reference.centroid import SelectCall
+from kernels.tables import Keep
 
 
 class _PlannedSelects:
@@ -46,7 +47,7 @@ class LaterLookups(Backend):
         module = super().kernel(family)
         return _PlannedSelects(module, self.pending) if family == "centroid" else module
 
-    def run(self, keep: list | None = None) -> None:
+    def run(self, keep: Keep = None) -> None:
         """Launch the pending lookups (kernels.centroid_ops.select_now); keep: as union_attention_batch's (the host
         copies of tables a CUDA graph captured the upload of)."""
         if self.pending:

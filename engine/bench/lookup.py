@@ -1,6 +1,7 @@
 """A decode step's centroid lookup, layer after layer: with a calibrated threshold against a cut at a number of keys.
 
-    python -m engine.bench.lookup [--shape llama3-8b] [--context 131072] [--budget 0.1] [--out FILE]
+    python -m engine.bench.lookup [--shape llama3-8b] [--context 131072] [--budget 0.1] [--batch B]
+                                  [--tiles C/S/SC,...] [--out FILE]
 
 Every global layer of the shape gets its own index (one-byte centroid codes, 5% of the keys; cluster sizes skewed:
 each key's label the smaller of two uniform ones) and query, so the layers' centroids stream from memory as in a
@@ -9,8 +10,11 @@ CUDA graph over all layers, `kernels.centroid_ops.cluster_select` (the lookup's 
 positions) (a) at a threshold, (b) with `keys=`: the budget's share of every KV head's keys, asked as a
 KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is), and (c) that cut
 with the denominator pass reading its centroids only after its wait on the queries (LookupConfig.read_ahead off).
-Prints one JSON document: microseconds per layer, the kernels' time per layer from the profiler, the keys the cut
-kept.
+With `--batch B`, each layer has B sequences' indexes and queries (a decode step of B turns answered together) and
+their cut lookups are timed in one launch of each kernel (`select_now`, BATCHED: what a shared step runs) against
+one after another, for the default tiles and each of `--tiles` (the denominator pass's centroid block / its
+pipeline stages / the score pass's centroid block). Prints one JSON document: microseconds per layer, the kernels'
+time per layer from the profiler, the keys the cut kept.
 """
 
 from __future__ import annotations
@@ -52,6 +56,53 @@ def asked_keys(budget: float, hkv: int, n: int, device: torch.device) -> KeyCoun
     return KeyCount(budget * hkv * n + FOLLOW, listed=listed, lo=0, hi=n, per_listed=1.0)
 
 
+def parse_tiles(text: str) -> list[tuple[int, int, int]]:
+    """"C/S/SC,..." -> [(denominator block_c, num_stages, score block_c), ...] ("" -> [])."""
+    tiles = []
+    for item in filter(None, text.split(",")):
+        parts = item.split("/")
+        if len(parts) != 3 or not all(p.isdigit() for p in parts):
+            raise ValueError(f"a tile is C/S/SC (three integers), got {item!r}")
+        tiles.append(tuple(int(p) for p in parts))
+    return tiles
+
+
+def batched_cases(queries: list[list[torch.Tensor]], indexes: list[list[dict]], n: int, budget: float, scale: float,
+                  default: centroid_ops.LookupConfig, tiles: list[tuple[int, int, int]]) -> dict:
+    """The cut lookups of B sequences at every layer (queries[layer][b] [Hq, 1, D], indexes[layer][b]), in one
+    launch of each kernel and one sequence after another, with the default config and each tile of `tiles`:
+    {case: {"us_per_layer", "kernels_us_per_layer"}}."""
+    from kernels.reference.centroid import SelectCall
+
+    hkv = indexes[0][0]["counts"].shape[0]
+    keys = asked_keys(budget, hkv, n, queries[0][0].device)
+
+    def lookups(config, together):
+        def fn():
+            for qs, ixs in zip(queries, indexes):
+                pending: list = []
+                for q, ix in zip(qs, ixs):
+                    centroid_ops.select_later(SelectCall(q, ix["centroids"], ix["counts"], scale, 0.05, hkv,
+                                                         ix["starts"], n - TAIL, TAIL, step=ix["step"], keys=keys),
+                                              pending, config=config)
+                    if not together:
+                        centroid_ops.select_now(pending)
+                centroid_ops.select_now(pending)
+        return fn
+
+    layers = len(queries)
+    configs = {"default": default} | {f"{c}/{s}/{sc}": replace(default, block_c=c, num_stages=s, score_block_c=sc)
+                                      for c, s, sc in tiles}
+    out = {}
+    for name, config in configs.items():
+        for together in (True, False):
+            fn = lookups(config, together)
+            case = f"{'batched' if together else 'one_after_another'} {name}"
+            out[case] = {"us_per_layer": round(bench_graph(fn) * 1000 / layers, 2),
+                         "kernels_us_per_layer": kernel_us(fn, layers)}
+    return out
+
+
 def kernel_us(fn, layers: int) -> dict:
     """Each kernel's GPU time per layer (us) over 20 replays of fn from a CUDA graph."""
     from torch.profiler import ProfilerActivity, profile
@@ -74,8 +125,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shape", choices=[s for s in SHAPES if s != "tiny"], default="llama3-8b")
     parser.add_argument("--context", type=int, default=131072)
     parser.add_argument("--budget", type=float, default=0.1, help="the cut's share of the keys")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="sequences per layer: B > 1 times their lookups batched against one after another")
+    parser.add_argument("--tiles", default="", help="with --batch: more configs to time, C/S/SC,... (the "
+                        "denominator pass's centroid block / its stages / the score pass's centroid block)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
+    if args.batch < 1:
+        parser.error("--batch must be at least 1")
+    tiles = parse_tiles(args.tiles)
     if not torch.cuda.is_available():
         print("engine.bench.lookup needs a CUDA GPU", file=sys.stderr)
         return 2
@@ -84,10 +142,21 @@ def main(argv: list[str] | None = None) -> int:
     hq, hkv, d = shape["num_attention_heads"], shape["num_key_value_heads"], shape["head_dim"]
     n, layers = args.context, shape["num_hidden_layers"]
     gen = torch.Generator().manual_seed(0)
+    scale = d ** -0.5
+    if args.batch > 1:
+        indexes = [[layer_index(hkv, n, d, gen, device) for _ in range(args.batch)] for _ in range(layers)]
+        queries = [[(torch.randn(hq, 1, d, generator=gen) * 2).to(device, torch.bfloat16) for _ in range(args.batch)]
+                   for _ in range(layers)]
+        default = centroid_ops.default_config(device, 1, d, torch.bfloat16, int(indexes[0][0]["counts"].shape[1]),
+                                              hkv)
+        emit({"bench": "lookup", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
+              "shape": args.shape, "context": n, "layers": layers, "budget": args.budget, "batch": args.batch,
+              "centroids": int(indexes[0][0]["counts"].shape[1]),
+              "cases": batched_cases(queries, indexes, n, args.budget, scale, default, tiles)}, args.out)
+        return 0
     indexes = [layer_index(hkv, n, d, gen, device) for _ in range(layers)]
     queries = [(torch.randn(hq, 1, d, generator=gen) * 2).to(device, torch.bfloat16) for _ in range(layers)]
     keys = asked_keys(args.budget, hkv, n, device)
-    scale = d ** -0.5
     kept = []
 
     default = centroid_ops.default_config(device, 1, d, torch.bfloat16, int(indexes[0]["counts"].shape[1]), hkv)

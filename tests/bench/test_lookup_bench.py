@@ -30,3 +30,12 @@ def test_a_layers_index_holds_every_key_once_and_its_cut_keeps_the_budget():
 def test_refuses_without_a_gpu(capsys):
     assert main([]) == 2
     assert "CUDA" in capsys.readouterr().err
+
+
+def test_the_tiles_to_time_are_read_as_three_integers_each():
+    from engine.bench.lookup import parse_tiles
+
+    assert parse_tiles("") == []
+    assert parse_tiles("128/2/64,64/3/256") == [(128, 2, 64), (64, 3, 256)]
+    with pytest.raises(ValueError, match="C/S/SC"):
+        parse_tiles("128/2")
