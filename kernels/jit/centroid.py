@@ -36,6 +36,15 @@ import triton.language as tl
 from kernels.launch import release_next, wait_prior
 from kernels.tables import table_pointer
 
+# Arguments that follow the context's size (its keys, its centroids, the strides of rows of that length): not
+# specialised on their divisibility by 16, so that each kernel compiles once for contexts of any length
+# (tests/kernels/test_specialization.py); a long context's sizes are rarely multiples of 16 anyway.
+DENOMINATOR_SIZES = ["C", "CAP", "NSPLIT", "stride_nh", "stride_ar", "stride_s", "stride_kr", "stride_or"]
+SCORE_SIZES = ["C", "CAP", "NSPLIT", "NPROG", "NB", "stride_nh",
+               "stride_ar", "stride_s", "stride_kr", "stride_or", "lo", "hi"]
+SCORE_PREFILL_SIZES = ["C", "NSPLIT", "NB", "stride_nh", "stride_ar", "stride_kr", "stride_or", "lo", "hi"]
+CUT_SIZES = ["C", "NB", "stride_nh", "stride_kr", "stride_or"]
+
 
 @triton.jit
 def _int(row, i):
@@ -317,7 +326,7 @@ def _denominator_block(qb, ct, cid, c_ok, pos, start, m_i, l_i, qrow, m_ok, head
     return m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=DENOMINATOR_SIZES)
 def centroid_denominator_kernel(
     q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr,  # inputs (allowed / indptr / idx: see flags)
     step_ptr,  # SCALED: [Hkv, D] float32, the one-byte centroids' step
@@ -434,7 +443,7 @@ def centroid_denominator_kernel(
             tl.store(hist_ptr + offs_z, tl.zeros([BLOCK_Z], tl.int32), mask=offs_z <= CUT_COPIES * CUT_BINS)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCORE_SIZES)
 def centroid_score_kernel(
     q_ptr, cent_ptr, counts_ptr, allowed_ptr, indptr_ptr, idx_ptr, step_ptr,  # inputs, as in the denominator pass
     part_max_ptr, part_sum_ptr, s_ptr,  # the denominator pass's outputs
@@ -600,7 +609,7 @@ def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, 
     return tl.sum(p, axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SCORE_PREFILL_SIZES)
 def centroid_score_prefill_kernel(
     q_ptr, cent_ptr, counts_ptr, allowed_ptr, step_ptr,  # inputs (allowed: HAS_ALLOWED only; step: SCALED only)
     part_max_ptr, part_sum_ptr,  # the denominator pass's partials [Hq * Lq, NSPLIT]
@@ -708,7 +717,7 @@ def centroid_score_prefill_kernel(
                        on_ptr, HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS, CUT_COPIES)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=CUT_SIZES)
 def centroid_cut_kernel(
     score_ptr, counts_ptr, cut_ptr,  # in: score [rows, C] float32, counts [Hkv, C], cut [1] float32 (the threshold
     # the score pass's last program took from its histogram: _cut_when_last)

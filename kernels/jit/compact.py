@@ -17,6 +17,11 @@ import triton.language as tl
 from kernels.launch import release_next, wait_prior
 from kernels.tables import table_pointer
 
+# Arguments that follow the context's size (its keys, its centroids, the strides of rows of that length): not
+# specialised on their divisibility by 16, so that each kernel compiles once for contexts of any length
+# (tests/kernels/test_specialization.py); a long context's sizes are rarely multiples of 16 anyway.
+EXPAND_SIZES = ["G", "NB", "W"]
+
 
 @triton.jit
 def kept_sizes(keep_ptr, starts_ptr, r, h, g, G, stride_kr):
@@ -48,7 +53,7 @@ def group_block_sums_kernel(
     tl.store(block_sums_ptr + r * NB + gb, tl.sum(size, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=EXPAND_SIZES)
 def expand_groups_kernel(
     keep_ptr,  # [rows, G] bool
     starts_ptr,  # [Hkv, G + 1] int64

@@ -12,8 +12,14 @@ import triton.language as tl
 
 from kernels.launch import release_next, wait_prior
 
+# Arguments that follow the context's size (its keys, its pages): not specialised on their divisibility by 16,
+# so that each kernel compiles once for contexts of any length (tests/kernels/test_specialization.py).
+SCORE_SIZES = ["P"]
+THRESHOLD_SIZES = ["P", "K", "NCH"]
+WRITE_SIZES = ["P", "K", "NCH", "NUM_KEYS", "PER_ROW"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=SCORE_SIZES)
 def page_scores_kernel(
     q_ptr,  # [Hq, 1, D] the decode step's query (unused when REDUCED)
     reduced_ptr,  # [rows, 4, D] float32 when REDUCED: the row's summed q+ and q- of the tokens' mean, then of the last
@@ -110,7 +116,7 @@ def _third(lo, hi, above, c1, c2, K):
     return new_lo, new_hi, new_above
 
 
-@triton.jit
+@triton.jit(do_not_specialize=THRESHOLD_SIZES)
 def page_threshold_kernel(
     scores_ptr,  # [rows, P] float32 page scores
     bracket_ptr,  # [rows, 2] float32 out: lo, hi with count(score >= lo) >= K > count(score >= hi)
@@ -179,7 +185,7 @@ def page_threshold_kernel(
             tl.store(cand_ptr + row * NCH + n, tl.sum(((x >= lo) & (x < hi)).to(tl.int32), axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=WRITE_SIZES)
 def page_write_kernel(
     scores_ptr,  # [rows, P] float32 page scores
     bracket_ptr,  # [rows, 2], room_ptr [rows], above_ptr / cand_ptr [rows, NCH]: page_threshold_kernel's

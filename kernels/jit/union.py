@@ -27,6 +27,12 @@ from kernels.jit.tally import running_max, tally_row
 from kernels.launch import release_next, wait_prior
 from kernels.tables import table_pointer, table_stride
 
+# Arguments that follow the context's size (its keys, its centroids, the strides of rows of that length): not
+# specialised on their divisibility by 16, so that each kernel compiles once for contexts of any length
+# (tests/kernels/test_specialization.py); a long context's sizes are rarely multiples of 16 anyway.
+SPLIT_SIZES = ["stride_order", "k_start", "first", "indexed", "dense_len"]
+MERGE_SIZES = ["k_start", "n_units", "stride_scores", "stride_best", "dense_len"]
+
 
 @triton.jit
 def new_items(q_pos_ptr, stride_p, lq, k_start, n_new, chunk):
@@ -71,7 +77,7 @@ def _store_partial(part_out_ptr, part_lse_ptr, item, num_m, offs_m, offs_d, m_va
     tl.store(part_lse_ptr + flat, tl.where(seen, m_i + tl.log2(l_safe), float("-inf")), mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=SPLIT_SIZES)
 def union_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, kn_ptr, vn_ptr, q_pos_ptr, pos_ptr, order_ptr, fresh_ptr,
     part_out_ptr, part_lse_ptr,
@@ -201,7 +207,7 @@ def union_attn_fwd_kernel(
                        HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_SIZES)
 def union_merge_kernel(
     part_out_ptr, part_lse_ptr, indptr_ptr, q_pos_ptr, out_ptr, lse_ptr,
     fresh_ptr, kept_ptr, read_ptr, elements_ptr, scores_ptr, best_ptr,
