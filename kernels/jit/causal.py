@@ -23,6 +23,11 @@ from kernels.launch import release_next, wait_prior
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
+# Arguments that follow the context's size: not specialised on their divisibility by 16, so that each kernel
+# compiles once for contexts of any length (tests/kernels/test_specialization.py).
+ATTN_SIZES = ["k_start"]
+
+
 @triton.jit
 def causal_keys(
     q, k_base, v_base, lo, hi, last, window, acc, m_i, l_i, offs_d,
@@ -63,7 +68,7 @@ def causal_keys(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ATTN_SIZES)
 def causal_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, q_pos_ptr, out_ptr, lse_ptr, prior_out_ptr, prior_lse_ptr,
     stride_qh, stride_ql, stride_qd,

@@ -11,6 +11,9 @@ from kernels.jit.merge import merge_pair
 from kernels.launch import release_next, wait_prior
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
+# Arguments that follow the context's size: not specialised on their divisibility by 16, so that each kernel
+# compiles once for contexts of any length (tests/kernels/test_specialization.py).
+ATTN_SIZES = ["first", "indexed", "stride_order"]
 
 
 @triton.jit
@@ -78,7 +81,7 @@ def follow_keys(q, k_ptr, v_ptr, h, row, fresh, stride_kh, stride_kn, stride_vh,
     return acc, m, tl.sum(p, axis=1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ATTN_SIZES)
 def follow_attn_kernel(
     q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, pos_ptr, order_ptr, out_ptr, lse_ptr, fresh_ptr,
     qk_scale, first, indexed, lq, n_q, m_rows, rows, hkv,

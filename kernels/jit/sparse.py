@@ -23,6 +23,13 @@ from kernels.launch import release_next, wait_prior
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
+# Arguments that follow the context's size: not specialised on their divisibility by 16, so that each kernel
+# compiles once for contexts of any length (tests/kernels/test_specialization.py).
+ATTN_SIZES = ["packed_cap", "dense_len"]
+GATHER_SIZES = ["cap"]
+MERGE_SIZES = ["dense_len"]
+
+
 @triton.jit
 def item_plan(indptr_ptr, rows, chunk, BLOCK_R: tl.constexpr, DENSE: tl.constexpr = False, dense_len=0):
     """Work items per row from indptr [rows + 1] (DENSE: row r is keys r * dense_len .. (r + 1) * dense_len - 1,
@@ -224,7 +231,7 @@ def attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ATTN_SIZES)
 def sparse_attn_fwd_kernel(
     q_ptr, k_ptr, v_ptr, indptr_ptr, indices_ptr, out_ptr, lse_ptr,
     stride_qh, stride_ql, stride_qd,
@@ -306,7 +313,7 @@ def sparse_attn_fwd_kernel(
         tl.store(lse_ptr + flat, lse, mask=m_valid)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=GATHER_SIZES)
 def gather_selected_kernel(
     k_ptr, v_ptr, indptr_ptr, indices_ptr, k_out_ptr, v_out_ptr,
     stride_kh, stride_kn, stride_vh, stride_vn,
@@ -336,7 +343,7 @@ def gather_selected_kernel(
         tl.store(v_out_ptr + offs_n[:, None] * HEAD_DIM + offs_d[None, :], v, mask=ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_SIZES)
 def sparse_attn_merge_kernel(
     part_out_ptr, part_lse_ptr, indptr_ptr, out_ptr, lse_ptr,
     rows, num_m, chunk,

@@ -8,8 +8,13 @@ import triton.language as tl
 
 from kernels.launch import release_next, wait_prior
 
+# Arguments that follow the context's size: not specialised on their divisibility by 16, so that each kernel
+# compiles once for contexts of any length (tests/kernels/test_specialization.py).
+BLOCK_SIZES = ["n"]
+MERGE_SIZES = ["n", "n_cand"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=BLOCK_SIZES)
 def suffix_block_kernel(
     ids_ptr, next_ptr, recent_ptr, token_ptr, cand_score_ptr, cand_at_ptr, n,
     NGRAM: tl.constexpr, TOP: tl.constexpr, BLOCK: tl.constexpr,
@@ -42,7 +47,7 @@ def suffix_block_kernel(
         score = tl.where(tl.arange(0, BLOCK) == at, -3, score)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=MERGE_SIZES)
 def suffix_merge_kernel(
     cand_score_ptr, cand_at_ptr, recent_ptr, token_ptr, question_ptr, out_ptr, n, n_cand, n_question,
     NGRAM: tl.constexpr, TOP: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_O: tl.constexpr, BLOCK_G: tl.constexpr,

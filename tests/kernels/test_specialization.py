@@ -13,17 +13,31 @@ import torch
 from triton.backends.compiler import BaseBackend
 from triton.runtime.jit import native_specialize_impl
 
-from kernels import centroid_ops, compact_ops, pages_ops, union_ops
+from kernels import (
+    causal_ops,
+    centroid_ops,
+    compact_ops,
+    follow_ops,
+    pages_ops,
+    sparse_ops,
+    suffix_ops,
+    union_ops,
+)
 from kernels.layout import group_starts
 from kernels.selection import FollowRows, KeyCount, StepTally
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, D, SINK, TAIL = 8, 2, 64, 2, 4
-KERNELS = [(centroid_ops, "centroid_denominator_kernel"), (centroid_ops, "centroid_score_kernel"),
-           (centroid_ops, "centroid_cut_kernel"), (compact_ops, "expand_groups_kernel"),
+KERNELS = [(suffix_ops, "suffix_block_kernel"), (suffix_ops, "suffix_merge_kernel"),
+           (centroid_ops, "centroid_denominator_kernel"), (centroid_ops, "centroid_score_kernel"),
+           (centroid_ops, "centroid_score_prefill_kernel"), (centroid_ops, "centroid_cut_kernel"),
+           (compact_ops, "expand_groups_kernel"), (sparse_ops, "sparse_attn_fwd_kernel"),
+           (sparse_ops, "sparse_attn_merge_kernel"), (follow_ops, "follow_attn_kernel"),
+           (causal_ops, "causal_attn_fwd_kernel"),
            (pages_ops, "page_scores_kernel"), (pages_ops, "page_threshold_kernel"), (pages_ops, "page_write_kernel"),
            (union_ops, "union_attn_fwd_kernel"), (union_ops, "union_merge_kernel")]
 PAGE = 16
+PREFILL = 20  # a question's tokens: more query rows than a decode step's split kernel takes
 
 
 def specialization(kernel, args: tuple, kwargs: dict) -> tuple:
@@ -62,13 +76,17 @@ class _Recorded:
         return launch
 
 
-def _decode_step(n: int, c: int, slots: int, seed: int = 0) -> None:
-    """A squeeze decode step's lookup (a cut at a tenth of the keys) and its attention over a context of n keys
-    (the first SINK and the last TAIL dense) in c clusters a head, with `slots` new-token slots of which 5 are
-    written, 8 follow rows through the clusters' layout and the step's statistics with the clusters' scores; then
-    Quest's lookup and full attention's step over the same context."""
+def _steps(n: int, c: int, slots: int, seed: int = 0) -> None:
+    """Over a context of n keys (the first SINK and the last TAIL dense) in c clusters a head, with `slots`
+    new-token slots: a decode step's follow rows (found among the context's n tokens), its squeeze lookup (a cut at
+    a tenth of the keys) and its attention (8 follow rows through the clusters' layout, the step's statistics with
+    the clusters' scores); Quest's lookup and full attention's step; a question's prefill (PREFILL tokens: the
+    lookup and the attention of a prefill)."""
     g = torch.Generator().manual_seed(seed)
     on = lambda t: t.to(DEVICE)  # noqa: E731
+    ids = on(torch.randint(0, 50, (n,), generator=g))
+    suffix_ops.follow_step(ids, on(torch.ones(n, dtype=torch.bool)), ids[-3:].clone(), ids[-1:].clone(),
+                           on(torch.full((8,), -1, dtype=torch.int64)), on(torch.empty(16, dtype=torch.int64)))
     q = on(torch.randn(HQ, 1, D, generator=g))
     k, v = (on(torch.randn(HKV, n, D, generator=g)) for _ in range(2))
     centroids = on(torch.randn(HKV, c, D, generator=g))
@@ -85,6 +103,11 @@ def _decode_step(n: int, c: int, slots: int, seed: int = 0) -> None:
                       on(torch.zeros(HKV, c)))
     out = torch.empty(1, HQ, D, device=DEVICE).transpose(0, 1)
     union_ops.union_attention(q, k, v, selection, 0.125, k_new, v_new, q_pos, n, follow, out, tally=tally)
+    questions = on(torch.randn(HQ, PREFILL, D, generator=g))
+    _, _, asked = centroid_ops.cluster_select(questions, centroids, counts, D ** -0.5, 0.0, HKV, on(starts),
+                                              n - TAIL, TAIL, keys=KeyCount.of(0.1 * HKV * n))
+    union_ops.union_attention(questions, k, v, asked, 0.125, k_new, v_new, on(torch.arange(n, n + PREFILL)), n,
+                              follow, torch.empty(PREFILL, HQ, D, device=DEVICE).transpose(0, 1))
     pages = n // PAGE
     bounds = [on(torch.randn(HKV, pages, D, generator=g)) for _ in range(2)]
     _, quest = pages_ops.select_pages(pages_ops.page_scores(q, *bounds, HKV), max(1, pages // 10), PAGE, n)
@@ -100,8 +123,8 @@ def test_a_decode_steps_kernels_compile_once_for_contexts_of_any_length(monkeypa
     keys: dict[str, list] = {}
     for module, name in KERNELS:
         monkeypatch.setattr(module, name, _Recorded(getattr(module, name), keys.setdefault(name, [])))
-    _decode_step(700, 35, 64)
-    _decode_step(*second, 64, seed=1)
+    _steps(700, 35, 64)
+    _steps(*second, 64, seed=1)
     anew = {}
     for name, launches in keys.items():
         half = len(launches) // 2
