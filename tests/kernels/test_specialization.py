@@ -24,7 +24,7 @@ from kernels import (
     union_ops,
 )
 from kernels.layout import group_starts
-from kernels.selection import FollowRows, KeyCount, StepTally
+from kernels.selection import FollowRows, KeyCount, Selection, StepTally
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HQ, HKV, D, SINK, TAIL = 8, 2, 64, 2, 4
@@ -133,3 +133,31 @@ def test_a_decode_steps_kernels_compile_once_for_contexts_of_any_length(monkeypa
         if differ:
             anew[name] = sorted(differ)
     assert not anew, f"kernels compiled anew for another context, by argument: {anew}"
+
+
+def _union_call(n: int, seed: int) -> union_ops.UnionCall:
+    """A decode step's attention over a context of n keys of its own: a tenth of them selected, 8 follow rows."""
+    g = torch.Generator().manual_seed(seed)
+    on = lambda t: t.to(DEVICE)  # noqa: E731
+    mask = torch.rand(HKV, n, generator=g) < 0.1
+    indptr = torch.cat([torch.zeros(1, dtype=torch.int64), mask.sum(dim=1).cumsum(0)])
+    selection = Selection(on(indptr), on(mask.nonzero()[:, 1].to(torch.int32)), n)
+    indexed = n - TAIL - SINK
+    order = on(torch.stack([torch.randperm(indexed, generator=g) for _ in range(HKV)]).to(torch.int32))
+    follow = FollowRows(on(torch.randint(-1, n, (8,), generator=g)), SINK, indexed, order)
+    q, k, v = (on(torch.randn(h, length, D, generator=g)) for h, length in ((HQ, 1), (HKV, n), (HKV, n)))
+    k_new, v_new = (on(torch.randn(HKV, 64, D, generator=g)) for _ in range(2))
+    out = torch.empty(1, HQ, D, device=DEVICE).transpose(0, 1)
+    return union_ops.UnionCall(q, k, v, selection, 0.125, k_new, v_new, on(torch.tensor([n + 4])), n, follow, out)
+
+
+def test_a_batchs_launches_compile_once_whoever_is_in_it(monkeypatch):
+    """Sequences over contexts of their own answered together (one split and one merge launch, each sequence's
+    values read from tables): the launches of two batches of different members share their specialisation."""
+    keys: dict[str, list] = {}
+    for name in ("union_attn_fwd_kernel", "union_merge_kernel"):
+        monkeypatch.setattr(union_ops, name, _Recorded(getattr(union_ops, name), keys.setdefault(name, [])))
+    union_ops.union_attention_batch([_union_call(700, 0), _union_call(704, 1)])
+    union_ops.union_attention_batch([_union_call(413, 2), _union_call(710, 3), _union_call(700, 0)])
+    for name, (first, other) in keys.items():
+        assert [a[0] for a, b in zip(first, other) if a != b] == [], name
