@@ -4,10 +4,10 @@ Row b of a launch's pointer table holds sequence b's tensors' addresses, row b o
 strides, counts), each in the order of the kernel's names for them; the kernel finds its sequence's row from its
 grid and reads entry i of it (`table_pointer` turns an address back into a typed pointer). The tables are uploaded
 from pinned host memory without a synchronisation, so that a CUDA graph may capture the upload: their host copies
-must then live as long as the graph (`keep`). A graph replayed many times gains by not holding the uploads at all:
-with `keep` a `GraphTables`, a table made under a capture is only allocated (from the graph's pool), and
-`GraphTables.upload` fills every one of them once, after the capture (their contents never change between replays:
-the addresses and values are the capture's).
+must then live as long as the graph (`keep`: a list of them, as engine.model.batch_graph keeps). Or a graph holds
+no upload at all: with `keep` a `GraphTables`, a table made under a capture is only allocated (from the graph's
+pool), and `GraphTables.upload` fills every one of them once, after the capture (their contents never change
+between replays: the addresses and values are the capture's); `python -m engine.bench.lookup --batch` captures so.
 """
 
 from __future__ import annotations

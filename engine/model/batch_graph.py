@@ -25,7 +25,6 @@ from engine.model.batch import side_streams
 from engine.model.capture import capturing
 from engine.model.load import LoadedModel
 from engine.model.sampling import greedy
-from kernels.tables import GraphTables
 
 
 class BatchGraph:
@@ -61,9 +60,7 @@ class BatchGraph:
             self._side = list(streams[1:batch]) if batching.CONCURRENT else []
         self._split_gpu = batching.SPLIT_GPU
         self._shared = batching.SHARED_LAUNCHES
-        # the tables of the step's batched launches (BatchStep.keep, BatchCache.keep): filled once after the capture,
-        # not copied again at every replay
-        self._keep = GraphTables()
+        self._keep: list = []  # the host tables the captured step's shared launches upload (BatchStep.keep)
 
     def __len__(self) -> int:
         return len(self._steps)
@@ -105,7 +102,6 @@ class BatchGraph:
             graph = torch.cuda.CUDAGraph()
             with capturing(graph, self._stream, self._pool):
                 self._forward()  # recorded, not run: the inputs stay as the warm step (or the caller) left them
-            self._keep.upload()  # on the current stream, before any replay from it
             self.graph = graph
         finally:
             for step in self._steps:
