@@ -6,8 +6,10 @@ A server captures often: a batch of turns answered together is captured anew eac
 (engine.model.batch_graph), and an emptied cache is what the turns' next steps and prefills fill again. Without
 SYNC_FIRST the cache is emptied first only where the device has little free memory: a capture's own allocations
 (from its memory pool) may not free cached blocks while it runs, so that a capture short of memory would fail. A
-stream may hold unfinished work when its capture begins: the capture records only what is queued after. Unlike
-torch.cuda.graph, neither way empties the pinned host memory's cache (the tokens read back each step come from it).
+stream may hold unfinished work when its capture begins: the capture records only what is queued after. Either way
+the pinned host memory's cache is emptied first, as torch.cuda.graph does: torch's capture_begin asserts on its
+state otherwise (torch 2.11 on an H100: "use_count > 0 INTERNAL ASSERT FAILED" in CachingHostAllocator.h, in
+`squeeze bench serve --no-sync-captures`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,9 @@ def capturing(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, pool=None)
     if SYNC_FIRST or torch.cuda.mem_get_info(stream.device)[0] < MIN_FREE_BYTES:
         torch.cuda.synchronize(stream.device)
         torch.cuda.empty_cache()
+    empty_host = getattr(torch._C, "_host_emptyCache", None)  # (a CUDA build's: what torch.cuda.graph calls)
+    if empty_host is not None:
+        empty_host()
     with torch.cuda.stream(stream):
         graph.capture_begin(*(() if pool is None else (pool,)))
         try:
