@@ -11,10 +11,10 @@ positions) (a) at a threshold, (b) with `keys=`: the budget's share of every KV 
 KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is), and (c) that cut
 with the denominator pass reading its centroids only after its wait on the queries (LookupConfig.read_ahead off).
 With `--batch B`, each layer has B sequences' indexes and queries (a decode step of B turns answered together) and
-their cut lookups are timed in one launch of each kernel (`select_now`, BATCHED: what a shared step runs) against
-one after another, for the default tiles and each of `--tiles` (the denominator pass's centroid block / its
-pipeline stages / the score pass's centroid block). Prints one JSON document: microseconds per layer, the kernels'
-time per layer from the profiler, the keys the cut kept.
+their cut lookups are timed in one launch of each kernel (`select_now`, BATCHED: what a shared step runs, its
+tables filled once rather than copied at each replay) against one after another, for the default tiles and each of
+`--tiles` (the denominator pass's centroid block / its pipeline stages / the score pass's centroid block). Prints
+one JSON document: microseconds per layer, the kernels' time per layer from the profiler, the keys the cut kept.
 """
 
 from __future__ import annotations
@@ -97,7 +97,7 @@ def batched_cases(queries: list[list[torch.Tensor]], indexes: list[list[dict]], 
     out = {}
     for name, config in configs.items():
         for together in (True, False):
-            tables = GraphTables()  # (filled once after the capture, as a batch graph's are)
+            tables = GraphTables()  # (filled once after the capture: the timed replays copy no table)
             graph = captured(lookups(config, together, tables), tables)
             case = f"{'batched' if together else 'one_after_another'} {name}"
             out[case] = {"us_per_layer": round(bench_eager(graph.replay) * 1000 / layers, 2),
@@ -141,7 +141,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.batch < 1:
         parser.error("--batch must be at least 1")
-    tiles = parse_tiles(args.tiles)
+    try:
+        tiles = parse_tiles(args.tiles)
+    except ValueError as err:
+        parser.error(str(err))
     if not torch.cuda.is_available():
         print("engine.bench.lookup needs a CUDA GPU", file=sys.stderr)
         return 2
