@@ -20,6 +20,7 @@ from kernels.tables import table_pointer
 # Arguments that follow the context's size (its keys, its centroids, the strides of rows of that length): not
 # specialised on their divisibility by 16, so that each kernel compiles once for contexts of any length
 # (tests/kernels/test_specialization.py); a long context's sizes are rarely multiples of 16 anyway.
+BLOCK_SUMS_SIZES = ["G", "NB"]
 EXPAND_SIZES = ["G", "NB", "W"]
 
 
@@ -33,7 +34,7 @@ def kept_sizes(keep_ptr, starts_ptr, r, h, g, G, stride_kr):
     return tl.where(kept, stop - start, 0), start
 
 
-@triton.jit
+@triton.jit(do_not_specialize=BLOCK_SUMS_SIZES)
 def group_block_sums_kernel(
     keep_ptr,  # [rows, G] bool: kept groups
     starts_ptr,  # [Hkv, G + 1] int64: group g of head h occupies [starts[h, g], starts[h, g + 1])

@@ -7,8 +7,12 @@ import triton.language as tl
 
 from kernels.launch import release_next, wait_prior
 
+# Arguments that follow the context's size (its units' scores): not specialised on their divisibility by 16, so
+# that the kernel compiles once for contexts of any length (tests/kernels/test_specialization.py).
+STEP_SIZES = ["n_units", "stride_scores", "stride_best"]
 
-@triton.jit
+
+@triton.jit(do_not_specialize=STEP_SIZES)
 def tally_step_kernel(
     indptr_ptr, elements_ptr, kept_ptr, read_ptr, fresh_ptr, scores_ptr, best_ptr,
     n_elements, n_fresh, stride_fresh, n_units, stride_scores, stride_best,

@@ -21,6 +21,7 @@ from kernels import (
     pages_ops,
     sparse_ops,
     suffix_ops,
+    tally_ops,
     union_ops,
 )
 from kernels.layout import group_starts
@@ -31,7 +32,8 @@ HQ, HKV, D, SINK, TAIL = 8, 2, 64, 2, 4
 KERNELS = [(suffix_ops, "suffix_block_kernel"), (suffix_ops, "suffix_merge_kernel"),
            (centroid_ops, "centroid_denominator_kernel"), (centroid_ops, "centroid_score_kernel"),
            (centroid_ops, "centroid_score_prefill_kernel"), (centroid_ops, "centroid_cut_kernel"),
-           (compact_ops, "expand_groups_kernel"), (sparse_ops, "sparse_attn_fwd_kernel"),
+           (compact_ops, "group_block_sums_kernel"), (compact_ops, "expand_groups_kernel"),
+           (tally_ops, "tally_step_kernel"), (sparse_ops, "sparse_attn_fwd_kernel"),
            (sparse_ops, "sparse_attn_merge_kernel"), (follow_ops, "follow_attn_kernel"),
            (causal_ops, "causal_attn_fwd_kernel"),
            (pages_ops, "page_scores_kernel"), (pages_ops, "page_threshold_kernel"), (pages_ops, "page_write_kernel"),
@@ -103,6 +105,8 @@ def _steps(n: int, c: int, slots: int, seed: int = 0) -> None:
                       on(torch.zeros(HKV, c)))
     out = torch.empty(1, HQ, D, device=DEVICE).transpose(0, 1)
     union_ops.union_attention(q, k, v, selection, 0.125, k_new, v_new, q_pos, n, follow, out, tally=tally)
+    tally_ops.tally_step(selection.indptr, tally.elements, tally.kept, tally.read, None, tally.scores, tally.best)
+    compact_ops.expand_groups(keep, on(starts), n - TAIL, TAIL)  # (an expansion that sums its own blocks)
     questions = on(torch.randn(HQ, PREFILL, D, generator=g))
     _, _, asked = centroid_ops.cluster_select(questions, centroids, counts, D ** -0.5, 0.0, HKV, on(starts),
                                               n - TAIL, TAIL, keys=KeyCount.of(0.1 * HKV * n))
