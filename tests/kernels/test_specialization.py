@@ -1,8 +1,8 @@
-"""A decode step's kernels compile once for every context: Triton compiles a kernel anew for each pattern of its
-integer arguments' divisibility by 16 (and of its pointers' alignment), so an argument that follows the context's
-length (its key count, its centroids, a tensor's row stride of that length) would make a new document's first
-question wait for a compile. The keys are Triton's own (native_specialize_impl, do_not_specialize honoured); the
-kernels run in the interpreter without CUDA (tests/conftest.py)."""
+"""A step's kernels (a decode step's, a question's prefill's) compile once for contexts of any length: Triton compiles
+a kernel anew for each pattern of its integer arguments' divisibility by 16 (and of its pointers' alignment), so an
+argument that follows the context's length (its key count, its centroids, a tensor's row stride of that length)
+would make a new document's first question wait for a compile. The keys are Triton's own (native_specialize_impl,
+do_not_specialize honoured); the kernels run in the interpreter without CUDA (tests/conftest.py)."""
 
 from __future__ import annotations
 
