@@ -36,9 +36,7 @@ import triton.language as tl
 from kernels.launch import release_next, wait_prior
 from kernels.tables import table_pointer
 
-# Arguments that follow the context's size (its keys, its centroids, the strides of rows of that length): not
-# specialised on their divisibility by 16, so that each kernel compiles once for contexts of any length
-# (tests/kernels/test_specialization.py); a long context's sizes are rarely multiples of 16 anyway.
+# Arguments that follow a context's size, not specialised on (kernels/README.md)
 DENOMINATOR_SIZES = ["C", "CAP", "NSPLIT", "stride_nh", "stride_ar", "stride_s", "stride_kr", "stride_or"]
 SCORE_SIZES = ["C", "CAP", "NSPLIT", "NPROG", "NB", "stride_nh",
                "stride_ar", "stride_s", "stride_kr", "stride_or", "lo", "hi"]

@@ -11,8 +11,7 @@ from kernels.jit.merge import merge_pair
 from kernels.launch import release_next, wait_prior
 
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
-# Arguments that follow the context's size: not specialised on their divisibility by 16, so that each kernel
-# compiles once for contexts of any length (tests/kernels/test_specialization.py).
+# Arguments that follow a context's size, not specialised on (kernels/README.md)
 ATTN_SIZES = ["first", "indexed", "stride_order"]
 
 

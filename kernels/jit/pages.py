@@ -12,8 +12,7 @@ import triton.language as tl
 
 from kernels.launch import release_next, wait_prior
 
-# Arguments that follow the context's size (its keys, its pages): not specialised on their divisibility by 16,
-# so that each kernel compiles once for contexts of any length (tests/kernels/test_specialization.py).
+# Arguments that follow a context's size, not specialised on (kernels/README.md)
 SCORE_SIZES = ["P"]
 THRESHOLD_SIZES = ["P", "K", "NCH"]
 WRITE_SIZES = ["P", "K", "NCH", "NUM_KEYS", "PER_ROW"]

@@ -23,8 +23,7 @@ from kernels.launch import release_next, wait_prior
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)
 
 
-# Arguments that follow the context's size: not specialised on their divisibility by 16, so that each kernel
-# compiles once for contexts of any length (tests/kernels/test_specialization.py).
+# Arguments that follow a context's size, not specialised on (kernels/README.md)
 ATTN_SIZES = ["packed_cap", "dense_len"]
 GATHER_SIZES = ["cap"]
 MERGE_SIZES = ["dense_len"]

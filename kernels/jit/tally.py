@@ -7,8 +7,7 @@ import triton.language as tl
 
 from kernels.launch import release_next, wait_prior
 
-# Arguments that follow the context's size (its units' scores): not specialised on their divisibility by 16, so
-# that the kernel compiles once for contexts of any length (tests/kernels/test_specialization.py).
+# Arguments that follow a context's size, not specialised on (kernels/README.md)
 STEP_SIZES = ["n_units", "stride_scores", "stride_best"]
 
 

@@ -27,9 +27,7 @@ from kernels.jit.tally import running_max, tally_row
 from kernels.launch import release_next, wait_prior
 from kernels.tables import table_pointer, table_stride
 
-# Arguments that follow the context's size (its keys, its centroids, the strides of rows of that length): not
-# specialised on their divisibility by 16, so that each kernel compiles once for contexts of any length
-# (tests/kernels/test_specialization.py); a long context's sizes are rarely multiples of 16 anyway.
+# Arguments that follow a context's size, not specialised on (kernels/README.md)
 SPLIT_SIZES = ["stride_order", "k_start", "first", "indexed", "spread", "dense_len"]
 MERGE_SIZES = ["k_start", "n_units", "stride_scores", "stride_best", "spread", "dense_len"]
 
