@@ -36,8 +36,8 @@ AHEAD = True
 CAPTURE_AFTER = 0
 # Whether a GPU's batch whose turns all ran in its last captured step (a turn left) captures their step without a warm
 # step first (BatchGraph.warm_and_capture: the capture, then its replay): their kernels, and those of the batch's
-# dense part at every size (engine.model.compiled.warm_up), have run already
-CAPTURE_UNWARMED = False
+# dense part at every size (engine.model.compiled.warm_up), have run already (measured with capture.SYNC_FIRST off)
+CAPTURE_UNWARMED = True
 
 
 class _Launched:
@@ -77,7 +77,7 @@ class TurnBatch:
             raise ValueError(f"capture_after must be >= 0, got {self.capture_after}")
         self.unwarmed = CAPTURE_UNWARMED if unwarmed is None else unwarmed
         self._captured: list[Turn] = []  # the turns of the last captured step
-        self._pool = None  # the memory pool the batch's captures share (torch.cuda.MemPool; None: each its own)
+        self._pool = None  # the memory pool the batch's captures share (capture.SharedPool; None: each its own)
         self._streams: list = []  # the CUDA streams they share (with the pool)
         self._uncaptured = 0  # eager steps the turns as they are now have run on a replayable batch
         self.captures = 0  # the batch's steps captured so far
@@ -167,7 +167,7 @@ class TurnBatch:
         streams = None
         if not capture.SYNC_FIRST:  # (a capture that empties the caches frees a dead one's memory anyway)
             if self._pool is None:
-                self._pool = torch.cuda.MemPool()
+                self._pool = capture.SharedPool(self.lm.device)
             while len(self._streams) < len(self.turns):
                 self._streams.append(torch.cuda.Stream(device=self.lm.device))
             streams = self._streams

@@ -1,11 +1,13 @@
 """engine.model.capture: a capture that neither synchronises the device nor empties its caches, and graphs that
-share one memory pool one after another (a batch's captures)."""
+share one memory pool one after another (a batch's captures), the next captured while the last one's pinned tables
+may still be in use (SharedPool)."""
 
 import pytest
 import torch
 
 from engine.model import capture
-from engine.model.capture import capturing
+from engine.model.capture import SharedPool, capturing
+from kernels.tables import table
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -63,3 +65,42 @@ def test_graphs_of_one_pool_one_after_another_replay_their_own_steps():
     torch.cuda.synchronize()
     torch.testing.assert_close(a, x * 2 + 1)
     torch.testing.assert_close(b, -x + 1)
+
+
+def _busy(products: int = 40) -> None:
+    """Queue some milliseconds of matrix products on the current stream."""
+    m = torch.randn(4096, 4096, device="cuda")
+    for _ in range(products):
+        m = m @ m
+        m = m / m.norm()
+
+
+def test_a_shared_pool_captures_again_while_a_dropped_graph_s_tables_are_in_flight(monkeypatch):
+    """A graph uploads a pinned table made under its capture (kernels.tables.table, kept as a batch graph keeps its
+    shared launches' tables), is replayed behind a long GPU job and dropped with its table before the job ends; a
+    capture into the same SharedPool right after, without synchronising (SYNC_FIRST off), records and replays its
+    own step (into a bare torch.cuda.MemPool, torch 2.11's capture_begin asserted on the pinned pool's count)."""
+    monkeypatch.setattr(capture, "SYNC_FIRST", False)
+    monkeypatch.setattr(capture, "MIN_FREE_BYTES", 0)
+    pool = SharedPool(torch.device("cuda"))
+    stream = torch.cuda.Stream()
+    x = torch.randn(1 << 16, device="cuda")
+    a, b = torch.zeros_like(x), torch.zeros_like(x)
+    for round_ in range(3):
+        keep: list = []
+        first = torch.cuda.CUDAGraph()
+        stream.wait_stream(torch.cuda.current_stream())
+        with capturing(first, stream, pool.id):
+            factor = table([[2 + round_]], x.device, keep).float()  # [1, 1]
+            a.copy_(x * factor[0, 0] + 1)
+        torch.cuda.current_stream().wait_stream(stream)
+        _busy()
+        first.replay()
+        del first
+        keep.clear()  # the table's pinned block freed while its copy waits behind the job
+        second = _captured(x, b, -1.0 - round_, stream, pool.id)
+        second.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(a, x * (2 + round_) + 1)
+        torch.testing.assert_close(b, -x * (1 + round_) + 1)
+        del second
