@@ -4,10 +4,7 @@ Row b of a launch's pointer table holds sequence b's tensors' addresses, row b o
 strides, counts), each in the order of the kernel's names for them; the kernel finds its sequence's row from its
 grid and reads entry i of it (`table_pointer` turns an address back into a typed pointer). The tables are uploaded
 from pinned host memory without a synchronisation, so that a CUDA graph may capture the upload: their host copies
-must then live as long as the graph (`keep`: a list of them, as engine.model.batch_graph keeps). Or a graph holds
-no upload at all: with `keep` a `GraphTables`, a table made under a capture is only allocated (from the graph's
-pool), and `GraphTables.upload` fills every one of them once, after the capture (their contents never change
-between replays: the addresses and values are the capture's); `python -m engine.bench.lookup --batch` captures so.
+must then live as long as the graph (`keep`: a list of them, as engine.model.batch_graph keeps).
 """
 
 from __future__ import annotations
@@ -20,51 +17,17 @@ INT32 = (-(2**31), 2**31 - 1)
 ALIGN = 16  # bytes of an address, elements of a stride (the divisibility Triton specialises a launch on)
 
 
-class GraphTables:
-    """The tables of a CUDA graph's launches, filled once instead of at every replay. Under a capture, `make`
-    allocates a table on the device and leaves it empty (no copy in the graph), and `upload` fills every such table
-    after the capture, before the graph's first replay; outside a capture (a step run eagerly before it) a table is
-    copied as it is made. Every host copy lives as long as this object (the graph's)."""
-
-    def __init__(self) -> None:
-        self.hosts: list[torch.Tensor] = []
-        self._pending: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-    def make(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """host: a pinned [B, W] int64 table -> its copy on `device` (empty until `upload` under a capture)."""
-        self.hosts.append(host)
-        if not torch.cuda.is_current_stream_capturing():
-            return host.to(device, non_blocking=True)
-        out = torch.empty(host.shape, dtype=host.dtype, device=device)
-        self._pending.append((host, out))
-        return out
-
-    @property
-    def pending(self) -> int:
-        """Tables allocated under a capture and not filled yet."""
-        return len(self._pending)
-
-    def upload(self) -> None:
-        """Fill the tables made under the capture, on the current stream (the one that replays the graph)."""
-        for host, out in self._pending:
-            out.copy_(host, non_blocking=True)
-        self._pending.clear()
-
-
-# Where a launch's tables go (`table`): a list of their host copies, a GraphTables, or nowhere (None)
-Keep = list | GraphTables | None
+# Where a launch's tables go (`table`): a list of their host copies, or nowhere (None)
+Keep = list | None
 
 
 def table(rows: list[list[int]], device: torch.device, keep: Keep) -> torch.Tensor:
     """[B, W] int64 on `device`: on a GPU copied from pinned host memory without a synchronisation (a CUDA graph
-    may capture the copy: its host copy then goes into the list `keep`, to live as long as the graph; with
-    GraphTables, a capture holds no copy: GraphTables.make)."""
+    may capture the copy: its host copy then goes into the list `keep`, to live as long as the graph)."""
     host = torch.tensor(rows, dtype=torch.int64)
     if device.type != "cuda":
         return host.to(device)
     host = host.pin_memory()
-    if isinstance(keep, GraphTables):
-        return keep.make(host, device)
     if keep is not None:
         keep.append(host)
     return host.to(device, non_blocking=True)

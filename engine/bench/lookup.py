@@ -12,9 +12,10 @@ KeyCount 64 higher less 64 listed follow positions (worked out on the device, as
 with the denominator pass reading its centroids only after its wait on the queries (LookupConfig.read_ahead off).
 With `--batch B`, each layer has B sequences' indexes and queries (a decode step of B turns answered together) and
 their cut lookups are timed in one launch of each kernel (`select_now`, BATCHED: what a shared step runs, its
-tables filled once rather than copied at each replay) against one after another, for the default tiles and each of
-`--tiles` (the denominator pass's centroid block / its pipeline stages / the score pass's centroid block). Prints
-one JSON document: microseconds per layer, the kernels' time per layer from the profiler, the keys the cut kept.
+tables' uploads captured with it, as a batch graph captures them) against one after another, for the default tiles
+and each of `--tiles` (the denominator pass's centroid block / its pipeline stages / the score pass's centroid
+block). Prints one JSON document: microseconds per layer, the kernels' time per layer from the profiler, the keys
+the cut kept.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from engine.methods.squeeze import SqueezeSettings, num_centroids
 from kernels import centroid_ops
 from kernels.layout import group_starts
 from kernels.selection import KeyCount
-from kernels.tables import GraphTables
 
 TAIL = 32  # dense tail positions per KV head
 FOLLOW = 64  # listed positions taken out of the keys, as a step's follow rows are
@@ -78,7 +78,7 @@ def batched_cases(queries: list[list[torch.Tensor]], indexes: list[list[dict]], 
     hkv = indexes[0][0]["counts"].shape[0]
     keys = asked_keys(budget, hkv, n, queries[0][0].device)
 
-    def lookups(config, together, tables):
+    def lookups(config, together, keep):
         def fn():
             for qs, ixs in zip(queries, indexes):
                 pending: list = []
@@ -88,7 +88,7 @@ def batched_cases(queries: list[list[torch.Tensor]], indexes: list[list[dict]], 
                                               pending, config=config)
                     if not together:
                         centroid_ops.select_now(pending)
-                centroid_ops.select_now(pending, tables)
+                centroid_ops.select_now(pending, keep)
         return fn
 
     layers = len(queries)
@@ -97,22 +97,21 @@ def batched_cases(queries: list[list[torch.Tensor]], indexes: list[list[dict]], 
     out = {}
     for name, config in configs.items():
         for together in (True, False):
-            tables = GraphTables()  # (filled once after the capture: the timed replays copy no table)
-            graph = captured(lookups(config, together, tables), tables)
+            keep: list = []  # the captured uploads' host tables, kept as long as the graph
+            graph = captured(lookups(config, together, keep))
             case = f"{'batched' if together else 'one_after_another'} {name}"
             out[case] = {"us_per_layer": round(bench_eager(graph.replay) * 1000 / layers, 2),
                          "kernels_us_per_layer": kernel_us(graph.replay, layers)}
     return out
 
 
-def captured(fn, tables: GraphTables) -> torch.cuda.CUDAGraph:
-    """fn run once eagerly (its kernels compiled), then captured in a graph whose tables are filled after."""
+def captured(fn) -> torch.cuda.CUDAGraph:
+    """fn run once eagerly (its kernels compiled), then captured in a graph."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    tables.upload()
     return graph
 
 
@@ -190,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
         fn = lookups(k, config)
         us = bench_graph(fn) * 1000 / layers
         out["cases"][case] = {"us_per_layer": round(us, 2),
-                              "kernels_us_per_layer": kernel_us(captured(fn, GraphTables()).replay, layers)}
+                              "kernels_us_per_layer": kernel_us(captured(fn).replay, layers)}
     fn = lookups(keys, default)
     fn()  # the cut's lookups once more, eagerly: `kept` holds their keep
     held = sum(float((ix["counts"] * keep).sum()) for ix, keep in zip(indexes, kept)) / layers

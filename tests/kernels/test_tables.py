@@ -7,10 +7,9 @@ from __future__ import annotations
 import inspect
 import re
 
-import pytest
 import torch
 
-from kernels.tables import GraphTables, aligned, batch_tables, table
+from kernels.tables import aligned, batch_tables
 
 
 def test_a_launch_is_aligned_only_where_every_address_and_hinted_stride_is():
@@ -37,34 +36,6 @@ def test_a_batched_launch_is_aligned_by_its_tiles_entries_only():
     shifted = [(keys[b, 1:], positions[:1]) for b in range(4)]
     assert not batch_tables(shifted, lambda c: c, lambda c: [64], names, torch.device("cpu"), None,
                             tiles=("keys",))["ALIGNED"]
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs")
-def test_a_graphs_tables_are_filled_once_after_its_capture_not_at_each_replay():
-    """A table made under a capture is filled by GraphTables.upload, and the replays read it without copying the
-    host again: a host copy changed after the upload changes nothing (a captured copy would bring the change in).
-    Outside a capture a table is copied as it is made."""
-    device = torch.device("cuda")
-    tables = GraphTables()
-    eager = table([[1, 2], [3, 4]], device, tables)
-    out = torch.zeros(2, 2, dtype=torch.int64, device=device)
-    stream = torch.cuda.Stream(device=device)
-    stream.wait_stream(torch.cuda.current_stream(device))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        graph.capture_begin()
-        out.copy_(table([[5, 6], [7, 8]], device, tables) * 2)
-        graph.capture_end()
-    torch.cuda.current_stream(device).wait_stream(stream)
-    assert tables.pending == 1 and len(tables.hosts) == 2
-    tables.upload()
-    assert tables.pending == 0
-    torch.cuda.synchronize(device)  # (the upload reads the host copy asynchronously)
-    tables.hosts[1].zero_()
-    graph.replay()
-    graph.replay()
-    assert out.tolist() == [[10, 12], [14, 16]]
-    assert eager.tolist() == [[1, 2], [3, 4]]
 
 
 def _aligned_entries(*kernels) -> set[int]:
