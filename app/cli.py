@@ -51,13 +51,14 @@ SHOWN_VALUES = 64  # an artifact of at most this many values is printed whole by
 
 @contextlib.contextmanager
 def _engine(args):
-    """The engine of the command's cache and model (the model loads when first needed, each step on stderr); its
-    index is closed when the command ends (what it wrote is then in index.db itself, none left in a -wal file)."""
+    """The engine of the command's cache and model (the model loads when first needed, each step on stderr), one turn
+    at a time; its index is closed when the command ends (what it wrote is then in index.db itself, none left in a
+    -wal file)."""
     from engine.serve import Engine  # noqa: PLC0415 - keep `squeeze --help` fast
 
     report = _progress(not args.quiet)
     engine = Engine(args.cache_dir, model=args.model, device=args.device, compile=args.compile,
-                    methods=_method_settings(args),
+                    methods=_method_settings(args), max_batch=1,  # (a command asks one question at a time)
                     load_progress=lambda step, done, total: report(f"loading model: {step}", done, total))
     try:
         yield engine
@@ -383,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=_port, default=7860)
     p.add_argument("--max-upload-mb", type=_megabytes, default=50.0, help="largest file accepted, per file")
     p.add_argument("--batch", type=_batch, default=None, help="users' questions answered together, each in the "
-                                                              "same steps (default: 4 on the CPU, 1 on a GPU); "
+                                                              "same steps (default: 4 on the CPU, 8 on a GPU); "
                                                               "more wait, told their place")
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("bench", help="benchmarks that print JSON: `kernels` (GPU), `capture` (real keys for it), "

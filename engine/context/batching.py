@@ -1,13 +1,14 @@
-"""Turns answered together: each question prefilled alone when its turn joins, then every turn's next token from
-one forward call a step (engine.model.batch.forward_batch), each turn over its own context, method and plan.
+"""Turns answered together: each question prefilled alone when its turn joins, then every turn's next token from one
+forward call a step (engine.model.batch.forward_batch), each turn over its own context, method and plan.
 
-A turn may join between any two steps and leaves when its answer ends; the others go on undisturbed. A question
-longer than its step's prefill_chunk is prefilled a call between two steps of the others (the calls a lone turn
-runs back to back: engine.model.generate.QuestionPrefill), so that it holds them up one call at a time. With greedy
-choice a turn's tokens are those it gets alone (tests/engine/test_batching.py). Where every turn's session replays
-its steps from CUDA graphs (one GPU), the batch's step is captured too (engine.model.batch_graph.BatchGraph), anew
-each time a turn joins or leaves, and replayed while the same turns stay; elsewhere (the CPU) every call runs
-eagerly. A joining question's prefill runs as a lone turn's does (replayed at a padded length where its session has
+A turn may join between any two steps and leaves when its answer ends; the others go on undisturbed. A question longer
+than its step's prefill_chunk is prefilled a call between two steps of the others (the calls a lone turn runs back to
+back: engine.model.generate.QuestionPrefill), so that it holds them up one call at a time. With greedy choice a turn's
+tokens are those it gets alone (tests/engine/test_batching.py). Where every turn's session replays its steps from CUDA
+graphs (one GPU), the batch's step is captured too (engine.model.batch_graph.BatchGraph), anew each time a turn joins or
+leaves, and replayed while the same turns stay; a turn alone in the batch replays its session's own captured step, kept
+across the session's turns (engine.model.lone_graph.LoneGraph: no capture of its own); elsewhere (the CPU) every call
+runs eagerly. A joining question's prefill runs as a lone turn's does (replayed at a padded length where its session has
 graphs and it fits one call). With `TurnBatch.ahead` each step is launched before the previous one's tokens are read
 back, as a lone turn's replayed steps are (engine.model.generate): a turn that leaves (its end-of-sequence token, its
 reader gone) has then run one step more than it answers, which its statistics count.
@@ -23,6 +24,7 @@ from engine.model.batch import forward_batch
 from engine.model.batch_graph import BatchGraph
 from engine.model.generate import QuestionPrefill
 from engine.model.load import LoadedModel
+from engine.model.lone_graph import LoneGraph
 from engine.model.sampling import choose
 
 # Whether a GPU's batch launches each step before reading the previous one's tokens back (TurnBatch.ahead), as a lone
@@ -45,7 +47,8 @@ class _Launched:
     copied into pinned host memory behind the step without waiting (on a GPU); positions: each turn's input
     position; graph: the batch graph it replayed (None: run eagerly)."""
 
-    def __init__(self, turns: list[Turn], chosen: torch.Tensor, positions: list[int], graph: BatchGraph | None):
+    def __init__(self, turns: list[Turn], chosen: torch.Tensor, positions: list[int],
+                 graph: BatchGraph | LoneGraph | None):
         self.turns, self.chosen, self.positions, self.graph = turns, chosen, positions, graph
         self._host, self._event = chosen, None
         if chosen.device.type == "cuda":
@@ -85,7 +88,7 @@ class TurnBatch:
         self.turns: list[Turn] = []  # the turns taking a token a step, in the order they joined
         self.joining: list[tuple[Turn, QuestionPrefill]] = []  # turns whose long question is still being prefilled
         self._next: dict[int, tuple[torch.Tensor, int]] = {}  # id(turn) -> (its next input token [1], position)
-        self._graph: BatchGraph | None = None  # the captured step of `turns` as they are now (a GPU's)
+        self._graph: BatchGraph | LoneGraph | None = None  # the captured step of `turns` as they are now (a GPU's)
 
     def __len__(self) -> int:
         return len(self.turns) + len(self.joining)
@@ -160,6 +163,11 @@ class TurnBatch:
             return self._picked(self._graph.replay(), positions)
         if not self._replayable():
             return self._eager(tokens, positions)
+        if len(self.turns) == 1:  # its session's own captured step, kept across its turns (LoneGraph)
+            self._graph = LoneGraph(self.turns[0].step)
+            self.captures += 0 if self._graph.captured else 1
+            self._captured = list(self.turns)
+            return self._picked(self._graph.warm_and_capture(tokens, positions), positions)
         if self._uncaptured < self.capture_after:
             self._uncaptured += 1
             return self._eager(tokens, positions)

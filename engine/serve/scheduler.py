@@ -33,14 +33,18 @@ from engine.context.turn import Answer, Delta, Turn
 from engine.model.load import LoadedModel
 
 CPU_BATCH = 4  # turns answered together by default on the CPU
+# Turns answered together by default on a GPU: on an H100 eight turns over eight 32K contexts step in 1.46x a lone
+# turn's time (5.5x its tokens a second; engine/bench/README.md, "Captures without a synchronisation"), and a turn
+# alone in the batch replays its session's own step (engine.model.lone_graph)
+GPU_BATCH = 8
 WAIT_REPEAT_S = 0.5  # a queued turn's Waiting is yielded again this often (its reader may stop it meanwhile)
 
 
 def default_batch(device: torch.device) -> int:
-    """Turns answered together by default: CPU_BATCH on the CPU; one on a GPU, where a lone turn's steps are replayed
-    from CUDA graphs (a batch's are too, captured anew whenever a turn joins or leaves: engine.context.batching;
-    `squeeze serve --batch N` answers N together)."""
-    return 1 if device.type == "cuda" else CPU_BATCH
+    """Turns answered together by default: CPU_BATCH on the CPU, GPU_BATCH on a GPU (a batch's steps replayed from
+    CUDA graphs, captured anew whenever a turn joins or leaves: engine.context.batching); `squeeze serve --batch N`
+    answers N together, `--batch 1` one at a time."""
+    return GPU_BATCH if device.type == "cuda" else CPU_BATCH
 
 
 @dataclass(frozen=True)

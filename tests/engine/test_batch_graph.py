@@ -2,8 +2,9 @@
 same turns' eager batched steps fed the same tokens (logits within bf16 tolerance, greedy tokens or bf16 ties),
 with turns over two documents of different lengths, different methods and budgets and a fork in one batch; and turns
 answered together through TurnBatch, one joining and one leaving mid-answer (each a new capture), against the same
-batch run eagerly: the same statistics where their tokens are the same; and the sequences attending at once on
-streams of their own against one after another (tiny models on CUDA, Triton backend, bf16).
+batch run eagerly: the same statistics where their tokens are the same; the sequences attending at once on
+streams of their own against one after another; and a turn alone in the batch replaying its session's own captured
+step (tiny models on CUDA, Triton backend, bf16).
 On the CPU a batch steps eagerly (tests/engine/test_batching.py): these tests are skipped there."""
 
 from __future__ import annotations
@@ -169,3 +170,40 @@ def test_turns_answered_together_from_captured_steps_answer_as_eagerly(sessions,
         torch.testing.assert_close(torch.tensor(replayed.stats.kept_fraction_decode),
                                    torch.tensor(answer.stats.kept_fraction_decode), atol=0.02, rtol=0.0)
     assert same >= 1  # (the first test holds every replayed step to the eager one, ties apart)
+
+
+@pytest.mark.parametrize("ahead", [False, True])
+def test_a_turn_alone_in_the_batch_replays_its_session_s_own_step(sessions, ahead):
+    """A turn alone in a TurnBatch steps through its session's captured decode step (engine.model.lone_graph): after
+    the session answered the question alone twice (its step captured, then replayed), the batch answers it with
+    the same tokens and statistics as the second answer (the same captured step replayed) and captures nothing; with
+    the session's captures dropped, the batch's lone turn captures its session's step once, and the session's next
+    answer alone replays that capture."""
+    session = sessions[0]
+    _, method, sparsity, question = SEQUENCES[0]
+    lm = session.lm
+    session.graphs.clear()
+    session.ask(question, method, sparsity, MAX_TOKENS)  # captures the session's decode step
+    alone = session.ask(question, method, sparsity, MAX_TOKENS)  # replays it
+    captured = dict(session.graphs._graphs)
+    batch = TurnBatch(lm, ahead=ahead)
+    got = _run(batch, [(0, 0, session.turn(question, method, sparsity, MAX_TOKENS))], {})
+    _, tokens, text, answer = got[0]
+    assert batch.captures == 0 and dict(session.graphs._graphs) == captured
+    assert tokens == alone.tokens and text == alone.text
+    # (alone, a turn that ends at its end-of-sequence token counts the step launched after it; in a batch without
+    # `ahead`, none is launched)
+    assert answer.stats.steps in (alone.stats.steps, alone.stats.steps - int(not ahead))
+    assert answer.stats.kv_budget == pytest.approx(alone.stats.kv_budget, rel=0.02, abs=1e-4)
+    torch.testing.assert_close(torch.tensor(answer.stats.kept_fraction_decode),
+                               torch.tensor(alone.stats.kept_fraction_decode), atol=0.02, rtol=0.0)
+    session.graphs.clear()
+    batch = TurnBatch(lm, ahead=ahead)
+    first = _run(batch, [(0, 0, session.turn(question, method, sparsity, MAX_TOKENS))], {})[0]
+    assert batch.captures == 1
+    captured = dict(session.graphs._graphs)
+    again = session.ask(question, method, sparsity, MAX_TOKENS)
+    assert dict(session.graphs._graphs) == captured  # replayed the batch's capture: no new one
+    assert again.tokens == alone.tokens  # both replayed throughout
+    assert first[1][0] == alone.tokens[0]  # the prefill's (replayed); then its warm step's: a bf16 tie may differ
+    session.cache.reset_dynamic()
