@@ -163,7 +163,8 @@ class TurnBatch:
             return self._picked(self._graph.replay(), positions)
         if not self._replayable():
             return self._eager(tokens, positions)
-        if len(self.turns) == 1:  # its session's own captured step, kept across its turns (LoneGraph)
+        if len(self.turns) == 1:  # its session's own captured step, kept across its turns (LoneGraph), as a lone
+            # turn's own path replays it (whatever capture_after)
             self._graph = LoneGraph(self.turns[0].step)
             self.captures += 0 if self._graph.captured else 1
             self._captured = list(self.turns)

@@ -19,8 +19,9 @@ from engine.model.graph import DecodeGraph
 
 class LoneGraph:
     """The decode step of one turn (`step`: its session's StepContext, whose `graphs` are its session's StepGraphs),
-    with BatchGraph's members: ids [1] int64 the step's greedy token after a replay (the next input), logits [1, V],
-    totals[0] where the turn's statistics add up (None: it records none), steps_run (a warm step included)."""
+    with what TurnBatch uses of a BatchGraph: ids [1] int64 the step's greedy token after a replay (the next input),
+    steps_run (a warm step included), replay, feed, flush; captured: whether the session's step was captured before
+    (else `warm_and_capture` captures it)."""
 
     def __init__(self, step: StepContext):
         if step.graphs is None:
@@ -29,23 +30,15 @@ class LoneGraph:
         self._graph, self.captured = step.graphs.get(step)
         graph: DecodeGraph = self._graph
         self.ids = graph.ids.view(1)
-        self.totals = [graph.totals]
-        if graph.totals is not None:
+        if graph.totals is not None:  # where the turn's statistics add up (None: it records none)
             graph.totals.reset()
         self.steps_run = 0
         self._counted = 0  # steps run eagerly (a warm one): the cache's host count holds their tokens already
 
-    def __len__(self) -> int:
-        return 1
-
-    @property
-    def logits(self) -> torch.Tensor | None:
-        return self._graph.logits
-
-    def warm_and_capture(self, tokens: torch.Tensor, positions: list[int], warm: bool = True) -> torch.Tensor:
+    def warm_and_capture(self, tokens: torch.Tensor, positions: list[int]) -> torch.Tensor:
         """The step of tokens [1] int64 (on the device) at positions [1]: replayed where the session's step is
-        captured, else run eagerly in the captured form and captured (`warm` is the session's to decide: its first
-        step is always warm). Returns its logits [1, V]; `ids` then holds its greedy token."""
+        captured, else run eagerly in the captured form and captured (DecodeGraph.warm_and_capture). Returns its
+        logits [1, V]; `ids` then holds its greedy token."""
         graph: DecodeGraph = self._graph
         graph.set_input(tokens.reshape(1), positions[0])
         if self.captured:
@@ -67,7 +60,7 @@ class LoneGraph:
     def flush(self) -> None:
         """Hand the turn's statistics of the steps run so far to its recorder, and the replayed steps' tokens to its
         cache's host count, once (as BatchGraph.flush)."""
-        totals = self.totals[0]
+        totals = self._graph.totals
         if totals is not None and self._step.recorder is not None:
             self._step.recorder.add_decode(totals, self.steps_run)
             totals.reset()
