@@ -1,7 +1,7 @@
 """engine.model.batch: one decode step over several sequences gives each sequence the logits and greedy tokens of
 its own steps, with sequences over different documents of different lengths, different methods and budgets, and
-two over the same document (a fork of its cache and follow rows) in one batch (tiny models, CPU, fp32, the
-reference kernels)."""
+two over the same document (a fork of its cache and follow rows) in one batch, for every sparse method (tiny
+models, CPU, fp32, the reference kernels)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 
 from engine.context.ingest import ingest_tokens
 from engine.context.session import ContextSession
+from engine.methods import SPARSE_METHODS, build_order
 from engine.model.batch import forward_batch
 from engine.model.generate import forward_step
 from engine.model.load import load_model
@@ -44,10 +45,10 @@ def _sessions(lm, backend=REFERENCE, names: tuple[str, ...] | None = None) -> li
     return out
 
 
-def _steps(sessions: list[ContextSession]) -> list:
+def _steps(sessions: list[ContextSession], sequences: list = SEQUENCES) -> list:
     """A StepContext per sequence; a second sequence over a document takes a fork of its cache and follow rows."""
     steps, seen = [], set()
-    for doc, method, sparsity, _ in SEQUENCES:
+    for doc, method, sparsity, _ in sequences:
         step = sessions[doc].step_context(method, sparsity)
         if doc in seen:
             step.cache = step.cache.fork()
@@ -70,10 +71,26 @@ def _prefill(lm, step, question: str) -> tuple[torch.Tensor, int]:
 def test_a_batched_step_is_each_sequences_own_step(tiny_model_path, shared):
     """shared: every sequence's lookup first, then their attentions through union_attention_batch."""
     lm = load_model(str(tiny_model_path), device="cpu")
-    sessions = _sessions(lm)
+    _batched_against_alone(lm, _sessions(lm), SEQUENCES, shared)
+
+
+@pytest.mark.parametrize("method", sorted(set(SPARSE_METHODS) - {"squeeze", "quest"}))
+def test_every_sparse_method_steps_batched_as_alone(tiny_model_path, method):
+    """Each of the other sparse methods (squeeze and Quest: above) in a batch of three sequences over the two
+    documents, at two budgets, one a fork: each sequence's logits and greedy tokens are those of its own steps."""
+    lm = load_model(str(tiny_model_path), device="cpu")
+    sequences = [(0, method, 0.7, SEQUENCES[0][3]), (1, method, 0.5, SEQUENCES[1][3]),
+                 (0, method, 0.5, SEQUENCES[2][3])]
+    _batched_against_alone(lm, _sessions(lm, names=tuple(build_order([method]))), sequences, shared=False)
+
+
+def _batched_against_alone(lm, sessions: list[ContextSession], sequences: list, shared: bool) -> None:
+    """`sequences` [(document, method, sparsity, question)] prefilled alone, then STEPS decode steps each on its own
+    and all of them batched (forward_batch, fed the batch's greedy tokens): the same logits within TOL, the same
+    greedy tokens, and not all the same answer."""
     with torch.inference_mode():
         alone = []  # per sequence: the logits of its prefill and of each decode step, run on its own
-        for step, (_, _, _, question) in zip(_steps(sessions), SEQUENCES):
+        for step, (_, _, _, question) in zip(_steps(sessions, sequences), sequences):
             logits, position = _prefill(lm, step, question)
             seen = [logits]
             for _ in range(STEPS):
@@ -81,8 +98,8 @@ def test_a_batched_step_is_each_sequences_own_step(tiny_model_path, shared):
                 position += 1
                 seen.append(logits)
             alone.append(torch.stack(seen))
-        steps = _steps(sessions)
-        firsts = [_prefill(lm, step, q) for step, (_, _, _, q) in zip(steps, SEQUENCES)]  # each prefilled alone
+        steps = _steps(sessions, sequences)
+        firsts = [_prefill(lm, step, q) for step, (_, _, _, q) in zip(steps, sequences)]  # each prefilled alone
         logits = torch.stack([f[0] for f in firsts])
         positions = [f[1] for f in firsts]
         together = [logits]
