@@ -18,6 +18,7 @@ from engine.context.ingest import ingest_tokens
 from engine.context.plan import check_sparsity, turn_plan
 from engine.context.session import Answer, ContextSession, Delta
 from engine.context.settings import ContextSettings
+from engine.context.warm import warm_method
 from engine.index import artifacts as names
 from engine.methods import REGISTRY, Method, MethodSettings, Preparation, StepPlan, Tensors, build_order, make_method
 from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY, GenerationOptions, default_cache_dir
@@ -40,7 +41,8 @@ from storage import (
 from storage.repositories.documents import SOURCE_KINDS
 
 STAGES = ("extracting", "tokenizing", "prefill", "clustering", "calibrating", "saving")
-STEP_COMPILE = "compiling the model's layers for this GPU (once per process)"  # a load step after the weights
+# a load step after the weights: the compiled layers' warm-up, then the default method's kernels (engine.context.warm)
+STEP_COMPILE = "compiling the model's layers and the default method's kernels for this GPU (once per process)"
 Progress = Callable[[str, int, int], None]
 Overrides = Mapping[str, "MethodSettings | dict"]  # a request's settings of some methods (the rest: the engine's)
 CHECKPOINT = ":checkpoint"  # a preparation's checkpoint in store.models: under the method's name with this suffix
@@ -95,7 +97,7 @@ class Engine:
         self.store.remove_orphan_files(min_age_s=ORPHAN_MIN_AGE_S)  # what killed ingests left
         self.model_name, self.device_name, self.backend_name = model, device, backend
         self.compile = compile  # torch.compile the decoder layers once loaded: "auto", "on", "off" (engine.model.compiled)
-        self.compile_seconds: float | None = None  # the load's warm-up of the compiled layers, when they were compiled
+        self.compile_seconds: float | None = None  # the load's warm-up (compiled layers, the default method's kernels)
         self.model_id = lm.model_id if lm is not None else model_id_for(model)
         _check_names(methods)
         self.method_settings = {name: make_method(name, (methods or {}).get(name)).settings for name in REGISTRY}
@@ -148,7 +150,14 @@ class Engine:
                             report(STEP_COMPILE, total, total + 1)
                             compile_layers(lm)
                             batch = self.max_batch if self.max_batch is not None else default_batch(lm.device)
-                            self.compile_seconds = warm_up(lm, backend_for(lm.device, self.backend_name), batch)
+                            backend = backend_for(lm.device, self.backend_name)
+                            started = time.perf_counter()
+                            warm_up(lm, backend, batch)
+                            for name in DEFAULT_METHODS:  # (a method that learns per model is prepared when asked)
+                                method = self.method(name)
+                                if not method.learns_per_model():
+                                    warm_method(lm, backend, method, DEFAULT_SPARSITY)
+                            self.compile_seconds = time.perf_counter() - started
                             total += 1
                         report(STEP_DONE, total, total)
                         self._lm = lm

@@ -92,3 +92,27 @@ def test_a_method_revision_makes_only_builds_that_depend_on_it_stale(tmp_path):
     assert engine.build_key("squeeze") == {"calibration": CALIBRATION_VERSION,
                                            "squeeze": make_method("squeeze").settings.as_dict()}
     assert duo.built_settings(duo.build_entry()) == duo.settings.as_dict()  # what a stored build is reopened with
+
+
+def test_a_compiled_load_warms_the_default_method_as_a_stage_of_it(tmp_path, monkeypatch):
+    """Where the layers are compiled (a GPU's default; here asked for, with the compilation itself left out), the
+    load runs the default method over a small random context after the dense warm-up (engine.context.warm: its
+    kernels compiled before the first question), reported as the compile stage and counted in compile_seconds."""
+    from tests.support.tiny_models import make_tiny_model
+
+    path = make_tiny_model(tmp_path / "tiny", "llama_gqa")
+    monkeypatch.setattr(service, "compile_layers", lambda lm: 0)
+    monkeypatch.setattr(service, "warm_up", lambda lm, backend, batch: 0.0)
+    warmed, stages = [], []
+
+    def warm(lm, backend, method, sparsity, prepared=None):
+        warmed.append((method.name, sparsity))
+        return real(lm, backend, method, sparsity, prepared, tokens=512)
+
+    real = service.warm_method
+    monkeypatch.setattr(service, "warm_method", warm)
+    engine = Engine(tmp_path / "cache", model=str(path), device="cpu", compile="on",
+                    load_progress=lambda step, done, total: stages.append(step))
+    assert engine.lm is not None
+    assert warmed == [(name, service.DEFAULT_SPARSITY) for name in service.DEFAULT_METHODS]
+    assert service.STEP_COMPILE in stages and engine.compile_seconds > 0
