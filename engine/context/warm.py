@@ -27,11 +27,12 @@ WARM_ANSWER_TOKENS = 3  # a prefill, a decode step captured, one replayed
 
 def warm_method(lm: LoadedModel, backend: Backend, method: Method, sparsity: float,
                 prepared: dict | None = None, tokens: int = WARM_TOKENS) -> Answer:
-    """Ingest `tokens` random tokens with `method` (and what it requires), ask WARM_QUESTION over them at `sparsity`
-    (WARM_ANSWER_TOKENS tokens: its prefill, then decode steps, replayed from CUDA graphs where the session has them),
-    and drop it all. prepared: the methods' model-level artifacts (Method.prepare; by name). Returns the Answer (its
-    statistics say what the method read)."""
+    """Ingest `tokens` random tokens (at most half the model's context) with `method` (and what it requires), ask
+    WARM_QUESTION over them at `sparsity` (WARM_ANSWER_TOKENS tokens: its prefill, then decode steps, replayed from
+    CUDA graphs where the session has them), and drop it all. prepared: the methods' model-level artifacts
+    (Method.prepare; by name). Returns the Answer (its statistics say what the method read)."""
     gen = torch.Generator().manual_seed(0)
+    tokens = min(tokens, lm.max_context // 2)  # (room for the question and the answer in a model of a short context)
     ids = torch.randint(0, lm.config.vocab_size, (tokens,), generator=gen)
     settings = ContextSettings()
     methods = [method if name == method.name else make_method(name) for name in build_order([method.name])]
