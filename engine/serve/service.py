@@ -609,6 +609,7 @@ class Engine:
         def make(session: ContextSession, fork: bool):
             return session.turn(question, method, sparsity, max_new_tokens, history, options, fork=fork)
 
+        self.lm  # noqa: B018 - the model loaded first: its load is the engine's, not counted in the turn's wait
         yield from self.scheduler.stream(Request(context_id, method, prepare, joinable, make,
                                                  warm=lambda: self.read_ahead(context_id, method, overrides)))
 
