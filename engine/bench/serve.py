@@ -49,13 +49,16 @@ from engine.bench.e2e.runner import idle_time, kernel_spans
 from engine.context import batching as turn_batching
 from engine.context.batching import TurnBatch
 from engine.context.turn import Answer
+from engine.context.warm import warm_load
+from engine.methods import make_method
 from engine.model import batch as batching
 from engine.model import capture
-from engine.model.compiled import compile_layers, wants_compile, warm_up
+from engine.model.catalog import DEFAULT_SPARSITY
+from engine.model.compiled import compile_layers, wants_compile
 from engine.model.generate import generate_tokens
 from engine.model.load import LoadedModel
 from engine.serve.scheduler import Waiting, default_batch
-from engine.serve.service import Engine
+from engine.serve.service import DEFAULT_METHODS, Engine
 from engine.text.byte_tokens import byte_tokenizer
 from kernels.dispatch import backend_for
 
@@ -96,12 +99,13 @@ def shape_documents(count: int, tokens: int, folder: Path) -> list[Path]:
 def shape_model(shape: str, device: str, compile: str, batch: int | None) -> LoadedModel:
     """SHAPES[shape]'s random-weight model on `device` ("auto": CUDA where there is one) with the byte tokenizer,
     its layers compiled where `compile` asks and warmed up for `batch` turns together (None: the engine's default),
-    as the product's load does on one GPU."""
+    the default methods' kernels with them, as the product's load does on one GPU (engine.context.warm.warm_load)."""
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
     lm = dataclasses.replace(open_model(shape, None, device), tokenizer=byte_tokenizer())
     if wants_compile(compile, lm):
         compile_layers(lm)
-        warm_up(lm, backend_for(lm.device), batch if batch is not None else default_batch(lm.device))
+        warm_load(lm, backend_for(lm.device), batch if batch is not None else default_batch(lm.device),
+                  [make_method(name) for name in DEFAULT_METHODS], DEFAULT_SPARSITY)
     return lm
 
 

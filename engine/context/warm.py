@@ -4,11 +4,15 @@ On a GPU, Triton compiles a kernel at its first launch in a process (from its ow
 before, from source else: seconds for a method's lookup, union, follow and tally kernels). The kernels take a
 context's sizes as plain arguments (kernels/README.md), so a short context compiles what a long one runs, but only
 their first run compiles them at all: `warm_method` runs a method over a small random context once, as a stage of
-the model's load (engine.serve.service.Engine.load, after engine.model.compiled.warm_up's dense calls), so that a
-process's first question over a real document finds them compiled.
+the model's load (`warm_load`: after engine.model.compiled.warm_up's dense calls; engine.serve.service.Engine.load,
+and the benchmarks' models that stand for it), so that a process's first question over a real document finds them
+compiled.
 """
 
 from __future__ import annotations
+
+import time
+from collections.abc import Sequence
 
 import torch
 
@@ -17,6 +21,7 @@ from engine.context.session import ContextSession
 from engine.context.settings import ContextSettings
 from engine.context.turn import Answer
 from engine.methods import Method, build_order, make_method
+from engine.model.compiled import warm_up
 from engine.model.load import LoadedModel
 from kernels.backend import Backend
 
@@ -44,3 +49,15 @@ def warm_method(lm: LoadedModel, backend: Backend, method: Method, sparsity: flo
     if lm.device.type == "cuda":
         torch.cuda.synchronize(lm.device)
     return answer
+
+
+def warm_load(lm: LoadedModel, backend: Backend, batch: int, methods: Sequence[Method], sparsity: float) -> float:
+    """A load's warm-up where the layers are compiled: the layers at the lengths and batch sizes (up to `batch`) a
+    turn uses (engine.model.compiled.warm_up), then `warm_method` of each of `methods` that learns nothing per model
+    (the others are prepared when first asked for). Returns the seconds it took."""
+    started = time.perf_counter()
+    warm_up(lm, backend, batch)
+    for method in methods:
+        if not method.learns_per_model():
+            warm_method(lm, backend, method, sparsity)
+    return time.perf_counter() - started

@@ -18,11 +18,11 @@ from engine.context.ingest import ingest_tokens
 from engine.context.plan import check_sparsity, turn_plan
 from engine.context.session import Answer, ContextSession, Delta
 from engine.context.settings import ContextSettings
-from engine.context.warm import warm_method
+from engine.context.warm import warm_load
 from engine.index import artifacts as names
 from engine.methods import REGISTRY, Method, MethodSettings, Preparation, StepPlan, Tensors, build_order, make_method
 from engine.model.catalog import DEFAULT_METHOD, DEFAULT_SPARSITY, GenerationOptions, default_cache_dir
-from engine.model.compiled import compile_layers, wants_compile, warm_up
+from engine.model.compiled import compile_layers, wants_compile
 from engine.model.load import EMBEDDED_MODEL, STEP_DONE, LoadedModel, LoadStep, ModelLoadError, load_model, model_id_for
 from engine.serve.scheduler import Request, Scheduler, Waiting, default_batch
 from engine.serve.writer import ArtifactWriter
@@ -150,14 +150,9 @@ class Engine:
                             report(STEP_COMPILE, total, total + 1)
                             compile_layers(lm)
                             batch = self.max_batch if self.max_batch is not None else default_batch(lm.device)
-                            backend = backend_for(lm.device, self.backend_name)
-                            started = time.perf_counter()
-                            warm_up(lm, backend, batch)
-                            for name in DEFAULT_METHODS:  # (a method that learns per model is prepared when asked)
-                                method = self.method(name)
-                                if not method.learns_per_model():
-                                    warm_method(lm, backend, method, DEFAULT_SPARSITY)
-                            self.compile_seconds = time.perf_counter() - started
+                            self.compile_seconds = warm_load(lm, backend_for(lm.device, self.backend_name), batch,
+                                                             [self.method(n) for n in DEFAULT_METHODS],
+                                                             DEFAULT_SPARSITY)
                             total += 1
                         report(STEP_DONE, total, total)
                         self._lm = lm

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+import engine.context.warm as warming
 import engine.serve.service as service
 from engine.model.load import EMBEDDED_MODEL, model_id_for
 from engine.serve.service import Engine
@@ -102,15 +103,15 @@ def test_a_compiled_load_warms_the_default_method_as_a_stage_of_it(tmp_path, mon
 
     path = make_tiny_model(tmp_path / "tiny", "llama_gqa")
     monkeypatch.setattr(service, "compile_layers", lambda lm: 0)
-    monkeypatch.setattr(service, "warm_up", lambda lm, backend, batch: 0.0)
+    monkeypatch.setattr(warming, "warm_up", lambda lm, backend, batch: 0.0)
     warmed, stages = [], []
 
     def warm(lm, backend, method, sparsity, prepared=None):
         warmed.append((method.name, sparsity))
         return real(lm, backend, method, sparsity, prepared, tokens=512)
 
-    real = service.warm_method
-    monkeypatch.setattr(service, "warm_method", warm)
+    real = warming.warm_method
+    monkeypatch.setattr(warming, "warm_method", warm)
     engine = Engine(tmp_path / "cache", model=str(path), device="cpu", compile="on",
                     load_progress=lambda step, done, total: stages.append(step))
     assert engine.lm is not None
