@@ -273,6 +273,7 @@ class _Passes:
     part_max: torch.Tensor
     part_sum: torch.Tensor
     s_cache: torch.Tensor
+    staged: torch.Tensor | None  # a dense prefill's queries as the dots read them [Hq * Lq, BLOCK_D] (STAGE_Q)
     valid: torch.Tensor | None
     keep: torch.Tensor
     score: torch.Tensor
@@ -389,6 +390,11 @@ CUT_TILES = ("score", "keep")
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third axis: a batched denominator pass holds B x its splits there
 
 
+def _block_d(d: int) -> int:
+    """The head dimension as the kernels tile it (tl.dot needs >= 16, a power of two)."""
+    return max(MIN_DOT_DIM, triton.next_power_of_2(d))
+
+
 def _bits(*values: float) -> list[int]:
     """Floats as the int32 bits of their float32 values (what a launch passes for a Python float)."""
     return torch.tensor(values, dtype=torch.float32).view(torch.int32).tolist()
@@ -430,13 +436,17 @@ def _plan_passes(q, centroids, counts, scale, threshold, rows, allowed, indptr, 
     part_max = torch.empty(hq * lq, nsplit, **f32)
     part_sum = torch.empty(hq * lq, nsplit, **f32)
     s_cache = torch.empty(hq * lq, capacity if use_list else c, **f32) if lq == 1 else part_max  # dummy if unused
+    staged = None
+    if lq > 1 and not use_list:  # the centroid-major score pass reads them (float16 over one-byte codes)
+        codes16 = step is not None and q.dtype != torch.float32
+        staged = torch.empty(hq * lq, _block_d(d), dtype=torch.float16 if codes16 else q.dtype, device=q.device)
     allowed_u8 = _row_major(allowed).view(torch.uint8) if allowed is not None else keep.view(torch.uint8)  # dummy
     inputs = (q, centroids, counts, allowed_u8, indptr if use_list else counts, idx if use_list else counts,
               step.contiguous() if step is not None else part_max)  # dummies: never read unless USE_LIST, SCALED
     cut_ptrs, cut_args = cut.score_args(counts, elements is not None and use_list) if cut is not None else \
         ((counts, counts, score, counts), {})
-    return _Passes(inputs, part_max, part_sum, s_cache, valid, keep.view(torch.uint8), score, starts, block_sums,
-                   elements, cut, cut_ptrs, cut_args, cfg, float(scale) * LOG2E,
+    return _Passes(inputs, part_max, part_sum, s_cache, staged, valid, keep.view(torch.uint8), score, starts,
+                   block_sums, elements, cut, cut_ptrs, cut_args, cfg, float(scale) * LOG2E,
                    float(threshold) if threshold > 0 else -1.0,  # S >= 0, so "> -1" keeps every cluster
                    rows, capacity, units, m_blocks, nsplit, triton.cdiv(width, score_c), score_m, allowed is not None,
                    use_list, step is not None, zero)
@@ -456,7 +466,7 @@ def _run_passes(calls: list[_Passes], hold: Keep = None) -> None:
     nsplit = max(x.nsplit for x in calls)
     common = dict(
         D=d,
-        BLOCK_D=max(MIN_DOT_DIM, triton.next_power_of_2(d)),
+        BLOCK_D=_block_d(d),
         HAS_ALLOWED=p.has_allowed,
         USE_LIST=use_list,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 must not round through tf32;
@@ -475,20 +485,20 @@ def _run_passes(calls: list[_Passes], hold: Keep = None) -> None:
         num_stages=cfg.num_stages, HAS_VALID=p.valid is not None,
         AHEAD=cfg.read_ahead and not use_list and p.valid is None and not batched,
         ZERO=p.zero and use_list, ZERO_HIST=cut is not None, CUT_BINS=CUT_BINS, CUT_COPIES=CUT_COPIES, **common,
-        **batch,
+        **batch, qs_ptr=p.staged, STAGE_Q=p.staged is not None,
     )
     score_c, score_warps, score_stages = p.cfg.score_tiles[1:]
     starts, block_sums = p._starts_args
     if not use_list and lq > 1:  # dense prefill: the centroid-major score pass (never batched)
         centroid_score_prefill_kernel[(p.units, p.score_blocks)](
-            *p.inputs[:4], p.inputs[6], p.part_max, p.part_sum, p.keep, p.score, starts, block_sums, p._valid_arg,
-            *p.cut_ptrs, p.scale2, p.threshold, lq, p.c, g, hpr, p.nsplit, p.score_blocks, *p.strides[:6],
+            p.staged, *p.inputs[1:4], p.part_max, p.part_sum, p.keep, p.score, starts, block_sums, p._valid_arg,
+            *p.cut_ptrs, p.scale2, p.threshold, lq, p.c, g, hpr, p.nsplit, p.score_blocks, *p.strides[2:6],
             p.keep.stride(0), p.score.stride(0),
             D=d, BLOCK_D=common["BLOCK_D"], BLOCK_M=p.score_m, BLOCK_C=score_c,
             BLOCK_H=max(MIN_DOT_DIM, triton.next_power_of_2(hpr)),
             BLOCK_SPLIT=max(2, triton.next_power_of_2(p.nsplit)), HAS_ALLOWED=p.has_allowed,
-            HAS_STARTS=p.starts is not None, DOT_PRECISION=common["DOT_PRECISION"], SCALED=common["SCALED"],
-            CODES16=common["CODES16"], HAS_VALID=p.valid is not None, num_warps=score_warps,
+            HAS_STARTS=p.starts is not None, DOT_PRECISION=common["DOT_PRECISION"], CODES16=common["CODES16"],
+            HAS_VALID=p.valid is not None, num_warps=score_warps,
             num_stages=score_stages, **p.cut_args, **dependent_launch(q.device),
         )
         return

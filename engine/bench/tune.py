@@ -75,14 +75,13 @@ def main(argv: list[str] | None = None) -> int:
             if lq > 1 and args.score_only:  # the score pass's tiles and warps, the denominator pass at its default
                 configs = [replace(base, score_block_m=sm, score_block_c=sc, score_warps=sw)
                            for sm, sc, sw in ((32, 256, 4), (32, 128, 4), (32, 64, 4), (64, 64, 4), (128, 64, 4),
-                                              (64, 128, 4))]
+                                              (64, 128, 4), (128, 128, 8), (64, 128, 8), (128, 256, 8), (256, 64, 8))]
             elif lq > 1:  # the denominator pass's tiles x the score pass's tiles
                 configs = [replace(base, block_m=m, block_c=c, num_warps=w, num_stages=st, score_block_m=sm,
                                    score_block_c=sc, score_warps=sw)
                            for (m, c, w), (sm, sc, sw), st in itertools.product(
-                               ((128, 64, 4), (128, 128, 8), (64, 128, 4)),
-                               ((64, 128, 8), (64, 256, 8), (128, 128, 8), (32, 256, 4), (64, 64, 4), (128, 64, 4)),
-                               (2, 3))]
+                               ((64, 128, 4), (128, 64, 4), (128, 128, 8), (64, 256, 8), (128, 256, 8), (64, 64, 4)),
+                               ((128, 128, 4), (128, 256, 8), (64, 128, 8)), (3,))]
             else:  # centroid blocks and stages of the denominator pass, the score pass's block and stages
                 configs = [replace(base, block_c=c, num_stages=st, score_block_c=sc, score_stages=sst)
                            for c, st, sc, sst in itertools.product((64, 256), (2, 3), (64, 128, 256), (1, 2))]

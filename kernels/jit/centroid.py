@@ -358,6 +358,8 @@ def centroid_denominator_kernel(
     TABLE_W: tl.constexpr = 1,
     PARAMS_W: tl.constexpr = 1,
     ALIGNED: tl.constexpr = False,  # BATCHED: the tiles' addresses (*_TILES), q's and the centroids' strides 16-aligned
+    qs_ptr=None,  # STAGE_Q: [Hq * Lq, BLOCK_D] out, the queries as the dots read them
+    STAGE_Q: tl.constexpr = False,
 ):
     """Pass 1: for BLOCK_M query rows of a unit, running (max, sum) of x_j = s2_j + log2 N_j over the unit's
     centroid blocks split, split + NSPLIT, ... (flash style, base 2: s2 = scale2 * q . C with scale2 = scale *
@@ -370,7 +372,11 @@ def centroid_denominator_kernel(
 
     BATCHED (dense decode lookups of several sequences; never with AHEAD, whose tile is the first sequence's): grid
     (unit, query-row block, B * NSPLIT), NSPLIT the grid's splits per sequence; sequence b = split // NSPLIT reads
-    its tensors and values from row b of the tables, and its programs past its own NSPLIT return at once."""
+    its tensors and values from row b of the tables, and its programs past its own NSPLIT return at once.
+
+    STAGE_Q (a dense prefill, never BATCHED): the programs of split 0 also store their query rows as the dots read
+    them (scaled by the codes' step, in the dot's dtype) into qs, row h * Lq + t, for the centroid-major score pass
+    (centroid_score_prefill_kernel), which would otherwise load and scale them again for each block of centroids."""
     release_next(PDL)
     unit = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -403,6 +409,9 @@ def centroid_denominator_kernel(
     qrow = head * Lq + tok
     # [BLOCK_M, BLOCK_D]
     qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED, CODES16)
+    if STAGE_Q:
+        if split == 0:
+            tl.store(qs_ptr + qrow.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :], qb, mask=m_ok[:, None])
 
     start, n = _span(indptr_ptr, unit, C, USE_LIST)
     blocks = tl.cdiv(n, BLOCK_C)
@@ -588,18 +597,23 @@ def centroid_score_kernel(
 
 
 @triton.jit
-def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR, NSPLIT, offs_d, D,
-                stride_qh, stride_qt, step_ptr, BLOCK_M: tl.constexpr, BLOCK_SPLIT: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, SCALED: tl.constexpr, CODES16: tl.constexpr):
+def _score_rows(qs_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR, NSPLIT, offs_d,
+                BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                MASKED: tl.constexpr):
     """Sum of S = 2^(s2 - log2 D) over the stacked query rows m0 .. m0 + BLOCK_M - 1 of `row` (MASKED: those below
-    m_row whose token is one of the first n_tok only), per centroid of cent [BLOCK_C, BLOCK_D]: [BLOCK_C]."""
+    m_row whose token is one of the first n_tok only; else every one, read without masks), per centroid of cent
+    [BLOCK_C, BLOCK_D]: [BLOCK_C]. qs: the queries as the denominator pass staged them (STAGE_Q), [Hq * Lq,
+    BLOCK_D], so a block of a row's stacked query rows is BLOCK_M whole rows of it."""
     offs_m = m0 + tl.arange(0, BLOCK_M)
-    head = row * HPR + offs_m // Lq
-    tok = offs_m % Lq
-    m_ok = (offs_m < m_row) & (tok < n_tok)
-    log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head * Lq + tok, m_ok, NSPLIT, BLOCK_SPLIT)
-    # [BLOCK_M, BLOCK_D]
-    qb = _load_queries(q_ptr, head, tok, m_ok, offs_d, D, stride_qh, stride_qt, step_ptr, SCALED, CODES16)
+    qrow = row * HPR * Lq + offs_m  # h * Lq + t of the stacked row m = j * Lq + t of head h = row * HPR + j
+    ptrs = qs_ptr + qrow.to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :]
+    if MASKED:
+        m_ok = (offs_m < m_row) & (offs_m % Lq < n_tok)
+        qb = tl.load(ptrs, mask=m_ok[:, None], other=0.0)  # [BLOCK_M, BLOCK_D]
+    else:
+        m_ok = tl.full([BLOCK_M], True, tl.int1)
+        qb = tl.load(ptrs)
+    log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, qrow, m_ok, NSPLIT, BLOCK_SPLIT)
     st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_M]
     p = tl.exp2(st * scale2 - log2_d[None, :])
     if MASKED:
@@ -609,7 +623,7 @@ def _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, 
 
 @triton.jit(do_not_specialize=SCORE_PREFILL_SIZES)
 def centroid_score_prefill_kernel(
-    q_ptr, cent_ptr, counts_ptr, allowed_ptr, step_ptr,  # inputs (allowed: HAS_ALLOWED only; step: SCALED only)
+    qs_ptr, cent_ptr, counts_ptr, allowed_ptr,  # inputs (qs: the staged queries; allowed: HAS_ALLOWED only)
     part_max_ptr, part_sum_ptr,  # the denominator pass's partials [Hq * Lq, NSPLIT]
     keep_ptr, score_ptr,  # outputs [rows, C]
     starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [rows, NB] int64 kept keys out
@@ -618,7 +632,7 @@ def centroid_score_prefill_kernel(
     on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
     cut_ptr, listed_ptr,  # HAS_HIST: [1] float32 out, the cut's threshold; HAS_LISTED: [M] int64 (_cut_when_last)
     scale2, threshold, Lq, C, G, HPR, NSPLIT, NB,
-    stride_qh, stride_qt, stride_ch, stride_cc, stride_nh, stride_ar, stride_kr, stride_or,
+    stride_ch, stride_cc, stride_nh, stride_ar, stride_kr, stride_or,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr,  # query rows per step (the dot's N)
@@ -628,8 +642,7 @@ def centroid_score_prefill_kernel(
     HAS_ALLOWED: tl.constexpr,
     HAS_STARTS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    SCALED: tl.constexpr,
-    CODES16: tl.constexpr,
+    CODES16: tl.constexpr,  # the centroids are uint8 codes, the staged queries float16 (_as_dot_operand)
     HAS_VALID: tl.constexpr,  # only the first valid_ptr[0] tokens count in the mean and the last token
     M=0, lo=0, hi=0, key_base=0.0, key_least=0.0, per_listed=0.0,  # HAS_HIST: the keys asked (KeyCount)
     HAS_HIST: tl.constexpr = False,  # scores and the cut histogram only: keep by centroid_cut_kernel
@@ -647,20 +660,21 @@ def centroid_score_prefill_kernel(
     streams the query rows of each of its rows past them, BLOCK_M at a time: s^T = C q^T [BLOCK_C, BLOCK_M] on the
     tensor cores, S = exp2(s^T * scale2 - log2 D) summed over the query rows (scale2 = scale * log2(e)). The last
     token's own S (one query row per head) is a second, small product after the stream, so the stream has no
-    per-token select."""
+    per-token select. The query rows come from qs [Hq * Lq, BLOCK_D], where the denominator pass staged them as
+    the dots read them (scaled by the codes' step, in the dot's dtype: STAGE_Q): each program streams plain
+    contiguous tiles, not the queries' own layout scaled again by every centroid block."""
     wait_prior(PDL)
     release_next(PDL)
     unit = tl.program_id(0)
     cb = tl.program_id(1)
     cent_ptr += unit * stride_ch
     counts_ptr += unit * stride_nh
-    step_ptr += unit * D
     cid = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cid < C
     offs_d = tl.arange(0, BLOCK_D)
     cent = _as_dot_operand(tl.load(cent_ptr + cid[:, None] * stride_cc + offs_d[None, :],
                                    mask=c_ok[:, None] & (offs_d < D)[None, :], other=0),
-                           q_ptr.dtype.element_ty, CODES16)  # [BLOCK_C, BLOCK_D]
+                           qs_ptr.dtype.element_ty, CODES16)  # [BLOCK_C, BLOCK_D]
     cnt = tl.load(counts_ptr + cid, mask=c_ok, other=0)
     rows_here = G // HPR
     m_row = HPR * Lq
@@ -675,35 +689,32 @@ def centroid_score_prefill_kernel(
             whole = n_tok // BLOCK_M * BLOCK_M
             for j in range(0, HPR):
                 for t0 in range(0, whole, BLOCK_M):
-                    total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, j * Lq + t0, m_row, n_tok, row,
-                                         scale2, Lq, HPR, NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M,
-                                         BLOCK_SPLIT, DOT_PRECISION, False, SCALED, CODES16)
+                    total += _score_rows(qs_ptr, cent, part_max_ptr, part_sum_ptr, j * Lq + t0, m_row, n_tok, row,
+                                         scale2, Lq, HPR, NSPLIT, offs_d, BLOCK_D, BLOCK_M, BLOCK_SPLIT,
+                                         DOT_PRECISION, False)
                 if whole < n_tok:
-                    total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, j * Lq + whole, m_row, n_tok, row,
-                                         scale2, Lq, HPR, NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M,
-                                         BLOCK_SPLIT, DOT_PRECISION, True, SCALED, CODES16)
+                    total += _score_rows(qs_ptr, cent, part_max_ptr, part_sum_ptr, j * Lq + whole, m_row, n_tok, row,
+                                         scale2, Lq, HPR, NSPLIT, offs_d, BLOCK_D, BLOCK_M, BLOCK_SPLIT,
+                                         DOT_PRECISION, True)
         elif HAS_VALID:  # padded tokens, blocks across heads: every block masked
             for m0 in range(0, m_row, BLOCK_M):
-                total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR,
-                                     NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT,
-                                     DOT_PRECISION, True, SCALED, CODES16)
+                total += _score_rows(qs_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR,
+                                     NSPLIT, offs_d, BLOCK_D, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION, True)
         else:
             full_end = m_row // BLOCK_M * BLOCK_M
             for m0 in range(0, full_end, BLOCK_M):  # whole blocks of query rows: no masks
-                total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR,
-                                     NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT,
-                                     DOT_PRECISION, False, SCALED, CODES16)
+                total += _score_rows(qs_ptr, cent, part_max_ptr, part_sum_ptr, m0, m_row, n_tok, row, scale2, Lq, HPR,
+                                     NSPLIT, offs_d, BLOCK_D, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION, False)
             if full_end < m_row:
-                total += _score_rows(q_ptr, cent, part_max_ptr, part_sum_ptr, full_end, m_row, n_tok, row, scale2, Lq,
-                                     HPR, NSPLIT, offs_d, D, stride_qh, stride_qt, step_ptr, BLOCK_M, BLOCK_SPLIT,
-                                     DOT_PRECISION, True, SCALED, CODES16)
+                total += _score_rows(qs_ptr, cent, part_max_ptr, part_sum_ptr, full_end, m_row, n_tok, row, scale2, Lq,
+                                     HPR, NSPLIT, offs_d, BLOCK_D, BLOCK_M, BLOCK_SPLIT, DOT_PRECISION, True)
         offs_h = tl.arange(0, BLOCK_H)  # the last token of each of the row's heads
         h_ok = offs_h < HPR
         head = row * HPR + offs_h
         last_tok = tl.zeros([BLOCK_H], tl.int32) + (n_tok - 1)
         log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head * Lq + last_tok, h_ok, NSPLIT, BLOCK_SPLIT)
-        qb = _load_queries(q_ptr, head, last_tok, h_ok, offs_d, D, stride_qh, stride_qt, step_ptr,
-                           SCALED, CODES16)  # [BLOCK_H, BLOCK_D]
+        qb = tl.load(qs_ptr + (head * Lq + last_tok).to(tl.int64)[:, None] * BLOCK_D + offs_d[None, :],
+                     mask=h_ok[:, None], other=0.0)  # [BLOCK_H, BLOCK_D]
         st = tl.dot(cent, tl.trans(qb), input_precision=DOT_PRECISION)  # [BLOCK_C, BLOCK_H]
         last = tl.sum(tl.where(h_ok[None, :], tl.exp2(st * scale2 - log2_d[None, :]), 0.0), axis=1)
         _decide(tl.maximum(total / (HPR * n_tok), last / HPR), threshold, cnt, cid, c_ok, row, unit, cb, C, NB,

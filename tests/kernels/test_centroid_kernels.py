@@ -695,8 +695,10 @@ def test_gpu_cluster_select_bfloat16(lq, length, exact_float32_matmul):
 @pytest.mark.parametrize("lq", [1, 1024])
 def test_gpu_cut_at_a_number_of_keys_at_128k(lq, exact_float32_matmul):
     """The cut inside the kernels at a 128K context (6.5K centroids a KV head, bfloat16), with no host
-    synchronisation: the keys it keeps are within 0.2% of all keys of those asked (10% and 30% of them), and its keep
-    is the reference's binned cut of the same scores (but for clusters whose score sits on a bin edge)."""
+    synchronisation: its keep is the reference's binned cut of the same scores at the keys asked (10% and 30% of
+    them, the follow rows' count taken out on the device), but for clusters whose score sits on a bin edge, so it
+    keeps the keys that cut keeps within 0.1% of all keys. (How near that is to the keys asked depends on how many
+    keys the bin at the cut holds: random queries and centroids crowd their scores into a few bins.)"""
     q, centroids, _, scale = gpu_inputs(lq, seed=13)
     hkv, c = centroids.shape[:2]
     lc = 131072 - 100
@@ -709,8 +711,8 @@ def test_gpu_cut_at_a_number_of_keys_at_128k(lq, exact_float32_matmul):
         keys = KeyCount(share * everything + 2.0 * 142, listed=listed, lo=0, hi=1000, per_listed=2.0)
         keep, score, sel = no_host_sync(cluster_select, q, centroids, counts, scale, 0.5, hkv, starts, lc, 100,
                                         keys=keys)
-        held = float((counts * keep).sum())
-        assert abs(held - share * everything) <= 0.002 * everything, (share, held)
-        want = score > reference.binned_cut(score, counts, share * everything)
-        assert (keep != (want & (counts > 0))).float().mean() <= 1e-3
+        want = (score > reference.binned_cut(score, counts, share * everything)) & (counts > 0)
+        held, want_held = float((counts * keep).sum()), float((counts * want).sum())
+        assert abs(held - want_held) <= 1e-3 * everything, (share, held, want_held)
+        assert (keep != want).float().mean() <= 1e-3
         assert_same_selection(sel, expand_groups(keep, starts, lc, 100))
