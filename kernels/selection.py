@@ -91,7 +91,8 @@ class KeyCount:
     times the KV heads whose clusters the cut counts where per_head (those not reading fixed lists: a count per
     retrieval head of duo-squeeze). listed: [M] int64 positions on the lookup's device (-1: none), or None; the
     elements read are a candidate-list lookup's own (cluster_keep_list's out_read, summed over its KV heads).
-    Computed in float32, in that order."""
+    Computed in float32, in that order. order: where the indexed positions lo .. hi - 1 lie in the layout the units'
+    key ranges are in (FollowRows.order, [Hkv, hi - lo] int32; None: as stored), for `held`."""
 
     base: float
     least: float = float("-inf")
@@ -101,11 +102,30 @@ class KeyCount:
     per_listed: float = 0.0
     per_read: float = 0.0
     per_head: bool = False
+    order: torch.Tensor | None = None
 
     @staticmethod
     def of(keys: "KeyCount | float") -> "KeyCount":
         """`keys` as a KeyCount (a number: that many keys)."""
         return keys if isinstance(keys, KeyCount) else KeyCount(float(keys))
+
+    def held(self, starts: torch.Tensor) -> torch.Tensor:
+        """[Hkv, U] int64: the listed positions within [lo, hi) each unit holds, per KV head, where unit u of head h
+        holds the keys at [starts[h, u], starts[h, u + 1]) of the layout (starts [Hkv, U + 1], on the listed
+        positions' device). A cut that counts each unit's keys less these reads what it asks: the count takes
+        every listed row out once per KV head, and a row inside a kept unit is read with it, not again (the
+        CPU's exact cuts; a GPU's cut inside its kernels counts whole units, a few keys under)."""
+        hkv, units = starts.shape[0], starts.shape[1] - 1
+        out = torch.zeros(hkv, units, dtype=torch.int64, device=starts.device)
+        if self.listed is None:
+            return out
+        p = self.listed[(self.listed >= self.lo) & (self.listed < self.hi)] - self.lo
+        if p.numel() == 0:
+            return out
+        slots = self.order[:, p].long() if self.order is not None else p.expand(hkv, -1)
+        unit = torch.searchsorted(starts.contiguous(), slots.contiguous(), right=True) - 1  # [Hkv, m]
+        ok = (unit >= 0) & (unit < units)
+        return out.scatter_add_(1, unit.clamp(0, units - 1), ok.long())
 
     def at_least(self, least: float) -> "KeyCount":
         return replace(self, least=max(self.least, float(least)))

@@ -66,12 +66,14 @@ def keys_for(curve: torch.Tensor, budget: float) -> float:
 
 
 def less_follow(keys: float, hkv: int, follow: FollowRows | None) -> KeyCount:
-    """`keys` less each of the step's follow rows among the indexed keys, once per KV head (those a row already keeps
-    are not read twice: a few keys under), counted where the lookup runs (a GPU's inside its kernels)."""
+    """`keys` less each of the step's follow rows among the indexed keys, once per KV head, counted where the lookup
+    runs (a GPU's inside its kernels). A row already inside a kept unit is not read twice: the CPU's exact cuts count
+    each unit's keys less the rows it holds (KeyCount.held, with the follow rows' order); a GPU's, inside its
+    kernels, counts whole units (a few keys under)."""
     if follow is None:
         return KeyCount(keys)
     return KeyCount(keys, listed=follow.positions, lo=follow.first, hi=follow.first + follow.indexed,
-                    per_listed=float(hkv))
+                    per_listed=float(hkv), order=follow.order)
 
 
 def cut_room(plan, q: torch.Tensor, follow: FollowRows | None) -> tuple[float, FollowRows | None] | None:

@@ -120,7 +120,8 @@ class DuoSqueezePolicy(Method):
         if keys is not None and q.device.type == "cpu":  # the exact cut between whole clusters
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, hkv,
                                                 step=code_step(layer), valid=valid)
-            keep = keep & (score > cut_threshold(score, layer["counts"] * retrieval,
+            sizes = layer["counts"] - keys.held(layer["key_starts"])  # a follow row inside a cluster: read once
+            keep = keep & (score > cut_threshold(score, sizes * retrieval,
                                                  keys.value(device=q.device, heads=retrieval.sum())))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail,
                                                                 fixed=fixed)

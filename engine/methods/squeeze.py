@@ -293,7 +293,8 @@ class SqueezePolicy(Method):
             # beside the CPU's step)
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, rows,
                                                 step=code_step(layer), valid=valid)
-            keep = keep & (score > cut_threshold(score, layer["counts"], keys.value(device=q.device)))
+            sizes = layer["counts"] - keys.held(layer["key_starts"])  # a follow row inside a cluster: read once
+            keep = keep & (score > cut_threshold(score, sizes, keys.value(device=q.device)))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
         else:  # the plan's threshold, or a GPU's cut inside the lookup's kernels (whole bins of the scores)
             keep, score, selection = centroid.cluster_select(

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.attention.budget import KEYS_GRID, cut_threshold, keys_for
+from engine.attention.budget import KEYS_GRID, cut_threshold, keys_for, less_follow
 from engine.attention.method import Lookup
-from kernels.selection import Selection
+from kernels.selection import FollowRows, Selection
 
 
 def linear_reads(index: float) -> torch.Tensor:
@@ -164,3 +164,19 @@ def test_squeeze_reads_every_plan_as_its_lookups_do(settings):
     calibration = policy.calibrate([CalibrationSet(index=index, queries=queries)], d**-0.5)
     plans = [policy.plan_keys(calibration, f, f, f) for f in KEYS_GRID]
     assert_reads_as_its_lookups(policy, index, plans, queries, n, tail)
+
+
+def test_the_follow_rows_each_unit_holds():
+    """KeyCount.held: each listed follow row within the indexed range lands in the unit of each KV head whose key
+    range holds its place in the layout (order), once per head; rows outside the range (the sink, the dense tail) and
+    missing ones (-1) in none; without an order, a row's place is its position less the first indexed one."""
+    starts = torch.tensor([[0, 3, 3, 8, 10], [0, 5, 6, 9, 10]])  # [Hkv = 2, U + 1]: unit u at [starts[u], starts[u+1])
+    order = torch.tensor([[5, 1, 2, 6, 9, 0, 3, 7, 8, 4], list(range(10))], dtype=torch.int32)  # [2, indexed = 10]
+    follow = FollowRows(torch.tensor([-1, 1, 2, 6, 11, 12, 14]), first=2, indexed=10, order=order)  # 0, 4, 9, 10
+    keys = less_follow(100.0, 2, follow)
+    # head 0: rows 0, 4, 9 lie at 5, 9, 4 -> units 2, 3, 2; head 1 as stored: 0, 4, 9 -> units 0, 0, 3
+    assert keys.held(starts).tolist() == [[0, 0, 2, 1], [2, 0, 0, 1]]
+    assert float(keys.value()) == 100.0 - 2 * 3
+    unordered = less_follow(100.0, 2, FollowRows(follow.positions, first=2, indexed=10))
+    assert unordered.held(starts).tolist() == [[1, 0, 1, 1], [2, 0, 0, 1]]
+    assert less_follow(100.0, 2, None).held(starts).sum() == 0
