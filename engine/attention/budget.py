@@ -28,6 +28,9 @@ KEYS_GRID = (1.0, 0.9, 0.8, 0.7, 0.6, 0.55, 0.5, 0.45, 0.4, 0.35, 0.3, 0.275, 0.
 # is stale, so old contexts rebuild their indexes and calibrations on their next question (one method's: its
 # Method.revision).
 CALIBRATION_VERSION = 2
+# Rounds of fitting a CPU cut that keeps a number of units (Quest's pages) to the follow rows its units hold: each
+# round keeps that many more keys, and more units hold more of the rows (exact_room takes every one out)
+HELD_ROUNDS = 2
 
 
 def read_fraction(selection: Selection | None, index_elements: torch.Tensor, head_dim: int, num_keys: int) -> float:

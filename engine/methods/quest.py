@@ -21,7 +21,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from engine.attention.budget import byte_share, exact_room
+from engine.attention.budget import HELD_ROUNDS, byte_share, exact_room
 from engine.attention.method import (
     LayerIndex,
     LayerKeys,
@@ -92,14 +92,33 @@ def page_bounds(keys: torch.Tensor, page_size: int) -> tuple[torch.Tensor, torch
     return lo, hi
 
 
-def room_pages(cut: tuple, layer: LayerIndex, q: torch.Tensor, pages: int, page: int, hkv: int) -> int:
+def room_pages(cut: tuple, layer: LayerIndex, q: torch.Tensor, pages: int, page: int, hkv: int,
+               held: float = 0.0) -> int:
     """The pages each KV head keeps to read the room of cut = (room, keys read besides over the heads:
     engine.attention.budget.exact_room) beside its bounds and the keys past its full pages (the dense rows, a last
-    partial page): the nearest whole number, at least one. On the CPU only (it reads the follow rows' count)."""
+    partial page), `held` of those keys read besides being inside what it reads anyway (per KV head: the follow rows
+    its pages hold, held_in_pages): the nearest whole number, at least one. On the CPU only (it reads the follow
+    rows' count)."""
     room, besides = cut
     rest = layer.num_keys - pages * page
-    keys = room * layer.num_keys - bound_elements(layer, q) / (2 * q.shape[2]) - rest - float(besides) / hkv
+    keys = room * layer.num_keys - bound_elements(layer, q) / (2 * q.shape[2]) - rest - float(besides) / hkv + held
     return max(1, min(pages, round(keys / page)))
+
+
+def held_in_pages(scores: torch.Tensor, k: int, follow: FollowRows, page: int) -> float:
+    """The step's indexed follow rows that each KV head reads anyway, in its k best pages (scores [Hkv, P], as
+    select_pages keeps them) or past its full pages, averaged over the heads: rows its count took out but does not
+    read twice. Rows lie at their place in the layout (follow.order) or as stored."""
+    hkv, pages = scores.shape
+    p = follow.positions
+    rows = p[(p >= follow.first) & (p < follow.first + follow.indexed)] - follow.first
+    if rows.numel() == 0:
+        return 0.0
+    slots = follow.order[:, rows].long() if follow.order is not None else rows.expand(hkv, -1)
+    read = torch.zeros(hkv, pages + 1, dtype=torch.bool, device=scores.device)
+    read[:, pages] = True  # past the full pages: read at every step
+    read[:, :pages].scatter_(1, torch.topk(scores, k, dim=1, sorted=False).indices, True)
+    return float(read.gather(1, (slots // page).clamp(max=pages)).sum()) / hkv
 
 
 def bound_elements(layer: LayerIndex, q: torch.Tensor) -> float:
@@ -149,6 +168,9 @@ class QuestPolicy(Method):
         scores = kernel.page_scores(q, lo, hi, rows, offset, step, valid)  # [rows, P]
         cut = exact_room(plan, q, follow, hkv) if rows == hkv else None
         k = plan.pages(pages) if cut is None else room_pages(cut, layer, q, pages, page, hkv)
+        if cut is not None and follow is not None:  # the follow rows its pages hold are read once: more pages
+            for _ in range(HELD_ROUNDS):
+                k = room_pages(cut, layer, q, pages, page, hkv, held_in_pages(scores, k, follow, page))
         keep, selection = kernel.select_pages(scores, k, page, layer.num_keys)
         read = layer.elements(hkv, bound_elements(layer, q), q.device)
         sizes = None  # the statistics list a question's units only: a decode step saves the launch

@@ -180,3 +180,19 @@ def test_the_follow_rows_each_unit_holds():
     unordered = less_follow(100.0, 2, FollowRows(follow.positions, first=2, indexed=10))
     assert unordered.held(starts).tolist() == [[1, 0, 1, 1], [2, 0, 0, 1]]
     assert less_follow(100.0, 2, None).held(starts).sum() == 0
+
+
+def test_the_follow_rows_quests_best_pages_hold():
+    """held_in_pages: the indexed follow rows each KV head reads anyway, in its k best pages or past its full pages,
+    averaged over the heads; more pages hold more of them (the pages a cut with follow rows fits grow with them)."""
+    from engine.methods.quest import held_in_pages
+
+    scores = torch.tensor([[0.9, 0.1, 0.5, 0.2], [0.1, 0.9, 0.2, 0.5]])  # [Hkv = 2, P = 4] pages of 4 keys
+    follow = FollowRows(torch.tensor([-1, 1, 2, 6, 17, 19, 30]), first=1, indexed=20)  # rows 0, 1, 5, 16, 18
+    # head 0's best page is 0 (rows 0, 1), head 1's page 1 (row 5); rows 16, 18 lie past the full pages (read)
+    assert held_in_pages(scores, 1, follow, 4) == (4 + 3) / 2
+    assert held_in_pages(scores, 2, follow, 4) == (4 + 3) / 2  # page 2 / page 3 hold none
+    assert held_in_pages(scores, 4, follow, 4) == 5.0
+    order = torch.tensor([list(range(20)), list(range(19, -1, -1))], dtype=torch.int32)  # head 1 reversed
+    # head 1: rows 0, 1, 5, 16, 18 lie at 19, 18, 14, 3, 1 -> past the full pages, past, page 3, page 0, page 0
+    assert held_in_pages(scores, 1, FollowRows(follow.positions, 1, 20, order), 4) == (4 + 2) / 2
