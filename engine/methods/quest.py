@@ -168,7 +168,7 @@ class QuestPolicy(Method):
         scores = kernel.page_scores(q, lo, hi, rows, offset, step, valid)  # [rows, P]
         cut = exact_room(plan, q, follow, hkv) if rows == hkv else None
         k = plan.pages(pages) if cut is None else room_pages(cut, layer, q, pages, page, hkv)
-        if cut is not None and follow is not None:  # the follow rows its pages hold are read once: more pages
+        if cut is not None and follow is not None and pages:  # the follow rows its pages hold are read once
             for _ in range(HELD_ROUNDS):
                 k = room_pages(cut, layer, q, pages, page, hkv, held_in_pages(scores, k, follow, page))
         keep, selection = kernel.select_pages(scores, k, page, layer.num_keys)
