@@ -81,6 +81,22 @@ class FollowRows:
     order: torch.Tensor | None = None
 
 
+def rows_held(positions: torch.Tensor, lo: int, hi: int, order: torch.Tensor | None,
+              starts: torch.Tensor) -> torch.Tensor:
+    """[Hkv, U] int64: how many of `positions` [M] within [lo, hi) each unit holds, per KV head: position p lies at
+    order[h, p - lo] of head h's layout (order [Hkv, hi - lo]; None: at p - lo), unit u of head h at [starts[h, u],
+    starts[h, u + 1]) (starts [Hkv, U + 1]). A host-side count (its mask synchronises with a GPU): the CPU's cuts."""
+    hkv, units = starts.shape[0], starts.shape[1] - 1
+    out = torch.zeros(hkv, units, dtype=torch.int64, device=starts.device)
+    p = positions[(positions >= lo) & (positions < hi)] - lo
+    if p.numel() == 0:
+        return out
+    slots = order[:, p].long() if order is not None else p.expand(hkv, -1)
+    unit = torch.searchsorted(starts.contiguous(), slots.contiguous(), right=True) - 1  # [Hkv, m]
+    ok = (unit >= 0) & (unit < units)
+    return out.scatter_add_(1, unit.clamp(0, units - 1), ok.long())
+
+
 @dataclass(frozen=True)
 class KeyCount:
     """The number of keys a lookup's cut keeps, worked out on the device where the cut runs (inside a GPU lookup's
@@ -115,17 +131,9 @@ class KeyCount:
         positions' device). A cut that counts each unit's keys less these reads what it asks: the count takes
         every listed row out once per KV head, and a row inside a kept unit is read with it, not again (the
         CPU's exact cuts; a GPU's cut inside its kernels counts whole units, a few keys under)."""
-        hkv, units = starts.shape[0], starts.shape[1] - 1
-        out = torch.zeros(hkv, units, dtype=torch.int64, device=starts.device)
         if self.listed is None:
-            return out
-        p = self.listed[(self.listed >= self.lo) & (self.listed < self.hi)] - self.lo
-        if p.numel() == 0:
-            return out
-        slots = self.order[:, p].long() if self.order is not None else p.expand(hkv, -1)
-        unit = torch.searchsorted(starts.contiguous(), slots.contiguous(), right=True) - 1  # [Hkv, m]
-        ok = (unit >= 0) & (unit < units)
-        return out.scatter_add_(1, unit.clamp(0, units - 1), ok.long())
+            return torch.zeros(starts.shape[0], starts.shape[1] - 1, dtype=torch.int64, device=starts.device)
+        return rows_held(self.listed, self.lo, self.hi, self.order, starts)
 
     def at_least(self, least: float) -> "KeyCount":
         return replace(self, least=max(self.least, float(least)))

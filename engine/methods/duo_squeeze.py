@@ -28,7 +28,15 @@ from engine.attention.method import (
     check_budget,
 )
 from engine.methods.duo.policy import Window
-from engine.methods.squeeze import SqueezePolicy, ThresholdPlan, centroid_elements, code_step, kept_keys, threshold_plan
+from engine.methods.squeeze import (
+    SqueezePolicy,
+    ThresholdPlan,
+    centroid_elements,
+    code_step,
+    cut_sizes,
+    kept_keys,
+    threshold_plan,
+)
 from kernels.backend import Backend
 from kernels.layout import ClusterLayout
 from kernels.selection import Fixed, FollowRows, KeyCount
@@ -120,8 +128,7 @@ class DuoSqueezePolicy(Method):
         if keys is not None and q.device.type == "cpu":  # the exact cut between whole clusters
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, hkv,
                                                 step=code_step(layer), valid=valid)
-            sizes = layer["counts"] - keys.held(layer["key_starts"])  # a follow row inside a cluster: read once
-            keep = keep & (score > cut_threshold(score, sizes * retrieval,
+            keep = keep & (score > cut_threshold(score, cut_sizes(layer, keys) * retrieval,
                                                  keys.value(device=q.device, heads=retrieval.sum())))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail,
                                                                 fixed=fixed)

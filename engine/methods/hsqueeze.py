@@ -26,6 +26,7 @@ from engine.methods.squeeze import (
     cluster_points,
     code_step,
     cut_keys,
+    cut_sizes,
     float_centroids,
     num_centroids,
     prefill_samples,
@@ -253,8 +254,7 @@ class HierarchicalSqueezePolicy(Method):
                                                         step=code_step(layer), valid=valid, read=(base, per),
                                                         keys=None if exact else keys2)
         if exact:  # the candidates' best level-2 clusters up to the room's keys
-            sizes = layer["counts"] - keys2.held(layer["key_starts"])  # a follow row inside a cluster: read once
-            keep = keep & (score > cut_threshold(score, sizes * keep, keys2.value(read, q.device)))
+            keep = keep & (score > cut_threshold(score, cut_sizes(layer, keys2) * keep, keys2.value(read, q.device)))
         selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 

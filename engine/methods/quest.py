@@ -35,7 +35,7 @@ from engine.attention.method import (
 )
 from kernels.backend import Backend
 from kernels.reference.pages import quantize_bounds
-from kernels.selection import FollowRows
+from kernels.selection import FollowRows, rows_held
 
 GROUPS = ("kv", "query")
 BOUNDS = ("exact", "int8")
@@ -110,15 +110,15 @@ def held_in_pages(scores: torch.Tensor, k: int, follow: FollowRows, page: int) -
     select_pages keeps them) or past its full pages, averaged over the heads: rows its count took out but does not
     read twice. Rows lie at their place in the layout (follow.order) or as stored."""
     hkv, pages = scores.shape
-    p = follow.positions
-    rows = p[(p >= follow.first) & (p < follow.first + follow.indexed)] - follow.first
-    if rows.numel() == 0:
-        return 0.0
-    slots = follow.order[:, rows].long() if follow.order is not None else rows.expand(hkv, -1)
+    # units: the full pages, then every key past them (read at every step)
+    bounds = torch.cat([torch.arange(pages + 1, device=scores.device) * page,
+                        torch.tensor([max(follow.indexed, pages * page)], device=scores.device)])
+    held = rows_held(follow.positions, follow.first, follow.first + follow.indexed, follow.order,
+                     bounds.expand(hkv, -1))  # [Hkv, P + 1]
     read = torch.zeros(hkv, pages + 1, dtype=torch.bool, device=scores.device)
-    read[:, pages] = True  # past the full pages: read at every step
+    read[:, pages] = True
     read[:, :pages].scatter_(1, torch.topk(scores, k, dim=1, sorted=False).indices, True)
-    return float(read.gather(1, (slots // page).clamp(max=pages)).sum()) / hkv
+    return float((held * read).sum()) / hkv
 
 
 def bound_elements(layer: LayerIndex, q: torch.Tensor) -> float:

@@ -121,6 +121,12 @@ def cut_keys(room: float, layer: LayerIndex, hkv: int, head_dim: int, index: flo
     return count.at_least(KEYS_GRID[-1] * hkv * layer.indexed)
 
 
+def cut_sizes(layer: LayerIndex, keys: KeyCount) -> torch.Tensor:
+    """[Hkv, C]: each cluster's keys as a CPU's exact cut counts them, less the step's follow rows it holds
+    (KeyCount.held): keys takes every follow row out, and one inside a kept cluster is read with it, not again."""
+    return layer["counts"] - keys.held(layer["key_starts"])
+
+
 def num_centroids(indexed: int, ratio: float) -> int:
     """Centroids for `indexed` keys at `ratio`: at least 1, at most `indexed`."""
     return max(1, min(indexed, round(indexed * ratio)))
@@ -293,8 +299,7 @@ class SqueezePolicy(Method):
             # beside the CPU's step)
             keep, score = centroid.cluster_keep(q, layer["centroids"], layer["counts"], scale, 0.0, rows,
                                                 step=code_step(layer), valid=valid)
-            sizes = layer["counts"] - keys.held(layer["key_starts"])  # a follow row inside a cluster: read once
-            keep = keep & (score > cut_threshold(score, sizes, keys.value(device=q.device)))
+            keep = keep & (score > cut_threshold(score, cut_sizes(layer, keys), keys.value(device=q.device)))
             selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
         else:  # the plan's threshold, or a GPU's cut inside the lookup's kernels (whole bins of the scores)
             keep, score, selection = centroid.cluster_select(
