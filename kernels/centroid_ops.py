@@ -76,6 +76,11 @@ CUT_BLOCK = 256  # centroids per program of a list's cut (no block sums to match
 # _log2_denominator): one tile for any split count, so that lookups of different splits batch with the sums of their
 # own (a decode lookup's splits: up to 66 at 4 programs per SM of an H100)
 SPLIT_TILE = 32
+# A dense lookup over at least this many tokens (a long question's prefill) widens one-byte centroid codes to float16
+# once, before its passes (wide_codes: two torch kernels over the codes, ~2x their bytes written), so that the
+# denominator pass's programs, one per block of query rows, stream float16 tiles rather than each turn every code
+# into one again. Results are the same bits either way.
+WIDE_CODES_TOKENS = 256
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
 
 
@@ -390,6 +395,12 @@ CUT_TILES = ("score", "keep")
 MAX_GRID_Z = 65535  # CUDA's limit on a grid's third axis: a batched denominator pass holds B x its splits there
 
 
+def wide_codes(codes: torch.Tensor) -> torch.Tensor:
+    """One-byte centroid codes [..., D] uint8 as the float16 values 1024 + code the dots read them as (their bits
+    0x6400 | code: exact), in a new tensor of the same shape."""
+    return codes.to(torch.int16).bitwise_or_(0x6400).view(torch.float16)
+
+
 def _block_d(d: int) -> int:
     """The head dimension as the kernels tile it (tl.dot needs >= 16, a power of two)."""
     return max(MIN_DOT_DIM, triton.next_power_of_2(d))
@@ -426,6 +437,8 @@ def _plan_passes(q, centroids, counts, scale, threshold, rows, allowed, indptr, 
     cfg = config or default_config(q.device, lq, d, q.dtype, c, units)
 
     q, centroids, counts = _row_major(q), _row_major(centroids), _row_major(counts)
+    if lq >= WIDE_CODES_TOKENS and not use_list and centroids.dtype == torch.uint8 and q.dtype != torch.float32:
+        centroids = wide_codes(centroids)
     m_blocks = triton.cdiv(gh * lq, cfg.block_m)
     c_blocks = triton.cdiv(width, cfg.block_c)
     nsplit = max(1, min(c_blocks, cfg.max_splits, triton.cdiv(cfg.target_programs, units * m_blocks)))

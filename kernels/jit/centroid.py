@@ -114,9 +114,13 @@ def _centroid_ids(idx_ptr, start, pos, n, C, CAP, USE_LIST: tl.constexpr):
 def _as_dot_operand(c, DTYPE: tl.constexpr, CODES16: tl.constexpr):
     """A tile of centroids as tl.dot's operand: in DTYPE, the queries'; with CODES16, uint8 codes become float16
     1024 + code by their bits (0x6400 | code: exact, and no int-to-float conversion, which would cost more than the
-    dot on a prefill's tiles). The 1024 adds 1024 * sum(q) to every score of a query row, which cancels in S."""
+    dot on a prefill's tiles). The 1024 adds 1024 * sum(q) to every score of a query row, which cancels in S.
+    Codes already widened to those float16 values (a long question's prefill) are taken as they are."""
     if CODES16:
-        out = (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+        if c.dtype == tl.uint8:
+            out = (c.to(tl.int16) | 0x6400).to(tl.float16, bitcast=True)
+        else:  # the codes widened to those float16 values once, before the launch (kernels/centroid_ops.py)
+            out = c
     else:
         out = c.to(DTYPE)
     return out

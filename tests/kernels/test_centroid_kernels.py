@@ -537,6 +537,25 @@ def test_one_byte_centroids_with_16_bit_queries(hq, hkv, rows, lq):
     assert (keep != want_keep).float().mean() < 0.05  # only near-ties with the threshold may differ
 
 
+@pytest.mark.parametrize("lq,pad", [(9, 0), (16, 5)])
+def test_codes_widened_before_a_long_prefill_give_the_same_lookup(monkeypatch, lq, pad):
+    """A dense lookup over WIDE_CODES_TOKENS tokens or more takes the one-byte codes widened to float16 1024 + code
+    before its passes (centroid_ops.wide_codes), where a shorter one turns them in its tiles: the same operands, so
+    the same keep, score and selection, bit for bit, padded tokens or not."""
+    q, centroids, _, scale = make_inputs(4, 2, lq, torch.float16, seed=21)
+    codes, step, _ = coded(centroids)
+    counts, starts = clustered_counts(2, 150, C, seed=22)
+    valid = torch.tensor([lq - pad], device=DEVICE) if pad else None
+    assert torch.equal(centroid_ops.wide_codes(codes).view(torch.int16), codes.to(torch.int16) + 0x6400)
+    got = {}
+    for widen in (False, True):
+        monkeypatch.setattr(centroid_ops, "WIDE_CODES_TOKENS", 1 if widen else 10**9)
+        got[widen] = cluster_select(q, codes, counts, scale, 0.02, 2, starts, 150, 3, step=step, valid=valid)
+    for a, b in zip(got[False][:2], got[True][:2]):
+        assert torch.equal(a, b)
+    assert_same_selection(got[True][2], got[False][2])
+
+
 def test_quantized_centroids_are_within_half_a_step():
     """Each element of a dequantized centroid is within step / 2 of the centroid (round to nearest), per KV head
     and dim; a dim whose centroids all agree is kept exactly."""
