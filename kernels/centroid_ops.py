@@ -73,8 +73,11 @@ PROGRAMS_PER_SM = 4  # the denominator pass splits the centroids until it has ab
 CPU_PROGRAMS = 4  # the same target in Triton's interpreter (programs run one after the other there)
 CUT_BLOCK = 256  # centroids per program of a list's cut (no block sums to match the score pass's tiles)
 # Partials per step of the score pass's merge of the denominator's splits (kernels/jit/centroid.py
-# _log2_denominator): one tile for any split count, so that lookups of different splits batch with the sums of their
-# own (a decode lookup's splits: up to 66 at 4 programs per SM of an H100)
+# _log2_denominator) in a lookup of the kind that batches (a dense decode lookup, _Passes.kind): one tile for any split
+# count, so that lookups of different splits batch with the sums of their own (a decode lookup's splits: up to 66 at 4
+# programs per SM of an H100). Other lookups (a list's, hsqueeze's level 2 of a question) never batch and take their
+# own split count's tile: their score pass merges the partials again for every block of centroids, and a question's
+# splits are few (2 for a 1K-token one at 128K on an H100), so a 32-wide tile would load 16 times what it uses
 SPLIT_TILE = 32
 # A dense lookup over at least this many tokens (a long question's prefill) widens one-byte centroid codes to float16
 # once, before its passes (wide_codes: two torch kernels over the codes, ~2x their bytes written), so that the
@@ -523,11 +526,21 @@ def _run_passes(calls: list[_Passes], hold: Keep = None) -> None:
         *p.inputs, p.part_max, p.part_sum, p.s_cache, p.keep, p.score, starts, block_sums, p._valid_arg,
         out_elements, *p.cut_ptrs, p.scale2, p.threshold, lq, p.c, p.capacity, g, gh, hpr, p.nsplit,
         p.score_blocks, p.score_blocks, *p.strides, p.keep.stride(0), p.score.stride(0),
-        BLOCK_M=p.score_m, BLOCK_C=score_c, BLOCK_SPLIT=SPLIT_TILE, LOAD_S=lq == 1,
+        BLOCK_M=p.score_m, BLOCK_C=score_c, BLOCK_SPLIT=_split_tile(calls), LOAD_S=lq == 1,
         HAS_STARTS=p.starts is not None, HAS_VALID=p.valid is not None, num_warps=score_warps,
         num_stages=score_stages, read_base=float(read_base), read_per=float(read_per),
         HAS_ELEMENTS=p.elements is not None and use_list, **p.cut_args, **common, **batch,
     )
+
+
+def _split_tile(calls: list[_Passes]) -> int:
+    """The score pass's tile of the denominator's partials (BLOCK_SPLIT): SPLIT_TILE for lookups of the kind that
+    batches, so that a lookup sums its partials alike alone and in a batch; the calls' split count's power of two
+    otherwise."""
+    p = calls[0]
+    if not p.use_list and not p.has_allowed and p.q.shape[1] == 1:
+        return SPLIT_TILE
+    return max(2, triton.next_power_of_2(max(x.nsplit for x in calls)))
 
 
 def _launch(*args, **kwargs) -> _Passes | None:
