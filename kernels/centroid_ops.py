@@ -325,11 +325,16 @@ class _Passes:
         return (q.stride(0), q.stride(1), centroids.stride(0), centroids.stride(1), counts.stride(0),
                 allowed.stride(0), self.s_cache.stride(0))
 
+    @property
+    def dense_decode(self) -> bool:
+        """A dense lookup of one token without an allowed mask: the lookups that batch (with starts: kind)."""
+        return not self.use_list and not self.has_allowed and self.q.shape[1] == 1
+
     def kind(self) -> tuple:
         """What lookups launched together share (BATCHED): shapes, dtypes, the launch parameters and the constexprs.
         Only dense decode lookups (one token, no allowed mask, with starts) batch; any other is a kind of its own."""
         q, centroids, counts = self.inputs[:3]
-        if self.use_list or self.has_allowed or q.shape[1] != 1 or self.starts is None:
+        if not self.dense_decode or self.starts is None:
             return (id(self),)
         cut = self.cut
         return (q.device, q.dtype, centroids.dtype, counts.dtype, tuple(q.shape), centroids.shape[0], self.rows,
@@ -537,8 +542,7 @@ def _split_tile(calls: list[_Passes]) -> int:
     """The score pass's tile of the denominator's partials (BLOCK_SPLIT): SPLIT_TILE for lookups of the kind that
     batches, so that a lookup sums its partials alike alone and in a batch; the calls' split count's power of two
     otherwise."""
-    p = calls[0]
-    if not p.use_list and not p.has_allowed and p.q.shape[1] == 1:
+    if calls[0].dense_decode:
         return SPLIT_TILE
     return max(2, triton.next_power_of_2(max(x.nsplit for x in calls)))
 
