@@ -9,7 +9,7 @@ depend only on shapes, the candidate lists' lengths are read on the device.
     cluster_select     cluster_keep and the expansion of the kept clusters into key positions; select_later plans
                        one (its outputs allocated) and select_now launches those planned, the decode lookups of
                        several sequences of one kind in one launch of each kernel (BATCHED, tables of their tensors
-                       and values)
+                       and values); given `sync` (lookup_sync), a lone decode lookup runs both passes in one launch
 
 Passes (see the kernels' docstrings):
     1. denominator, grid (unit, query-row block, split): partial (max, sum) of N_j exp(s_j) per (head, token), in
@@ -35,6 +35,7 @@ from kernels.checks import LOG2E, check_valid
 from kernels.compact_ops import Expansion, batch_tables, launch_expansions, plan_expansion
 from kernels.jit.centroid import (
     centroid_cut_kernel,
+    centroid_decode_lookup_kernel,
     centroid_denominator_kernel,
     centroid_score_kernel,
     centroid_score_prefill_kernel,
@@ -85,6 +86,7 @@ SPLIT_TILE = 32
 # into one again. Results are the same bits either way.
 WIDE_CODES_TOKENS = 256
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
+SYNC_SLOTS = 4  # int32 counters of a one-launch decode lookup's queues (centroid_decode_lookup_kernel's sync)
 
 
 def _is_pow2(x: int) -> bool:
@@ -187,6 +189,18 @@ def default_config(device: torch.device, lq: int, head_dim: int, dtype: torch.dt
     score_c = 128 if units * triton.cdiv(num_centroids, 128) >= _sm_count(device) else 64
     return LookupConfig(block_m=64, block_c=128, num_warps=4, num_stages=3, target_programs=target,
                         score_block_m=128, score_block_c=score_c, score_warps=4, score_stages=2)
+
+def lookup_sync(device: torch.device) -> torch.Tensor:
+    """The counters [SYNC_SLOTS] int32 of one-launch decode lookups (cluster_select's `sync`), zeroed: made once,
+    outside any CUDA graph capture, by the owner of the lookups that use it, and used by one lookup at a time (the
+    kernel leaves it zeroed for the next)."""
+    return torch.zeros(SYNC_SLOTS, dtype=torch.int32, device=device)
+
+
+def _check_sync(sync: torch.Tensor, device: torch.device) -> None:
+    if sync.dtype != torch.int32 or tuple(sync.shape) != (SYNC_SLOTS,) or sync.device != device:
+        raise ValueError(f"sync must be lookup_sync's [{SYNC_SLOTS}] int32 counters on {device}")
+
 
 def _check_common(q, centroids, counts, rows, step=None, valid=None):
     if q.dim() != 3 or centroids.dim() != 3:
@@ -609,6 +623,7 @@ def cluster_select(
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     keys: KeyCount | float | None = None,
+    sync: torch.Tensor | None = None,
     config: LookupConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """The lookup and the expansion of its kept clusters into key positions, in three launches: the denominator
@@ -623,13 +638,15 @@ def cluster_select(
     q, centroids, counts, scale, threshold, rows, step, valid: as cluster_keep; starts: [Hkv, C + 1] int64, cluster c of
     head h holds positions [starts[h, c], starts[h, c + 1]); total: starts[h, C] (the same for every head); tail: dense
     positions total .. total + tail - 1 that every row keeps; fixed: the rows of the heads it marks read its lists
-    instead of their clusters and the tail (written by the expansion: no extra launch).
+    instead of their clusters and the tail (written by the expansion: no extra launch); sync: lookup_sync's counters,
+    or None: a lookup of one token with a row per KV head then runs both passes in one launch
+    (centroid_decode_lookup_kernel: the same results bit for bit), any other as above.
     Returns keep, score (as cluster_keep) and the Selection of `kernels.layout.expand_groups(keep, starts, total,
     tail)`; no host synchronisation.
     """
     pending: list = []
     out = select_later(SelectCall(q, centroids, counts, scale, threshold, rows, starts, total, tail, fixed=fixed,
-                                  step=step, valid=valid, keys=keys), pending, config=config)
+                                  step=step, valid=valid, keys=keys, sync=sync), pending, config=config)
     select_now(pending)
     return out
 
@@ -642,10 +659,12 @@ class _Select:
     passes: _Passes | None
     block_c: int
     expansion: Expansion | None
+    sync: torch.Tensor | None = None  # both passes in one launch (only where _one_launch)
 
     def kind(self) -> tuple:
-        """What lookups launched together share: their passes' kind, and their expansions'."""
-        if self.passes is None or self.expansion is None:
+        """What lookups launched together share: their passes' kind, and their expansions'. A lookup of one launch
+        batches with none."""
+        if self.passes is None or self.expansion is None or self.sync is not None:
             return (id(self),)
         return (self.passes.kind(), self.block_c, self.expansion.kind())
 
@@ -677,8 +696,17 @@ def select_later(call: SelectCall, pending: list, *, config: LookupConfig | None
     passes = _plan_passes(q, centroids, counts, scale, threshold if cut is None else 1.0, rows, None, None, None,
                           keep, score, cfg, starts, block_sums, step, valid, cut=cut)
     selection, expansion = plan_expansion(keep, starts, block_sums, score_c, total, tail, fixed=fixed)
-    pending.append(_Select(passes, score_c, expansion))
+    sync = call.sync
+    if sync is not None:
+        _check_sync(sync, q.device)
+    pending.append(_Select(passes, score_c, expansion, sync if _one_launch(passes) else None))
     return keep, score, selection
+
+
+def _one_launch(passes: _Passes | None) -> bool:
+    """Whether centroid_decode_lookup_kernel takes the lookup: a dense one of one token with a row per KV head."""
+    return (passes is not None and passes.dense_decode and passes.starts is not None and passes.valid is None
+            and passes.rows == passes.units)
 
 
 def select_now(pending: list, keep: Keep = None) -> None:
@@ -705,11 +733,37 @@ def _run_selects(records: list[_Select], hold: Keep) -> None:
     expansion."""
     passes = [r.passes for r in records]
     if passes[0] is not None:
-        _run_passes(passes, hold)
+        if records[0].sync is not None:  # a lone lookup (_Select.kind)
+            _run_one_launch(passes[0], records[0].sync)
+        else:
+            _run_passes(passes, hold)
         if passes[0].cut is not None:
             _cut(passes, records[0].block_c, hold=hold)
     if records[0].expansion is not None:
         launch_expansions([r.expansion for r in records], hold)
+
+
+def _run_one_launch(p: _Passes, sync: torch.Tensor) -> None:
+    """Both passes of a dense decode lookup with a row per KV head (_one_launch) in one launch of as many programs as
+    its denominator pass has (centroid_decode_lookup_kernel); sync: its queues' counters, zero (lookup_sync)."""
+    q = p.q
+    hq, _, d = q.shape
+    units = p.inputs[1].shape[0]
+    cfg = p.cfg
+    score_c, score_warps = cfg.score_tiles[1:3]
+    starts, block_sums = p._starts_args
+    common = dict(DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SCALED=p.scaled,
+                  CODES16=p.scaled and q.dtype != torch.float32)  # as _run_passes
+    centroid_decode_lookup_kernel[(units * p.nsplit,)](
+        q, *p.inputs[1:3], p.inputs[6], p.part_max, p.part_sum, p.s_cache, p.keep, p.score, starts, block_sums,
+        p._hist, *p.cut_ptrs[1:], sync, p.scale2, p.threshold, p.c, hq // units, p.nsplit, p.score_blocks, units,
+        q.stride(0), p.inputs[1].stride(0), p.inputs[1].stride(1), p.counts.stride(0), p.s_cache.stride(0),
+        p.keep.stride(0), p.score.stride(0),
+        D=d, BLOCK_D=_block_d(d), BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, SCORE_M=p.score_m, SCORE_C=score_c,
+        BLOCK_SPLIT=SPLIT_TILE, HAS_STARTS=True, num_warps=max(cfg.num_warps, score_warps),
+        num_stages=cfg.num_stages, **{k: v for k, v in p.cut_args.items() if k != "READ_KEYS" and k != "per_read"},
+        **common, **dependent_launch(q.device),
+    )
 
 
 def _cut(calls: list[_Passes], block_c: int, among: bool = False, hold: Keep = None) -> None:

@@ -32,6 +32,8 @@ class FixedContextLayer(DynamicLayer):
         the fixed K/V are in the layout of one of them, or in original order (engine.context.session.ContextSession.arrange)
     new_keys, new_values: [Hkv, capacity, D] the turn's new tokens (slot i = position fixed_len + i)
     new_len: [1] int64 on the device, slots written so far (advanced in place: graph-replayable)
+    lookup_sync: a global layer's counters on a GPU for its one-launch decode lookups (engine.attention.one_launch),
+        made with the new-token buffers; None elsewhere
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class FixedContextLayer(DynamicLayer):
         self.new_keys: torch.Tensor | None = None
         self.new_values: torch.Tensor | None = None
         self.new_len: torch.Tensor | None = None
+        self.lookup_sync: torch.Tensor | None = None
         self.host_new = 0  # slots written, as the host knows it (eager calls only; a graph replay does not move it)
 
     # ------------------------------------------------------------------------------------------- the new tokens
@@ -75,6 +78,8 @@ class FixedContextLayer(DynamicLayer):
         self.new_keys, self.new_values = keys, values
         if self.new_len is None:
             self.new_len = torch.zeros(1, dtype=torch.int64, device=like.device)
+        if self.lookup_sync is None and self.sliding_window is None and like.device.type == "cuda":
+            self.lookup_sync = backend_for(like.device).kernel("centroid").lookup_sync(like.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

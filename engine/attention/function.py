@@ -18,6 +18,7 @@ from engine.attention.cache import FixedContextCache, FixedContextLayer
 from engine.attention.follow import Follow, layout_order
 from engine.attention.later import LaterLookups
 from engine.attention.method import Lookup, Method, StepPlan
+from engine.attention.one_launch import SyncedLookups
 from engine.attention.stats import TurnRecorder
 from kernels.backend import Backend
 from kernels.reference.union import UnionCall
@@ -192,6 +193,8 @@ def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor
     backend = step.backend
     if later is not None and method.batched_lookup:
         backend = later.setdefault(backend.name, LaterLookups(backend.name))
+    elif layer.lookup_sync is not None and q.shape[1] == 1:  # a decode lookup's passes in one launch
+        backend = SyncedLookups(backend.name, sync=layer.lookup_sync)
     with timed("lookup"):
         lookup = method.lookup(q, index, step.plan, scale, backend, q_pos, step.valid, rows)
     pending = _Pending(step, layer, lookup, q, q_pos, scale, k_new, v_new, out, rows)

@@ -21,6 +21,7 @@ import time
 
 import torch
 
+from engine.attention.one_launch import SyncedLookups
 from engine.bench.settings import parse_settings
 from engine.context.ingest import build_methods
 from engine.index.artifacts import MethodArtifacts
@@ -116,8 +117,11 @@ def measure(method: Method, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
             scale: float, backend: Backend, flex=None) -> dict:
     """Time one configuration: lookup alone, sparse attention alone, and both (the step's fixed-context work).
     kp, vp: the K/V in the method's layout. flex: the compiled flex_attention (engine.bench.flex) to time as the
-    peer given the same selection, or None."""
+    peer given the same selection, or None. A decode lookup on a GPU runs as a step's does: both passes in one
+    launch (engine.attention.one_launch)."""
     sparse = backend.kernel("sparse")
+    if q.shape[1] == 1 and q.device.type == "cuda":
+        backend = SyncedLookups(backend.name, sync=backend.kernel("centroid").lookup_sync(q.device))
     at = torch.arange(index.num_keys, index.num_keys + q.shape[1], device=q.device)  # a question after the context
     lookup = method.lookup(q, index, plan, scale, backend, at)
     sel = lookup.selection

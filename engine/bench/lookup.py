@@ -8,8 +8,9 @@ each key's label the smaller of two uniform ones) and query, so the layers' cent
 decode step rather than from the L2 cache a single repeated lookup would keep them in. Times, replayed from one
 CUDA graph over all layers, `kernels.centroid_ops.cluster_select` (the lookup's passes and the expansion into
 positions) (a) at a threshold, (b) with `keys=`: the budget's share of every KV head's keys, asked as a
-KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is), and (c) that cut
-with the denominator pass reading its centroids only after its wait on the queries (LookupConfig.read_ahead off).
+KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is), (c) that cut
+with the denominator pass reading its centroids only after its wait on the queries (LookupConfig.read_ahead off),
+and (d) that cut with both passes in one launch (each layer's lookup given counters of its own: `sync`).
 With `--batch B`, each layer has B sequences' indexes and queries (a decode step of B turns answered together) and
 their cut lookups are timed in one launch of each kernel (`select_now`, BATCHED: what a shared step runs, its
 tables' uploads captured with it, as a batch graph captures them) against one after another, for the default tiles
@@ -171,22 +172,25 @@ def main(argv: list[str] | None = None) -> int:
 
     default = centroid_ops.default_config(device, 1, d, torch.bfloat16, int(indexes[0]["counts"].shape[1]), hkv)
 
-    def lookups(k, config):
+    syncs = [centroid_ops.lookup_sync(device) for _ in range(layers)]
+
+    def lookups(k, config, one_launch=False):
         def fn():
             kept.clear()
-            for q, ix in zip(queries, indexes):
+            for q, ix, sync in zip(queries, indexes, syncs):
                 keep, _, _ = centroid_ops.cluster_select(q, ix["centroids"], ix["counts"], scale, 0.05, hkv,
                                                          ix["starts"], n - TAIL, TAIL, step=ix["step"], keys=k,
-                                                         config=config)
+                                                         config=config, sync=sync if one_launch else None)
                 kept.append(keep)
         return fn
 
     out: dict = {"bench": "lookup", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                  "shape": args.shape, "context": n, "layers": layers, "budget": args.budget,
                  "centroids": int(indexes[0]["counts"].shape[1]), "cases": {}}
-    for case, k, config in (("threshold", None, default), ("cut", keys, default),
-                            ("cut_read_after_wait", keys, replace(default, read_ahead=False))):
-        fn = lookups(k, config)
+    for case, k, config, one in (("threshold", None, default, False), ("cut", keys, default, False),
+                                 ("cut_read_after_wait", keys, replace(default, read_ahead=False), False),
+                                 ("cut_one_launch", keys, default, True)):
+        fn = lookups(k, config, one)
         us = bench_graph(fn) * 1000 / layers
         out["cases"][case] = {"us_per_layer": round(us, 2),
                               "kernels_us_per_layer": kernel_us(captured(fn).replay, layers)}

@@ -42,6 +42,7 @@ SCORE_SIZES = ["C", "CAP", "NSPLIT", "NPROG", "NB", "stride_nh",
                "stride_ar", "stride_s", "stride_kr", "stride_or", "lo", "hi"]
 SCORE_PREFILL_SIZES = ["C", "NSPLIT", "NB", "stride_nh", "stride_ar", "stride_kr", "stride_or", "lo", "hi"]
 CUT_SIZES = ["C", "NB", "stride_nh", "stride_kr", "stride_or"]
+DECODE_LOOKUP_SIZES = ["C", "NSPLIT", "NB", "stride_nh", "stride_s", "stride_kr", "stride_or"]
 
 
 @triton.jit
@@ -228,7 +229,7 @@ def _hist_add(hist_ptr, bins, weight, ok, CUT_BINS: tl.constexpr, LOCAL: tl.cons
 
 @triton.jit
 def _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, elements_ptr, NEL,
-                   per_read, on_ptr, HAS_LISTED: tl.constexpr, READ_KEYS: tl.constexpr, PER_HEAD: tl.constexpr,
+                   per_read, on_ptr, units, HAS_LISTED: tl.constexpr, READ_KEYS: tl.constexpr, PER_HEAD: tl.constexpr,
                    HIST_FIXED: tl.constexpr, CUT_LOW: tl.constexpr, CUT_PER: tl.constexpr, CUT_BINS: tl.constexpr,
                    CUT_COPIES: tl.constexpr = 1, BLOCK_LIST: tl.constexpr = 1024):
     """The end of a score pass that a cut follows: every program takes a ticket (hist[CUT_COPIES * CUT_BINS],
@@ -236,7 +237,7 @@ def _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least
     histograms (the programs add into one each, round robin) and works out the keys asked (the
     KeyCount: key_base, less per_listed for each of the M listed positions within [lo, hi) and per_read for each
     index element the pass's units read, elements [NEL], at least key_least; with PER_HEAD times the KV heads the
-    histogram counts, the grid's first axis less those on_ptr marks) and writes cut [1] float32, the
+    histogram counts: `units`, the KV heads the pass scores, less those on_ptr marks) and writes cut [1] float32, the
     threshold of the bin edge whose keys above come nearest (ties: more keys; keys <= 0: +inf; the lowest bin: -1):
     the reference's binned_cut, once per lookup."""
     tl.debug_barrier()  # the program's histogram atomics are in before its ticket (a release at GPU scope)
@@ -258,10 +259,10 @@ def _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least
             want = want - per_read * read
         want = tl.maximum(want, key_least)
         if PER_HEAD:
-            heads = tl.num_programs(0)
+            heads = units
             if HIST_FIXED:
                 offs = tl.arange(0, BLOCK_LIST)
-                on = tl.load(on_ptr + offs, mask=offs < tl.num_programs(0), other=1)
+                on = tl.load(on_ptr + offs, mask=offs < units, other=1)
                 heads = tl.sum((on == 0).to(tl.int32), axis=0)
             want = want * heads.to(tl.float32)
         bins = tl.arange(0, CUT_BINS)
@@ -596,8 +597,8 @@ def centroid_score_kernel(
             key_least = _float(at, 18)
             per_listed = _float(at, 19)
         _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, elements_ptr,
-                       tl.num_programs(0), per_read, on_ptr, HAS_LISTED, READ_KEYS, PER_HEAD, HIST_FIXED, CUT_LOW,
-                       CUT_PER, CUT_BINS, CUT_COPIES)
+                       tl.num_programs(0), per_read, on_ptr, tl.num_programs(0), HAS_LISTED, READ_KEYS, PER_HEAD,
+                       HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS, CUT_COPIES)
 
 
 @triton.jit
@@ -727,7 +728,8 @@ def centroid_score_prefill_kernel(
                 stride_ar, stride_kr, stride_or, HAS_ALLOWED, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
     if HAS_HIST:
         _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, cut_ptr, 0, 0.0,
-                       on_ptr, HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS, CUT_COPIES)
+                       on_ptr, tl.num_programs(0), HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER,
+                       CUT_BINS, CUT_COPIES)
 
 
 @triton.jit(do_not_specialize=CUT_SIZES)
@@ -781,3 +783,128 @@ def centroid_cut_kernel(
     score = tl.load(score_ptr + row * stride_or + cid, mask=c_ok, other=0.0)
     _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB, keep_ptr, keep_ptr, score_ptr, starts_ptr,
             block_sums_ptr, cut_ptr, True, stride_kr, stride_kr, stride_or, AMONG, HAS_STARTS)
+
+
+@triton.jit
+def _claim(counter_ptr):
+    """The next task number of a queue (an int32 counter; tasks past the queue's length mean none is left)."""
+    return tl.atomic_add(counter_ptr, 1, sem="relaxed")
+
+
+@triton.jit
+def _wait_count(counter_ptr, target, MAX_SPIN: tl.constexpr):
+    """Spin until the counter reaches target (acquire: the writes released before its increments are visible after),
+    for at most MAX_SPIN reads."""
+    done = tl.atomic_add(counter_ptr, 0, sem="acquire")
+    spins = 0
+    while (done < target) & (spins < MAX_SPIN):
+        done = tl.atomic_add(counter_ptr, 0, sem="acquire")
+        spins += 1
+    tl.debug_barrier()  # every thread of the program reads after the acquire
+
+
+@triton.jit(do_not_specialize=DECODE_LOOKUP_SIZES)
+def centroid_decode_lookup_kernel(
+    q_ptr, cent_ptr, counts_ptr, step_ptr,  # inputs: q [Hq, 1, D], centroids [Hkv, C, D], counts [Hkv, C], step
+    part_max_ptr, part_sum_ptr, s_ptr,  # the denominator's partials [Hq, NSPLIT] and the s2 cache [Hq, C], float32
+    keep_ptr, score_ptr,  # outputs [Hkv, C]: keep uint8 (a bool view), score float32
+    starts_ptr, block_sums_ptr,  # HAS_STARTS: [Hkv, C + 1] int64 key ranges in; [Hkv, NB] int64 kept keys out
+    hist_ptr,  # HAS_HIST: [CUT_COPIES * CUT_BINS + 1] int32, the cut's histograms and ticket (zeroed here)
+    on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
+    cut_ptr, listed_ptr,  # HAS_HIST: [1] float32 out, the cut's threshold; HAS_LISTED: [M] int64 (_cut_when_last)
+    sync_ptr,  # [4] int32, zero before the launch and left zero: the two queues, the first's done count, exits
+    scale2, threshold, C, G, NSPLIT, NB, UNITS,
+    stride_qh, stride_ch, stride_cc, stride_nh, stride_s, stride_kr, stride_or,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,  # >= G, >= 16: the denominator's query rows (a dot's M)
+    BLOCK_C: tl.constexpr,  # the denominator's centroid block
+    SCORE_M: tl.constexpr,  # >= G: the score's query rows
+    SCORE_C: tl.constexpr,  # the score's centroid block (the cut's and the expansion's: NB = cdiv(C, SCORE_C))
+    BLOCK_SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    SCALED: tl.constexpr,
+    CODES16: tl.constexpr,
+    HAS_STARTS: tl.constexpr,
+    M=0, lo=0, hi=0, key_base=0.0, key_least=0.0, per_listed=0.0,  # HAS_HIST: the keys asked (KeyCount)
+    HAS_HIST: tl.constexpr = False,
+    HIST_FIXED: tl.constexpr = False,
+    HAS_LISTED: tl.constexpr = False,
+    PER_HEAD: tl.constexpr = False,
+    CUT_LOW: tl.constexpr = -64.0,
+    CUT_PER: tl.constexpr = 32.0,
+    CUT_BINS: tl.constexpr = 2048,
+    CUT_COPIES: tl.constexpr = 1,
+    BLOCK_Z: tl.constexpr = 1024,
+    MAX_SPIN: tl.constexpr = 1 << 22,
+    PDL: tl.constexpr = False,  # kernels/launch.py
+):
+    """Both passes of a dense decode lookup (one token, a row per KV head) in one launch of any number of programs:
+    the denominator pass's tasks (unit, split) from one queue, then, once every one of them is done, the score pass's
+    tasks (unit, centroid block) from another: each the same arithmetic as centroid_denominator_kernel's and
+    centroid_score_kernel's, so the same partials, scores, keep, block sums and cut bit for bit.
+
+    A program takes tasks from a queue until it is empty, and waits only for tasks other programs have taken, which
+    they finish without waiting: no program waits on one that has not started, so the launch needs no program
+    resident at once and shares the GPU with anything. The queues live in sync [4] int32 (the denominator's queue,
+    its done count, the score's queue, the exits), zero before the launch: the last program to exit zeroes them for
+    the next. A wait gives up after MAX_SPIN reads (counters not zeroed before the launch: wrong results, no hang)."""
+    wait_prior(PDL)
+    release_next(PDL)
+    tasks = UNITS * NSPLIT
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_m = tl.arange(0, BLOCK_M)
+    m_ok = offs_m < G
+    t = _claim(sync_ptr)
+    while t < tasks:  # the denominator pass (centroid_denominator_kernel, dense, one token, STORE_S)
+        unit = t % UNITS
+        split = t // UNITS
+        head = unit * G + offs_m  # query rows h * Lq + t with Lq = 1
+        cent = cent_ptr + unit * stride_ch
+        qb = _load_queries(q_ptr, head, offs_m * 0, m_ok, offs_d, D, stride_qh, 0, step_ptr + unit * D, SCALED,
+                           CODES16)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        for blk in range(split, tl.cdiv(C, BLOCK_C), NSPLIT):
+            pos = blk * BLOCK_C + tl.arange(0, BLOCK_C)
+            c_ok = pos < C
+            ct = _load_centroids_t(cent, pos, c_ok, offs_d, D, stride_cc, q_ptr.dtype.element_ty, CODES16)
+            m_i, l_i = _denominator_block(qb, ct, pos, c_ok, pos, 0, m_i, l_i, head, m_ok, head, scale2,
+                                          counts_ptr + unit * stride_nh, counts_ptr, s_ptr, 0, stride_s, 1, False,
+                                          True, DOT_PRECISION)
+        tl.store(part_max_ptr + head * NSPLIT + split, m_i, mask=m_ok)
+        tl.store(part_sum_ptr + head * NSPLIT + split, l_i, mask=m_ok)
+        if HAS_HIST:  # the cut's histograms and ticket zeroed, BLOCK_Z entries a task, the tasks in turn
+            for z0 in range(t * BLOCK_Z, CUT_COPIES * CUT_BINS + 1, tasks * BLOCK_Z):
+                offs_z = z0 + tl.arange(0, BLOCK_Z)
+                tl.store(hist_ptr + offs_z, tl.zeros([BLOCK_Z], tl.int32), mask=offs_z <= CUT_COPIES * CUT_BINS)
+        tl.debug_barrier()  # the task's stores before its count (release)
+        tl.atomic_add(sync_ptr + 1, 1, sem="release")
+        t = _claim(sync_ptr)
+    _wait_count(sync_ptr + 1, tasks, MAX_SPIN)
+    offs_g = tl.arange(0, SCORE_M)
+    g_ok = offs_g < G
+    t = _claim(sync_ptr + 2)
+    while t < UNITS * NB:  # the score pass (centroid_score_kernel, LOAD_S, a row per unit)
+        unit = t % UNITS
+        blk = t // UNITS
+        head = unit * G + offs_g
+        pos = blk * SCORE_C + tl.arange(0, SCORE_C)
+        c_ok = pos < C
+        cnt = tl.load(counts_ptr + unit * stride_nh + pos, mask=c_ok, other=0)
+        log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head, g_ok, NSPLIT, BLOCK_SPLIT)
+        s = tl.load(s_ptr + head[:, None] * stride_s + pos[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0)
+        p = tl.where(g_ok[:, None] & c_ok[None, :], tl.exp2(s - log2_d[:, None]), 0.0)  # S [SCORE_M, SCORE_C]
+        total = tl.zeros([SCORE_C], tl.float32) + tl.sum(p, axis=0)
+        last = tl.zeros([SCORE_C], tl.float32) + tl.sum(p, axis=0)
+        _decide(tl.maximum(total / G, last / G), threshold, cnt, pos, c_ok, unit, unit, blk, C, NB,
+                counts_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr,
+                hist_ptr + t % CUT_COPIES * CUT_BINS, _counted(on_ptr, unit, HIST_FIXED), 0, stride_kr, stride_or,
+                False, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
+        t = _claim(sync_ptr + 2)
+    if HAS_HIST:
+        _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, cut_ptr, 0, 0.0,
+                       on_ptr, UNITS, HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS, CUT_COPIES)
+    tl.debug_barrier()
+    if tl.atomic_add(sync_ptr + 3, 1) == tl.num_programs(0) - 1:  # the last to exit: every queue drained and passed
+        tl.store(sync_ptr + tl.arange(0, 4), tl.zeros([4], tl.int32))

@@ -246,12 +246,14 @@ def cluster_select(
     step: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
     keys: KeyCount | float | None = None,
+    sync: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Selection]:
     """`cluster_keep`, then the kept clusters' key positions (`kernels.layout.expand_groups(keep, starts, total,
     tail, fixed=fixed)`: starts [Hkv, C + 1] where each cluster's keys lie; fixed: heads whose rows read a fixed
     list instead). keys (rows == Hkv): instead of `threshold`, the clusters kept are the best ones that hold about
     `keys` keys in all (a float or a KeyCount), whole bins of the scores' histogram at a time (`binned_cut`:
     the kernels decide from the histogram their score pass adds up; the clusters of `fixed` heads do not count).
+    sync: the kernels' queues of a one-launch decode lookup (kernels/centroid_ops.py), unused here.
     Returns (keep, score, Selection)."""
     keep, score = cluster_keep(q, centroids, counts, scale, threshold if keys is None else 0.0, rows, step=step,
                                valid=valid)
@@ -281,6 +283,7 @@ class SelectCall:
     step: torch.Tensor | None = None
     valid: torch.Tensor | None = None
     keys: KeyCount | float | None = None
+    sync: torch.Tensor | None = None
 
     def args(self) -> tuple:
         """cluster_select's positional arguments, in its order."""
@@ -289,7 +292,13 @@ class SelectCall:
 
     def kwargs(self) -> dict:
         """cluster_select's keyword arguments."""
-        return dict(fixed=self.fixed, step=self.step, valid=self.valid, keys=self.keys)
+        return dict(fixed=self.fixed, step=self.step, valid=self.valid, keys=self.keys, sync=self.sync)
+
+
+def lookup_sync(device: torch.device) -> torch.Tensor:
+    """Counters for the kernels' one-launch decode lookups (kernels/centroid_ops.py), zeroed: [4] int32, unused
+    here."""
+    return torch.zeros(4, dtype=torch.int32, device=device)
 
 
 def select_later(call: SelectCall, pending: list) -> tuple[torch.Tensor, torch.Tensor, Selection]:

@@ -288,6 +288,44 @@ def test_centroids_read_ahead_of_the_wait_give_the_same_lookup(lq):
             assert_same_selection(got[2], after[2])
 
 
+@pytest.mark.parametrize("hq,hkv,codes", [(4, 2, False), (8, 2, True), (4, 1, False)])
+def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(hq, hkv, codes):
+    """Given lookup_sync's counters, a one-token lookup with a row per KV head runs its denominator and score passes
+    as two queues of one launch (centroid_decode_lookup_kernel): the same scores, keep, selection and cut bit for
+    bit as the two launches, at a threshold and cut at a number of keys (a KeyCount with listed positions, per head
+    or in all, a fixed head), over float or one-byte centroids, with blocks split over programs; the counters are
+    left zeroed, so the next lookup (another head count, another split) reuses them."""
+    q, centroids, _, scale = make_inputs(hq, hkv, 1, torch.float16 if codes else torch.float32, 41)
+    step = None
+    if codes:
+        centroids, step, _ = coded(centroids)
+    lc, tail = 150, 3
+    counts, starts = clustered_counts(hkv, lc, C, 42)
+    listed = torch.tensor([-1, 2, 7, 40, 99], dtype=torch.int64, device=DEVICE)
+    sync = centroid_ops.lookup_sync(q.device)
+    fixed = Fixed(torch.zeros(hkv, 4, dtype=torch.int32, device=DEVICE),
+                  torch.arange(hkv, device=DEVICE) == hkv - 1) if hkv > 1 else None
+    asks = [dict(threshold=0.02), dict(keys=0.3 * float(counts.sum())),
+            dict(keys=KeyCount(20.0, listed=listed, lo=5, hi=100, per_listed=2.0, per_head=True)),
+            dict(keys=0.5 * float(counts.sum()), fixed=fixed)]
+    for config in (None, LookupConfig(block_m=16, block_c=16, num_warps=1, num_stages=1, target_programs=4)):
+        for ask in asks:
+            if "fixed" in ask and ask["fixed"] is None:
+                continue
+            ask = dict(ask)
+            threshold = ask.pop("threshold", 0.5)
+            two = cluster_select(q, centroids, counts, scale, threshold, hkv, starts, lc, tail, step=step,
+                                 config=config, **ask)
+            one = cluster_select(q, centroids, counts, scale, threshold, hkv, starts, lc, tail, step=step,
+                                 config=config, sync=sync, **ask)
+            assert torch.equal(one[1], two[1]) and torch.equal(one[0], two[0]), (config, ask)
+            assert_same_selection(one[2], two[2])
+            assert not sync.any(), sync
+    with pytest.raises(ValueError, match="sync"):
+        cluster_select(q, centroids, counts, scale, 0.02, hkv, starts, lc, tail, step=step,
+                       sync=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+
+
 def test_cluster_select_cut_leaves_the_fixed_heads_clusters_out():
     """duo-squeeze's cut: the streaming heads' rows read their windows, and their clusters do not count in the
     histogram (the keys asked are the retrieval heads'): the reference's, and the retrieval head holds about the
@@ -735,3 +773,29 @@ def test_gpu_cut_at_a_number_of_keys_at_128k(lq, exact_float32_matmul):
         assert abs(held - want_held) <= 1e-3 * everything, (share, held, want_held)
         assert (keep != want).float().mean() <= 1e-3
         assert_same_selection(sel, expand_groups(keep, starts, lc, 100))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("length", [131072, 524288])
+def test_gpu_decode_lookup_in_one_launch_at_long_contexts(length, exact_float32_matmul):
+    """The one-launch decode lookup at 128K and 512K (bfloat16 queries over one-byte centroids, the default tiles),
+    repeated on the same counters: bit for bit the two passes' scores, keep and selection, cut at 10% of the keys
+    asked with listed follow rows, with no host synchronisation; the counters left zeroed."""
+    q, centroids, _, scale = gpu_inputs(1, seed=17, c=length // 20)
+    codes, step, _ = coded(centroids)
+    hkv, c = codes.shape[:2]
+    lc = length - 100
+    labels = torch.randint(0, c, (hkv, lc), device="cuda", generator=torch.Generator(device="cuda").manual_seed(18))
+    starts = group_starts(labels, c)
+    counts = starts[:, 1:] - starts[:, :-1]
+    listed = torch.arange(-1, 1000, 7, device="cuda")
+    keys = KeyCount(0.1 * float(counts.sum()), listed=listed, lo=0, hi=1000, per_listed=2.0)
+    sync = centroid_ops.lookup_sync(q.device)
+    two = cluster_select(q, codes, counts, scale, 0.5, hkv, starts, lc, 100, step=step, keys=keys)
+    for _ in range(3):
+        one = no_host_sync(cluster_select, q, codes, counts, scale, 0.5, hkv, starts, lc, 100, step=step, keys=keys,
+                           sync=sync)
+        assert torch.equal(one[1], two[1]) and torch.equal(one[0], two[0])
+        assert_same_selection(one[2], two[2])
+        assert not sync.any()
