@@ -190,6 +190,7 @@ def default_config(device: torch.device, lq: int, head_dim: int, dtype: torch.dt
     return LookupConfig(block_m=64, block_c=128, num_warps=4, num_stages=3, target_programs=target,
                         score_block_m=128, score_block_c=score_c, score_warps=4, score_stages=2)
 
+
 def lookup_sync(device: torch.device) -> torch.Tensor:
     """The counters [SYNC_SLOTS] int32 of one-launch decode lookups (cluster_select's `sync`), zeroed: made once,
     outside any CUDA graph capture, by the owner of the lookups that use it, and used by one lookup at a time (the
@@ -504,10 +505,7 @@ def _run_passes(calls: list[_Passes], hold: Keep = None) -> None:
         BLOCK_D=_block_d(d),
         HAS_ALLOWED=p.has_allowed,
         USE_LIST=use_list,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 must not round through tf32;
-        # "tf32" is Triton's default and means nothing for 16-bit inputs
-        SCALED=p.scaled,
-        CODES16=p.scaled and q.dtype != torch.float32,  # float16 dots over 1024 + code (no conversion)
+        **_dot_options(q, p.scaled),
         **dependent_launch(q.device),
     )
     batch = batch_tables(calls, _Passes.denominator_pointers, _Passes.denominator_params,
@@ -704,9 +702,10 @@ def select_later(call: SelectCall, pending: list, *, config: LookupConfig | None
 
 
 def _one_launch(passes: _Passes | None) -> bool:
-    """Whether centroid_decode_lookup_kernel takes the lookup: a dense one of one token with a row per KV head."""
+    """Whether centroid_decode_lookup_kernel takes the lookup: a dense one of one token with a row per KV head, whose
+    passes run on as many warps (the one launch's reductions then are the two passes')."""
     return (passes is not None and passes.dense_decode and passes.starts is not None and passes.valid is None
-            and passes.rows == passes.units)
+            and passes.rows == passes.units and passes.cfg.score_tiles[2] == passes.cfg.num_warps)
 
 
 def select_now(pending: list, keep: Keep = None) -> None:
@@ -750,20 +749,23 @@ def _run_one_launch(p: _Passes, sync: torch.Tensor) -> None:
     hq, _, d = q.shape
     units = p.inputs[1].shape[0]
     cfg = p.cfg
-    score_c, score_warps = cfg.score_tiles[1:3]
     starts, block_sums = p._starts_args
-    common = dict(DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", SCALED=p.scaled,
-                  CODES16=p.scaled and q.dtype != torch.float32)  # as _run_passes
     centroid_decode_lookup_kernel[(units * p.nsplit,)](
         q, *p.inputs[1:3], p.inputs[6], p.part_max, p.part_sum, p.s_cache, p.keep, p.score, starts, block_sums,
         p._hist, *p.cut_ptrs[1:], sync, p.scale2, p.threshold, p.c, hq // units, p.nsplit, p.score_blocks, units,
         q.stride(0), p.inputs[1].stride(0), p.inputs[1].stride(1), p.counts.stride(0), p.s_cache.stride(0),
         p.keep.stride(0), p.score.stride(0),
-        D=d, BLOCK_D=_block_d(d), BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, SCORE_M=p.score_m, SCORE_C=score_c,
-        BLOCK_SPLIT=SPLIT_TILE, HAS_STARTS=True, num_warps=max(cfg.num_warps, score_warps),
-        num_stages=cfg.num_stages, **{k: v for k, v in p.cut_args.items() if k != "READ_KEYS" and k != "per_read"},
-        **common, **dependent_launch(q.device),
+        D=d, BLOCK_D=_block_d(d), BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, SCORE_M=p.score_m,
+        SCORE_C=cfg.score_tiles[1], BLOCK_SPLIT=SPLIT_TILE, HAS_STARTS=True, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **p.cut_args, **_dot_options(q, p.scaled), **dependent_launch(q.device),
     )
+
+
+def _dot_options(q: torch.Tensor, scaled: bool) -> dict:
+    """The passes' dot constexprs for queries q over centroids (one-byte codes where scaled)."""
+    return dict(DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # float32 must not round through tf32;
+                # "tf32" is Triton's default and means nothing for 16-bit inputs
+                SCALED=scaled, CODES16=scaled and q.dtype != torch.float32)  # float16 dots over 1024 + code
 
 
 def _cut(calls: list[_Passes], block_c: int, among: bool = False, hold: Keep = None) -> None:
