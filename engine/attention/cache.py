@@ -32,8 +32,8 @@ class FixedContextLayer(DynamicLayer):
         the fixed K/V are in the layout of one of them, or in original order (engine.context.session.ContextSession.arrange)
     new_keys, new_values: [Hkv, capacity, D] the turn's new tokens (slot i = position fixed_len + i)
     new_len: [1] int64 on the device, slots written so far (advanced in place: graph-replayable)
-    lookup_sync: a global layer's counters on a GPU for its one-launch decode lookups (engine.attention.one_launch),
-        made with the new-token buffers; None elsewhere
+    lookup_sync: a global layer's counters for its one-launch decode lookups (engine.attention.one_launch: the Triton
+        backend's; the reference ignores them), made with the new-token buffers; None on a sliding layer
     """
 
     def __init__(
@@ -65,6 +65,8 @@ class FixedContextLayer(DynamicLayer):
         """Make room for `slots` new tokens (like: a [.., Hkv, n, D] tensor giving dtype, device and shape).
         Keeps what is written; reallocates only when the capacity is short (never during a graph capture)."""
         hkv, d = like.shape[-3], like.shape[-1]
+        if self.lookup_sync is None and self.sliding_window is None and not capturing():
+            self.lookup_sync = backend_for(like.device).kernel("centroid").lookup_sync(like.device)
         if self.new_keys is not None and self.new_keys.shape[1] >= slots:
             return
         if capturing():
@@ -78,8 +80,6 @@ class FixedContextLayer(DynamicLayer):
         self.new_keys, self.new_values = keys, values
         if self.new_len is None:
             self.new_len = torch.zeros(1, dtype=torch.int64, device=like.device)
-        if self.lookup_sync is None and self.sliding_window is None and like.device.type == "cuda":
-            self.lookup_sync = backend_for(like.device).kernel("centroid").lookup_sync(like.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -194,7 +194,7 @@ def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor
     if later is not None and method.batched_lookup:
         backend = later.setdefault(backend.name, LaterLookups(backend.name))
     elif layer.lookup_sync is not None and q.shape[1] == 1:  # a decode lookup's passes in one launch
-        backend = SyncedLookups(backend.name, sync=layer.lookup_sync)
+        backend = SyncedLookups.over(backend, layer.lookup_sync)
     with timed("lookup"):
         lookup = method.lookup(q, index, step.plan, scale, backend, q_pos, step.valid, rows)
     pending = _Pending(step, layer, lookup, q, q_pos, scale, k_new, v_new, out, rows)

@@ -36,11 +36,16 @@ class _SyncedSelects:
 
 @dataclass(frozen=True)
 class SyncedLookups(Backend):
-    """`name`'s kernels with the centroid family's cluster_select given `sync` ([SYNC_SLOTS] int32 zeroed counters,
-    kernels.centroid_ops.lookup_sync, on the lookups' device)."""
+    """The kernels of `base` (any Backend: its own families as it gives them), the centroid family's cluster_select
+    given `sync` ([4] int32 zeroed counters, the family's lookup_sync, on the lookups' device). Made with `over`."""
 
+    base: Backend | None = field(default=None, compare=False)
     sync: torch.Tensor | None = field(default=None, compare=False)
 
+    @staticmethod
+    def over(base: Backend, sync: torch.Tensor) -> "SyncedLookups":
+        return SyncedLookups(base.name, base=base, sync=sync)
+
     def kernel(self, family: str):
-        module = super().kernel(family)
+        module = self.base.kernel(family) if self.base is not None else super().kernel(family)
         return _SyncedSelects(module, self.sync) if family == "centroid" and self.sync is not None else module

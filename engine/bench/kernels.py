@@ -121,7 +121,7 @@ def measure(method: Method, q: torch.Tensor, kp: torch.Tensor, vp: torch.Tensor,
     launch (engine.attention.one_launch)."""
     sparse = backend.kernel("sparse")
     if q.shape[1] == 1 and q.device.type == "cuda":
-        backend = SyncedLookups(backend.name, sync=backend.kernel("centroid").lookup_sync(q.device))
+        backend = SyncedLookups.over(backend, backend.kernel("centroid").lookup_sync(q.device))
     at = torch.arange(index.num_keys, index.num_keys + q.shape[1], device=q.device)  # a question after the context
     lookup = method.lookup(q, index, plan, scale, backend, at)
     sel = lookup.selection

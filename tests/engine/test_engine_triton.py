@@ -76,9 +76,9 @@ class CheckedLookups:
             self.score_rtol = max(self.score_rtol, float(rel.max()))
 
     def cluster_select(self, q, centroids, counts, scale, threshold, rows, starts, total, tail=0, *, fixed=None,
-                       step=None, valid=None, keys=None):
+                       step=None, valid=None, keys=None, sync=None):
         keep, score, sel = self._triton.cluster_select(q, centroids, counts, scale, threshold, rows, starts, total, tail,
-                                                       fixed=fixed, step=step, valid=valid, keys=keys)
+                                                       fixed=fixed, step=step, valid=valid, keys=keys, sync=sync)
         ref = reference.cluster_select(q, centroids, counts, scale, threshold, rows, starts, total, tail, fixed=fixed,
                                        step=step, valid=valid, keys=keys)
         if keys is not None:  # a cut: the reference's threshold from its own histogram

@@ -4,6 +4,8 @@ On the Triton backend the kernels run in the interpreter without CUDA (tests/con
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -18,7 +20,7 @@ def test_lookups_given_counters_give_each_its_own_lookup(backend: Backend):
     """Three lookups over contexts of their own, one after another on one layer's counters: each keep, score and
     selection the backend's cluster_select's without them, bit for bit, and the counters left zeroed."""
     sync = backend.kernel("centroid").lookup_sync(torch.device(DEVICE))
-    synced = SyncedLookups(backend.name, sync=sync)
+    synced = SyncedLookups.over(backend, sync)
     for args, kwargs in (_lookup(0, 37, 40), _lookup(1, 23, 25), _lookup(2, 51, 70, total=200)):
         keep, score, selection = synced.kernel("centroid").cluster_select(*args, **kwargs)
         want_keep, want_score, want = backend.kernel("centroid").cluster_select(*args, **kwargs)
@@ -29,21 +31,32 @@ def test_lookups_given_counters_give_each_its_own_lookup(backend: Backend):
         assert not sync.any()
 
 
-def test_every_other_op_is_the_backends_own():
-    synced = SyncedLookups(TRITON.name, sync=TRITON.kernel("centroid").lookup_sync(torch.device(DEVICE)))
+@dataclasses.dataclass(frozen=True)
+class _Own(Backend):
+    """A backend of its own (as a test's checking backend is): its union family is a marker."""
+
+    def kernel(self, family: str):
+        return "own union" if family == "union" else super().kernel(family)
+
+
+def test_every_other_op_is_the_wrapped_backends_own():
+    sync = TRITON.kernel("centroid").lookup_sync(torch.device(DEVICE))
+    synced = SyncedLookups.over(TRITON, sync)
     assert synced.kernel("union") is TRITON.kernel("union")
     assert synced.kernel("centroid").cluster_keep is TRITON.kernel("centroid").cluster_keep
-    assert SyncedLookups(TRITON.name).kernel("centroid") is TRITON.kernel("centroid")  # no counters: the backend's
+    assert SyncedLookups.over(_Own("triton"), sync).kernel("union") == "own union"
+    assert SyncedLookups.over(TRITON, None).kernel("centroid") is TRITON.kernel("centroid")  # no counters
 
 
-def test_a_global_layer_holds_counters_on_a_gpu_only():
-    """A layer's counters are made with its new-token buffers (before any capture), on a GPU, for a global layer."""
+def test_a_global_layer_holds_counters_made_before_any_capture():
+    """A global layer's counters are made, zeroed, with its new-token buffers (a reserve, never during a capture);
+    a sliding layer (no lookup) has none."""
     like = torch.zeros(2, 5, 8, device=DEVICE)
     global_layer, sliding = FixedContextLayer(like, like, 5), FixedContextLayer(like, like, 5, sliding_window=4)
     for layer in (global_layer, sliding):
         layer.reserve(like, 3)
     assert sliding.lookup_sync is None
-    if DEVICE == "cuda":
-        assert global_layer.lookup_sync is not None and not global_layer.lookup_sync.any()
-    else:
-        assert global_layer.lookup_sync is None
+    sync = global_layer.lookup_sync
+    assert sync is not None and sync.dtype == torch.int32 and not sync.any()
+    global_layer.reserve(like, 300)  # more slots: new buffers, the same counters
+    assert global_layer.lookup_sync is sync
