@@ -87,6 +87,7 @@ SPLIT_TILE = 32
 WIDE_CODES_TOKENS = 256
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
 SYNC_SLOTS = 4  # int32 counters of a one-launch decode lookup's queues (centroid_decode_lookup_kernel's sync)
+ONE_LAUNCH = True  # a benchmark's switch (squeeze bench e2e --no-one-launch): lookups given `sync` run in one launch
 
 
 def _is_pow2(x: int) -> bool:
@@ -704,8 +705,9 @@ def select_later(call: SelectCall, pending: list, *, config: LookupConfig | None
 def _one_launch(passes: _Passes | None) -> bool:
     """Whether centroid_decode_lookup_kernel takes the lookup: a dense one of one token with a row per KV head, whose
     passes run on as many warps (the one launch's reductions then are the two passes')."""
-    return (passes is not None and passes.dense_decode and passes.starts is not None and passes.valid is None
-            and passes.rows == passes.units and passes.cfg.score_tiles[2] == passes.cfg.num_warps)
+    return (ONE_LAUNCH and passes is not None and passes.dense_decode and passes.starts is not None
+            and passes.valid is None and passes.rows == passes.units
+            and passes.cfg.score_tiles[2] == passes.cfg.num_warps)
 
 
 def select_now(pending: list, keep: Keep = None) -> None:

@@ -326,6 +326,21 @@ def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(hq, hkv, co
                        sync=torch.zeros(3, dtype=torch.int32, device=DEVICE))
 
 
+def test_counters_are_not_touched_with_one_launch_off(monkeypatch):
+    """centroid_ops.ONE_LAUNCH off (a benchmark's switch): a lookup given counters runs its two passes, with the
+    same results, and leaves the counters as they were."""
+    q, centroids, _, scale = make_inputs(4, 2, 1, torch.float32, 43)
+    counts, starts = clustered_counts(2, 150, C, 44)
+    keys = 0.3 * float(counts.sum())
+    want = cluster_select(q, centroids, counts, scale, 0.5, 2, starts, 150, 3, keys=keys)
+    monkeypatch.setattr(centroid_ops, "ONE_LAUNCH", False)
+    sync = torch.full((centroid_ops.SYNC_SLOTS,), 7, dtype=torch.int32, device=DEVICE)  # as no launch could leave them
+    got = cluster_select(q, centroids, counts, scale, 0.5, 2, starts, 150, 3, keys=keys, sync=sync)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert_same_selection(got[2], want[2])
+    assert (sync == 7).all()
+
+
 def test_cluster_select_cut_leaves_the_fixed_heads_clusters_out():
     """duo-squeeze's cut: the streaming heads' rows read their windows, and their clusters do not count in the
     histogram (the keys asked are the retrieval heads'): the reference's, and the retrieval head holds about the

@@ -21,7 +21,7 @@ from engine.context.settings import ContextSettings
 from engine.methods import METHODS, REGISTRY, build_order, make_method
 from engine.model.catalog import DEFAULT_SPARSITY
 from engine.model.compiled import compile_layers, wants_compile, warm_up
-from kernels import launch, union_ops
+from kernels import centroid_ops, launch, union_ops
 from kernels.dispatch import backend_for
 
 
@@ -92,6 +92,7 @@ def run(args: argparse.Namespace) -> dict:
                          "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
                          "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs,
                          "compile": args.compile, "pdl": args.pdl, "fit_items": args.fit_items,
+                         "one_launch": args.one_launch,
                          "token_layers": args.token_layers,
                          "context_settings": settings.as_dict(),
                          "method_settings": {m: make_method(m, method_settings.get(m)).settings.as_dict()
@@ -179,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pdl", action=argparse.BooleanOptionalAction, default=True,
                         help="launch the engine's and inductor's kernels with programmatic dependent launch where the "
                              "GPU has it (kernels/launch.py; the product's default)")
+    parser.add_argument("--one-launch", action=argparse.BooleanOptionalAction, default=True,
+                        help="a decode step's centroid lookups run both passes in one launch (kernels/centroid_ops.py "
+                             "ONE_LAUNCH; the product's default)")
     parser.add_argument("--fit-items", action=argparse.BooleanOptionalAction, default=True,
                         help="a decode step's attention cuts a heavier selection than planned into longer items on "
                              "the device (kernels/union_ops.py FIT_ITEMS; the product's default)")
@@ -215,6 +219,7 @@ def main(argv: list[str] | None = None) -> int:
                      f"({torch.cuda.device_count()} here)")
     launch.ENABLED = args.pdl  # before any kernel is compiled: the process's one setting
     union_ops.FIT_ITEMS = args.fit_items
+    centroid_ops.ONE_LAUNCH = args.one_launch
     result = run(args)
     emit(result, args.out)
     return 1 if failed(result) else 0
