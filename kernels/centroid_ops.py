@@ -108,6 +108,9 @@ class LookupConfig:
                      decode its query loop runs once, and buffers for a pipeline only cost occupancy.
     read_ahead: a dense lookup's denominator pass reads its first block of centroids before it waits (PDL) for the
                 kernel that wrote the queries.
+    one_launch_ahead: so does a one-launch decode lookup (centroid_decode_lookup_kernel's AHEAD: each program the
+                      first block of one task, which the queue may give another program); off until a step is
+                      timed with it (the one launch was measured without).
     """
 
     block_m: int = 64
@@ -121,6 +124,7 @@ class LookupConfig:
     score_warps: int = 0
     score_stages: int = 0
     read_ahead: bool = True
+    one_launch_ahead: bool = False
 
     @property
     def score_tiles(self) -> tuple[int, int, int, int]:
@@ -759,7 +763,8 @@ def _run_one_launch(p: _Passes, sync: torch.Tensor) -> None:
         p.keep.stride(0), p.score.stride(0),
         D=d, BLOCK_D=_block_d(d), BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, SCORE_M=p.score_m,
         SCORE_C=cfg.score_tiles[1], BLOCK_SPLIT=SPLIT_TILE, HAS_STARTS=True, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **p.cut_args, **_dot_options(q, p.scaled), **dependent_launch(q.device),
+        num_stages=cfg.num_stages, AHEAD=cfg.one_launch_ahead, **p.cut_args, **_dot_options(q, p.scaled),
+        **dependent_launch(q.device),
     )
 
 

@@ -10,7 +10,8 @@ CUDA graph over all layers, `kernels.centroid_ops.cluster_select` (the lookup's 
 positions) (a) at a threshold, (b) with `keys=`: the budget's share of every KV head's keys, asked as a
 KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is), (c) that cut
 with the denominator pass reading its centroids only after its wait on the queries (LookupConfig.read_ahead off),
-and (d) that cut with both passes in one launch (each layer's lookup given counters of its own: `sync`).
+and (d) that cut with both passes in one launch (each layer's lookup given counters of its own: `sync`), without
+and with a block of centroids read ahead of the wait (LookupConfig.one_launch_ahead).
 With `--batch B`, each layer has B sequences' indexes and queries (a decode step of B turns answered together) and
 their cut lookups are timed in one launch of each kernel (`select_now`, BATCHED: what a shared step runs, its
 tables' uploads captured with it, as a batch graph captures them) against one after another, for the default tiles
@@ -189,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                  "centroids": int(indexes[0]["counts"].shape[1]), "cases": {}}
     for case, k, config, one in (("threshold", None, default, False), ("cut", keys, default, False),
                                  ("cut_read_after_wait", keys, replace(default, read_ahead=False), False),
-                                 ("cut_one_launch", keys, default, True)):
+                                 ("cut_one_launch", keys, default, True),
+                                 ("cut_one_launch_read_ahead", keys, replace(default, one_launch_ahead=True), True)):
         fn = lookups(k, config, one)
         us = bench_graph(fn) * 1000 / layers
         out["cases"][case] = {"us_per_layer": round(us, 2),

@@ -837,6 +837,7 @@ def centroid_decode_lookup_kernel(
     CUT_COPIES: tl.constexpr = 1,
     BLOCK_Z: tl.constexpr = 1024,
     MAX_SPIN: tl.constexpr = 1 << 22,
+    AHEAD: tl.constexpr = False,  # read a block of centroids before the wait (see below)
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Both passes of a dense decode lookup (one token, a row per KV head) in one launch of any number of programs:
@@ -848,11 +849,19 @@ def centroid_decode_lookup_kernel(
     they finish without waiting: no program waits on one that has not started, so the launch needs no program
     resident at once and shares the GPU with anything. The queues live in sync [4] int32 (the denominator's queue,
     its done count, the score's queue, the exits), zero before the launch: the last program to exit zeroes them for
-    the next. A wait gives up after MAX_SPIN reads (counters not zeroed before the launch: wrong results, no hang)."""
+    the next. A wait gives up after MAX_SPIN reads (counters not zeroed before the launch: wrong results, no hang).
+
+    With AHEAD, program p reads the first block of denominator task p before it waits (PDL; an index is no kernel's
+    output in a step), as the denominator pass does: it uses them if the queue gives it task p, and otherwise they
+    wait in L2 for the program the queue gives that task."""
+    pid = tl.program_id(0)
+    offs_d = tl.arange(0, BLOCK_D)
+    pos0 = pid // UNITS * BLOCK_C + tl.arange(0, BLOCK_C)
+    ct0 = _centroids_ahead(cent_ptr + pid % UNITS * stride_ch, pos0, C, offs_d, D, stride_cc, q_ptr.dtype.element_ty,
+                           CODES16, AHEAD)
     wait_prior(PDL)
     release_next(PDL)
     tasks = UNITS * NSPLIT
-    offs_d = tl.arange(0, BLOCK_D)
     offs_m = tl.arange(0, BLOCK_M)
     m_ok = offs_m < G
     t = _claim(sync_ptr)
@@ -865,7 +874,14 @@ def centroid_decode_lookup_kernel(
                            CODES16)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
-        for blk in range(split, tl.cdiv(C, BLOCK_C), NSPLIT):
+        first = split
+        if AHEAD:
+            if t == pid:  # the block read ahead (positions past C masked: nothing of them counts)
+                m_i, l_i = _denominator_block(qb, ct0, pos0, pos0 < C, pos0, 0, m_i, l_i, head, m_ok, head, scale2,
+                                              counts_ptr + unit * stride_nh, counts_ptr, s_ptr, 0, stride_s, 1, False,
+                                              True, DOT_PRECISION)
+                first = split + NSPLIT
+        for blk in range(first, tl.cdiv(C, BLOCK_C), NSPLIT):
             pos = blk * BLOCK_C + tl.arange(0, BLOCK_C)
             c_ok = pos < C
             ct = _load_centroids_t(cent, pos, c_ok, offs_d, D, stride_cc, q_ptr.dtype.element_ty, CODES16)

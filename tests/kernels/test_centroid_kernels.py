@@ -293,8 +293,9 @@ def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(hq, hkv, co
     """Given lookup_sync's counters, a one-token lookup with a row per KV head runs its denominator and score passes
     as two queues of one launch (centroid_decode_lookup_kernel): the same scores, keep, selection and cut bit for
     bit as the two launches, at a threshold and cut at a number of keys (a KeyCount with listed positions, per head
-    or in all, a fixed head), over float or one-byte centroids, with blocks split over programs; the counters are
-    left zeroed, so the next lookup (another head count, another split) reuses them."""
+    or in all, a fixed head), over float or one-byte centroids, with blocks split over programs, a block read ahead of
+    the wait or not; the counters are left zeroed, so the next lookup (another head count, another split) reuses
+    them."""
     q, centroids, _, scale = make_inputs(hq, hkv, 1, torch.float16 if codes else torch.float32, 41)
     step = None
     if codes:
@@ -308,7 +309,8 @@ def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(hq, hkv, co
     asks = [dict(threshold=0.02), dict(keys=0.3 * float(counts.sum())),
             dict(keys=KeyCount(20.0, listed=listed, lo=5, hi=100, per_listed=2.0, per_head=True)),
             dict(keys=0.5 * float(counts.sum()), fixed=fixed)]
-    for config in (None, LookupConfig(block_m=16, block_c=16, num_warps=1, num_stages=1, target_programs=4)):
+    small = LookupConfig(block_m=16, block_c=16, num_warps=1, num_stages=1, target_programs=4)
+    for config in (None, small, replace(small, one_launch_ahead=True)):
         for ask in asks:
             if "fixed" in ask and ask["fixed"] is None:
                 continue

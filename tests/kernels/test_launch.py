@@ -20,7 +20,8 @@ JIT = sorted((ROOT / "kernels" / "jit").glob("*.py"))
 OPS = sorted((ROOT / "kernels").glob("*_ops.py"))
 # reads before its wait only what no kernel writes: the first tile of a product's weights, a dense lookup's first
 # block of centroids
-WAITS_LATER = {"gemv_kernel": "_tile", "centroid_denominator_kernel": "_centroids_ahead"}
+WAITS_LATER = {"gemv_kernel": "_tile", "centroid_denominator_kernel": "_centroids_ahead",
+               "centroid_decode_lookup_kernel": "_centroids_ahead"}
 
 
 def _kernels() -> list[tuple[str, ast.FunctionDef]]:
