@@ -86,8 +86,12 @@ SPLIT_TILE = 32
 # into one again. Results are the same bits either way.
 WIDE_CODES_TOKENS = 256
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
-SYNC_SLOTS = 4  # int32 counters of a one-launch decode lookup's queues (centroid_decode_lookup_kernel's sync)
-ONE_LAUNCH = True  # a benchmark's switch (squeeze bench e2e --no-one-launch): lookups given `sync` run in one launch
+SYNC_SLOTS = 7  # int32 counters of a one-launch decode lookup's queues (centroid_decode_lookup_kernel's sync)
+# A benchmark's switch (squeeze bench e2e --one-launch): what a decode lookup given `sync` runs in one launch: "off"
+# (nothing: the passes and the cut as without it), "passes" (both passes; the cut, where keys are asked, in a launch
+# of its own) or "cut" (both passes and the cut: one launch before the expansion; not yet timed in a step)
+ONE_LAUNCH = "passes"
+ONE_LAUNCH_MODES = ("off", "passes", "cut")
 
 
 def _is_pow2(x: int) -> bool:
@@ -709,7 +713,7 @@ def select_later(call: SelectCall, pending: list, *, config: LookupConfig | None
 def _one_launch(passes: _Passes | None) -> bool:
     """Whether centroid_decode_lookup_kernel takes the lookup: a dense one of one token with a row per KV head, whose
     passes run on as many warps (the one launch's reductions then are the two passes')."""
-    return (ONE_LAUNCH and passes is not None and passes.dense_decode and passes.starts is not None
+    return (ONE_LAUNCH != "off" and passes is not None and passes.dense_decode and passes.starts is not None
             and passes.valid is None and passes.rows == passes.units
             and passes.cfg.score_tiles[2] == passes.cfg.num_warps)
 
@@ -738,19 +742,22 @@ def _run_selects(records: list[_Select], hold: Keep) -> None:
     expansion."""
     passes = [r.passes for r in records]
     if passes[0] is not None:
+        cut_here = False
         if records[0].sync is not None:  # a lone lookup (_Select.kind)
-            _run_one_launch(passes[0], records[0].sync)
+            cut_here = ONE_LAUNCH == "cut" and passes[0].cut is not None
+            _run_one_launch(passes[0], records[0].sync, cut_here)
         else:
             _run_passes(passes, hold)
-        if passes[0].cut is not None:
+        if passes[0].cut is not None and not cut_here:
             _cut(passes, records[0].block_c, hold=hold)
     if records[0].expansion is not None:
         launch_expansions([r.expansion for r in records], hold)
 
 
-def _run_one_launch(p: _Passes, sync: torch.Tensor) -> None:
+def _run_one_launch(p: _Passes, sync: torch.Tensor, cut_here: bool = False) -> None:
     """Both passes of a dense decode lookup with a row per KV head (_one_launch) in one launch of as many programs as
-    its denominator pass has (centroid_decode_lookup_kernel); sync: its queues' counters, zero (lookup_sync)."""
+    its denominator pass has (centroid_decode_lookup_kernel); sync: its queues' counters, zero (lookup_sync);
+    cut_here: the cut at its keys decided in the same launch (centroid_cut_kernel's work)."""
     q = p.q
     hq, _, d = q.shape
     units = p.inputs[1].shape[0]
@@ -763,8 +770,8 @@ def _run_one_launch(p: _Passes, sync: torch.Tensor) -> None:
         p.keep.stride(0), p.score.stride(0),
         D=d, BLOCK_D=_block_d(d), BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, SCORE_M=p.score_m,
         SCORE_C=cfg.score_tiles[1], BLOCK_SPLIT=SPLIT_TILE, HAS_STARTS=True, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, AHEAD=cfg.one_launch_ahead, **p.cut_args, **_dot_options(q, p.scaled),
-        **dependent_launch(q.device),
+        num_stages=cfg.num_stages, AHEAD=cfg.one_launch_ahead, CUT_HERE=cut_here, **p.cut_args,
+        **_dot_options(q, p.scaled), **dependent_launch(q.device),
     )
 
 

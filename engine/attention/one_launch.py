@@ -37,7 +37,7 @@ class _SyncedSelects:
 @dataclass(frozen=True)
 class SyncedLookups(Backend):
     """The kernels of `base` (any Backend: its own families as it gives them), the centroid family's cluster_select
-    given `sync` ([4] int32 zeroed counters, the family's lookup_sync, on the lookups' device). Made with `over`."""
+    given `sync` (zeroed int32 counters, the family's lookup_sync, on the lookups' device). Made with `over`."""
 
     base: Backend | None = field(default=None, compare=False)
     sync: torch.Tensor | None = field(default=None, compare=False)

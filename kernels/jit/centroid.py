@@ -239,41 +239,52 @@ def _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least
     index element the pass's units read, elements [NEL], at least key_least; with PER_HEAD times the KV heads the
     histogram counts: `units`, the KV heads the pass scores, less those on_ptr marks) and writes cut [1] float32, the
     threshold of the bin edge whose keys above come nearest (ties: more keys; keys <= 0: +inf; the lowest bin: -1):
-    the reference's binned_cut, once per lookup."""
+    the reference's binned_cut, once per lookup (_write_cut)."""
     tl.debug_barrier()  # the program's histogram atomics are in before its ticket (a release at GPU scope)
     ticket = tl.atomic_add(hist_ptr + CUT_COPIES * CUT_BINS, 1)
     if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
-        want = key_base + 0.0
-        if HAS_LISTED:
-            n = 0
-            for m0 in range(0, M, BLOCK_LIST):
-                offs = m0 + tl.arange(0, BLOCK_LIST)
-                p = tl.load(listed_ptr + offs, mask=offs < M, other=-1)
-                n += tl.sum(((p >= lo) & (p < hi)).to(tl.int32), axis=0)
-            want = want - per_listed * n.to(tl.float32)
-        if READ_KEYS:
-            read = 0.0
-            for e0 in range(0, NEL, BLOCK_LIST):
-                offs = e0 + tl.arange(0, BLOCK_LIST)
-                read += tl.sum(tl.load(elements_ptr + offs, mask=offs < NEL, other=0.0, cache_modifier=".cg"), axis=0)
-            want = want - per_read * read
-        want = tl.maximum(want, key_least)
-        if PER_HEAD:
-            heads = units
-            if HIST_FIXED:
-                offs = tl.arange(0, BLOCK_LIST)
-                on = tl.load(on_ptr + offs, mask=offs < units, other=1)
-                heads = tl.sum((on == 0).to(tl.int32), axis=0)
-            want = want * heads.to(tl.float32)
-        bins = tl.arange(0, CUT_BINS)
-        held = tl.zeros([CUT_BINS], tl.float32)  # keys per bin, lowest scores first, summed over the copies
-        for copy in tl.static_range(0, CUT_COPIES):
-            held += tl.load(hist_ptr + copy * CUT_BINS + bins, cache_modifier=".cg").to(tl.float32)
-        above = tl.sum(held, axis=0) - tl.cumsum(held, axis=0) + held  # keys in bins >= b
-        gap = tl.abs(above - want)
-        best = tl.min(tl.where(gap == tl.min(gap, axis=0), bins, CUT_BINS), axis=0)
-        threshold = tl.where(best == 0, -1.0, tl.exp2(CUT_LOW + best.to(tl.float32) / CUT_PER))
-        tl.store(cut_ptr, tl.where(want > 0, threshold, float("inf")))
+        _write_cut(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, elements_ptr, NEL,
+                   per_read, on_ptr, units, HAS_LISTED, READ_KEYS, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS,
+                   CUT_COPIES, BLOCK_LIST)
+
+
+@triton.jit
+def _write_cut(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, elements_ptr, NEL, per_read,
+               on_ptr, units, HAS_LISTED: tl.constexpr, READ_KEYS: tl.constexpr, PER_HEAD: tl.constexpr,
+               HIST_FIXED: tl.constexpr, CUT_LOW: tl.constexpr, CUT_PER: tl.constexpr, CUT_BINS: tl.constexpr,
+               CUT_COPIES: tl.constexpr = 1, BLOCK_LIST: tl.constexpr = 1024):
+    """_cut_when_last's work once every score is in the histograms (its arguments)."""
+    want = key_base + 0.0
+    if HAS_LISTED:
+        n = 0
+        for m0 in range(0, M, BLOCK_LIST):
+            offs = m0 + tl.arange(0, BLOCK_LIST)
+            p = tl.load(listed_ptr + offs, mask=offs < M, other=-1)
+            n += tl.sum(((p >= lo) & (p < hi)).to(tl.int32), axis=0)
+        want = want - per_listed * n.to(tl.float32)
+    if READ_KEYS:
+        read = 0.0
+        for e0 in range(0, NEL, BLOCK_LIST):
+            offs = e0 + tl.arange(0, BLOCK_LIST)
+            read += tl.sum(tl.load(elements_ptr + offs, mask=offs < NEL, other=0.0, cache_modifier=".cg"), axis=0)
+        want = want - per_read * read
+    want = tl.maximum(want, key_least)
+    if PER_HEAD:
+        heads = units
+        if HIST_FIXED:
+            offs = tl.arange(0, BLOCK_LIST)
+            on = tl.load(on_ptr + offs, mask=offs < units, other=1)
+            heads = tl.sum((on == 0).to(tl.int32), axis=0)
+        want = want * heads.to(tl.float32)
+    bins = tl.arange(0, CUT_BINS)
+    held = tl.zeros([CUT_BINS], tl.float32)  # keys per bin, lowest scores first, summed over the copies
+    for copy in tl.static_range(0, CUT_COPIES):
+        held += tl.load(hist_ptr + copy * CUT_BINS + bins, cache_modifier=".cg").to(tl.float32)
+    above = tl.sum(held, axis=0) - tl.cumsum(held, axis=0) + held  # keys in bins >= b
+    gap = tl.abs(above - want)
+    best = tl.min(tl.where(gap == tl.min(gap, axis=0), bins, CUT_BINS), axis=0)
+    threshold = tl.where(best == 0, -1.0, tl.exp2(CUT_LOW + best.to(tl.float32) / CUT_PER))
+    tl.store(cut_ptr, tl.where(want > 0, threshold, float("inf")))
 
 
 @triton.jit
@@ -812,7 +823,8 @@ def centroid_decode_lookup_kernel(
     hist_ptr,  # HAS_HIST: [CUT_COPIES * CUT_BINS + 1] int32, the cut's histograms and ticket (zeroed here)
     on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
     cut_ptr, listed_ptr,  # HAS_HIST: [1] float32 out, the cut's threshold; HAS_LISTED: [M] int64 (_cut_when_last)
-    sync_ptr,  # [4] int32, zero before the launch and left zero: the two queues, the first's done count, exits
+    sync_ptr,  # [7] int32, zero before the launch and left zero: the denominator's queue, its done count, the score's
+    # queue, the exits, the cut written, the cut's queue, the score's done count (the last three: CUT_HERE)
     scale2, threshold, C, G, NSPLIT, NB, UNITS,
     stride_qh, stride_ch, stride_cc, stride_nh, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
@@ -838,6 +850,7 @@ def centroid_decode_lookup_kernel(
     BLOCK_Z: tl.constexpr = 1024,
     MAX_SPIN: tl.constexpr = 1 << 22,
     AHEAD: tl.constexpr = False,  # read a block of centroids before the wait (see below)
+    CUT_HERE: tl.constexpr = False,  # HAS_HIST: decide keep at the cut in a third queue (centroid_cut_kernel's work)
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Both passes of a dense decode lookup (one token, a row per KV head) in one launch of any number of programs:
@@ -847,9 +860,13 @@ def centroid_decode_lookup_kernel(
 
     A program takes tasks from a queue until it is empty, and waits only for tasks other programs have taken, which
     they finish without waiting: no program waits on one that has not started, so the launch needs no program
-    resident at once and shares the GPU with anything. The queues live in sync [4] int32 (the denominator's queue,
-    its done count, the score's queue, the exits), zero before the launch: the last program to exit zeroes them for
-    the next. A wait gives up after MAX_SPIN reads (counters not zeroed before the launch: wrong results, no hang).
+    resident at once and shares the GPU with anything. The queues live in sync [7] int32, zero before the launch: the
+    last program to exit zeroes them for the next. A wait gives up after MAX_SPIN reads (counters not zeroed before
+    the launch: wrong results, no hang). With CUT_HERE (a cut at a number of keys), the program that finishes the
+    score pass's last task writes the cut (_write_cut) and tells the others, which wait for it (it is running), and
+    the cut's tasks (KV head, block of centroids) come from a third queue: keep and the block sums at the cut, as
+    centroid_cut_kernel decides them, with no launch of its own. (Not a ticket per program, as _cut_when_last
+    takes: a program that has not started would hold the others up.)
 
     With AHEAD, program p reads the first block of denominator task p before it waits (PDL; an index is no kernel's
     output in a step), as the denominator pass does: it uses them if the queue gives it task p, and otherwise they
@@ -917,10 +934,34 @@ def centroid_decode_lookup_kernel(
                 counts_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr,
                 hist_ptr + t % CUT_COPIES * CUT_BINS, _counted(on_ptr, unit, HIST_FIXED), 0, stride_kr, stride_or,
                 False, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
+        if CUT_HERE:  # the program that finishes the last task writes the cut (it is running: the others may wait)
+            tl.debug_barrier()  # the task's histogram atomics are in before its count
+            if tl.atomic_add(sync_ptr + 6, 1) == UNITS * NB - 1:
+                _write_cut(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, cut_ptr, 0,
+                           0.0, on_ptr, UNITS, HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS,
+                           CUT_COPIES)
+                tl.debug_barrier()  # the cut stored before it is told
+                tl.atomic_add(sync_ptr + 4, 1, sem="release")
         t = _claim(sync_ptr + 2)
     if HAS_HIST:
-        _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, cut_ptr, 0, 0.0,
-                       on_ptr, UNITS, HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS, CUT_COPIES)
+        if not CUT_HERE:
+            _cut_when_last(hist_ptr, cut_ptr, listed_ptr, M, lo, hi, key_base, key_least, per_listed, cut_ptr, 0, 0.0,
+                           on_ptr, UNITS, HAS_LISTED, False, PER_HEAD, HIST_FIXED, CUT_LOW, CUT_PER, CUT_BINS,
+                           CUT_COPIES)
+        else:
+            _wait_count(sync_ptr + 4, 1, MAX_SPIN)
+            cut = tl.load(cut_ptr, cache_modifier=".cg")
+            t = _claim(sync_ptr + 5)
+            while t < UNITS * NB:  # centroid_cut_kernel's programs (a row per KV head)
+                unit = t % UNITS
+                blk = t // UNITS
+                cid = blk * SCORE_C + tl.arange(0, SCORE_C)
+                c_ok = cid < C
+                cnt = tl.load(counts_ptr + unit * stride_nh + cid, mask=c_ok, other=0)
+                score = tl.load(score_ptr + unit * stride_or + cid, mask=c_ok, other=0.0, cache_modifier=".cg")
+                _decide(score, cut, cnt, cid, c_ok, unit, unit, blk, C, NB, keep_ptr, keep_ptr, score_ptr, starts_ptr,
+                        block_sums_ptr, cut_ptr, True, stride_kr, stride_kr, stride_or, False, HAS_STARTS)
+                t = _claim(sync_ptr + 5)
     tl.debug_barrier()
     if tl.atomic_add(sync_ptr + 3, 1) == tl.num_programs(0) - 1:  # the last to exit: every queue drained and passed
-        tl.store(sync_ptr + tl.arange(0, 4), tl.zeros([4], tl.int32))
+        tl.store(sync_ptr + tl.arange(0, 8), tl.zeros([8], tl.int32), mask=tl.arange(0, 8) < 7)

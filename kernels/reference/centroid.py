@@ -296,9 +296,9 @@ class SelectCall:
 
 
 def lookup_sync(device: torch.device) -> torch.Tensor:
-    """Counters for the kernels' one-launch decode lookups (kernels/centroid_ops.py), zeroed: [4] int32, unused
+    """Counters for the kernels' one-launch decode lookups (kernels/centroid_ops.py), zeroed: [7] int32, unused
     here."""
-    return torch.zeros(4, dtype=torch.int32, device=device)
+    return torch.zeros(7, dtype=torch.int32, device=device)
 
 
 def select_later(call: SelectCall, pending: list) -> tuple[torch.Tensor, torch.Tensor, Selection]:

@@ -288,14 +288,15 @@ def test_centroids_read_ahead_of_the_wait_give_the_same_lookup(lq):
             assert_same_selection(got[2], after[2])
 
 
-@pytest.mark.parametrize("hq,hkv,codes", [(4, 2, False), (8, 2, True), (4, 1, False)])
-def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(hq, hkv, codes):
+@pytest.mark.parametrize("hq,hkv,codes,mode", [(4, 2, False, "passes"), (8, 2, True, "passes"), (4, 1, False, "passes"),
+                                                (4, 2, False, "cut"), (8, 2, True, "cut")])
+def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(monkeypatch, hq, hkv, codes, mode):
     """Given lookup_sync's counters, a one-token lookup with a row per KV head runs its denominator and score passes
     as two queues of one launch (centroid_decode_lookup_kernel): the same scores, keep, selection and cut bit for
     bit as the two launches, at a threshold and cut at a number of keys (a KeyCount with listed positions, per head
     or in all, a fixed head), over float or one-byte centroids, with blocks split over programs, a block read ahead of
-    the wait or not; the counters are left zeroed, so the next lookup (another head count, another split) reuses
-    them."""
+    the wait or not, and (mode "cut") the cut at the keys decided in the same launch; the counters are left zeroed,
+    so the next lookup (another head count, another split) reuses them."""
     q, centroids, _, scale = make_inputs(hq, hkv, 1, torch.float16 if codes else torch.float32, 41)
     step = None
     if codes:
@@ -318,8 +319,10 @@ def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(hq, hkv, co
             threshold = ask.pop("threshold", 0.5)
             two = cluster_select(q, centroids, counts, scale, threshold, hkv, starts, lc, tail, step=step,
                                  config=config, **ask)
+            monkeypatch.setattr(centroid_ops, "ONE_LAUNCH", mode)
             one = cluster_select(q, centroids, counts, scale, threshold, hkv, starts, lc, tail, step=step,
                                  config=config, sync=sync, **ask)
+            monkeypatch.setattr(centroid_ops, "ONE_LAUNCH", "passes")
             assert torch.equal(one[1], two[1]) and torch.equal(one[0], two[0]), (config, ask)
             assert_same_selection(one[2], two[2])
             assert not sync.any(), sync
@@ -329,13 +332,13 @@ def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(hq, hkv, co
 
 
 def test_counters_are_not_touched_with_one_launch_off(monkeypatch):
-    """centroid_ops.ONE_LAUNCH off (a benchmark's switch): a lookup given counters runs its two passes, with the
+    """centroid_ops.ONE_LAUNCH "off" (a benchmark's switch): a lookup given counters runs its two passes, with the
     same results, and leaves the counters as they were."""
     q, centroids, _, scale = make_inputs(4, 2, 1, torch.float32, 43)
     counts, starts = clustered_counts(2, 150, C, 44)
     keys = 0.3 * float(counts.sum())
     want = cluster_select(q, centroids, counts, scale, 0.5, 2, starts, 150, 3, keys=keys)
-    monkeypatch.setattr(centroid_ops, "ONE_LAUNCH", False)
+    monkeypatch.setattr(centroid_ops, "ONE_LAUNCH", "off")
     sync = torch.full((centroid_ops.SYNC_SLOTS,), 7, dtype=torch.int32, device=DEVICE)  # as no launch could leave them
     got = cluster_select(q, centroids, counts, scale, 0.5, 2, starts, 150, 3, keys=keys, sync=sync)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
@@ -795,7 +798,8 @@ def test_gpu_cut_at_a_number_of_keys_at_128k(lq, exact_float32_matmul):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("length", [131072, 524288])
-def test_gpu_decode_lookup_in_one_launch_at_long_contexts(length, exact_float32_matmul):
+@pytest.mark.parametrize("mode", ["passes", "cut"])
+def test_gpu_decode_lookup_in_one_launch_at_long_contexts(monkeypatch, length, mode, exact_float32_matmul):
     """The one-launch decode lookup at 128K and 512K (bfloat16 queries over one-byte centroids, the default tiles),
     repeated on the same counters: bit for bit the two passes' scores, keep and selection, cut at 10% of the keys
     asked with listed follow rows, with no host synchronisation; the counters left zeroed."""
@@ -810,6 +814,7 @@ def test_gpu_decode_lookup_in_one_launch_at_long_contexts(length, exact_float32_
     keys = KeyCount(0.1 * float(counts.sum()), listed=listed, lo=0, hi=1000, per_listed=2.0)
     sync = centroid_ops.lookup_sync(q.device)
     two = cluster_select(q, codes, counts, scale, 0.5, hkv, starts, lc, 100, step=step, keys=keys)
+    monkeypatch.setattr(centroid_ops, "ONE_LAUNCH", mode)
     for _ in range(3):
         one = no_host_sync(cluster_select, q, codes, counts, scale, 0.5, hkv, starts, lc, 100, step=step, keys=keys,
                            sync=sync)
