@@ -11,7 +11,8 @@ positions) (a) at a threshold, (b) with `keys=`: the budget's share of every KV 
 KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is), (c) that cut
 with the denominator pass reading its centroids only after its wait on the queries (LookupConfig.read_ahead off),
 and (d) that cut with both passes in one launch (each layer's lookup given counters of its own: `sync`), without
-and with a block of centroids read ahead of the wait (LookupConfig.one_launch_ahead).
+and with a block of centroids read ahead of the wait (LookupConfig.one_launch_ahead), and with the cut decided in the
+same launch (kernels.centroid_ops.ONE_LAUNCH "cut").
 With `--batch B`, each layer has B sequences' indexes and queries (a decode step of B turns answered together) and
 their cut lookups are timed in one launch of each kernel (`select_now`, BATCHED: what a shared step runs, its
 tables' uploads captured with it, as a batch graph captures them) against one after another, for the default tiles
@@ -188,14 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"bench": "lookup", "device": torch.cuda.get_device_name(device), "torch": torch.__version__,
                  "shape": args.shape, "context": n, "layers": layers, "budget": args.budget,
                  "centroids": int(indexes[0]["counts"].shape[1]), "cases": {}}
-    for case, k, config, one in (("threshold", None, default, False), ("cut", keys, default, False),
-                                 ("cut_read_after_wait", keys, replace(default, read_ahead=False), False),
-                                 ("cut_one_launch", keys, default, True),
-                                 ("cut_one_launch_read_ahead", keys, replace(default, one_launch_ahead=True), True)):
-        fn = lookups(k, config, one)
+    product_mode = centroid_ops.ONE_LAUNCH
+    ahead = replace(default, one_launch_ahead=True)
+    for case, k, config, mode in (("threshold", None, default, "off"), ("cut", keys, default, "off"),
+                                  ("cut_read_after_wait", keys, replace(default, read_ahead=False), "off"),
+                                  ("cut_one_launch", keys, default, "passes"),
+                                  ("cut_one_launch_read_ahead", keys, ahead, "passes"),
+                                  ("cut_one_launch_with_cut", keys, default, "cut")):
+        centroid_ops.ONE_LAUNCH = mode  # read as the lookups are launched (and captured)
+        fn = lookups(k, config, mode != "off")
         us = bench_graph(fn) * 1000 / layers
         out["cases"][case] = {"us_per_layer": round(us, 2),
                               "kernels_us_per_layer": kernel_us(captured(fn).replay, layers)}
+    centroid_ops.ONE_LAUNCH = product_mode
     fn = lookups(keys, default)
     fn()  # the cut's lookups once more, eagerly: `kept` holds their keep
     held = sum(float((ix["counts"] * keep).sum()) for ix, keep in zip(indexes, kept)) / layers
