@@ -296,7 +296,9 @@ def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(monkeypatch
     bit as the two launches, at a threshold and cut at a number of keys (a KeyCount with listed positions, per head
     or in all, a fixed head), over float or one-byte centroids, with blocks split over programs, a block read ahead of
     the wait or not, and (mode "cut") the cut at the keys decided in the same launch; the counters are left zeroed,
-    so the next lookup (another head count, another split) reuses them."""
+    so the next lookup (another head count, another split) reuses them. (Triton's interpreter runs one program at a
+    time, to its end: the queues' worst case of programs resident at once, so these runs also show that no program
+    waits on one that has not started.)"""
     q, centroids, _, scale = make_inputs(hq, hkv, 1, torch.float16 if codes else torch.float32, 41)
     step = None
     if codes:
