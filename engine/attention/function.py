@@ -20,7 +20,7 @@ from engine.attention.later import LaterLookups
 from engine.attention.method import Lookup, Method, StepPlan
 from engine.attention.one_launch import SyncedLookups
 from engine.attention.stats import TurnRecorder
-from kernels.backend import Backend
+from kernels.backend import TRITON, Backend
 from kernels.reference.union import UnionCall
 from kernels.selection import FollowRows, StepTally
 from kernels.tables import Keep
@@ -193,7 +193,8 @@ def _union(layer: FixedContextLayer, index, q: torch.Tensor, q_pos: torch.Tensor
     backend = step.backend
     if later is not None and method.batched_lookup:
         backend = later.setdefault(backend.name, LaterLookups(backend.name))
-    elif layer.lookup_sync is not None and q.shape[1] == 1:  # a decode lookup's passes in one launch
+    elif layer.lookup_sync is not None and q.shape[1] == 1 and backend.name == TRITON.name:  # a decode lookup's
+        # passes in one launch (the reference has none to save)
         backend = SyncedLookups.over(backend, layer.lookup_sync)
     with timed("lookup"):
         lookup = method.lookup(q, index, step.plan, scale, backend, q_pos, step.valid, rows)
