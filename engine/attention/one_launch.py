@@ -2,10 +2,11 @@
 
 kernels.centroid_ops.cluster_select, given `sync` (counters zeroed once, used by one lookup at a time), runs a dense
 decode lookup's denominator and score passes as two queues of one launch (the same results bit for bit, one launch
-and one wait fewer on a step's chain). Each sequence's global layer holds such counters on a GPU
+and one wait fewer on a step's chain). Each sequence's global layer holds such counters
 (engine.attention.cache.FixedContextLayer.lookup_sync, made with its new-token buffers, before any capture), and a
 sequence's lookups run one after another on its own stream, so no two lookups share them at once. `SyncedLookups`
-hands a method its backend's kernels, except that the centroid family's cluster_select is given the layer's counters.
+hands a method its backend's kernels, except that the centroid family's cluster_select is given the layer's counters
+(engine.attention.function does so for a decode step's lookups on the Triton backend).
 """
 
 from __future__ import annotations
