@@ -760,16 +760,15 @@ def _run_one_launch(p: _Passes, sync: torch.Tensor, cut_here: bool = False) -> N
     cut_here: the cut at its keys decided in the same launch (centroid_cut_kernel's work)."""
     q = p.q
     hq, _, d = q.shape
-    units = p.inputs[1].shape[0]
     cfg = p.cfg
     starts, block_sums = p._starts_args
-    centroid_decode_lookup_kernel[(units * p.nsplit,)](
+    centroid_decode_lookup_kernel[(p.units * p.nsplit,)](
         q, *p.inputs[1:3], p.inputs[6], p.part_max, p.part_sum, p.s_cache, p.keep, p.score, starts, block_sums,
-        p._hist, *p.cut_ptrs[1:], sync, p.scale2, p.threshold, p.c, hq // units, p.nsplit, p.score_blocks, units,
+        p._hist, *p.cut_ptrs[1:], sync, p.scale2, p.threshold, p.c, hq // p.units, p.nsplit, p.score_blocks, p.units,
         q.stride(0), p.inputs[1].stride(0), p.inputs[1].stride(1), p.counts.stride(0), p.s_cache.stride(0),
         p.keep.stride(0), p.score.stride(0),
         D=d, BLOCK_D=_block_d(d), BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, SCORE_M=p.score_m,
-        SCORE_C=cfg.score_tiles[1], BLOCK_SPLIT=SPLIT_TILE, HAS_STARTS=True, num_warps=cfg.num_warps,
+        SCORE_C=cfg.score_tiles[1], BLOCK_SPLIT=_split_tile([p]), HAS_STARTS=True, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, AHEAD=cfg.one_launch_ahead, CUT_HERE=cut_here, **p.cut_args,
         **_dot_options(q, p.scaled), **dependent_launch(q.device),
     )

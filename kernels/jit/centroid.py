@@ -786,14 +786,22 @@ def centroid_cut_kernel(
         stride_or = _int(at, 4)
         if blk >= NB:
             return
-    threshold = tl.load(cut_ptr)
-    kv_head = row // RPK
+    _cut_block(score_ptr, counts_ptr, keep_ptr, starts_ptr, block_sums_ptr, tl.load(cut_ptr), row, row // RPK, blk,
+               C, NB, stride_nh, stride_kr, stride_or, BLOCK_C, AMONG, HAS_STARTS)
+
+
+@triton.jit
+def _cut_block(score_ptr, counts_ptr, keep_ptr, starts_ptr, block_sums_ptr, threshold, row, kv_head, blk, C, NB,
+               stride_nh, stride_kr, stride_or, BLOCK_C: tl.constexpr, AMONG: tl.constexpr, HAS_STARTS: tl.constexpr,
+               CACHE: tl.constexpr = ""):
+    """A cut's decision for one row's block of BLOCK_C centroids at `threshold` (centroid_cut_kernel's program);
+    CACHE: the scores' load's cache modifier (".cg": scores other programs of the same launch wrote)."""
     cid = blk * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cid < C
     cnt = tl.load(counts_ptr + kv_head * stride_nh + cid, mask=c_ok, other=0)
-    score = tl.load(score_ptr + row * stride_or + cid, mask=c_ok, other=0.0)
+    score = tl.load(score_ptr + row * stride_or + cid, mask=c_ok, other=0.0, cache_modifier=CACHE)
     _decide(score, threshold, cnt, cid, c_ok, row, kv_head, blk, C, NB, keep_ptr, keep_ptr, score_ptr, starts_ptr,
-            block_sums_ptr, cut_ptr, True, stride_kr, stride_kr, stride_or, AMONG, HAS_STARTS)
+            block_sums_ptr, score_ptr, True, stride_kr, stride_kr, stride_or, AMONG, HAS_STARTS)
 
 
 @triton.jit
@@ -928,9 +936,8 @@ def centroid_decode_lookup_kernel(
         log2_d = _log2_denominator(part_max_ptr, part_sum_ptr, head, g_ok, NSPLIT, BLOCK_SPLIT)
         s = tl.load(s_ptr + head[:, None] * stride_s + pos[None, :], mask=g_ok[:, None] & c_ok[None, :], other=0.0)
         p = tl.where(g_ok[:, None] & c_ok[None, :], tl.exp2(s - log2_d[:, None]), 0.0)  # S [SCORE_M, SCORE_C]
-        total = tl.zeros([SCORE_C], tl.float32) + tl.sum(p, axis=0)
-        last = tl.zeros([SCORE_C], tl.float32) + tl.sum(p, axis=0)
-        _decide(tl.maximum(total / G, last / G), threshold, cnt, pos, c_ok, unit, unit, blk, C, NB,
+        # (one token: the score pass's mean over heads and tokens and its last token's are both this)
+        _decide(tl.sum(p, axis=0) / G, threshold, cnt, pos, c_ok, unit, unit, blk, C, NB,
                 counts_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr,
                 hist_ptr + t % CUT_COPIES * CUT_BINS, _counted(on_ptr, unit, HIST_FIXED), 0, stride_kr, stride_or,
                 False, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
@@ -953,14 +960,8 @@ def centroid_decode_lookup_kernel(
             cut = tl.load(cut_ptr, cache_modifier=".cg")
             t = _claim(sync_ptr + 5)
             while t < UNITS * NB:  # centroid_cut_kernel's programs (a row per KV head)
-                unit = t % UNITS
-                blk = t // UNITS
-                cid = blk * SCORE_C + tl.arange(0, SCORE_C)
-                c_ok = cid < C
-                cnt = tl.load(counts_ptr + unit * stride_nh + cid, mask=c_ok, other=0)
-                score = tl.load(score_ptr + unit * stride_or + cid, mask=c_ok, other=0.0, cache_modifier=".cg")
-                _decide(score, cut, cnt, cid, c_ok, unit, unit, blk, C, NB, keep_ptr, keep_ptr, score_ptr, starts_ptr,
-                        block_sums_ptr, cut_ptr, True, stride_kr, stride_kr, stride_or, False, HAS_STARTS)
+                _cut_block(score_ptr, counts_ptr, keep_ptr, starts_ptr, block_sums_ptr, cut, t % UNITS, t % UNITS,
+                           t // UNITS, C, NB, stride_nh, stride_kr, stride_or, SCORE_C, False, HAS_STARTS, ".cg")
                 t = _claim(sync_ptr + 5)
     tl.debug_barrier()
     if tl.atomic_add(sync_ptr + 3, 1) == tl.num_programs(0) - 1:  # the last to exit: every queue drained and passed
