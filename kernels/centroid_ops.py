@@ -32,7 +32,8 @@ import torch
 import triton
 
 from kernels.checks import LOG2E, check_valid
-from kernels.compact_ops import Expansion, batch_tables, launch_expansions, plan_expansion
+from kernels.compact_ops import BLOCK_T as EXPAND_BLOCK_T
+from kernels.compact_ops import SUM_TILE, Expansion, batch_tables, launch_expansions, plan_expansion
 from kernels.jit.centroid import (
     centroid_cut_kernel,
     centroid_decode_lookup_kernel,
@@ -86,12 +87,13 @@ SPLIT_TILE = 32
 # into one again. Results are the same bits either way.
 WIDE_CODES_TOKENS = 256
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
-SYNC_SLOTS = 7  # int32 counters of a one-launch decode lookup's queues (centroid_decode_lookup_kernel's sync)
+SYNC_SLOTS = 9  # int32 counters of a one-launch decode lookup's queues (centroid_decode_lookup_kernel's sync)
 # A benchmark's switch (squeeze bench e2e --one-launch): what a decode lookup given `sync` runs in one launch: "off"
 # (nothing: the passes and the cut as without it), "passes" (both passes; the cut, where keys are asked, in a launch
-# of its own) or "cut" (both passes and the cut: one launch before the expansion; not yet timed in a step)
+# of its own), "cut" (both passes and the cut: one launch before the expansion) or "expand" (the whole lookup:
+# both passes, the cut and the expansion; "cut" and "expand" not yet timed in a step)
 ONE_LAUNCH = "passes"
-ONE_LAUNCH_MODES = ("off", "passes", "cut")
+ONE_LAUNCH_MODES = ("off", "passes", "cut", "expand")
 
 
 def _is_pow2(x: int) -> bool:
@@ -742,22 +744,27 @@ def _run_selects(records: list[_Select], hold: Keep) -> None:
     expansion."""
     passes = [r.passes for r in records]
     if passes[0] is not None:
-        cut_here = False
+        cut_here = expand_here = False
         if records[0].sync is not None:  # a lone lookup (_Select.kind)
-            cut_here = ONE_LAUNCH == "cut" and passes[0].cut is not None
-            _run_one_launch(passes[0], records[0].sync, cut_here)
+            cut_here = ONE_LAUNCH in ("cut", "expand") and passes[0].cut is not None
+            expand_here = ONE_LAUNCH == "expand" and records[0].expansion is not None
+            _run_one_launch(passes[0], records[0].sync, cut_here, records[0].expansion if expand_here else None)
         else:
             _run_passes(passes, hold)
         if passes[0].cut is not None and not cut_here:
             _cut(passes, records[0].block_c, hold=hold)
+        if expand_here:
+            return
     if records[0].expansion is not None:
         launch_expansions([r.expansion for r in records], hold)
 
 
-def _run_one_launch(p: _Passes, sync: torch.Tensor, cut_here: bool = False) -> None:
+def _run_one_launch(p: _Passes, sync: torch.Tensor, cut_here: bool = False, expansion: Expansion | None = None,
+                    ) -> None:
     """Both passes of a dense decode lookup with a row per KV head (_one_launch) in one launch of as many programs as
     its denominator pass has (centroid_decode_lookup_kernel); sync: its queues' counters, zero (lookup_sync);
-    cut_here: the cut at its keys decided in the same launch (centroid_cut_kernel's work)."""
+    cut_here: the cut at its keys decided in the same launch (centroid_cut_kernel's work); expansion: the lookup's
+    expansion, run in the same launch too (expand_groups_kernel's work; with a cut only where cut_here)."""
     q = p.q
     hq, _, d = q.shape
     cfg = p.cfg
@@ -770,8 +777,24 @@ def _run_one_launch(p: _Passes, sync: torch.Tensor, cut_here: bool = False) -> N
         D=d, BLOCK_D=_block_d(d), BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, SCORE_M=p.score_m,
         SCORE_C=cfg.score_tiles[1], BLOCK_SPLIT=_split_tile([p]), HAS_STARTS=True, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, AHEAD=cfg.one_launch_ahead, CUT_HERE=cut_here, **p.cut_args,
-        **_dot_options(q, p.scaled), **dependent_launch(q.device),
+        **_expansion_args(expansion, p.score_blocks), SYNC=SYNC_SLOTS, **_dot_options(q, p.scaled),
+        **dependent_launch(q.device),
     )
+
+
+def _expansion_args(e: Expansion | None, nb: int) -> dict:
+    """centroid_decode_lookup_kernel's arguments of an expansion in its launch (launch_expansions' of the one), or
+    none."""
+    if e is None:
+        return {}
+    if e.nb != nb:
+        raise ValueError(f"the expansion's blocks ({e.nb}) must be the score pass's ({nb})")
+    lists, on, width = e.fixed_args
+    block_nb = max(2, triton.next_power_of_2(nb))
+    return dict(indptr_ptr=e.indptr, out_ptr=e.out, fixed_ptr=lists, fixed_on_ptr=on, W=width, tail=e.tail,
+                EXPAND_HERE=True, EXP_BLOCK_K=e.block_k, EXP_SUB=e.sub,
+                EXP_RCHUNK=max(1, min(triton.next_power_of_2(e.keep.shape[0]), SUM_TILE // block_nb)),
+                EXP_BLOCK_NB=block_nb, EXP_BLOCK_T=EXPAND_BLOCK_T, EXP_FIXED=e.has_fixed)
 
 
 def _dot_options(q: torch.Tensor, scaled: bool) -> dict:

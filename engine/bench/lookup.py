@@ -11,8 +11,9 @@ positions) (a) at a threshold, (b) with `keys=`: the budget's share of every KV 
 KeyCount 64 higher less 64 listed follow positions (worked out on the device, as a step's is), (c) that cut
 with the denominator pass reading its centroids only after its wait on the queries (LookupConfig.read_ahead off),
 and (d) that cut with both passes in one launch (each layer's lookup given counters of its own: `sync`), without
-and with a block of centroids read ahead of the wait (LookupConfig.one_launch_ahead), and with the cut decided in the
-same launch (kernels.centroid_ops.ONE_LAUNCH "cut").
+and with a block of centroids read ahead of the wait (LookupConfig.one_launch_ahead), with the cut decided in the
+same launch (kernels.centroid_ops.ONE_LAUNCH "cut"), and with the expansion too ("expand": the whole lookup in one
+launch).
 With `--batch B`, each layer has B sequences' indexes and queries (a decode step of B turns answered together) and
 their cut lookups are timed in one launch of each kernel (`select_now`, BATCHED: what a shared step runs, its
 tables' uploads captured with it, as a batch graph captures them) against one after another, for the default tiles
@@ -195,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                                   ("cut_read_after_wait", keys, replace(default, read_ahead=False), "off"),
                                   ("cut_one_launch", keys, default, "passes"),
                                   ("cut_one_launch_read_ahead", keys, ahead, "passes"),
-                                  ("cut_one_launch_with_cut", keys, default, "cut")):
+                                  ("cut_one_launch_with_cut", keys, default, "cut"),
+                                  ("cut_one_launch_with_expansion", keys, default, "expand")):
         centroid_ops.ONE_LAUNCH = mode  # read as the lookups are launched (and captured)
         fn = lookups(k, config, mode != "off")
         us = bench_graph(fn) * 1000 / layers

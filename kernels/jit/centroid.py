@@ -33,6 +33,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kernels.jit.compact import expand_block
 from kernels.launch import release_next, wait_prior
 from kernels.tables import table_pointer
 
@@ -42,7 +43,7 @@ SCORE_SIZES = ["C", "CAP", "NSPLIT", "NPROG", "NB", "stride_nh",
                "stride_ar", "stride_s", "stride_kr", "stride_or", "lo", "hi"]
 SCORE_PREFILL_SIZES = ["C", "NSPLIT", "NB", "stride_nh", "stride_ar", "stride_kr", "stride_or", "lo", "hi"]
 CUT_SIZES = ["C", "NB", "stride_nh", "stride_kr", "stride_or"]
-DECODE_LOOKUP_SIZES = ["C", "NSPLIT", "NB", "stride_nh", "stride_s", "stride_kr", "stride_or"]
+DECODE_LOOKUP_SIZES = ["C", "NSPLIT", "NB", "stride_nh", "stride_s", "stride_kr", "stride_or", "W"]
 
 
 @triton.jit
@@ -831,8 +832,9 @@ def centroid_decode_lookup_kernel(
     hist_ptr,  # HAS_HIST: [CUT_COPIES * CUT_BINS + 1] int32, the cut's histograms and ticket (zeroed here)
     on_ptr,  # HIST_FIXED: [Hkv] uint8, the KV heads whose clusters stay out of the histogram
     cut_ptr, listed_ptr,  # HAS_HIST: [1] float32 out, the cut's threshold; HAS_LISTED: [M] int64 (_cut_when_last)
-    sync_ptr,  # [7] int32, zero before the launch and left zero: the denominator's queue, its done count, the score's
-    # queue, the exits, the cut written, the cut's queue, the score's done count (the last three: CUT_HERE)
+    sync_ptr,  # [SYNC] int32, zero before the launch and left zero: the denominator's queue, its done count, the
+    # score's queue, the exits, the cut written, the cut's queue, the score's done count (CUT_HERE, or EXPAND_HERE
+    # without HAS_HIST), the cut's done count and the expansion's queue (EXPAND_HERE)
     scale2, threshold, C, G, NSPLIT, NB, UNITS,
     stride_qh, stride_ch, stride_cc, stride_nh, stride_s, stride_kr, stride_or,
     D: tl.constexpr,
@@ -859,6 +861,16 @@ def centroid_decode_lookup_kernel(
     MAX_SPIN: tl.constexpr = 1 << 22,
     AHEAD: tl.constexpr = False,  # read a block of centroids before the wait (see below)
     CUT_HERE: tl.constexpr = False,  # HAS_HIST: decide keep at the cut in a third queue (centroid_cut_kernel's work)
+    indptr_ptr=None, out_ptr=None,  # EXPAND_HERE: the Selection's [Hkv + 1] int64 and [capacity] int32, out
+    fixed_ptr=None, fixed_on_ptr=None, W=0, tail=0,  # EXPAND_HERE: as expand_groups_kernel's
+    EXPAND_HERE: tl.constexpr = False,  # (CUT_HERE where HAS_HIST) the expansion in a last queue
+    EXP_BLOCK_K: tl.constexpr = 8,  # EXPAND_HERE: expand_groups_kernel's BLOCK_K, SUB, RCHUNK, BLOCK_NB, BLOCK_T,
+    EXP_SUB: tl.constexpr = 128,  # HAS_FIXED (its BLOCK_G is SCORE_C: the block sums are the score pass's)
+    EXP_RCHUNK: tl.constexpr = 1,
+    EXP_BLOCK_NB: tl.constexpr = 2,
+    EXP_BLOCK_T: tl.constexpr = 64,
+    EXP_FIXED: tl.constexpr = False,
+    SYNC: tl.constexpr = 9,  # the counters in sync_ptr
     PDL: tl.constexpr = False,  # kernels/launch.py
 ):
     """Both passes of a dense decode lookup (one token, a row per KV head) in one launch of any number of programs:
@@ -874,7 +886,9 @@ def centroid_decode_lookup_kernel(
     score pass's last task writes the cut (_write_cut) and tells the others, which wait for it (it is running), and
     the cut's tasks (KV head, block of centroids) come from a third queue: keep and the block sums at the cut, as
     centroid_cut_kernel decides them, with no launch of its own. (Not a ticket per program, as _cut_when_last
-    takes: a program that has not started would hold the others up.)
+    takes: a program that has not started would hold the others up.) With EXPAND_HERE, once every block's keep and
+    kept keys are written (the score's tasks, or the cut's), the expansion's tasks (KV head, block) come from a last
+    queue: expand_groups_kernel's programs (kernels.jit.compact.expand_block), the Selection with no launch of its own.
 
     With AHEAD, program p reads the first block of denominator task p before it waits (PDL; an index is no kernel's
     output in a step), as the denominator pass does: it uses them if the queue gives it task p, and otherwise they
@@ -941,6 +955,9 @@ def centroid_decode_lookup_kernel(
                 counts_ptr, keep_ptr, score_ptr, starts_ptr, block_sums_ptr,
                 hist_ptr + t % CUT_COPIES * CUT_BINS, _counted(on_ptr, unit, HIST_FIXED), 0, stride_kr, stride_or,
                 False, HAS_STARTS, HAS_HIST, CUT_LOW, CUT_PER, CUT_BINS)
+        if EXPAND_HERE and not HAS_HIST:  # keep and the block sums final: counted for the expansion (release)
+            tl.debug_barrier()
+            tl.atomic_add(sync_ptr + 6, 1, sem="release")
         if CUT_HERE:  # the program that finishes the last task writes the cut (it is running: the others may wait)
             tl.debug_barrier()  # the task's histogram atomics are in before its count
             if tl.atomic_add(sync_ptr + 6, 1) == UNITS * NB - 1:
@@ -962,7 +979,18 @@ def centroid_decode_lookup_kernel(
             while t < UNITS * NB:  # centroid_cut_kernel's programs (a row per KV head)
                 _cut_block(score_ptr, counts_ptr, keep_ptr, starts_ptr, block_sums_ptr, cut, t % UNITS, t % UNITS,
                            t // UNITS, C, NB, stride_nh, stride_kr, stride_or, SCORE_C, False, HAS_STARTS, ".cg")
+                if EXPAND_HERE:  # (release: the block's keep and kept keys before its count)
+                    tl.debug_barrier()
+                    tl.atomic_add(sync_ptr + 7, 1, sem="release")
                 t = _claim(sync_ptr + 5)
+    if EXPAND_HERE:  # expand_groups_kernel's programs, once every block's keep and kept keys are in
+        _wait_count(sync_ptr + (7 if HAS_HIST else 6), UNITS * NB, MAX_SPIN)
+        t = _claim(sync_ptr + 8)
+        while t < UNITS * NB:
+            expand_block(keep_ptr, starts_ptr, block_sums_ptr, indptr_ptr, out_ptr, C, NB, 1, tail, fixed_ptr,
+                         fixed_on_ptr, W, t % UNITS, t // UNITS, SCORE_C, EXP_BLOCK_K, EXP_SUB, EXP_RCHUNK,
+                         EXP_BLOCK_NB, EXP_BLOCK_T, EXP_FIXED, ".cg")
+            t = _claim(sync_ptr + 8)
     tl.debug_barrier()
     if tl.atomic_add(sync_ptr + 3, 1) == tl.num_programs(0) - 1:  # the last to exit: every queue drained and passed
-        tl.store(sync_ptr + tl.arange(0, 8), tl.zeros([8], tl.int32), mask=tl.arange(0, 8) < 7)
+        tl.store(sync_ptr + tl.arange(0, 16), tl.zeros([16], tl.int32), mask=tl.arange(0, 16) < SYNC)

@@ -23,10 +23,11 @@ EXPAND_SIZES = ["G", "NB", "W"]
 
 
 @triton.jit
-def kept_sizes(keep_ptr, starts_ptr, r, h, g, G, stride_kr):
-    """Groups g [BLOCK] of row r (head h): sizes (0 where not kept or g >= G) and starts, both int64 [BLOCK]."""
+def kept_sizes(keep_ptr, starts_ptr, r, h, g, G, stride_kr, CACHE: tl.constexpr = ""):
+    """Groups g [BLOCK] of row r (head h): sizes (0 where not kept or g >= G) and starts, both int64 [BLOCK];
+    CACHE: keep's load's cache modifier (".cg": keep written by other programs of the same launch)."""
     m = g < G
-    kept = tl.load(keep_ptr + r * stride_kr + g, mask=m, other=0) != 0
+    kept = tl.load(keep_ptr + r * stride_kr + g, mask=m, other=0, cache_modifier=CACHE) != 0
     start = tl.load(starts_ptr + h * (G + 1) + g, mask=m, other=0)
     stop = tl.load(starts_ptr + h * (G + 1) + g + 1, mask=m, other=0)
     return tl.where(kept, stop - start, 0), start
@@ -50,6 +51,61 @@ def group_block_sums_kernel(
     g = gb * BLOCK_G + tl.arange(0, BLOCK_G)
     size, _ = kept_sizes(keep_ptr, starts_ptr, r, r // ROWS_PER_HEAD, g, G, G)
     tl.store(block_sums_ptr + r * NB + gb, tl.sum(size, axis=0))
+
+
+@triton.jit
+def expand_block(keep_ptr, starts_ptr, block_sums_ptr, indptr_ptr, out_ptr, G, NB, ROWS_PER_HEAD, tail, fixed_ptr,
+                 fixed_on_ptr, W, r, gb, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                 RCHUNK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_T: tl.constexpr, HAS_FIXED: tl.constexpr,
+                 CACHE: tl.constexpr = ""):
+    """Row r's block gb of BLOCK_G groups expanded (expand_groups_kernel's program; its arguments as there); CACHE:
+    the cache modifier of keep's and the block sums' loads (".cg": written by other programs of the same launch,
+    kernels.jit.centroid.centroid_decode_lookup_kernel's expansion queue)."""
+    h = r // ROWS_PER_HEAD
+    rr = tl.arange(0, RCHUNK)[:, None]
+    bb = tl.arange(0, BLOCK_NB)[None, :]
+    row_start = tl.full([], 0, tl.int64)
+    for r0 in range(0, r, RCHUNK):  # every block of the earlier rows
+        row = r0 + rr
+        # [RCHUNK, BLOCK_NB]
+        sums = tl.load(block_sums_ptr + row * NB + bb, mask=(row < r) & (bb < NB), other=0, cache_modifier=CACHE)
+        if HAS_FIXED:  # an earlier fixed row holds W positions, none of its groups nor the tail
+            on = tl.load(fixed_on_ptr + row // ROWS_PER_HEAD, mask=row < r, other=0) != 0  # [RCHUNK, 1]
+            sums = tl.where(on, 0, sums)
+            row_start += tl.sum(tl.sum(tl.where(on, W - tail, 0), axis=1), axis=0)
+        row_start += tl.sum(tl.sum(sums, axis=1), axis=0)
+    row_start += r * tail
+    # [1, BLOCK_NB]: this row's blocks
+    own = tl.load(block_sums_ptr + r * NB + bb, mask=bb < NB, other=0, cache_modifier=CACHE)
+    fixed_row = False
+    if HAS_FIXED:
+        fixed_row = tl.load(fixed_on_ptr + h) != 0
+    if fixed_row:  # the row's list is lists[h], written by its NB programs in turn (BLOCK_T positions each)
+        end = row_start + W
+        for t in range(gb * BLOCK_T, W, NB * BLOCK_T):
+            kt = t + tl.arange(0, BLOCK_T)
+            tl.store(out_ptr + row_start + kt, tl.load(fixed_ptr + h * W + kt, mask=kt < W, other=0), mask=kt < W)
+    else:
+        base = row_start + tl.sum(tl.sum(tl.where(bb < gb, own, 0), axis=1), axis=0)  # this row's earlier blocks
+        for sub in tl.static_range(0, BLOCK_G, SUB):  # groups SUB at a time: each loop runs to its SUB's longest
+            g = gb * BLOCK_G + sub + tl.arange(0, SUB)
+            size, start = kept_sizes(keep_ptr, starts_ptr, r, h, g, G, G, CACHE)
+            dest = base + tl.cumsum(size, axis=0) - size  # [SUB]
+            base += tl.sum(size, axis=0)
+            longest = tl.max(size, axis=0).to(tl.int32)
+            for j in range(0, longest, BLOCK_K):
+                k = j + tl.arange(0, BLOCK_K)
+                m = k[None, :] < size[:, None]
+                tl.store(out_ptr + dest[:, None] + k[None, :], (start[:, None] + k[None, :]).to(tl.int32), mask=m)
+        end = row_start + tl.sum(tl.sum(own, axis=1), axis=0) + tail
+        first = tl.load(starts_ptr + h * (G + 1) + G)
+        for t in range(gb * BLOCK_T, tail, NB * BLOCK_T):  # the dense tail closes the list, its programs in turn
+            kt = t + tl.arange(0, BLOCK_T)
+            tl.store(out_ptr + end - tail + kt, (first + kt).to(tl.int32), mask=kt < tail)
+    if gb == 0:  # the row's first program: its end in indptr
+        tl.store(indptr_ptr + r + 1, end)
+        if r == 0:
+            tl.store(indptr_ptr, end * 0)
 
 
 @triton.jit(do_not_specialize=EXPAND_SIZES)
@@ -104,46 +160,5 @@ def expand_groups_kernel(
         W = tl.load(at + 3).to(tl.int32)
         if gb >= NB:
             return
-    h = r // ROWS_PER_HEAD
-    rr = tl.arange(0, RCHUNK)[:, None]
-    bb = tl.arange(0, BLOCK_NB)[None, :]
-    row_start = tl.full([], 0, tl.int64)
-    for r0 in range(0, r, RCHUNK):  # every block of the earlier rows
-        row = r0 + rr
-        sums = tl.load(block_sums_ptr + row * NB + bb, mask=(row < r) & (bb < NB), other=0)  # [RCHUNK, BLOCK_NB]
-        if HAS_FIXED:  # an earlier fixed row holds W positions, none of its groups nor the tail
-            on = tl.load(fixed_on_ptr + row // ROWS_PER_HEAD, mask=row < r, other=0) != 0  # [RCHUNK, 1]
-            sums = tl.where(on, 0, sums)
-            row_start += tl.sum(tl.sum(tl.where(on, W - tail, 0), axis=1), axis=0)
-        row_start += tl.sum(tl.sum(sums, axis=1), axis=0)
-    row_start += r * tail
-    own = tl.load(block_sums_ptr + r * NB + bb, mask=bb < NB, other=0)  # [1, BLOCK_NB]: this row's blocks
-    fixed_row = False
-    if HAS_FIXED:
-        fixed_row = tl.load(fixed_on_ptr + h) != 0
-    if fixed_row:  # the row's list is lists[h], written by its NB programs in turn (BLOCK_T positions each)
-        end = row_start + W
-        for t in range(gb * BLOCK_T, W, NB * BLOCK_T):
-            kt = t + tl.arange(0, BLOCK_T)
-            tl.store(out_ptr + row_start + kt, tl.load(fixed_ptr + h * W + kt, mask=kt < W, other=0), mask=kt < W)
-    else:
-        base = row_start + tl.sum(tl.sum(tl.where(bb < gb, own, 0), axis=1), axis=0)  # this row's earlier blocks
-        for sub in tl.static_range(0, BLOCK_G, SUB):  # groups SUB at a time: each loop runs to its SUB's longest
-            g = gb * BLOCK_G + sub + tl.arange(0, SUB)
-            size, start = kept_sizes(keep_ptr, starts_ptr, r, h, g, G, G)
-            dest = base + tl.cumsum(size, axis=0) - size  # [SUB]
-            base += tl.sum(size, axis=0)
-            longest = tl.max(size, axis=0).to(tl.int32)
-            for j in range(0, longest, BLOCK_K):
-                k = j + tl.arange(0, BLOCK_K)
-                m = k[None, :] < size[:, None]
-                tl.store(out_ptr + dest[:, None] + k[None, :], (start[:, None] + k[None, :]).to(tl.int32), mask=m)
-        end = row_start + tl.sum(tl.sum(own, axis=1), axis=0) + tail
-        first = tl.load(starts_ptr + h * (G + 1) + G)
-        for t in range(gb * BLOCK_T, tail, NB * BLOCK_T):  # the dense tail closes the list, its programs in turn
-            kt = t + tl.arange(0, BLOCK_T)
-            tl.store(out_ptr + end - tail + kt, (first + kt).to(tl.int32), mask=kt < tail)
-    if gb == 0:  # the row's first program: its end in indptr
-        tl.store(indptr_ptr + r + 1, end)
-        if r == 0:
-            tl.store(indptr_ptr, end * 0)
+    expand_block(keep_ptr, starts_ptr, block_sums_ptr, indptr_ptr, out_ptr, G, NB, ROWS_PER_HEAD, tail, fixed_ptr,
+                 fixed_on_ptr, W, r, gb, BLOCK_G, BLOCK_K, SUB, RCHUNK, BLOCK_NB, BLOCK_T, HAS_FIXED)

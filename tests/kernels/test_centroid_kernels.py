@@ -289,13 +289,15 @@ def test_centroids_read_ahead_of_the_wait_give_the_same_lookup(lq):
 
 
 @pytest.mark.parametrize("hq,hkv,codes,mode", [(4, 2, False, "passes"), (8, 2, True, "passes"), (4, 1, False, "passes"),
-                                                (4, 2, False, "cut"), (8, 2, True, "cut")])
+                                                (4, 2, False, "cut"), (8, 2, True, "cut"), (4, 2, False, "expand"),
+                                                (8, 2, True, "expand"), (4, 1, False, "expand")])
 def test_a_decode_lookup_in_one_launch_is_the_two_passes_bit_for_bit(monkeypatch, hq, hkv, codes, mode):
     """Given lookup_sync's counters, a one-token lookup with a row per KV head runs its denominator and score passes
     as two queues of one launch (centroid_decode_lookup_kernel): the same scores, keep, selection and cut bit for
     bit as the two launches, at a threshold and cut at a number of keys (a KeyCount with listed positions, per head
     or in all, a fixed head), over float or one-byte centroids, with blocks split over programs, a block read ahead of
-    the wait or not, and (mode "cut") the cut at the keys decided in the same launch; the counters are left zeroed,
+    the wait or not, (mode "cut") the cut at the keys decided in the same launch and (mode "expand") the expansion
+    too (a fixed head's list included); the counters are left zeroed,
     so the next lookup (another head count, another split) reuses them. (Triton's interpreter runs one program at a
     time, to its end: the queues' worst case of programs resident at once, so these runs also show that no program
     waits on one that has not started.)"""
@@ -800,7 +802,7 @@ def test_gpu_cut_at_a_number_of_keys_at_128k(lq, exact_float32_matmul):
 @pytest.mark.gpu
 @needs_cuda
 @pytest.mark.parametrize("length", [131072, 524288])
-@pytest.mark.parametrize("mode", ["passes", "cut"])
+@pytest.mark.parametrize("mode", ["passes", "cut", "expand"])
 def test_gpu_decode_lookup_in_one_launch_at_long_contexts(monkeypatch, length, mode, exact_float32_matmul):
     """The one-launch decode lookup at 128K and 512K (bfloat16 queries over one-byte centroids, the default tiles),
     repeated on the same counters: bit for bit the two passes' scores, keep and selection, cut at 10% of the keys

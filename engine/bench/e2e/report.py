@@ -182,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
                              "GPU has it (kernels/launch.py; the product's default)")
     parser.add_argument("--one-launch", choices=centroid_ops.ONE_LAUNCH_MODES, default=centroid_ops.ONE_LAUNCH,
                         help="what a decode step's centroid lookup runs in one launch: nothing, both passes (the "
-                             "product's default) or both passes and the cut (kernels/centroid_ops.py ONE_LAUNCH)")
+                             "product's default), both passes and the cut, or the whole lookup with its expansion "
+                             "(kernels/centroid_ops.py ONE_LAUNCH)")
     parser.add_argument("--fit-items", action=argparse.BooleanOptionalAction, default=True,
                         help="a decode step's attention cuts a heavier selection than planned into longer items on "
                              "the device (kernels/union_ops.py FIT_ITEMS; the product's default)")
