@@ -15,10 +15,15 @@ from kernels.backend import REFERENCE, TRITON, Backend
 from tests.engine.test_later_lookups import DEVICE, _lookup
 
 
-@pytest.mark.parametrize("backend", [REFERENCE, TRITON], ids=["torch", "triton"])
-def test_lookups_given_counters_give_each_its_own_lookup(backend: Backend):
+@pytest.mark.parametrize("backend,mode", [(REFERENCE, "passes"), (TRITON, "passes"), (TRITON, "expand")],
+                         ids=["torch", "triton", "triton-whole-lookup"])
+def test_lookups_given_counters_give_each_its_own_lookup(monkeypatch, backend: Backend, mode: str):
     """Three lookups over contexts of their own, one after another on one layer's counters: each keep, score and
-    selection the backend's cluster_select's without them, bit for bit, and the counters left zeroed."""
+    selection the backend's cluster_select's without them, bit for bit, and the counters left zeroed (mode: what
+    the one launch runs, kernels.centroid_ops.ONE_LAUNCH)."""
+    from kernels import centroid_ops
+
+    monkeypatch.setattr(centroid_ops, "ONE_LAUNCH", mode)
     sync = backend.kernel("centroid").lookup_sync(torch.device(DEVICE))
     synced = SyncedLookups.over(backend, sync)
     for args, kwargs in (_lookup(0, 37, 40), _lookup(1, 23, 25), _lookup(2, 51, 70, total=200)):
