@@ -788,15 +788,16 @@ def centroid_cut_kernel(
         if blk >= NB:
             return
     _cut_block(score_ptr, counts_ptr, keep_ptr, starts_ptr, block_sums_ptr, tl.load(cut_ptr), row, row // RPK, blk,
-               C, NB, stride_nh, stride_kr, stride_or, BLOCK_C, AMONG, HAS_STARTS)
+               C, NB, stride_nh, stride_kr, stride_or, BLOCK_C, AMONG, HAS_STARTS, "")
 
 
 @triton.jit
 def _cut_block(score_ptr, counts_ptr, keep_ptr, starts_ptr, block_sums_ptr, threshold, row, kv_head, blk, C, NB,
                stride_nh, stride_kr, stride_or, BLOCK_C: tl.constexpr, AMONG: tl.constexpr, HAS_STARTS: tl.constexpr,
-               CACHE: tl.constexpr = ""):
+               CACHE: tl.constexpr):
     """A cut's decision for one row's block of BLOCK_C centroids at `threshold` (centroid_cut_kernel's program);
-    CACHE: the scores' load's cache modifier (".cg": scores other programs of the same launch wrote)."""
+    CACHE: the scores' load's cache modifier ("", or ".cg": scores other programs of the same launch wrote; always
+    passed: Triton 3.6 cannot take a string default of a nested function's constexpr)."""
     cid = blk * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cid < C
     cnt = tl.load(counts_ptr + kv_head * stride_nh + cid, mask=c_ok, other=0)

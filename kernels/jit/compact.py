@@ -23,9 +23,10 @@ EXPAND_SIZES = ["G", "NB", "W"]
 
 
 @triton.jit
-def kept_sizes(keep_ptr, starts_ptr, r, h, g, G, stride_kr, CACHE: tl.constexpr = ""):
+def kept_sizes(keep_ptr, starts_ptr, r, h, g, G, stride_kr, CACHE: tl.constexpr):
     """Groups g [BLOCK] of row r (head h): sizes (0 where not kept or g >= G) and starts, both int64 [BLOCK];
-    CACHE: keep's load's cache modifier (".cg": keep written by other programs of the same launch)."""
+    CACHE: keep's load's cache modifier ("", or ".cg": keep written by other programs of the same launch; always
+    passed: Triton 3.6 cannot take a string default of a nested function's constexpr)."""
     m = g < G
     kept = tl.load(keep_ptr + r * stride_kr + g, mask=m, other=0, cache_modifier=CACHE) != 0
     start = tl.load(starts_ptr + h * (G + 1) + g, mask=m, other=0)
@@ -49,7 +50,7 @@ def group_block_sums_kernel(
     r = tl.program_id(0)
     gb = tl.program_id(1)
     g = gb * BLOCK_G + tl.arange(0, BLOCK_G)
-    size, _ = kept_sizes(keep_ptr, starts_ptr, r, r // ROWS_PER_HEAD, g, G, G)
+    size, _ = kept_sizes(keep_ptr, starts_ptr, r, r // ROWS_PER_HEAD, g, G, G, "")
     tl.store(block_sums_ptr + r * NB + gb, tl.sum(size, axis=0))
 
 
@@ -57,7 +58,7 @@ def group_block_sums_kernel(
 def expand_block(keep_ptr, starts_ptr, block_sums_ptr, indptr_ptr, out_ptr, G, NB, ROWS_PER_HEAD, tail, fixed_ptr,
                  fixed_on_ptr, W, r, gb, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                  RCHUNK: tl.constexpr, BLOCK_NB: tl.constexpr, BLOCK_T: tl.constexpr, HAS_FIXED: tl.constexpr,
-                 CACHE: tl.constexpr = ""):
+                 CACHE: tl.constexpr):
     """Row r's block gb of BLOCK_G groups expanded (expand_groups_kernel's program; its arguments as there); CACHE:
     the cache modifier of keep's and the block sums' loads (".cg": written by other programs of the same launch,
     kernels.jit.centroid.centroid_decode_lookup_kernel's expansion queue)."""
@@ -161,4 +162,4 @@ def expand_groups_kernel(
         if gb >= NB:
             return
     expand_block(keep_ptr, starts_ptr, block_sums_ptr, indptr_ptr, out_ptr, G, NB, ROWS_PER_HEAD, tail, fixed_ptr,
-                 fixed_on_ptr, W, r, gb, BLOCK_G, BLOCK_K, SUB, RCHUNK, BLOCK_NB, BLOCK_T, HAS_FIXED)
+                 fixed_on_ptr, W, r, gb, BLOCK_G, BLOCK_K, SUB, RCHUNK, BLOCK_NB, BLOCK_T, HAS_FIXED, "")
