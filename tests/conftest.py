@@ -19,6 +19,23 @@ if XDIST_WORKERS:
 
 from engine.model.load import LoadedModel, load_model
 
+# SQUEEZE_KERNEL_LAUNCHES=FILE: record every kernel variant the run launches (tests/kernels/launches.py) into FILE
+# (FILE.gwN in an xdist worker), for `python -m tests.kernels.compile_check --launches FILE*`
+LAUNCHES = os.environ.get("SQUEEZE_KERNEL_LAUNCHES")
+if LAUNCHES:
+    from tests.kernels.launches import Recorder
+
+    RECORDER = Recorder()
+    RECORDER.install()
+
+
+def pytest_sessionfinish(session):
+    if LAUNCHES:
+        from pathlib import Path
+
+        worker = os.environ.get("PYTEST_XDIST_WORKER")
+        RECORDER.save(Path(f"{LAUNCHES}.{worker}" if worker else LAUNCHES))
+
 
 @pytest.fixture(scope="session")
 def real_lm_load(tmp_path_factory) -> tuple[LoadedModel, list[tuple[str, int, int]]]:

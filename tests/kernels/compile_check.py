@@ -1,13 +1,26 @@
-"""Compile the centroid lookup's and the expansion's kernels for an H100 (sm_90) with the installed Triton, no GPU
-needed: `python -m tests.kernels.compile_check` (TRITON_INTERPRET unset or 0; under the interpreter nothing
-compiles). The interpreter runs what Triton's compiler may refuse (a constexpr's type, a nested function's
-argument), so a kernel variant the CPU tests pass can still fail on a GPU; this compiles each variant a decode step
-or a question's lookup launches. Prints one line per variant; exits 1 at the first that does not compile."""
+"""Compile kernel variants for an H100 (sm_90) with the installed Triton, no GPU needed.
+
+    python -m tests.kernels.compile_check                      the centroid lookup's and the expansion's variants
+    python -m tests.kernels.compile_check --launches FILE ...  every variant a recorded test run launched
+
+(TRITON_INTERPRET unset or 0: under the interpreter nothing compiles.) The interpreter runs what Triton's compiler
+may refuse (a constexpr's type, a nested function's argument), so a kernel variant the CPU tests pass can still fail
+on a GPU. To check every variant the CPU tests launch, before a GPU run:
+
+    SQUEEZE_KERNEL_LAUNCHES=/tmp/launches python -m pytest -q tests/kernels tests/engine
+    python -m tests.kernels.compile_check --launches /tmp/launches*
+
+(tests/kernels/launches.py records them). Prints one line per variant; exits 1 if any does not compile.
+"""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import inspect
+import json
 import sys
+from pathlib import Path
 
 import triton
 from triton.backends.compiler import GPUTarget
@@ -70,15 +83,47 @@ def variants() -> list[tuple[str, object, dict, tuple[str, ...]]]:
     return out
 
 
-def main() -> int:
-    for label, kernel, constexprs, pointers in variants():
+def compile_launch(v: dict) -> None:
+    """A variant tests/kernels/launches.py recorded, compiled for TARGET as a GPU launches it (with PDL where the
+    kernel takes it: the interpreter's launches have it off)."""
+    module = importlib.import_module(v["module"])
+    kernel = getattr(module, v["name"])
+    names = list(v["signature"])
+    constexprs = dict(v["constexprs"], **({"PDL": True} if "PDL" in v["constexprs"] else {}))
+    values = {(names.index(name),): value for name, value in constexprs.items()}
+    triton.compile(ASTSource(fn=kernel, signature=v["signature"], constexprs=values), target=TARGET)
+
+
+def recorded(paths: list[str]) -> list[tuple[str, dict]]:
+    """The distinct variants of the record files (label, variant)."""
+    seen: dict[str, dict] = {}
+    for path in paths:
+        for v in json.loads(Path(path).read_text()):
+            seen.setdefault(json.dumps(v, sort_keys=True), v)
+    return [(f"{v['name']} {json.dumps(v['constexprs'], sort_keys=True)}", v) for v in seen.values()]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.kernels.compile_check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--launches", nargs="*", default=None,
+                        help="record files of a test run (SQUEEZE_KERNEL_LAUNCHES, tests/conftest.py): compile every "
+                             "variant they hold instead of the listed ones")
+    args = parser.parse_args(argv)
+    if args.launches is not None:
+        jobs = [(label, lambda v=v: compile_launch(v)) for label, v in recorded(args.launches)]
+    else:
+        jobs = [(label, lambda k=k, c=c, p=p: compile_variant(k, c, p)) for label, k, c, p in variants()]
+    failed = 0
+    for label, job in jobs:
         try:
-            compile_variant(kernel, constexprs, pointers)
+            job()
         except Exception as exc:  # noqa: BLE001 (the compiler's errors have many types)
             print(f"FAILED {label}: {type(exc).__name__}: {exc}", file=sys.stderr)
-            return 1
+            failed += 1
+            continue
         print(f"compiled {label}")
-    return 0
+    print(f"{len(jobs) - failed} of {len(jobs)} compiled", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
