@@ -29,6 +29,8 @@ def argument_form(value, constexpr: bool):
         return "constexpr", value
     if isinstance(value, torch.Tensor):
         return "*" + ELEMENT[value.dtype], None
+    if isinstance(getattr(value, "base", None), torch.Tensor) and hasattr(value, "block_shape"):  # a TMA descriptor
+        return f"tensordesc<{ELEMENT[value.base.dtype]}[{', '.join(str(int(n)) for n in value.block_shape)}]>", None
     if isinstance(value, bool):
         return "i1", None
     if isinstance(value, int):
