@@ -33,7 +33,7 @@ import triton
 
 from kernels.checks import LOG2E, check_valid
 from kernels.compact_ops import BLOCK_T as EXPAND_BLOCK_T
-from kernels.compact_ops import SUM_TILE, Expansion, batch_tables, launch_expansions, plan_expansion
+from kernels.compact_ops import Expansion, batch_tables, launch_expansions, plan_expansion, sum_tiles
 from kernels.jit.centroid import (
     centroid_cut_kernel,
     centroid_decode_lookup_kernel,
@@ -777,24 +777,23 @@ def _run_one_launch(p: _Passes, sync: torch.Tensor, cut_here: bool = False, expa
         D=d, BLOCK_D=_block_d(d), BLOCK_M=cfg.block_m, BLOCK_C=cfg.block_c, SCORE_M=p.score_m,
         SCORE_C=cfg.score_tiles[1], BLOCK_SPLIT=_split_tile([p]), HAS_STARTS=True, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, AHEAD=cfg.one_launch_ahead, CUT_HERE=cut_here, **p.cut_args,
-        **_expansion_args(expansion, p.score_blocks), SYNC=SYNC_SLOTS, **_dot_options(q, p.scaled),
+        **_expansion_args(expansion, p.score_blocks, cfg.score_tiles[1]), SYNC=SYNC_SLOTS, **_dot_options(q, p.scaled),
         **dependent_launch(q.device),
     )
 
 
-def _expansion_args(e: Expansion | None, nb: int) -> dict:
+def _expansion_args(e: Expansion | None, nb: int, block_c: int) -> dict:
     """centroid_decode_lookup_kernel's arguments of an expansion in its launch (launch_expansions' of the one), or
     none."""
     if e is None:
         return {}
-    if e.nb != nb:
-        raise ValueError(f"the expansion's blocks ({e.nb}) must be the score pass's ({nb})")
+    if e.nb != nb or e.block_g != block_c:
+        raise ValueError(f"the expansion's blocks ({e.nb} of {e.block_g}) must be the score pass's ({nb} of {block_c})")
     lists, on, width = e.fixed_args
-    block_nb = max(2, triton.next_power_of_2(nb))
+    rchunk, block_nb = sum_tiles(e.keep.shape[0], nb)
     return dict(indptr_ptr=e.indptr, out_ptr=e.out, fixed_ptr=lists, fixed_on_ptr=on, W=width, tail=e.tail,
-                EXPAND_HERE=True, EXP_BLOCK_K=e.block_k, EXP_SUB=e.sub,
-                EXP_RCHUNK=max(1, min(triton.next_power_of_2(e.keep.shape[0]), SUM_TILE // block_nb)),
-                EXP_BLOCK_NB=block_nb, EXP_BLOCK_T=EXPAND_BLOCK_T, EXP_FIXED=e.has_fixed)
+                EXPAND_HERE=True, EXP_BLOCK_K=e.block_k, EXP_SUB=e.sub, EXP_RCHUNK=rchunk, EXP_BLOCK_NB=block_nb,
+                EXP_BLOCK_T=EXPAND_BLOCK_T, EXP_FIXED=e.has_fixed)
 
 
 def _dot_options(q: torch.Tensor, scaled: bool) -> dict:

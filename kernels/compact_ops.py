@@ -152,12 +152,19 @@ def plan_expansion(keep: torch.Tensor, starts: torch.Tensor, block_sums: torch.T
                                 min(sub, block_g), block_k, fixed is not None)
 
 
+def sum_tiles(rows: int, nb: int) -> tuple[int, int]:
+    """(RCHUNK, BLOCK_NB) of an expansion of `rows` rows and up to `nb` blocks: the rows of block sums a program
+    reads per step, and the blocks, a power of two (the block sums' integer sums: any order)."""
+    block_nb = max(2, triton.next_power_of_2(nb))
+    return max(1, min(triton.next_power_of_2(rows), SUM_TILE // block_nb)), block_nb
+
+
 def launch_expansions(plans: list[Expansion], keep: Keep = None) -> None:
     """expand_groups_kernel for expansions of one kind (Expansion.kind): one as it is, several BATCHED (their
     tensors and values in tables; keep: as kernels.union_ops.union_attention_batch's)."""
     e = plans[0]
     rows = e.keep.shape[0]
-    block_nb = max(2, triton.next_power_of_2(max(p.nb for p in plans)))  # (the block sums' integer sums: any)
+    rchunk, block_nb = sum_tiles(rows, max(p.nb for p in plans))
     batch = {}
     if len(plans) > 1:
         batch = batch_tables(plans, lambda p: (p.keep, p.starts, p.block_sums, p.indptr, p.out, *p.fixed_args[:2]),
@@ -166,7 +173,7 @@ def launch_expansions(plans: list[Expansion], keep: Keep = None) -> None:
     expand_groups_kernel[(rows, max(p.nb for p in plans), len(plans))](
         e.keep, e.starts, e.block_sums, e.indptr, e.out, e.keep.shape[1], e.nb, rows // e.starts.shape[0], e.tail,
         *e.fixed_args, BLOCK_G=e.block_g, BLOCK_K=e.block_k, SUB=e.sub,
-        RCHUNK=max(1, min(triton.next_power_of_2(rows), SUM_TILE // block_nb)), BLOCK_NB=block_nb, BLOCK_T=BLOCK_T,
+        RCHUNK=rchunk, BLOCK_NB=block_nb, BLOCK_T=BLOCK_T,
         HAS_FIXED=e.has_fixed, num_stages=1,  # no pipeline buffers: they would only cost occupancy
         **dependent_launch(e.keep.device), **batch,
     )
