@@ -48,6 +48,7 @@ from kernels.reference.centroid import (  # noqa: F401
     CUT_BINS,
     CUT_LOW,
     CUT_PER,
+    SYNC_SLOTS,
     SelectCall,
     binned_cut,
     centroid_log_scores,
@@ -87,7 +88,6 @@ SPLIT_TILE = 32
 # into one again. Results are the same bits either way.
 WIDE_CODES_TOKENS = 256
 LARGE_DECODE_CENTROIDS = 16384  # decode lookups over at least this many centroids per head take the long-context tiles
-SYNC_SLOTS = 9  # int32 counters of a one-launch decode lookup's queues (centroid_decode_lookup_kernel's sync)
 # A benchmark's switch (squeeze bench e2e --one-launch): what a decode lookup given `sync` runs in one launch: "off"
 # (nothing: the passes and the cut as without it), "passes" (both passes; the cut, where keys are asked, in a launch
 # of its own), "cut" (both passes and the cut: one launch before the expansion) or "expand" (the whole lookup:
@@ -743,8 +743,8 @@ def _run_selects(records: list[_Select], hold: Keep) -> None:
     """The launches of cluster_select lookups of one kind: both passes, the cut where keys are asked, the
     expansion."""
     passes = [r.passes for r in records]
+    cut_here = expand_here = False
     if passes[0] is not None:
-        cut_here = expand_here = False
         if records[0].sync is not None:  # a lone lookup (_Select.kind)
             cut_here = ONE_LAUNCH in ("cut", "expand") and passes[0].cut is not None
             expand_here = ONE_LAUNCH == "expand" and records[0].expansion is not None
@@ -753,9 +753,7 @@ def _run_selects(records: list[_Select], hold: Keep) -> None:
             _run_passes(passes, hold)
         if passes[0].cut is not None and not cut_here:
             _cut(passes, records[0].block_c, hold=hold)
-        if expand_here:
-            return
-    if records[0].expansion is not None:
+    if records[0].expansion is not None and not expand_here:
         launch_expansions([r.expansion for r in records], hold)
 
 

@@ -295,10 +295,14 @@ class SelectCall:
         return dict(fixed=self.fixed, step=self.step, valid=self.valid, keys=self.keys, sync=self.sync)
 
 
+# int32 counters of a one-launch decode lookup's queues (kernels/centroid_ops.py, centroid_decode_lookup_kernel's sync)
+SYNC_SLOTS = 9
+
+
 def lookup_sync(device: torch.device) -> torch.Tensor:
-    """Counters for the kernels' one-launch decode lookups (kernels/centroid_ops.py), zeroed: [7] int32, unused
-    here."""
-    return torch.zeros(7, dtype=torch.int32, device=device)
+    """Counters for the kernels' one-launch decode lookups (kernels/centroid_ops.py), zeroed: [SYNC_SLOTS] int32,
+    unused here (the same counters either backend makes, so a layer's serve the kernels whichever made them)."""
+    return torch.zeros(SYNC_SLOTS, dtype=torch.int32, device=device)
 
 
 def select_later(call: SelectCall, pending: list) -> tuple[torch.Tensor, torch.Tensor, Selection]:
