@@ -49,6 +49,10 @@ class HierarchicalSettings(MethodSettings):
         prefill_threshold: as squeeze's (SqueezeSettings)
     centroids: as squeeze's, for both levels ("int8": one byte each; level 2 is squeeze's centroids, stored again
         in this form whatever squeeze's own)
+    level1: how a lookup at a number of keys picks level 1's survivors: "cut" (the best level-1 clusters holding
+        1 - level1_prune of the keys, and at least level 2's: a cut of its own, like level 2's) or "threshold"
+        (the calibrated level-1 threshold, as at a threshold plan: no cut of its own; level 2's cut still reads the
+        budget, among fewer candidates where a question's scores prune more than the calibration's)
     """
 
     level1_ratio: float = 0.01
@@ -59,8 +63,11 @@ class HierarchicalSettings(MethodSettings):
     group: str = "kv"
     prefill_threshold: str = "calibrated"
     centroids: str = "int8"
+    level1: str = "cut"
 
     def __post_init__(self) -> None:
+        if self.level1 not in ("cut", "threshold"):
+            raise ValueError(f"level1 must be 'cut' or 'threshold', got {self.level1!r}")
         if not 0 < self.level1_ratio <= 1:
             raise ValueError(f"level1_ratio must be in (0, 1], got {self.level1_ratio}")
         if not 0 <= self.level1_prune < 1:
@@ -227,12 +234,13 @@ class HierarchicalSqueezePolicy(Method):
         exact = cut is not None and q.device.type == "cpu"  # the CPU cuts between whole clusters (a sort); a GPU
         # inside the lookups' kernels (whole bins of the scores' histogram)
         keys1 = None
-        if cut is not None:  # the best level-1 clusters up to the keys level 1 keeps at this room (at least level 2's)
+        if cut is not None and self.settings.level1 == "cut":  # the best level-1 clusters up to the keys level 1
+            # keeps at this room (at least level 2's)
             room = cut[0]
             share = 1.0 - level1_prune(1.0 - room, self.settings)
             keys1 = cut_keys(room, layer, hkv, q.shape[2], hkv * centroid_elements(layer, q.element_size()),
                              cut[1]).at_least(share * hkv * layer.indexed)  # at least level 2's keys and this share
-        if exact:
+        if exact and keys1 is not None:
             keep1, score1 = centroid.cluster_keep(q, layer["l1_centroids"], layer["l1_counts"], scale, 0.0, rows,
                                                   step=code_step(layer, "l1_"), valid=valid)
             keep1 = keep1 & (score1 > cut_threshold(score1, layer["l1_counts"], keys1.value(device=q.device)))

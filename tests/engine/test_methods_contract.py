@@ -45,8 +45,12 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # the kernels run compi
 # Every method is checked with its defaults, and these with their other index too: float centroids (the paper's;
 # one byte is the default, duo-squeeze reads squeeze's) and exact page bounds (the paper's; one byte is the default).
 OTHER_INDEX = {"squeeze": {"centroids": "exact"}, "hsqueeze": {"centroids": "exact"}, "quest": {"bounds": "exact"}}
+# Settings of a lookup that are not its defaults, each a variant of its own: hsqueeze's level 1 at its calibrated
+# threshold rather than cut at a number of keys.
+VARIANTS = {"defaults": {}, "other index": OTHER_INDEX, "level-1 threshold": {"hsqueeze": {"level1": "threshold"}}}
 CASES = [pytest.param(n, "defaults", id=n) for n in SPARSE_METHODS] + [
-    pytest.param(n, "other index", id=f"{n}-other-index") for n in ("squeeze", "hsqueeze", "duo-squeeze", "quest")]
+    pytest.param(n, "other index", id=f"{n}-other-index") for n in ("squeeze", "hsqueeze", "duo-squeeze", "quest")] + [
+    pytest.param("hsqueeze", "level-1 threshold", id="hsqueeze-level-1-threshold")]
 
 
 def synthetic_context(seed: int = 0):
@@ -67,8 +71,7 @@ def synthetic_context(seed: int = 0):
 
 def build_context(variant: str):
     keys, values, queries = synthetic_context()
-    settings = {n: {**SMALL_CONTEXT.get(n, {}), **(OTHER_INDEX.get(n, {}) if variant == "other index" else {})}
-                for n in SPARSE_METHODS}
+    settings = {n: {**SMALL_CONTEXT.get(n, {}), **VARIANTS[variant].get(n, {})} for n in SPARSE_METHODS}
     methods = [make_method(n, settings[n]) for n in build_order(SPARSE_METHODS)]
     prepared = {m.name: m.stand_in(list(LAYERS), HKV, D) for m in methods}  # what a trained model would have given
     artifacts = build_methods(keys, queries, TAIL, methods, SCALE, torch.device("cpu"), prepared=prepared)
@@ -79,7 +82,7 @@ def build_context(variant: str):
 
 @pytest.fixture(scope="module")
 def contexts():
-    """variant ("defaults", "other index") -> (keys, values, queries, methods by name, artifacts), built once."""
+    """variant (of VARIANTS) -> (keys, values, queries, methods by name, artifacts), built once."""
     built = {}
 
     def get(variant: str):
