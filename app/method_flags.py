@@ -16,7 +16,7 @@ METHOD_SETTINGS: dict[str, dict[str, bool | int | float | str]] = {
     },
     "hsqueeze": {
         "level1_ratio": 0.01, "level1_prune": 0.5, "kmeans": "query", "kmeans_iters": 20, "seed": 0, "group": "kv",
-        "prefill_threshold": "calibrated", "centroids": "int8",
+        "prefill_threshold": "calibrated", "centroids": "int8", "level1": "cut",
     },
     "quest": {
         "page_size": 16, "group": "kv", "bounds": "int8",
