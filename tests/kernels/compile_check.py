@@ -2,6 +2,7 @@
 
     python -m tests.kernels.compile_check                      the centroid lookup's and the expansion's variants
     python -m tests.kernels.compile_check --launches FILE ...  every variant a recorded test run launched
+    python -m tests.kernels.compile_check --ptx LABEL          the PTX of one listed variant
 
 (TRITON_INTERPRET unset or 0: under the interpreter nothing compiles.) The interpreter runs what Triton's compiler
 may refuse (a constexpr's type, a nested function's argument), so a kernel variant the CPU tests pass can still fail
@@ -36,10 +37,10 @@ POINTERS = {"q_ptr": "*bf16", "cent_ptr": "*u8", "step_ptr": "*fp32", "part_max_
             "elements_ptr": "*fp32"}
 
 
-def compile_variant(kernel, constexprs: dict, pointers: tuple[str, ...] = ()) -> None:
+def compile_variant(kernel, constexprs: dict, pointers: tuple[str, ...] = ()):
     """kernel compiled for TARGET with `constexprs` (the rest at their defaults); a pointer argument that defaults to
     None stays None (an unused one) unless named in `pointers`; every other argument a runtime value (int32 or
-    float32, by name)."""
+    float32, by name). Returns the compiled kernel (its `asm`: "ptx", ...)."""
     params = inspect.signature(kernel.fn).parameters
     signature, values = {}, {}
     for i, (name, param) in enumerate(params.items()):
@@ -51,7 +52,7 @@ def compile_variant(kernel, constexprs: dict, pointers: tuple[str, ...] = ()) ->
             signature[name] = POINTERS[name]
         else:
             signature[name] = "fp32" if name in FLOATS else "i32"
-    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values), target=TARGET)
+    return triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=values), target=TARGET)
 
 
 def variants() -> list[tuple[str, object, dict, tuple[str, ...]]]:
@@ -108,7 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--launches", nargs="*", default=None,
                         help="record files of a test run (SQUEEZE_KERNEL_LAUNCHES, tests/conftest.py): compile every "
                              "variant they hold instead of the listed ones")
+    parser.add_argument("--ptx", metavar="LABEL", help="print the PTX of the listed variant of this label instead")
     args = parser.parse_args(argv)
+    if args.ptx is not None:
+        found = [(k, c, p) for label, k, c, p in variants() if label == args.ptx]
+        if not found:
+            parser.error(f"no listed variant is labelled {args.ptx!r}: {[v[0] for v in variants()]}")
+        print(compile_variant(*found[0]).asm["ptx"])
+        return 0
     if args.launches is not None:
         jobs = [(label, lambda v=v: compile_launch(v)) for label, v in recorded(args.launches)]
     else:

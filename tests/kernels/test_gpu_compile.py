@@ -6,6 +6,7 @@ refuses. The lookup's and the expansion's listed variants, and a launch recorded
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +34,20 @@ def test_the_lookup_kernels_compile_for_an_h100():
     assert run.returncode == 0, run.stderr[-3000:]
     compiled = [line for line in run.stdout.splitlines() if line.startswith("compiled ")]
     assert len(compiled) == len(variants()), run.stdout
+
+
+@pytest.mark.parametrize("label,waits", [("one launch, threshold", 1), ("one launch, cut", 1),
+                                         ("one launch, cut here", 2), ("one launch, whole lookup", 3),
+                                         ("one launch, whole lookup at a threshold", 2)])
+def test_a_one_launch_lookups_waits_keep_their_ordering_when_compiled(label, waits):
+    """Each wait of a one-launch lookup reads its counter with acquire, and each count it waits for is added with
+    release, in the PTX for an H100: the interpreter runs its programs one after another, so only the compiled code
+    can show an ordering lost (an atomic whose result goes unused is dropped by the compiler, acquire and all)."""
+    run = _compile_check("--ptx", label)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.count("ld.global.gpu.acquire") >= waits, label
+    assert len(re.findall(r"(?:atom|red)\.global\.gpu\.release\.add", run.stdout)) >= waits, label  # (a result
+    # unused: Triton 3.9 writes a reduction, red, where 3.6 writes atom)
 
 
 def test_a_recorded_launch_compiles_for_an_h100(tmp_path):
