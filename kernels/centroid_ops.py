@@ -33,7 +33,16 @@ import triton
 
 from kernels.checks import LOG2E, check_valid
 from kernels.compact_ops import BLOCK_T as EXPAND_BLOCK_T
-from kernels.compact_ops import Expansion, batch_tables, launch_expansions, plan_expansion, sum_tiles
+from kernels.compact_ops import (
+    Expansion,
+    batch_tables,
+    expand_block_sums,
+    expand_groups,
+    launch_expansions,
+    plan_expansion,
+    sum_tiles,
+    write_tiles,
+)
 from kernels.jit.centroid import (
     centroid_cut_kernel,
     centroid_decode_lookup_kernel,
@@ -801,19 +810,24 @@ def _dot_options(q: torch.Tensor, scaled: bool) -> dict:
                 SCALED=scaled, CODES16=scaled and q.dtype != torch.float32)  # float16 dots over 1024 + code
 
 
-def _cut(calls: list[_Passes], block_c: int, among: bool = False, hold: Keep = None) -> None:
+def _cut(calls: list[_Passes], block_c: int, among: bool = False, hold: Keep = None,
+         sums: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
     """centroid_cut_kernel over each lookup's score [rows, C] at the threshold its score pass wrote (cut.out): keep
     [rows, C] written (among: only where the score pass marked it, a list's candidates), and with starts the kept
-    keys per block of block_c centroids into block_sums. Lookups of one kind: several BATCHED."""
+    keys per block of block_c centroids into block_sums (sums: (starts, block_sums) of a lone lookup whose passes
+    had none, a list's). Lookups of one kind: several BATCHED."""
     p = calls[0]
     rows, counts = p.rows, p.counts
-    starts, block_sums = p._starts_args
+    if sums is not None and len(calls) > 1:
+        raise ValueError("a cut given its block sums' tensors is a lone lookup's")
+    starts, block_sums = sums if sums is not None else p._starts_args
     batch = batch_tables(calls, _Passes.cut_pointers, lambda x: x.cut_params(block_c), (CUT_POINTERS, CUT_PARAMS),
                          p.q.device, hold, tiles=CUT_TILES) if len(calls) > 1 else {}
     nb = [max(1, triton.cdiv(x.c, block_c)) for x in calls]
     centroid_cut_kernel[(rows, max(nb), len(calls))](
         p.score, counts, p.cut.out, p.keep, starts, block_sums, p.c, nb[0], rows // counts.shape[0],
-        counts.stride(0), p.keep.stride(0), p.score.stride(0), BLOCK_C=block_c, HAS_STARTS=p.starts is not None,
+        counts.stride(0), p.keep.stride(0), p.score.stride(0), BLOCK_C=block_c,
+        HAS_STARTS=sums is not None or p.starts is not None,
         AMONG=among, num_warps=4, **dependent_launch(p.q.device), **batch,
     )
 
@@ -835,6 +849,7 @@ def cluster_keep_list(
     out_read: tuple[torch.Tensor, float, float] | None = None,
     keys: KeyCount | float | None = None,
     config: LookupConfig | None = None,
+    cut_sums: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The level-2 lookup over each row's candidate clusters only: `reference.cluster_keep(..., allowed=A)` with
     A[r, c] = (c is among row r's candidates), at a cost that grows with the number of candidates.
@@ -850,6 +865,8 @@ def cluster_keep_list(
     keys (rows == Hkv): instead of `threshold`, the candidates kept are the best ones holding about that many keys
               in all: the score pass's histogram and centroid_cut_kernel, as cluster_select's keys (a KeyCount
               less per_read of the elements read takes out_read).
+    cut_sums (with keys): (starts [Hkv, C + 1] int64, block_sums [rows, cdiv(C, CUT_BLOCK)] int64 out): the cut
+              also sums the kept clusters' keys per block of CUT_BLOCK clusters (the expansion's first step).
     Returns keep [rows, C] bool and score [rows, C] float32 as cluster_keep (0 / False off the candidates).
     No host synchronisation: the grid depends on (Hq, Lq, C, capacity) only.
     """
@@ -874,11 +891,15 @@ def cluster_keep_list(
     ran = _launch(q, centroids, counts, scale, 1.0 if keys is not None else threshold, rows, None,
                   cand_indptr.contiguous(), cand_idx.contiguous(), keep, score, config, step=step, valid=valid,
                   zero=True, elements=out_read if in_kernel else None, cut=cut)
+    if cut_sums is not None and keys is None:
+        raise ValueError("cut_sums are the cut's: they need keys")
     if ran is None:  # no candidate can be listed: nothing kept, nothing scored
         keep.zero_()
         score.zero_()
+        if cut_sums is not None:
+            cut_sums[1].zero_()
     elif keys is not None:
-        _cut([ran], CUT_BLOCK, among=True)
+        _cut([ran], CUT_BLOCK, among=True, sums=cut_sums)
     if out_read is not None and (not in_kernel or ran is None):
         out_read[0].copy_(read_elements(cand_indptr, hkv, out_read[1], out_read[2]))
     return keep, score
@@ -908,3 +929,27 @@ def cluster_keep_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.T
                                     candidates.indices, step=step, valid=valid,
                                     out_read=(elements, *read) if read is not None else None, keys=keys)
     return keep, score, elements
+
+
+def cluster_select_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scale: float,
+                         threshold: float, rows: int, candidates: Selection, starts: torch.Tensor, total: int,
+                         tail: int = 0, *, step: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                         read: tuple[float, float] | None = None, keys: torch.Tensor | float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Selection]:
+    """`kernels.reference.centroid.cluster_select_among` on the GPU: `cluster_keep_among`, then the expansion. With
+    keys, the cut's launch also sums the kept keys per block of CUT_BLOCK clusters, which the expansion reads: no
+    block sums launch of its own (where the expansion's tiles take CUT_BLOCK clusters a program)."""
+    c = centroids.shape[1]
+    block_g, sub, block_k = write_tiles(total, c)
+    sums = None
+    if keys is not None and rows == centroids.shape[0] and block_g == CUT_BLOCK:
+        sums = (starts.contiguous(), torch.empty(rows, triton.cdiv(c, CUT_BLOCK), dtype=torch.int64, device=q.device))
+    elements = torch.empty(centroids.shape[0], dtype=torch.float32, device=q.device) if read is not None else None
+    keep, score = cluster_keep_list(q, centroids, counts, scale, threshold, rows, candidates.indptr,
+                                    candidates.indices, step=step, valid=valid,
+                                    out_read=(elements, *read) if read is not None else None, keys=keys,
+                                    cut_sums=sums)
+    if sums is None:
+        return keep, score, elements, expand_groups(keep, starts, total, tail)
+    return keep, score, elements, expand_block_sums(keep, sums[0], sums[1], CUT_BLOCK, total, tail, sub=sub,
+                                                    block_k=block_k)

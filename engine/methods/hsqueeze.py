@@ -257,13 +257,17 @@ class HierarchicalSqueezePolicy(Method):
         # the room's keys, less what this level-2 lookup reads of the index (its elements, counted by its kernels)
         keys2 = None if cut is None else cut_keys(cut[0], layer, hkv, q.shape[2], 0.0, cut[1],
                                                   per_read=1.0 / (2 * q.shape[2]))
-        keep, score, read = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale,
-                                                        t2 if cut is None else 0.0, rows, candidates,
-                                                        step=code_step(layer), valid=valid, read=(base, per),
-                                                        keys=None if exact else keys2)
         if exact:  # the candidates' best level-2 clusters up to the room's keys
+            keep, score, read = centroid.cluster_keep_among(q, layer["centroids"], layer["counts"], scale, 0.0, rows,
+                                                            candidates, step=code_step(layer), valid=valid,
+                                                            read=(base, per))
             keep = keep & (score > cut_threshold(score, cut_sizes(layer, keys2) * keep, keys2.value(read, q.device)))
-        selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
+            selection = backend.kernel("compact").expand_groups(keep, layer["key_starts"], layer.indexed, layer.tail)
+        else:  # (a GPU's cut sums the kept keys per block for the expansion as it decides them)
+            keep, score, read, selection = centroid.cluster_select_among(
+                q, layer["centroids"], layer["counts"], scale, t2 if cut is None else 0.0, rows, candidates,
+                layer["key_starts"], layer.indexed, layer.tail, step=code_step(layer), valid=valid, read=(base, per),
+                keys=keys2)
         return Lookup(selection=selection, index_elements=read, units=keep, scores=score, sizes=layer["counts"])
 
     def reads(self, q: torch.Tensor, layer: LayerIndex, plans: list[ThresholdPlan], scale: float,

@@ -161,6 +161,18 @@ def cluster_keep_among(
     return keep, score, elements
 
 
+def cluster_select_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scale: float,
+                         threshold: float, rows: int, candidates: Selection, starts: torch.Tensor, total: int,
+                         tail: int = 0, *, step: torch.Tensor | None = None, valid: torch.Tensor | None = None,
+                         read: tuple[float, float] | None = None, keys: KeyCount | float | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Selection]:
+    """`cluster_keep_among`, its kept clusters then expanded into key positions: keep, score, the elements read and
+    `expand_groups(keep, starts, total, tail)` (starts [Hkv, C + 1]: where each cluster's keys lie)."""
+    keep, score, elements = cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates, step=step,
+                                               valid=valid, read=read, keys=keys)
+    return keep, score, elements, expand_groups(keep, starts, total, tail)
+
+
 def read_elements(indptr: torch.Tensor, hkv: int, base: float, per: float) -> torch.Tensor:
     """[Hkv] float32: base + per x the candidates of each KV head's rows (indptr [rows + 1], rows a multiple of
     Hkv): what a level-2 lookup reads of each head's index, for candidate lists of `per` elements a centroid."""

@@ -65,6 +65,7 @@ def variants() -> list[tuple[str, object, dict, tuple[str, ...]]]:
     expansion = ("indptr_ptr", "out_ptr", "fixed_ptr", "fixed_on_ptr")
     out = [("cut", centroid_cut_kernel, dict(BLOCK_C=128, PDL=True), ()),
            ("cut among", centroid_cut_kernel, dict(BLOCK_C=128, AMONG=True, HAS_STARTS=False, PDL=True), ()),
+           ("cut among, its block sums", centroid_cut_kernel, dict(BLOCK_C=256, AMONG=True, PDL=True), ()),
            ("block sums", group_block_sums_kernel, dict(BLOCK_G=256, PDL=True), ()),
            ("expansion", expand_groups_kernel, dict(BLOCK_G=128, BLOCK_K=8, SUB=128, RCHUNK=1, BLOCK_NB=64,
                                                     BLOCK_T=64, HAS_FIXED=True, PDL=True), ())]

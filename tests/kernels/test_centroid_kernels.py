@@ -404,6 +404,33 @@ def test_cluster_keep_among_cut_at_a_number_of_keys(hq, hkv, lq):
         assert torch.equal(keep, want[0]), (keys, float(asked.value(read)))
 
 
+@pytest.mark.parametrize("c", [C, 600])
+def test_cluster_select_among_expands_what_its_cut_kept(c):
+    """hsqueeze's level 2 with its expansion: at a number of keys the cut also sums the kept keys per block of
+    CUT_BLOCK clusters and the expansion reads them (600 clusters: three blocks); at a threshold, and with no
+    candidate at all, the expansion of its own. Keep, scores and the Selection are the reference's (its
+    cluster_keep_among, then expand_groups)."""
+    from kernels.centroid_ops import cluster_select_among
+
+    hq, hkv, lq, lc, tail = 4, 2, 1, 4 * c, 3
+    q, centroids, _, scale = make_inputs(hq, hkv, lq, torch.float32, 31, c=c)
+    counts, starts = clustered_counts(hkv, lc, c, 32)
+    allowed = random_allowed(hkv, c, 33, empty_row=False)
+    indptr, idx = to_csr(allowed, torch.int64, c=c)
+    candidates = Selection(indptr, idx, c)
+    among = float((counts * allowed.to(DEVICE)).sum())
+    nothing = Selection(torch.zeros(hkv + 1, dtype=torch.int64, device=DEVICE), idx, c)
+    for cands, keys in ((candidates, 0.3 * among), (candidates, 0.0), (candidates, 2.0 * among),
+                        (candidates, KeyCount(0.5 * among, per_read=0.5)), (candidates, None), (nothing, 0.3 * among)):
+        args = (q, centroids, counts, scale, 0.02, hkv, cands, starts, lc, tail)
+        want = reference.cluster_select_among(*args, read=(3.0, 2.0), keys=keys)
+        keep, score, read, sel = cluster_select_among(*args, read=(3.0, 2.0), keys=keys)
+        assert torch.equal(keep, want[0]), keys
+        torch.testing.assert_close(score, want[1], **TOL[torch.float32])
+        torch.testing.assert_close(read, want[2])
+        assert_same_selection(sel, want[3])
+
+
 def test_cluster_select_with_fixed_rows():
     """The streaming heads of duo-squeeze: rows of the marked heads read a fixed list instead of their clusters and
     the tail, written by the fused expansion; the result is the reference's (its expansion, then replace_rows)."""
