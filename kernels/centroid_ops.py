@@ -934,7 +934,7 @@ def cluster_keep_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.T
 def cluster_select_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.Tensor, scale: float,
                          threshold: float, rows: int, candidates: Selection, starts: torch.Tensor, total: int,
                          tail: int = 0, *, step: torch.Tensor | None = None, valid: torch.Tensor | None = None,
-                         read: tuple[float, float] | None = None, keys: torch.Tensor | float | None = None
+                         read: tuple[float, float] | None = None, keys: KeyCount | float | None = None
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, Selection]:
     """`kernels.reference.centroid.cluster_select_among` on the GPU: `cluster_keep_among`, then the expansion. With
     keys, the cut's launch also sums the kept keys per block of CUT_BLOCK clusters, which the expansion reads: no
