@@ -93,6 +93,21 @@ class CheckedLookups:
         keep, score, elements = self._triton.cluster_keep_among(q, centroids, counts, scale, threshold, rows,
                                                                 candidates, step=step, valid=valid, read=read,
                                                                 keys=keys)
+        return self._checked_among(q, centroids, counts, scale, threshold, rows, candidates, step, valid, read, keys,
+                                   keep, score, elements)
+
+    def cluster_select_among(self, q, centroids, counts, scale, threshold, rows, candidates, starts, total, tail=0, *,
+                             step=None, valid=None, read=None, keys=None):
+        keep, score, elements, sel = self._triton.cluster_select_among(q, centroids, counts, scale, threshold, rows,
+                                                                       candidates, starts, total, tail, step=step,
+                                                                       valid=valid, read=read, keys=keys)
+        self._checked_among(q, centroids, counts, scale, threshold, rows, candidates, step, valid, read, keys, keep,
+                            score, elements)
+        return keep, score, elements, sel
+
+    def _checked_among(self, q, centroids, counts, scale, threshold, rows, candidates, step, valid, read, keys, keep,
+                       score, elements):
+        """A level-2 lookup's keep and scores compared with the reference's on the same inputs."""
         ref = reference.cluster_keep_among(q, centroids, counts, scale, threshold, rows, candidates, step=step,
                                            valid=valid, read=read, keys=keys)
         if keys is not None:  # a cut: the reference's threshold from its own histogram of the candidates
