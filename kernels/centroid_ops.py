@@ -888,11 +888,11 @@ def cluster_keep_list(
     if keys is not None and rows != hkv:
         raise ValueError("a cut at a number of keys needs one row per KV head")
     cut = _Cut.new(keys, q.device) if keys is not None else None
+    if cut_sums is not None and keys is None:
+        raise ValueError("cut_sums are the cut's: they need keys")
     ran = _launch(q, centroids, counts, scale, 1.0 if keys is not None else threshold, rows, None,
                   cand_indptr.contiguous(), cand_idx.contiguous(), keep, score, config, step=step, valid=valid,
                   zero=True, elements=out_read if in_kernel else None, cut=cut)
-    if cut_sums is not None and keys is None:
-        raise ValueError("cut_sums are the cut's: they need keys")
     if ran is None:  # no candidate can be listed: nothing kept, nothing scored
         keep.zero_()
         score.zero_()
@@ -924,10 +924,17 @@ def cluster_keep_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch.T
                        keys: torch.Tensor | float | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """`kernels.reference.centroid.cluster_keep_among` on the GPU: `cluster_keep_list` over the candidates' lists."""
+    return _keep_among(q, centroids, counts, scale, threshold, rows, candidates, step, valid, read, keys)
+
+
+def _keep_among(q, centroids, counts, scale, threshold, rows, candidates, step, valid, read, keys, cut_sums=None):
+    """cluster_keep_among's work (its arguments), the cut also summing the kept keys per block with cut_sums
+    (cluster_keep_list's)."""
     elements = torch.empty(centroids.shape[0], dtype=torch.float32, device=q.device) if read is not None else None
     keep, score = cluster_keep_list(q, centroids, counts, scale, threshold, rows, candidates.indptr,
                                     candidates.indices, step=step, valid=valid,
-                                    out_read=(elements, *read) if read is not None else None, keys=keys)
+                                    out_read=(elements, *read) if read is not None else None, keys=keys,
+                                    cut_sums=cut_sums)
     return keep, score, elements
 
 
@@ -944,11 +951,8 @@ def cluster_select_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch
     sums = None
     if keys is not None and rows == centroids.shape[0] and block_g == CUT_BLOCK:
         sums = (starts.contiguous(), torch.empty(rows, triton.cdiv(c, CUT_BLOCK), dtype=torch.int64, device=q.device))
-    elements = torch.empty(centroids.shape[0], dtype=torch.float32, device=q.device) if read is not None else None
-    keep, score = cluster_keep_list(q, centroids, counts, scale, threshold, rows, candidates.indptr,
-                                    candidates.indices, step=step, valid=valid,
-                                    out_read=(elements, *read) if read is not None else None, keys=keys,
-                                    cut_sums=sums)
+    keep, score, elements = _keep_among(q, centroids, counts, scale, threshold, rows, candidates, step, valid, read,
+                                        keys, sums)
     if sums is None:
         return keep, score, elements, expand_groups(keep, starts, total, tail)
     return keep, score, elements, expand_block_sums(keep, sums[0], sums[1], CUT_BLOCK, total, tail, sub=sub,
