@@ -949,7 +949,7 @@ def cluster_select_among(q: torch.Tensor, centroids: torch.Tensor, counts: torch
     c = centroids.shape[1]
     block_g, sub, block_k = write_tiles(total, c)
     sums = None
-    if keys is not None and rows == centroids.shape[0] and block_g == CUT_BLOCK:
+    if keys is not None and block_g == CUT_BLOCK:  # (a cut needs a row per KV head: cluster_keep_list says so)
         sums = (starts.contiguous(), torch.empty(rows, triton.cdiv(c, CUT_BLOCK), dtype=torch.int64, device=q.device))
     keep, score, elements = _keep_among(q, centroids, counts, scale, threshold, rows, candidates, step, valid, read,
                                         keys, sums)

@@ -43,8 +43,9 @@ def argument_form(value, constexpr: bool):
 def variant(fn, args: tuple, kwargs: dict) -> dict:
     """A launch of kernel function `fn` (its Python function) as a JSON-able variant: module, name, signature
     {argument: type}, constexprs {argument: value}."""
-    params = inspect.signature(fn).parameters
-    bound = inspect.signature(fn).bind_partial(*args, **kwargs)
+    spec = inspect.signature(fn)
+    params = spec.parameters
+    bound = spec.bind_partial(*args, **kwargs)
     signature, constexprs = {}, {}
     for name, param in params.items():
         value = bound.arguments.get(name, param.default)
