@@ -35,7 +35,7 @@ def run(one_thread, tmp_path_factory):
     stdout = io.StringIO()
     with contextlib.redirect_stdout(stdout):
         code = main(["--shape", "tiny", "--device", "cpu", "--context", str(CONTEXT), "--steps", str(STEPS),
-                     "--questions", ",".join(QUESTIONS), "--no-peer", "--out", str(out_file)]
+                     "--questions", ",".join(QUESTIONS), "--prefill-turns", "2", "--no-peer", "--out", str(out_file)]
                     + [a for name, value in SMALL_SAAP["saap"].items() for a in ("--set", f"saap.{name}={value}")])
     lines = stdout.getvalue().strip().splitlines()
     assert len(lines) == 1  # one JSON line on stdout; progress goes to stderr
@@ -48,6 +48,7 @@ def test_exits_zero_and_writes_the_same_json(run):
     assert written == doc
     assert doc["device"] == "cpu" and doc["context"] == CONTEXT and doc["shape"] == "tiny"
     assert doc["peer"] == {"skipped": "--no-peer"}
+    assert doc["settings"]["prefill_turns"] == 2
 
 
 def test_every_registered_method_is_timed(run):
@@ -58,6 +59,8 @@ def test_every_registered_method_is_timed(run):
         assert row["decode_ms_median"] > 0 and 0 < row["decode_ms_min"] <= row["decode_ms_median"]
         assert row["decode_steps_timed"] == STEPS - 2  # the first two decode steps are warm-up
         assert set(row["prefill_ms"]) == set(QUESTIONS) and all(ms > 0 for ms in row["prefill_ms"].values())
+        # the fastest of the --prefill-turns timed turns, at most their median
+        assert all(0 < row["prefill_ms_min"][n] <= row["prefill_ms"][n] for n in QUESTIONS)
         assert row["speedup_vs_full"] > 0 and row["speedup_vs_peer"] is None
 
 

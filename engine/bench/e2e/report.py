@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> dict:
                        "sliding_window": max((w for w in lm.sliding_windows if w is not None), default=None)},
                layers_per_device=layers_per_device(lm), context=fixed_len,
                settings={"sparsity": args.sparsity, "steps": args.steps, "warmup_steps": WARMUP_STEPS,
-                         "prefill_turns": PREFILL_TURNS, "questions": questions, "methods": methods,
+                         "prefill_turns": args.prefill_turns, "questions": questions, "methods": methods,
                          "document": args.document, "peer_chunk": args.chunk, "graphs": args.graphs,
                          "compile": args.compile, "pdl": args.pdl, "fit_items": args.fit_items,
                          "one_launch": args.one_launch,
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> dict:
     out["bound"] = byte_bound(lm, fixed_len, new_tokens)
     out.update(measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps, args.profile,
                               args.graphs, method_settings=method_settings, follow=follow,
-                              token_lookups=args.token_lookups))
+                              token_lookups=args.token_lookups, prefill_turns=args.prefill_turns))
     if not args.peer:
         out["peer"] = {"skipped": "--no-peer"}
     elif args.gpus > 1:
@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict:
         out["compile_warm_up_s"] = round(warm_up(lm, backend_for(lm.device)), 3)
         compiled = measure_engine(lm, ids, settings, backend, methods, args.sparsity, prompts, args.steps,
                                   args.profile, args.graphs, tag="compiled ", method_settings=method_settings,
-                                  follow=follow, token_lookups=args.token_lookups)
+                                  follow=follow, token_lookups=args.token_lookups, prefill_turns=args.prefill_turns)
         add_ratios({**compiled, "peer": out["peer"], "bound": out["bound"], "bandwidth_gbs": out["bandwidth_gbs"]})
         for method, row in compiled["methods"].items():
             row["speedup_vs_uncompiled"] = _ratio(out["methods"].get(method, {}).get("decode_ms_median"),
@@ -168,6 +168,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=32,
                         help=f"decode steps per turn; the first {WARMUP_STEPS} are warm-up, the median of the rest")
     parser.add_argument("--questions", default="64,1024", help="question prefill lengths; decode follows the first")
+    parser.add_argument("--prefill-turns", type=int, default=PREFILL_TURNS,
+                        help="timed one-token turns per question length (their prefills' median and fastest are "
+                             "reported); more on a shared CPU, where a turn's time varies from one to the next")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--gpus", type=int, default=1, help="CUDA: split the model's layers evenly over this many "
                                                             "GPUs with accelerate (as --device auto does)")
@@ -206,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must be more than the {WARMUP_STEPS} warm-up steps")
+    if args.prefill_turns < 1:
+        parser.error("--prefill-turns must be at least 1")
     if args.context < 2 or args.chunk < 1 or not args.questions.strip(","):
         parser.error("--context must be at least 2, --chunk positive and --questions non-empty")
     unknown = [m for m in args.methods.split(",") if m and m not in METHODS]

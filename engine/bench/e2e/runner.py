@@ -22,7 +22,8 @@ from kernels.backend import Backend
 
 WARMUP_STEPS = 2  # decode steps of a turn left out of its timings (the first launches compile and warm up)
 
-PREFILL_TURNS = 3  # timed turns per question length (after an untimed one); their prefills' median is reported
+PREFILL_TURNS = 3  # timed turns per question length (after an untimed one) by default (--prefill-turns); their
+# prefills' median and fastest are reported
 
 WARMUP_CONTEXT = 2048  # tokens of an untimed ingest before the timed one: Triton compiles and tunes the kernels there
 
@@ -116,18 +117,19 @@ def decode_budget(stats: TurnStats) -> float:
     return (stats.kv_budget * stats.steps - stats.kv_budget_prefill) / (stats.steps - 1)
 
 def measure_method(lm: LoadedModel, session: ContextSession, method: str, sparsity: float,
-                   prompts: dict[int, torch.Tensor], steps: int) -> dict:
-    """A method's question prefill per length (after an untimed turn, the median of PREFILL_TURNS one-token turns)
-    and its decode steps (one turn of steps + 1 tokens after the first length's prompt; the first WARMUP_STEPS left
-    out)."""
-    out: dict = {"prefill_ms": {}, "prefill_kv_budget": {}}
+                   prompts: dict[int, torch.Tensor], steps: int, prefill_turns: int = PREFILL_TURNS) -> dict:
+    """A method's question prefill per length (after an untimed turn, the median and the fastest of `prefill_turns`
+    one-token turns) and its decode steps (one turn of steps + 1 tokens after the first length's prompt; the first
+    WARMUP_STEPS left out)."""
+    out: dict = {"prefill_ms": {}, "prefill_ms_min": {}, "prefill_kv_budget": {}}
     for length, prompt in prompts.items():
         timed_turn(lm, session, method, sparsity, prompt, 2)  # untimed: compiles this method's kernels at this length
         seconds = []
-        for _ in range(PREFILL_TURNS):
+        for _ in range(prefill_turns):
             times, stats = timed_turn(lm, session, method, sparsity, prompt, 1)
             seconds.append(times[0])
         out["prefill_ms"][length] = median_ms(seconds)
+        out["prefill_ms_min"][length] = round(min(seconds) * 1e3, 3)
         out["prefill_kv_budget"][length] = stats.kv_budget_prefill
     times, stats = timed_turn(lm, session, method, sparsity, next(iter(prompts.values())), steps + 1)
     decode = times[1 + WARMUP_STEPS :]
@@ -139,14 +141,16 @@ def measure_method(lm: LoadedModel, session: ContextSession, method: str, sparsi
 def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings, backend: Backend, methods: list[str],
                    sparsity: float, prompts: dict[int, torch.Tensor], steps: int, profile: str | None = None,
                    graphs: bool = True, tag: str = "", method_settings: dict[str, dict] | None = None,
-                   follow: FollowSettings | None = None, token_lookups: bool = False) -> dict:
+                   follow: FollowSettings | None = None, token_lookups: bool = False,
+                   prefill_turns: int = PREFILL_TURNS) -> dict:
     """The engine's phases: the ingest (after an untimed one of the first WARMUP_CONTEXT tokens), the session's
     opening, each method's turns (and, with `profile` on CUDA, profiles of its decode steps and of each question's
     prefill written there).
     graphs: the session replays decode steps from CUDA graphs where it can (False: every step eager); tag: a prefix
     of the profile's section titles; method_settings: method -> its settings (the others at their defaults);
     follow: the session's follow rows (engine.attention.follow; None: the defaults); token_lookups: a question's prefill looks
-    up each token on its own (engine.context.session.ContextSession).
+    up each token on its own (engine.context.session.ContextSession); prefill_turns: timed one-token turns per question
+    length.
     Returns the report's "ingest", "session" and "methods"; the session and its K/V are freed before returning."""
     cuda = lm.device.type == "cuda"
     warmup = ids[:WARMUP_CONTEXT]
@@ -191,7 +195,7 @@ def measure_engine(lm: LoadedModel, ids: torch.Tensor, settings: ContextSettings
     for method in methods:
         log(f"method {tag}{method}")
         try:
-            out["methods"][method] = measure_method(lm, session, method, sparsity, prompts, steps)
+            out["methods"][method] = measure_method(lm, session, method, sparsity, prompts, steps, prefill_turns)
             if profile and cuda:
                 out["methods"][method]["profile"] = profile_decode(lm, session, method, sparsity,
                                                                    next(iter(prompts.values())), profile, tag)
