@@ -1,16 +1,17 @@
 """End-to-end benchmark: ingest, question prefill and decode through the engine's own API, beside plain transformers.
 
     python -m engine.bench.e2e [--shape llama3-8b | --model M] [--context 131072] [--methods full,squeeze,hsqueeze]
-                               [--sparsity 0.9] [--steps 32] [--questions 64,1024] [--peer/--no-peer] [--out FILE]
+                               [--sparsity 0.9] [--steps 32] [--questions 64,1024] [--prefill-turns 3]
+                               [--peer/--no-peer] [--out FILE]
                                [--gpus 1] [--graphs/--no-graphs] [--compile [both]] [--profile FILE]
 
 A random-weight model of a named shape (SHAPES; bf16 on CUDA, fp32 on the CPU, seed 0) or a real one (`--model`)
 reads `--context` random token ids (or `--document`, tokenized with the model's tokenizer) through
 `engine.context.ingest.ingest_tokens`, timed by stage after an untimed ingest of its first WARMUP_CONTEXT tokens (Triton
 compiles and tunes there); `engine.context.session.ContextSession` opens the context; then each method answers turns
-through `engine.model.generate.generate_tokens` with the product's TurnRecorder on: short turns per question length (the
-prefill's median) and one turn of `--steps` decode steps after the first length (the median step, the first
-WARMUP_STEPS left out). In the same run:
+through `engine.model.generate.generate_tokens` with the product's TurnRecorder on: `--prefill-turns` short turns per
+question length (the prefill's median and fastest) and one turn of `--steps` decode steps after the first length (the
+median step, the first WARMUP_STEPS left out). In the same run:
 - the peer (CUDA only): plain transformers with SDPA on the engine model's own tensors (shared, not copied), a
   StaticCache, chunked prefill of the same ids, then greedy decode eager and under torch.compile(mode=
   "reduce-overhead");
